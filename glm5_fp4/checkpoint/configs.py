@@ -1,0 +1,149 @@
+"""config.json contents for the architectures the tiny checkpoints come in.
+
+`glm5`: GlmMoeDsaForCausalLM (model_type glm_moe_dsa), keys as in zai-org/GLM-5's config.json.
+`glm4moe`: Glm4MoeForCausalLM, the same MoE block behind standard GQA attention (faster on CPU).
+The dense-attention view of a glm5 config is what vLLM's CPU backend can serve (no DSA there).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+ARCHS = ("glm5", "glm4moe")
+
+# Sizes of the default tiny models. kv_lora_rank=512 and qk_rope_head_dim=64 are the only MLA shape vLLM's
+# CPU MLA backend accepts (a 576-wide latent), so they stay at GLM-5's own values.
+TINY_SIZES = {
+    "hidden_size": 256,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "vocab_size": 2048,
+    # glm5 only
+    "q_lora_rank": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "index_topk": 2048,
+    "index_n_heads": 4,
+    "index_head_dim": 64,
+    # glm4moe only
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
+_GLM5_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "index_topk", "index_n_heads", "index_head_dim")
+_GLM4_ONLY = ("num_key_value_heads", "head_dim")
+
+# Keys that exist only for DSA; dropping them (and declaring deepseek_v3) gives the dense-attention view.
+DSA_ONLY_KEYS = ("index_topk", "index_n_heads", "index_head_dim", "indexer_rope_interleave",
+                 "indexer_types", "layer_types", "mlp_layer_types")
+
+
+def build_config(arch: str, sizes: dict | None = None, eos_token_id: int = 1, pad_token_id: int = 1) -> dict:
+    """A complete config.json dict for ``arch`` with ``sizes`` overriding the tiny defaults."""
+    if arch not in ARCHS:
+        raise Glm5Fp4Error(f"unknown --arch {arch!r}; choose one of {ARCHS}")
+    s = dict(TINY_SIZES)
+    for key, value in (sizes or {}).items():
+        if key not in TINY_SIZES:
+            raise Glm5Fp4Error(f"unknown size field {key!r}; known: {', '.join(sorted(TINY_SIZES))}")
+        s[key] = value
+    if s["moe_intermediate_size"] % 32 or s["hidden_size"] % 32 or s["intermediate_size"] % 32:
+        raise Glm5Fp4Error("hidden_size, intermediate_size and moe_intermediate_size must be multiples of 32 "
+                           "(NVFP4 blocks of 16 along K, two codes per byte)")
+    layers = s["num_hidden_layers"]
+    common = {
+        "hidden_size": s["hidden_size"],
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": s["first_k_dense_replace"],
+        "moe_layer_freq": 1,
+        "intermediate_size": s["intermediate_size"],
+        "moe_intermediate_size": s["moe_intermediate_size"],
+        "n_routed_experts": s["n_routed_experts"],
+        "n_shared_experts": s["n_shared_experts"],
+        "num_experts_per_tok": s["num_experts_per_tok"],
+        "num_attention_heads": s["num_attention_heads"],
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "hidden_act": "silu",
+        "vocab_size": s["vocab_size"],
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "num_nextn_predict_layers": 0,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+        "transformers_version": "5.0.2.dev0",
+    }
+    if arch == "glm5":
+        cfg = {
+            "architectures": ["GlmMoeDsaForCausalLM"],
+            "model_type": "glm_moe_dsa",
+            **common,
+            "num_key_value_heads": s["num_attention_heads"],
+            "q_lora_rank": s["q_lora_rank"],
+            "kv_lora_rank": s["kv_lora_rank"],
+            "qk_nope_head_dim": s["qk_nope_head_dim"],
+            "qk_rope_head_dim": s["qk_rope_head_dim"],
+            "qk_head_dim": s["qk_nope_head_dim"] + s["qk_rope_head_dim"],
+            "head_dim": s["qk_rope_head_dim"],
+            "v_head_dim": s["v_head_dim"],
+            "index_topk": s["index_topk"],
+            "index_n_heads": s["index_n_heads"],
+            "index_head_dim": s["index_head_dim"],
+            "indexer_rope_interleave": True,
+            "rope_interleave": True,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "max_position_embeddings": 8192,
+            "layer_types": ["indexed_attention"] * layers,
+            "indexer_types": ["full"] * layers,
+            "mlp_layer_types": ["dense" if i < s["first_k_dense_replace"] else "sparse" for i in range(layers)],
+        }
+    else:
+        cfg = {
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            **common,
+            "num_key_value_heads": s["num_key_value_heads"],
+            "head_dim": s["head_dim"],
+            "partial_rotary_factor": 0.5,
+            "use_qk_norm": False,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+            "max_position_embeddings": 8192,
+        }
+    return cfg
+
+
+def dense_attention_view(config: dict) -> dict:
+    """The config vLLM's CPU backend can serve: same weights, DSA indexer removed, model_type deepseek_v3.
+
+    For sequences no longer than ``index_topk`` DSA selects every token, so dense MLA computes the same function.
+    """
+    if config.get("model_type") not in ("glm_moe_dsa", "deepseek_v3"):
+        raise Glm5Fp4Error(
+            f"the dense-attention view applies to GLM-5 (glm_moe_dsa) configs, not model_type {config.get('model_type')!r}"
+        )
+    view = copy.deepcopy(config)
+    view["model_type"] = "deepseek_v3"
+    for key in DSA_ONLY_KEYS:
+        view.pop(key, None)
+    return view

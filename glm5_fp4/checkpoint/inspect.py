@@ -1,0 +1,236 @@
+"""Validate an NVFP4 checkpoint (real or tiny) from its config and safetensors headers, and summarise it.
+
+Only headers are read, so a 440 GB checkpoint is inspected in seconds. The first problem found raises one
+:class:`Glm5Fp4Error` naming the file, the tensor and what was expected.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.nvfp4 import BLOCK_SIZE
+
+_DTYPE_BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "F64": 8}
+_LINEAR_RE = re.compile(
+    r"^model\.layers\.(?P<layer>\d+)\.mlp\.(?:(?:experts\.(?P<expert>\d+)|(?P<shared>shared_experts))\.)?"
+    r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+@dataclass
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _DTYPE_BYTES.get(self.dtype, 0)
+
+
+@dataclass
+class CheckpointReport:
+    path: Path
+    architecture: str
+    model_type: str
+    num_layers: int
+    moe_layers: list[int]
+    routed_experts: int
+    quant_algo: str | None
+    group_size: int | None
+    quantized_linears: int
+    bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    tensors: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_dtype.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "path": str(self.path), "architecture": self.architecture, "model_type": self.model_type,
+            "num_layers": self.num_layers, "moe_layers": len(self.moe_layers), "routed_experts": self.routed_experts,
+            "quant_algo": self.quant_algo, "group_size": self.group_size, "quantized_linears": self.quantized_linears,
+            "tensors": self.tensors, "bytes_by_dtype": self.bytes_by_dtype, "total_bytes": self.total_bytes,
+            "notes": self.notes,
+        }
+
+    def to_text(self) -> str:
+        names = {"U8": "NVFP4 codes (U8)", "F8_E4M3": "FP8 E4M3 (block scales)", "BF16": "BF16", "F32": "FP32"}
+        lines = [
+            f"checkpoint   {self.path}",
+            f"architecture {self.architecture} (model_type {self.model_type})",
+            f"layers       {self.num_layers} ({len(self.moe_layers)} MoE, {self.num_layers - len(self.moe_layers)} dense)",
+            f"experts      {self.routed_experts} routed per MoE layer",
+            f"quantization {self.quant_algo or 'none'}"
+            + (f", group size {self.group_size}, {self.quantized_linears} NVFP4 linears" if self.quant_algo else ""),
+            f"tensors      {self.tensors}",
+            "bytes by precision:",
+        ]
+        for dtype, n in sorted(self.bytes_by_dtype.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {names.get(dtype, dtype):<26} {_human(n):>10}  {100 * n / max(self.total_bytes, 1):5.1f} %")
+        lines.append(f"  {'total':<26} {_human(self.total_bytes):>10}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise Glm5Fp4Error(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > 100 * 1024**2:
+                raise Glm5Fp4Error(f"{path}: not a safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Glm5Fp4Error(f"{path}: corrupt safetensors header") from None
+    size = path.stat().st_size
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        end = meta["data_offsets"][1]
+        if 8 + n + end > size:
+            raise Glm5Fp4Error(f"{path}: tensor {name} extends past the end of the file (truncated download?)")
+        out[name] = TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name)
+    return out
+
+
+def read_tensor_index(ckpt: Path) -> dict[str, TensorInfo]:
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise Glm5Fp4Error(f"{ckpt}: no *.safetensors files")
+    tensors: dict[str, TensorInfo] = {}
+    for f in files:
+        tensors.update(read_safetensors_header(f))
+    return tensors
+
+
+def read_quant_config(ckpt: Path, config: dict) -> tuple[str | None, int | None, list[str]]:
+    """(quant_algo, group_size, exclude_modules) from hf_quant_config.json or config.json quantization_config."""
+    hf = ckpt / "hf_quant_config.json"
+    if hf.exists():
+        try:
+            q = json.loads(hf.read_text()).get("quantization", {})
+        except json.JSONDecodeError as exc:
+            raise Glm5Fp4Error(f"{hf}: not valid JSON ({exc})") from None
+        return q.get("quant_algo"), q.get("group_size"), list(q.get("exclude_modules", []))
+    q = config.get("quantization_config")
+    if not q:
+        return None, None, []
+    return q.get("quant_algo"), q.get("group_size"), list(q.get("ignore", q.get("exclude_modules", [])))
+
+
+def _excluded(module: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(module, p) or module == p for p in patterns)
+
+
+def _expected_linear_shape(config: dict, m: re.Match) -> tuple[int, int]:
+    """(out, in) of an MLP projection named by the regex match."""
+    h = config["hidden_size"]
+    if m["expert"] is not None:
+        inter = config["moe_intermediate_size"]
+    elif m["shared"]:
+        inter = config["moe_intermediate_size"] * config.get("n_shared_experts", 1)
+    else:
+        inter = config["intermediate_size"]
+    return (h, inter) if m["proj"] == "down_proj" else (inter, h)
+
+
+def _check(info: TensorInfo | None, name: str, dtype: str, shape: tuple[int, ...], ckpt: Path) -> None:
+    if info is None:
+        raise Glm5Fp4Error(f"{ckpt}: tensor {name} is missing (expected {dtype} {list(shape)})")
+    if info.dtype != dtype or info.shape != shape:
+        raise Glm5Fp4Error(
+            f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, expected {dtype} {list(shape)}"
+        )
+
+
+def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> CheckpointReport:
+    ckpt = Path(path)
+    cfg_path = ckpt / "config.json"
+    if not cfg_path.exists():
+        raise Glm5Fp4Error(f"{ckpt}: no config.json (is this a Hugging Face checkpoint directory?)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise Glm5Fp4Error(f"{cfg_path}: not valid JSON ({exc})") from None
+    for key in ("hidden_size", "num_hidden_layers", "n_routed_experts", "moe_intermediate_size"):
+        if key not in config:
+            raise Glm5Fp4Error(f"{cfg_path}: field {key!r} missing (not a GLM-5-family MoE config)")
+    quant_algo, group_size, excluded = read_quant_config(ckpt, config)
+    if require_nvfp4 and (quant_algo or "").upper() != "NVFP4":
+        raise Glm5Fp4Error(f"{ckpt}: not an NVFP4 checkpoint (quant_algo={quant_algo!r}; expected 'NVFP4')")
+    if quant_algo and (quant_algo.upper() == "NVFP4") and group_size not in (None, BLOCK_SIZE):
+        raise Glm5Fp4Error(f"{ckpt}: NVFP4 group_size {group_size}, expected {BLOCK_SIZE}")
+    nvfp4 = (quant_algo or "").upper() == "NVFP4"
+
+    tensors = read_tensor_index(ckpt)
+    layers = config["num_hidden_layers"]
+    first_dense = config.get("first_k_dense_replace", 0)
+    moe_layers = [i for i in range(layers) if i >= first_dense]
+    n_experts = config["n_routed_experts"]
+
+    quantized = 0
+    seen_experts: Counter = Counter()
+    for name, info in tensors.items():
+        m = _LINEAR_RE.match(name)
+        if not m or int(m["layer"]) >= layers:
+            continue
+        if m["expert"] is not None:
+            if int(m["expert"]) >= n_experts:
+                raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {name}: expert index >= n_routed_experts={n_experts}")
+            seen_experts[int(m["layer"])] += 1
+        out_f, in_f = _expected_linear_shape(config, m)
+        base = name[: -len(".weight")]
+        is_fp4 = nvfp4 and not _excluded(base, excluded) and f"{base}.weight_scale" in tensors
+        if nvfp4 and not _excluded(base, excluded) and not is_fp4:
+            raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {base}.weight_scale is missing "
+                               f"(NVFP4 linear {base} needs F8_E4M3 [{out_f}, {in_f // BLOCK_SIZE}])")
+        if is_fp4:
+            _check(info, name, "U8", (out_f, in_f // 2), ckpt)
+            _check(tensors.get(f"{base}.weight_scale"), f"{base}.weight_scale", "F8_E4M3", (out_f, in_f // BLOCK_SIZE), ckpt)
+            _check(tensors.get(f"{base}.weight_scale_2"), f"{base}.weight_scale_2", "F32", (), ckpt)
+            if f"{base}.input_scale" in tensors:
+                _check(tensors[f"{base}.input_scale"], f"{base}.input_scale", "F32", (), ckpt)
+            quantized += 1
+        elif info.shape != (out_f, in_f):
+            raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, "
+                               f"expected [{out_f}, {in_f}]")
+    for layer in moe_layers:
+        if seen_experts[layer] != 3 * n_experts:
+            raise Glm5Fp4Error(f"{ckpt}: layer {layer} has {seen_experts[layer] // 3 if seen_experts[layer] else 0} "
+                               f"complete experts' projections ({seen_experts[layer]} tensors), "
+                               f"expected {n_experts} experts x 3 projections")
+    by_dtype: Counter = Counter()
+    for info in tensors.values():
+        by_dtype[info.dtype] += info.nbytes
+    report = CheckpointReport(
+        path=ckpt, architecture=(config.get("architectures") or ["?"])[0], model_type=config.get("model_type", "?"),
+        num_layers=layers, moe_layers=moe_layers, routed_experts=n_experts, quant_algo=quant_algo,
+        group_size=group_size, quantized_linears=quantized, bytes_by_dtype=dict(by_dtype), tensors=len(tensors),
+    )
+    if config.get("model_type") == "deepseek_v3" and config.get("architectures") == ["GlmMoeDsaForCausalLM"]:
+        report.notes.append("dense-attention view of GLM-5: the DSA indexer is not used (exact up to index_topk tokens)")
+    return report

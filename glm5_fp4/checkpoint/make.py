@@ -1,0 +1,262 @@
+"""Write random-weight GLM-5-family checkpoints in the ModelOpt NVFP4 layout of nvidia/GLM-5-NVFP4.
+
+What is NVFP4 follows NVIDIA's checkpoint: dense MLPs, routed experts and shared experts; attention
+(and the DSA indexer), the router, embeddings and lm_head stay BF16 (``exclude_modules``). Each quantized
+linear has ``weight`` (uint8 [out, in/2]), ``weight_scale`` (float8_e4m3fn [out, in/16]),
+``weight_scale_2`` (float32 scalar) and ``input_scale`` (float32 scalar); gate and up projections share
+``weight_scale_2`` as ModelOpt exports them for fusion.
+
+Every tensor is drawn from a generator seeded by (seed, tensor name), so the output depends only on the
+arguments. ``dequantized=True`` writes the BF16 twin: each NVFP4 weight replaced by its dequantized value
+(e2m1 x block scale x global scale computed in float32, rounded once to BF16), no quantization config.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from glm5_fp4 import nvfp4
+from glm5_fp4.checkpoint.configs import build_config, dense_attention_view
+from glm5_fp4.checkpoint.tokenizer import save_tokenizer
+from glm5_fp4.errors import Glm5Fp4Error
+
+MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.42.0 (layout); written by glm5-fp4"}
+SHARD_BYTES = 2 * 1024**3
+# Static activation scales (amax / (6*448)) for the random model: RMS-normed inputs and SwiGLU products of
+# unit-variance projections stay well inside these amax values, so W4A4 emulation does not saturate.
+_INPUT_AMAX = {"gate_proj": 8.0, "up_proj": 8.0, "down_proj": 12.0}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "linear" (random, fan-in scaled), "norm" (ones), "bias" (small), "embed"
+    quantized: bool = False
+
+
+def _attention_tensors(cfg: dict, p: str) -> list[TensorSpec]:
+    h, n = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg["model_type"] == "glm_moe_dsa":
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        out = [
+            TensorSpec(f"{p}.self_attn.q_a_proj.weight", (cfg["q_lora_rank"], h), "linear"),
+            TensorSpec(f"{p}.self_attn.q_a_layernorm.weight", (cfg["q_lora_rank"],), "norm"),
+            TensorSpec(f"{p}.self_attn.q_b_proj.weight", (n * qk, cfg["q_lora_rank"]), "linear"),
+            TensorSpec(f"{p}.self_attn.kv_a_proj_with_mqa.weight", (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], h), "linear"),
+            TensorSpec(f"{p}.self_attn.kv_a_layernorm.weight", (cfg["kv_lora_rank"],), "norm"),
+            TensorSpec(f"{p}.self_attn.kv_b_proj.weight", (n * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]), "linear"),
+            TensorSpec(f"{p}.self_attn.o_proj.weight", (h, n * cfg["v_head_dim"]), "linear"),
+        ]
+        d, ih = cfg["index_head_dim"], cfg["index_n_heads"]
+        out += [
+            TensorSpec(f"{p}.self_attn.indexer.wq_b.weight", (ih * d, cfg["q_lora_rank"]), "linear"),
+            TensorSpec(f"{p}.self_attn.indexer.wk.weight", (d, h), "linear"),
+            TensorSpec(f"{p}.self_attn.indexer.k_norm.weight", (d,), "norm"),
+            TensorSpec(f"{p}.self_attn.indexer.k_norm.bias", (d,), "bias"),
+            TensorSpec(f"{p}.self_attn.indexer.weights_proj.weight", (ih, h), "linear"),
+        ]
+        return out
+    hd, kvh = cfg["head_dim"], cfg["num_key_value_heads"]
+    return [
+        TensorSpec(f"{p}.self_attn.q_proj.weight", (n * hd, h), "linear"),
+        TensorSpec(f"{p}.self_attn.k_proj.weight", (kvh * hd, h), "linear"),
+        TensorSpec(f"{p}.self_attn.v_proj.weight", (kvh * hd, h), "linear"),
+        TensorSpec(f"{p}.self_attn.o_proj.weight", (h, n * hd), "linear"),
+    ]
+
+
+def _mlp_tensors(prefix: str, hidden: int, inter: int) -> list[TensorSpec]:
+    return [
+        TensorSpec(f"{prefix}.gate_proj.weight", (inter, hidden), "linear", True),
+        TensorSpec(f"{prefix}.up_proj.weight", (inter, hidden), "linear", True),
+        TensorSpec(f"{prefix}.down_proj.weight", (hidden, inter), "linear", True),
+    ]
+
+
+def layer_tensors(cfg: dict, layer: int) -> list[TensorSpec]:
+    """Every tensor of decoder layer ``layer`` with the names nvidia/GLM-5-NVFP4 uses (before quantization)."""
+    p = f"model.layers.{layer}"
+    h = cfg["hidden_size"]
+    out = [TensorSpec(f"{p}.input_layernorm.weight", (h,), "norm"),
+           TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "norm")]
+    out += _attention_tensors(cfg, p)
+    if layer < cfg["first_k_dense_replace"]:
+        out += _mlp_tensors(f"{p}.mlp", h, cfg["intermediate_size"])
+    else:
+        e, i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        out += [TensorSpec(f"{p}.mlp.gate.weight", (e, h), "linear"),
+                TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias")]
+        for j in range(e):
+            out += _mlp_tensors(f"{p}.mlp.experts.{j}", h, i)
+        if cfg["n_shared_experts"]:
+            out += _mlp_tensors(f"{p}.mlp.shared_experts", h, i * cfg["n_shared_experts"])
+    return out
+
+
+def model_tensors(cfg: dict) -> list[TensorSpec]:
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    out = [TensorSpec("model.embed_tokens.weight", (v, h), "embed")]
+    for layer in range(cfg["num_hidden_layers"]):
+        out += layer_tensors(cfg, layer)
+    out += [TensorSpec("model.norm.weight", (h,), "norm"), TensorSpec("lm_head.weight", (v, h), "linear")]
+    return out
+
+
+def exclude_modules(cfg: dict) -> list[str]:
+    """ModelOpt's exclude list for this config: lm_head and all attention (with the indexer), as NVIDIA's."""
+    out = ["lm_head"]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.self_attn"
+        if cfg["model_type"] == "glm_moe_dsa":
+            out += [f"{p}.{m}" for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+            out.append(f"{p}.indexer*")
+        else:
+            out += [f"{p}.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    return sorted(out)
+
+
+def _draw(spec: TensorSpec, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
+    if spec.kind == "norm":
+        return 1.0 + 0.1 * torch.randn(spec.shape, generator=g)
+    if spec.kind == "bias":
+        return 0.1 * torch.randn(spec.shape, generator=g)
+    if spec.kind == "embed":
+        return torch.randn(spec.shape, generator=g)
+    # Fan-in scaling keeps activations near unit variance through the random network, so logits are
+    # peaked enough that greedy decoding is not decided by rounding noise.
+    return torch.randn(spec.shape, generator=g) / spec.shape[-1] ** 0.5
+
+
+def _projection(name: str) -> str:
+    return name.rsplit(".", 2)[-2]
+
+
+def _quantized_group(specs: list[TensorSpec], seed: int, dequantized: bool) -> dict[str, torch.Tensor]:
+    """Quantize one MLP's gate/up/down; gate and up share weight_scale_2."""
+    weights = {s.name: _draw(s, seed) for s in specs}
+    gate = next(n for n in weights if _projection(n) == "gate_proj")
+    up = next(n for n in weights if _projection(n) == "up_proj")
+    shared_gs = torch.maximum(nvfp4.weight_global_scale(weights[gate]), nvfp4.weight_global_scale(weights[up]))
+    out = {}
+    for name, w in weights.items():
+        gs = shared_gs if name in (gate, up) else None
+        packed, scale, global_scale = nvfp4.quantize(w, gs)
+        if dequantized:
+            out[name] = nvfp4.dequantize(packed, scale, global_scale, torch.bfloat16)
+            continue
+        base = name[: -len(".weight")]
+        out[name] = packed
+        out[f"{base}.weight_scale"] = scale
+        out[f"{base}.weight_scale_2"] = global_scale.reshape(())
+        out[f"{base}.input_scale"] = torch.tensor(_INPUT_AMAX[_projection(name)] / (6 * 448), dtype=torch.float32)
+    return out
+
+
+def generate_tensors(cfg: dict, seed: int, dequantized: bool, specs: list[TensorSpec]):
+    """Yield ``(name, tensor)`` in checkpoint order; quantized MLPs are handled a projection triple at a time."""
+    pending: list[TensorSpec] = []
+    for spec in specs:
+        if spec.quantized:
+            pending.append(spec)
+            if len(pending) == 3:
+                yield from _quantized_group(pending, seed, dequantized).items()
+                pending = []
+            continue
+        t = _draw(spec, seed)
+        # The router's correction bias is kept in float32 as DeepSeek-V3-style checkpoints do.
+        yield spec.name, t.float() if spec.name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_safetensors(tensors, out_dir: Path, total: int, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write tensors as one ``model.safetensors`` or as shards with an index, keeping memory to one shard."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+
+    def flush(final: bool) -> None:
+        idx = len(files) + 1
+        fname = "model.safetensors" if final and idx == 1 else f"model-{idx:05d}.safetensors"
+        save_file(shards[-1], str(out_dir / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({k: fname for k in shards[-1]})
+        shards[-1] = {}
+        sizes[-1] = 0
+
+    for name, t in tqdm(tensors, total=total, desc="tensors", unit="t", leave=False, disable=total < 2000):
+        if sizes[-1] and sizes[-1] + _tensor_bytes(t) > shard_bytes:
+            flush(final=False)
+        shards[-1][name] = t.contiguous()
+        sizes[-1] += _tensor_bytes(t)
+    flush(final=True)
+    if len(files) > 1:
+        # Rename to the usual "-of-N" form so loaders that glob either spelling find them.
+        n = len(files)
+        renamed = {}
+        for i, f in enumerate(files, 1):
+            new = f"model-{i:05d}-of-{n:05d}.safetensors"
+            (out_dir / f).rename(out_dir / new)
+            renamed[f] = new
+        weight_map = {k: renamed[v] for k, v in weight_map.items()}
+        total_size = sum((out_dir / f).stat().st_size for f in renamed.values())
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=1)
+        )
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    arch: str = "glm5",
+    seed: int = 0,
+    dequantized: bool = False,
+    dense_attention: bool = False,
+    sizes: dict | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a tiny (or any-size) random checkpoint; returns its directory.
+
+    ``dense_attention`` writes the dense-attention view of a glm5 checkpoint (same tensors, config without the
+    DSA indexer) — what vLLM's CPU backend serves.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise Glm5Fp4Error(f"{out}: directory exists and is not empty (pass --overwrite to replace its files)")
+    if dense_attention and arch != "glm5":
+        raise Glm5Fp4Error("--dense-attention applies to --arch glm5 only")
+    out.mkdir(parents=True, exist_ok=True)
+
+    cfg = build_config(arch, sizes)
+    eos = save_tokenizer(out, cfg["vocab_size"], seed)
+    cfg["eos_token_id"] = cfg["pad_token_id"] = eos
+    excluded = exclude_modules(cfg)
+    written_cfg = dense_attention_view(cfg) if dense_attention else dict(cfg)
+    if not dequantized:
+        quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excluded}
+        (out / "hf_quant_config.json").write_text(
+            json.dumps({"producer": MODELOPT_PRODUCER, "quantization": quant}, indent=2)
+        )
+        written_cfg["quantization_config"] = {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+            "kv_cache_scheme": None, "ignore": excluded, "producer": MODELOPT_PRODUCER,
+        }
+    (out / "config.json").write_text(json.dumps(written_cfg, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "pad_token_id": eos, "do_sample": False}, indent=2)
+    )
+    specs = model_tensors(cfg)
+    n_out = sum(4 if s.quantized and not dequantized else 1 for s in specs)
+    write_safetensors(generate_tensors(cfg, seed, dequantized, specs), out, total=n_out)
+    return out

@@ -1,0 +1,43 @@
+"""`glm5-fp4 make-checkpoint`: write a random checkpoint in the ModelOpt NVFP4 layout."""
+
+from __future__ import annotations
+
+import argparse
+
+from glm5_fp4.checkpoint.configs import ARCHS, TINY_SIZES
+from glm5_fp4.errors import Glm5Fp4Error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--arch", choices=ARCHS, default="glm5",
+                        help="glm5: GlmMoeDsaForCausalLM (MLA + DSA); glm4moe: same MoE block, GQA attention")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dequantized", action="store_true",
+                        help="write the BF16 twin (every NVFP4 weight replaced by its dequantized value)")
+    parser.add_argument("--dense-attention", action="store_true",
+                        help="glm5 only: write the dense-attention view (no DSA indexer in config) vLLM's CPU backend serves")
+    parser.add_argument("--size", action="append", default=[], metavar="FIELD=N",
+                        help=f"override a size (repeatable); fields: {', '.join(TINY_SIZES)}")
+    parser.add_argument("--overwrite", action="store_true", help="replace files in a non-empty --out")
+
+
+def parse_sizes(items: list[str]) -> dict[str, int]:
+    sizes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise Glm5Fp4Error(f"--size {item!r}: expected FIELD=INTEGER, e.g. --size n_routed_experts=8")
+        sizes[key.strip()] = int(value)
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from glm5_fp4.checkpoint.inspect import inspect_checkpoint
+    from glm5_fp4.checkpoint.make import make_checkpoint
+
+    out = make_checkpoint(args.out, arch=args.arch, seed=args.seed, dequantized=args.dequantized,
+                          dense_attention=args.dense_attention, sizes=parse_sizes(args.size),
+                          overwrite=args.overwrite)
+    print(inspect_checkpoint(out).to_text())
+    return 0

@@ -1,0 +1,261 @@
+"""GLM-5 model dimensions and what follows from them: the one home for these numbers.
+
+`Glm5Spec()` is GLM-5 itself (zai-org/GLM-5 config.json); `Glm5Spec.from_config_json(path)` reads any
+GLM-5-family (or tiny test) config. Derived quantities feed the roofline, `plan` and the profiler's
+ceilings: parameters and NVFP4 bytes per layer and per tensor-parallel shard, active parameters per
+token, KV-cache bytes per token, distinct experts touched per decode step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.nvfp4 import BYTES_PER_ELEMENT as NVFP4_BYTES_PER_PARAM
+
+BF16_BYTES = 2.0
+FP8_BYTES = 1.0
+
+
+@dataclass(frozen=True)
+class Glm5Spec:
+    """Dimensions of a GLM-5 (glm_moe_dsa) model; defaults are GLM-5's own config.json values."""
+
+    hidden_size: int = 6144
+    num_layers: int = 78
+    first_k_dense: int = 3
+    moe_layer_freq: int = 1
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    num_attention_heads: int = 64
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    index_topk: int | None = 2048
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    vocab_size: int = 154880
+    tie_word_embeddings: bool = False
+    num_mtp_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    architecture: str = "GlmMoeDsaForCausalLM"
+    name: str = field(default="GLM-5", compare=False)
+
+    # -- construction ---------------------------------------------------------------------------
+    _HF_KEYS = {
+        "num_hidden_layers": "num_layers",
+        "first_k_dense_replace": "first_k_dense",
+        "num_nextn_predict_layers": "num_mtp_layers",
+    }
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "config") -> "Glm5Spec":
+        known = {f.name for f in fields(cls)}
+        kwargs: dict = {}
+        for key, value in config.items():
+            target = cls._HF_KEYS.get(key, key)
+            if target in known and target not in ("architecture", "name"):
+                kwargs[target] = value
+        archs = config.get("architectures") or [cls.architecture]
+        kwargs["architecture"] = archs[0]
+        kwargs["name"] = name
+        if "index_topk" not in config:
+            kwargs["index_topk"] = None  # dense-attention view or a GQA model: no DSA indexer
+        if config.get("model_type") == "glm4_moe" or "num_key_value_heads" in config and "kv_lora_rank" not in config:
+            raise Glm5Fp4Error(
+                f"{name}: model_type {config.get('model_type')!r} has no MLA; Glm5Spec describes GLM-5 (glm_moe_dsa)"
+            )
+        spec = cls(**kwargs)
+        spec.validate(name)
+        return spec
+
+    @classmethod
+    def from_config_json(cls, path: str | Path) -> "Glm5Spec":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise Glm5Fp4Error(f"{path}: no such config.json") from None
+        except json.JSONDecodeError as exc:
+            raise Glm5Fp4Error(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_config(config, name=str(path.parent.name or path))
+
+    def validate(self, name: str = "config") -> None:
+        for f in ("hidden_size", "num_layers", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(self, f) <= 0:
+                raise Glm5Fp4Error(f"{name}: field {f} must be positive, got {getattr(self, f)}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise Glm5Fp4Error(
+                f"{name}: num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}"
+            )
+        if self.n_routed_experts % self.n_group:
+            raise Glm5Fp4Error(f"{name}: n_routed_experts={self.n_routed_experts} not divisible by n_group={self.n_group}")
+        if not 0 <= self.first_k_dense <= self.num_layers:
+            raise Glm5Fp4Error(f"{name}: first_k_dense_replace={self.first_k_dense} outside 0..{self.num_layers}")
+
+    # -- layer structure --------------------------------------------------------------------------
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense and (layer - self.first_k_dense) % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    # -- parameters -------------------------------------------------------------------------------
+    @property
+    def expert_params(self) -> int:
+        """One routed (or shared) expert: gate, up and down projections."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def attention_params(self) -> int:
+        """MLA projections of one layer (norms excluded: they are negligible and stay high precision)."""
+        h, n = self.hidden_size, self.num_attention_heads
+        q = h * self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim
+        kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv_b = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        o = n * self.v_head_dim * h
+        return q + kv_a + kv_b + o
+
+    @property
+    def indexer_params(self) -> int:
+        """DSA lightning indexer of one layer (0 without DSA)."""
+        if self.index_topk is None:
+            return 0
+        wq_b = self.q_lora_rank * self.index_n_heads * self.index_head_dim
+        wk = self.hidden_size * self.index_head_dim
+        weights_proj = self.hidden_size * self.index_n_heads
+        return wq_b + wk + weights_proj
+
+    @property
+    def routed_expert_params(self) -> int:
+        return self.moe_layers * self.n_routed_experts * self.expert_params
+
+    @property
+    def shared_expert_params(self) -> int:
+        return self.moe_layers * self.n_shared_experts * self.expert_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def router_params(self) -> int:
+        return self.moe_layers * self.n_routed_experts * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        """All parameters without the MTP layer."""
+        return (
+            self.num_layers * (self.attention_params + self.indexer_params)
+            + self.routed_expert_params
+            + self.shared_expert_params
+            + self.dense_layers * self.dense_mlp_params
+            + self.router_params
+            + self.embedding_params
+            + self.lm_head_params
+        )
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Parameters one token's forward pass multiplies (embedding lookup excluded)."""
+        return (
+            self.num_layers * (self.attention_params + self.indexer_params)
+            + self.moe_layers * (self.num_experts_per_tok + self.n_shared_experts) * self.expert_params
+            + self.dense_layers * self.dense_mlp_params
+            + self.router_params
+            + self.lm_head_params
+        )
+
+    # -- bytes ------------------------------------------------------------------------------------
+    def routed_expert_bytes(self, tp: int = 1, bytes_per_param: float = NVFP4_BYTES_PER_PARAM) -> float:
+        """Routed-expert weights one tensor-parallel rank holds (experts are split along the intermediate dim)."""
+        return self.routed_expert_params * bytes_per_param / tp
+
+    def expert_bytes(self, tp: int = 1, bytes_per_param: float = NVFP4_BYTES_PER_PARAM) -> float:
+        """One expert's weights on one TP rank."""
+        return self.expert_params * bytes_per_param / tp
+
+    def layer_weight_bytes(
+        self,
+        layer: int,
+        tp: int = 1,
+        expert_bytes_per_param: float = NVFP4_BYTES_PER_PARAM,
+        attention_bytes_per_param: float = BF16_BYTES,
+    ) -> float:
+        """Weights of one decoder layer on one TP rank, in the precisions of nvidia/GLM-5-NVFP4 by default
+        (MLPs and experts NVFP4, attention and indexer BF16, router BF16)."""
+        attn = (self.attention_params + self.indexer_params) * attention_bytes_per_param
+        if self.is_moe_layer(layer):
+            mlp = (self.n_routed_experts + self.n_shared_experts) * self.expert_params * expert_bytes_per_param
+            mlp += self.n_routed_experts * self.hidden_size * BF16_BYTES
+        else:
+            mlp = self.dense_mlp_params * expert_bytes_per_param
+        return (attn + mlp) / tp
+
+    def kv_bytes_per_token(self, kv_dtype_bytes: float = BF16_BYTES, include_indexer: bool = True) -> float:
+        """KV-cache bytes per token over all layers: the MLA latent (kv_lora + rope), plus the FP8 indexer key
+        (index_head_dim bytes + a 4-byte scale) when the model has DSA. Under TP every rank holds all of it."""
+        latent = (self.kv_lora_rank + self.qk_rope_head_dim) * kv_dtype_bytes
+        indexer = (self.index_head_dim * FP8_BYTES + 4) if (include_indexer and self.index_topk is not None) else 0
+        return self.num_layers * (latent + indexer)
+
+    # -- decode-step quantities ---------------------------------------------------------------------
+    def expected_experts_touched(self, tokens: int) -> float:
+        """Expected distinct routed experts per MoE layer for ``tokens`` independent tokens: E(1-(1-k/E)^T)."""
+        e, k = self.n_routed_experts, self.num_experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+    def decode_flops_per_token(self, context: int = 0) -> float:
+        """2 x active parameters plus attention score/value FLOPs over ``context`` tokens (MLA absorbed form:
+        each head dots a (kv_lora + rope)-wide query with each cached latent and mixes kv_lora-wide values)."""
+        attn_ctx = self.index_topk if self.index_topk is not None else context
+        attn_ctx = min(context, attn_ctx) if attn_ctx is not None else context
+        per_layer = 2 * self.num_attention_heads * attn_ctx * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
+        return 2.0 * self.active_params_per_token + self.num_layers * per_layer
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name,
+            "architecture": self.architecture,
+            "layers": self.num_layers,
+            "moe_layers": self.moe_layers,
+            "routed_experts": self.n_routed_experts,
+            "experts_per_token": self.num_experts_per_tok,
+            "total_params": self.total_params,
+            "active_params_per_token": self.active_params_per_token,
+            "routed_expert_share": self.routed_expert_params / self.total_params,
+            "kv_bytes_per_token_bf16": self.kv_bytes_per_token(),
+        }
+
+
+GLM5 = Glm5Spec()

@@ -1,0 +1,216 @@
+"""Tiny checkpoints: layout of nvidia/GLM-5-NVFP4, round trip, determinism, transformers compatibility, inspect."""
+
+import json
+import re
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glm5_fp4 import nvfp4
+from glm5_fp4.checkpoint.configs import build_config
+from glm5_fp4.checkpoint.inspect import inspect_checkpoint
+from glm5_fp4.checkpoint.make import _draw, make_checkpoint, model_tensors
+from glm5_fp4.cli import main
+from glm5_fp4.errors import Glm5Fp4Error
+
+SMALL = {"n_routed_experts": 8, "num_hidden_layers": 2}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "glm5": make_checkpoint(root / "glm5", "glm5", seed=3, sizes=SMALL),
+        "glm5_bf16": make_checkpoint(root / "glm5_bf16", "glm5", seed=3, dequantized=True, sizes=SMALL),
+        "glm5_dense": make_checkpoint(root / "glm5_dense", "glm5", seed=3, dense_attention=True, sizes=SMALL),
+        "glm4moe": make_checkpoint(root / "glm4moe", "glm4moe", seed=3, sizes=SMALL),
+    }
+
+
+def _hf_names(model) -> dict[str, tuple]:
+    """transformers keeps experts fused in memory; expand them to the per-expert names checkpoints use."""
+    out = {}
+    for name, t in model.state_dict().items():
+        m = re.match(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        if not m:
+            out[name] = tuple(t.shape)
+            continue
+        for e in range(t.shape[0]):
+            if m[2] == "gate_up_proj":
+                half = t.shape[1] // 2
+                out[f"{m[1]}.{e}.gate_proj.weight"] = (half, t.shape[2])
+                out[f"{m[1]}.{e}.up_proj.weight"] = (half, t.shape[2])
+            else:
+                out[f"{m[1]}.{e}.down_proj.weight"] = tuple(t.shape[1:])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["glm5", "glm4moe"])
+def test_names_and_shapes_match_transformers_model(ckpts, arch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(ckpts[f"{arch}"])
+    assert cfg.architectures == [{"glm5": "GlmMoeDsaForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}[arch]]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    expected = _hf_names(model)
+    bf16 = load_file(str(ckpts[f"{arch}"].parent / ("glm5_bf16" if arch == "glm5" else "glm4moe") / "model.safetensors"))
+    if arch == "glm5":
+        assert {k: tuple(v.shape) for k, v in bf16.items()} == expected
+    quant = load_file(str(ckpts[arch] / "model.safetensors"))
+    weights = {k for k in quant if k.endswith(".weight") or k.endswith(".bias") or k.endswith("_bias")}
+    assert weights == set(expected)
+
+
+def test_nvfp4_tensors_follow_modelopt_layout(ckpts):
+    t = load_file(str(ckpts["glm5"] / "model.safetensors"))
+    p = "model.layers.1.mlp.experts.5"
+    assert t[f"{p}.up_proj.weight"].dtype == torch.uint8 and t[f"{p}.up_proj.weight"].shape == (128, 128)
+    assert t[f"{p}.up_proj.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{p}.up_proj.weight_scale"].shape == (128, 16)
+    assert t[f"{p}.down_proj.weight"].shape == (256, 64) and t[f"{p}.down_proj.weight_scale"].shape == (256, 8)
+    assert t[f"{p}.gate_proj.weight_scale_2"].shape == () and t[f"{p}.gate_proj.weight_scale_2"].dtype == torch.float32
+    assert t[f"{p}.gate_proj.input_scale"].shape == () and t[f"{p}.gate_proj.input_scale"].dtype == torch.float32
+    # ModelOpt shares the global scale of gate and up so engines can fuse them.
+    assert t[f"{p}.gate_proj.weight_scale_2"] == t[f"{p}.up_proj.weight_scale_2"]
+    assert t["model.layers.0.mlp.gate_proj.weight"].dtype == torch.uint8  # dense MLP is NVFP4 too
+    assert t["model.layers.1.mlp.shared_experts.down_proj.weight"].dtype == torch.uint8
+    assert t["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16  # attention stays BF16
+    assert t["model.layers.1.self_attn.indexer.wk.weight"].dtype == torch.bfloat16
+    assert t["lm_head.weight"].dtype == torch.bfloat16
+    hq = json.loads((ckpts["glm5"] / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "NVFP4" and hq["group_size"] == 16
+    assert "lm_head" in hq["exclude_modules"] and "model.layers.1.self_attn.indexer*" in hq["exclude_modules"]
+    qc = json.loads((ckpts["glm5"] / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["ignore"] == hq["exclude_modules"]
+
+
+def test_dequantized_round_trip_within_bound_and_twin_exact(ckpts):
+    cfg = build_config("glm5", SMALL)
+    specs = {s.name: s for s in model_tensors(cfg)}
+    quant = load_file(str(ckpts["glm5"] / "model.safetensors"))
+    twin = load_file(str(ckpts["glm5_bf16"] / "model.safetensors"))
+    assert not (ckpts["glm5_bf16"] / "hf_quant_config.json").exists()
+    assert "quantization_config" not in json.loads((ckpts["glm5_bf16"] / "config.json").read_text())
+    checked = 0
+    for name, spec in specs.items():
+        if not spec.quantized:
+            assert torch.equal(quant[name], twin[name]), name
+            continue
+        base = name[:-len(".weight")]
+        deq = nvfp4.dequantize(quant[name], quant[f"{base}.weight_scale"], quant[f"{base}.weight_scale_2"], torch.float32)
+        assert torch.equal(deq.to(torch.bfloat16), twin[name]), name
+        source = _draw(spec, seed=3)
+        rel = (deq - source).norm() / source.norm()
+        assert rel < 0.15, f"{name}: relative error {rel:.3f} beyond NVFP4's"
+        checked += 1
+    assert checked == 3 * (8 * 1 + 1 + 1)
+
+
+def test_deterministic_for_a_seed(tmp_path):
+    a = make_checkpoint(tmp_path / "a", "glm4moe", seed=7, sizes=SMALL)
+    b = make_checkpoint(tmp_path / "b", "glm4moe", seed=7, sizes=SMALL)
+    c = make_checkpoint(tmp_path / "c", "glm4moe", seed=8, sizes=SMALL)
+    for f in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_dense_attention_view(ckpts):
+    from transformers import AutoConfig
+
+    cfg = json.loads((ckpts["glm5_dense"] / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["architectures"] == ["GlmMoeDsaForCausalLM"]
+    assert not any(k.startswith("index") for k in cfg) and "layer_types" not in cfg
+    assert cfg["kv_lora_rank"] == 512 and cfg["qk_rope_head_dim"] == 64
+    assert (ckpts["glm5_dense"] / "model.safetensors").read_bytes() == (ckpts["glm5"] / "model.safetensors").read_bytes()
+    AutoConfig.from_pretrained(ckpts["glm5_dense"])
+    assert any("dense-attention" in n for n in inspect_checkpoint(ckpts["glm5_dense"]).notes)
+
+
+def test_tokenizer_covers_vocab_and_has_chat_template(ckpts):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpts["glm5"])
+    assert len(tok) == 2048
+    cfg = json.loads((ckpts["glm5"] / "config.json").read_text())
+    assert cfg["eos_token_id"] == tok.eos_token_id
+    text = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    assert "<|user|>" in text and text.endswith("<|assistant|>\n")
+    assert tok.decode(tok.encode("the model streams weights")) == "the model streams weights"
+
+
+def test_inspect_summary(ckpts, capsys):
+    r = inspect_checkpoint(ckpts["glm5"], require_nvfp4=True)
+    assert r.quant_algo == "NVFP4" and r.routed_experts == 8 and len(r.moe_layers) == 1
+    assert r.quantized_linears == 3 * (8 + 1 + 1)
+    assert r.bytes_by_dtype["U8"] == sum(
+        t.numel() for k, t in load_file(str(ckpts["glm5"] / "model.safetensors")).items() if t.dtype == torch.uint8)
+    assert main(["inspect", str(ckpts["glm5"])]) == 0
+    assert "NVFP4" in capsys.readouterr().out
+    with pytest.raises(Glm5Fp4Error, match="not an NVFP4 checkpoint"):
+        inspect_checkpoint(ckpts["glm5_bf16"], require_nvfp4=True)
+
+
+def _rewrite_tensor(path, name, new):
+    t = load_file(str(path))
+    t[name] = new
+    from safetensors.torch import save_file
+    save_file(t, str(path))
+
+
+def test_inspect_names_bad_tensor(tmp_path, capsys):
+    ck = make_checkpoint(tmp_path / "bad", "glm4moe", seed=1, sizes=SMALL)
+    f = ck / "model.safetensors"
+    _rewrite_tensor(f, "model.layers.1.mlp.experts.3.down_proj.weight_scale", torch.zeros(256, 4, dtype=torch.float8_e4m3fn))
+    with pytest.raises(Glm5Fp4Error, match=r"experts\.3\.down_proj\.weight_scale is F8_E4M3 \[256, 4\], expected F8_E4M3 \[256, 8\]"):
+        inspect_checkpoint(ck)
+    assert main(["inspect", str(ck)]) == 1
+    assert "experts.3.down_proj.weight_scale" in capsys.readouterr().err
+    t = load_file(str(f))
+    del t["model.layers.1.mlp.experts.7.gate_proj.weight"]
+    from safetensors.torch import save_file
+    save_file(t, str(f))
+    with pytest.raises(Glm5Fp4Error):
+        inspect_checkpoint(ck)
+
+
+def test_inspect_truncated_file(tmp_path):
+    ck = make_checkpoint(tmp_path / "trunc", "glm4moe", seed=1, sizes=SMALL)
+    f = ck / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(Glm5Fp4Error, match="truncated"):
+        inspect_checkpoint(ck)
+    f.write_bytes(struct.pack("<Q", 10) + b"{garbage!!")
+    with pytest.raises(Glm5Fp4Error, match="corrupt"):
+        inspect_checkpoint(ck)
+
+
+def test_make_checkpoint_errors(tmp_path):
+    make_checkpoint(tmp_path / "x", "glm4moe", sizes=SMALL)
+    with pytest.raises(Glm5Fp4Error, match="not empty"):
+        make_checkpoint(tmp_path / "x", "glm4moe", sizes=SMALL)
+    with pytest.raises(Glm5Fp4Error, match="unknown size field"):
+        make_checkpoint(tmp_path / "y", "glm5", sizes={"hiden_size": 64})
+    with pytest.raises(Glm5Fp4Error, match="dense-attention"):
+        make_checkpoint(tmp_path / "z", "glm4moe", dense_attention=True)
+    assert main(["make-checkpoint", "--out", str(tmp_path / "w"), "--size", "oops"]) == 1
+
+
+def test_sharded_output(tmp_path):
+    from glm5_fp4.checkpoint import make as mk
+
+    cfg = build_config("glm4moe", SMALL)
+    specs = model_tensors(cfg)
+    out = tmp_path / "sharded"
+    out.mkdir()
+    mk.write_safetensors(mk.generate_tensors(cfg, 0, False, specs), out, total=1, shard_bytes=1_000_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all(re.match(r"model-\d{5}-of-\d{5}\.safetensors", f) for f in files)
+    loaded = {}
+    for f in files:
+        loaded.update(load_file(str(out / f)))
+    assert set(loaded) == set(index["weight_map"])

@@ -1,0 +1,90 @@
+"""GLM-5 spec (against the figures derived by hand in the reference notes) and the hardware table."""
+
+import json
+
+import pytest
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.hardware import get_gpu, list_gpus, load_gpus
+from glm5_fp4.spec import GLM5, Glm5Spec
+
+
+def test_glm5_parameter_counts_match_hand_derivation():
+    # Hand-derived in shared/reference/glm5.md section 4.
+    assert GLM5.moe_layers == 75 and GLM5.dense_layers == 3
+    assert GLM5.expert_params == 3 * 6144 * 2048 == 37_748_736
+    assert GLM5.attention_params == pytest.approx(165.0e6, rel=1e-3)
+    assert GLM5.indexer_params == pytest.approx(9.4e6, rel=0.01)
+    assert GLM5.routed_expert_params == pytest.approx(724.8e9, rel=1e-3)
+    assert GLM5.total_params == pytest.approx(743.9e9, rel=1e-3)
+    assert GLM5.routed_expert_params / GLM5.total_params == pytest.approx(0.974, abs=1e-3)
+    assert GLM5.active_params_per_token == pytest.approx(40.8e9, rel=5e-3)
+
+
+def test_glm5_bytes_and_kv():
+    # Routed experts at TP8 in NVFP4: 724.8e9 * 9/16 / 8 = 50.96 GB per GPU.
+    assert GLM5.routed_expert_bytes(tp=8) / 1e9 == pytest.approx(50.96, rel=1e-3)
+    assert GLM5.kv_bytes_per_token(include_indexer=False) == 89_856
+    assert GLM5.kv_bytes_per_token() == 89_856 + 78 * 132
+    assert GLM5.expected_experts_touched(512) == pytest.approx(256, abs=0.5)
+    assert GLM5.expected_experts_touched(32) == pytest.approx(163, abs=1)
+    assert GLM5.expected_experts_touched(64) == pytest.approx(222, abs=1)
+    assert GLM5.expected_experts_touched(1) == pytest.approx(8, abs=1e-9)
+
+
+def test_spec_from_config_json(tmp_path):
+    cfg = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 256,
+           "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+           "moe_intermediate_size": 128, "intermediate_size": 512, "kv_lora_rank": 512, "index_topk": 2048,
+           "unrelated_key": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = Glm5Spec.from_config_json(tmp_path)
+    assert spec.hidden_size == 256 and spec.num_layers == 3 and spec.moe_layers == 2
+    assert spec.expert_params == 3 * 256 * 128
+    cfg["num_experts_per_tok"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Glm5Fp4Error, match="num_experts_per_tok"):
+        Glm5Spec.from_config_json(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(Glm5Fp4Error, match="config.json: not valid JSON"):
+        Glm5Spec.from_config_json(tmp_path)
+
+
+def test_dense_attention_view_has_no_indexer():
+    view = Glm5Spec(index_topk=None)
+    assert view.indexer_params == 0
+    assert view.kv_bytes_per_token() == 89_856
+
+
+def test_hardware_table_dense_and_sparse():
+    assert {"rtx-pro-6000-ws", "rtx-pro-6000-server", "h200", "b200"} <= set(list_gpus())
+    rtx = get_gpu("rtx-pro-6000-ws")
+    # NVIDIA's "4 PFLOPS FP4" is the sparse figure; dense is half.
+    assert rtx.peak_tflops("nvfp4", sparse=True) == 4000
+    assert rtx.peak_tflops("nvfp4") == pytest.approx(2015)
+    assert rtx.smem_per_block_bytes == 101_376 and rtx.sm_count == 188
+    assert get_gpu("RTX_PRO_6000_WS") == rtx
+    h200 = get_gpu("h200")
+    assert h200.peak_tflops("nvfp4") is None  # no FP4 tensor cores
+    assert h200.ridge_flop_per_byte("bf16") == pytest.approx(989e12 / 4.8e12)
+    for name in list_gpus():
+        assert get_gpu(name).source, f"{name} has no source"
+    with pytest.raises(Glm5Fp4Error, match="unknown GPU"):
+        get_gpu("voodoo2")
+
+
+def test_user_gpu_yaml(tmp_path, monkeypatch):
+    f = tmp_path / "gpus.yaml"
+    f.write_text("gpus:\n  my-gpu:\n    display_name: My GPU\n    arch: sm_89\n    compute_capability: [8, 9]\n"
+                 "    sm_count: 128\n    memory_gb: 48\n    mem_bandwidth_gbs: 960\n    smem_per_block_bytes: 101376\n"
+                 "    peaks_tflops: {fp8: {dense: 660, sparse: 1320}}\n    source: my datasheet\n")
+    gpus = load_gpus(str(f))
+    assert gpus["my-gpu"].peak_tflops("fp8", sparse=True) == 1320 and "h200" in gpus
+    monkeypatch.setenv("GLM5_FP4_HARDWARE", str(f))
+    assert get_gpu("my-gpu").mem_bandwidth_gbs == 960
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpus:\n  broken:\n    display_name: X\n    arch: sm_89\n    compute_capability: [8, 9]\n"
+                   "    sm_count: -1\n    memory_gb: 1\n    mem_bandwidth_gbs: 1\n    smem_per_block_bytes: 1\n"
+                   "    peaks_tflops: {}\n    source: s\n")
+    with pytest.raises(Glm5Fp4Error, match="broken.*sm_count"):
+        load_gpus(str(bad))
