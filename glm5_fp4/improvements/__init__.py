@@ -1,0 +1,1 @@
+"""Improvement write-ups: numbered markdown files under improvements/ with a generated index."""

@@ -1,0 +1,65 @@
+"""improvements/: the committed index matches the files; `improvements new` numbers, fills and re-indexes."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.cli import main
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.improvements.writeups import list_writeups, read_writeup, regenerate_index
+
+REPO_IMPROVEMENTS = Path(__file__).resolve().parents[1] / "improvements"
+
+
+def test_committed_index_is_up_to_date():
+    assert regenerate_index(REPO_IMPROVEMENTS, check=True), "run `glm5-fp4 improvements index`"
+    text = (REPO_IMPROVEMENTS / "README.md").read_text()
+    for w in list_writeups(REPO_IMPROVEMENTS):
+        assert f"]({w.path.name})" in text and w.headline in text
+
+
+@pytest.fixture()
+def workdir(tmp_path):
+    d = tmp_path / "improvements"
+    d.mkdir()
+    shutil.copy(REPO_IMPROVEMENTS / "TEMPLATE.md", d)
+    shutil.copy(REPO_IMPROVEMENTS / "README.md", d)
+    regenerate_index(d)
+    return d
+
+
+def test_new_writeups_are_numbered_and_indexed(workdir, tmp_path):
+    compare = tmp_path / "compare.md"
+    compare.write_text("| metric | A | B | delta |\n|---|---|---|---|\n| output_throughput | 100 | 120 | +20.0 % |\n")
+    assert main(["improvements", "new", "--title", "Fused MoE kernel!", "--dir", str(workdir)]) == 0
+    assert main(["improvements", "new", "--title", "CUDA graphs", "--from", str(compare), "--dir", str(workdir)]) == 0
+    files = sorted(p.name for p in workdir.glob("0*.md"))
+    assert files == ["01-fused-moe-kernel.md", "02-cuda-graphs.md"]
+    second = read_writeup(workdir / files[1])
+    assert second.status == "measured"
+    assert "| output_throughput | 100 | 120 | +20.0 % |" in (workdir / files[1]).read_text()
+    assert regenerate_index(workdir, check=True)
+    readme = (workdir / "README.md").read_text()
+    assert "[Fused MoE kernel!](01-fused-moe-kernel.md)" in readme and "[CUDA graphs](02-cuda-graphs.md)" in readme
+    # A hand edit to a write-up's headline makes the index stale until regenerated.
+    p = workdir / files[0]
+    p.write_text(p.read_text().replace("TODO: one line with the measured number", "3.1x faster"))
+    assert not regenerate_index(workdir, check=True)
+    assert main(["improvements", "index", "--check", "--dir", str(workdir)]) == 1
+    assert main(["improvements", "index", "--dir", str(workdir)]) == 0
+    assert "3.1x faster" in (workdir / "README.md").read_text()
+
+
+def test_bad_writeups_name_the_file_and_field(workdir):
+    bad = workdir / "03-bad.md"
+    bad.write_text("---\nnumber: 3\ntitle: x\nstatus: done\nheadline: y\n---\nbody\n")
+    with pytest.raises(Glm5Fp4Error, match="03-bad.md: field 'status'"):
+        list_writeups(workdir)
+    bad.write_text("---\nnumber: 4\ntitle: x\nstatus: measured\nheadline: y\n---\n")
+    with pytest.raises(Glm5Fp4Error, match="file name says 3"):
+        list_writeups(workdir)
+    bad.unlink()
+    before = sorted(workdir.iterdir())
+    assert main(["improvements", "new", "--title", "t", "--from", "/nonexistent.md", "--dir", str(workdir)]) == 1
+    assert sorted(workdir.iterdir()) == before, "a failed `new` must not leave a half-written file"
