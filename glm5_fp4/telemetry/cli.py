@@ -1,0 +1,115 @@
+"""`glm5-fp4 telemetry record --out DIR -- CMD ...` and `glm5-fp4 telemetry report DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{record,report}")
+    rec = sub.add_parser(
+        "record",
+        help="record GPU telemetry while a command runs",
+        description="Run CMD and record GPU power, clocks and utilisation until it exits; "
+        "exits with CMD's status. Example: glm5-fp4 telemetry record --out out/tel -- python bench.py",
+    )
+    rec.add_argument("--out", required=True, help="directory for telemetry.jsonl, summary, plot and table")
+    rec.add_argument("--interval", type=float, default=0.1, help="seconds between samples (default 0.1)")
+    rec.add_argument("--gpus", help="comma-separated NVML GPU indices (default: CUDA_VISIBLE_DEVICES, else all)")
+    rec.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="also record this many idle seconds before and after the command (phases idle-before/idle-after)",
+    )
+    rec.add_argument("--no-report", action="store_true", help="skip the PNG and markdown report")
+    rec.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    rep = sub.add_parser(
+        "report",
+        help="summarise a recorded directory",
+        description="Write telemetry.png, telemetry.md and telemetry_summary.json for DIR and print the table.",
+    )
+    rep.add_argument("dir", help="directory written by `telemetry record` or TelemetrySampler")
+    rep.add_argument("--tokens", type=int, help="tokens produced during the window, for tokens per joule")
+    rep.add_argument("--phase", help="summarise only this marked phase (e.g. measure)")
+    rep.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def _parse_gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        gpus = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise Glm5Fp4Error(f"--gpus {text!r}: expected comma-separated GPU indices such as 0,1") from None
+    if not gpus or any(g < 0 for g in gpus):
+        raise Glm5Fp4Error(f"--gpus {text!r}: expected comma-separated GPU indices such as 0,1")
+    return gpus
+
+
+def _record(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from glm5_fp4.telemetry.report import render_report
+    from glm5_fp4.telemetry.sampler import TelemetrySampler
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise Glm5Fp4Error("telemetry record: give the command to run after --, e.g. `-- python bench.py`")
+    if args.settle < 0:
+        raise Glm5Fp4Error(f"--settle {args.settle}: must be >= 0 seconds")
+    sampler = TelemetrySampler(args.out, interval_s=args.interval, gpus=_parse_gpus(args.gpus))
+    rc = 0
+    with sampler:
+        if args.settle:
+            sampler.mark("idle-before")
+            time.sleep(args.settle)
+        sampler.mark("command")
+        try:
+            proc = subprocess.Popen(cmd)
+        except OSError as exc:
+            raise Glm5Fp4Error(f"telemetry record: cannot run {cmd[0]!r} ({exc})") from exc
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            rc = proc.wait()  # the child got the same Ctrl-C; keep what was recorded
+            rc = rc if rc else 130
+        if args.settle:
+            sampler.mark("idle-after")
+            time.sleep(args.settle)
+    if args.no_report:
+        summary = sampler.summary()
+        where = args.out
+    else:
+        files = render_report(args.out)
+        summary = files.summary
+        where = files.markdown_path
+    if summary["available"]:
+        print(
+            f"telemetry: {len(summary['gpus'])} GPU(s), {summary['window']['duration_s']:.1f} s, "
+            f"{summary['energy_j']:.0f} J -> {where}",
+            file=sys.stderr,
+        )
+    else:
+        print(f"telemetry: nothing recorded -> {where}", file=sys.stderr)  # the reason was logged once already
+    return rc
+
+
+def _report(args: argparse.Namespace) -> int:
+    from glm5_fp4.telemetry.report import render_report
+
+    if args.tokens is not None and args.tokens < 0:
+        raise Glm5Fp4Error(f"--tokens {args.tokens}: must be >= 0")
+    files = render_report(args.dir, tokens=args.tokens, phase=args.phase, plot=not args.no_plot)
+    print(files.markdown_path.read_text(), end="")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return _record(args) if args.action == "record" else _report(args)

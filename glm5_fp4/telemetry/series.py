@@ -1,0 +1,218 @@
+"""The telemetry time series: in-memory columns, the on-disk files, and loading them back.
+
+A run directory holds
+  telemetry.jsonl          one JSON object per sample per GPU: {"t": s since start, "gpu": i, metric: value...}
+  telemetry_meta.json      GPUs, which metrics each reports, phase marks, sampler cost; rewritten as the run goes
+  telemetry_summary.json   summary() at the end of the run (see summary.py)
+  telemetry.png / .md      written by report.py
+Metrics a GPU does not support are absent from its lines; a metric that failed for one sample is null.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+FORMAT = "glm5-fp4-telemetry/1"
+SAMPLES_FILE = "telemetry.jsonl"
+META_FILE = "telemetry_meta.json"
+SUMMARY_FILE = "telemetry_summary.json"
+PNG_FILE = "telemetry.png"
+MARKDOWN_FILE = "telemetry.md"
+NO_TELEMETRY = "no GPU telemetry"
+
+# numeric metric -> (unit label, decimals kept in the JSONL file)
+METRICS: dict[str, tuple[str, int]] = {
+    "power_w": ("W", 2),  # nvmlDeviceGetPowerUsage (averaged over ~1 s on Ampere and newer)
+    "power_inst_w": ("W", 2),  # NVML_FI_DEV_POWER_INSTANT, where the driver has it
+    "sm_mhz": ("MHz", 0),
+    "mem_mhz": ("MHz", 0),
+    "util_gpu": ("%", 0),
+    "util_mem": ("%", 0),  # memory-controller busy time, NVML's "memory utilisation"
+    "mem_used_mib": ("MiB", 1),
+    "temp_c": ("C", 0),
+    "pcie_tx_mbs": ("MB/s", 3),
+    "pcie_rx_mbs": ("MB/s", 3),
+    "energy_j": ("J", 3),  # NVML total-energy counter, relative to the run's first sample
+}
+NAN = float("nan")
+
+
+@dataclass
+class GpuSeries:
+    """All samples of one GPU as columns; NaN where a sample lacks a metric."""
+
+    index: int
+    name: str = ""
+    uuid: str = ""
+    metrics: list[str] = field(default_factory=list)  # the metrics this GPU reports
+    unsupported: list[str] = field(default_factory=list)
+    t: array = field(default_factory=lambda: array("d"))
+    values: dict[str, array] = field(default_factory=lambda: {m: array("d") for m in METRICS})
+    throttle: list[tuple[str, ...]] = field(default_factory=list)
+
+    def append(self, t: float, sample: dict[str, Any]) -> None:
+        self.t.append(t)
+        get = sample.get
+        for key, column in self.values.items():
+            v = get(key)
+            column.append(NAN if v is None else v)
+        self.throttle.append(tuple(get("throttle") or ()))
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def copy(self) -> GpuSeries:
+        return replace(
+            self,
+            metrics=list(self.metrics),
+            unsupported=list(self.unsupported),
+            t=self.t[:],
+            values={k: v[:] for k, v in self.values.items()},
+            throttle=self.throttle[:],
+        )
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "uuid": self.uuid,
+            "metrics": list(self.metrics),
+            "unsupported": list(self.unsupported),
+        }
+
+
+@dataclass
+class TelemetryRun:
+    """One recording: metadata, phase marks and per-GPU series (empty when telemetry was unavailable)."""
+
+    available: bool
+    reason: str | None = None
+    interval_s: float = 0.1
+    start_unix: float | None = None
+    start_monotonic: float | None = None  # time.monotonic() at t=0, to align with other monotonic logs
+    end_s: float | None = None
+    driver: str | None = None
+    gpus: list[GpuSeries] = field(default_factory=list)
+    marks: list[tuple[float, str]] = field(default_factory=list)
+    sampler: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        if self.end_s is not None:
+            return self.end_s
+        ends = [g.t[-1] for g in self.gpus if len(g)]
+        marks = [t for t, _ in self.marks]
+        return max(ends + marks + [0.0])
+
+    def snapshot(self) -> TelemetryRun:
+        """A copy that later samples and marks do not change."""
+        return replace(self, gpus=[g.copy() for g in self.gpus], marks=list(self.marks), sampler=dict(self.sampler))
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "available": self.available,
+            "reason": self.reason,
+            "interval_s": self.interval_s,
+            "start_unix": self.start_unix,
+            "start_monotonic": self.start_monotonic,
+            "end_s": self.end_s,
+            "driver": self.driver,
+            "gpus": [g.info() for g in self.gpus],
+            "marks": [{"t": round(t, 4), "name": name} for t, name in self.marks],
+            "sampler": self.sampler,
+        }
+
+
+_DECIMALS = {key: decimals for key, (_, decimals) in METRICS.items()}
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def sample_line(t: float, gpu: int, sample: dict[str, Any]) -> str:
+    """One compact JSONL line; numbers rounded to what the sensors resolve. Runs per sample: keep it lean."""
+    row: dict[str, Any] = {"t": round(t, 4), "gpu": gpu}
+    for key, value in sample.items():
+        decimals = _DECIMALS.get(key)
+        if decimals is None:  # "throttle": a tuple of reason names
+            row[key] = None if value is None else list(value)
+        elif value is None or value != value:  # None or NaN
+            row[key] = None
+        else:
+            row[key] = round(value) if decimals == 0 else round(value, decimals)
+    return _encode(row)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Readers (a report run while recording) never see a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def load_run(run_dir: str | os.PathLike) -> TelemetryRun:
+    """Read a run directory written by TelemetrySampler (or `glm5-fp4 telemetry record`)."""
+    run_dir = Path(run_dir)
+    meta_path = run_dir / META_FILE
+    if not run_dir.is_dir():
+        raise Glm5Fp4Error(f"{run_dir}: not a directory with telemetry")
+    if not meta_path.is_file():
+        raise Glm5Fp4Error(f"{meta_path}: missing; is {run_dir} a telemetry directory?")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise Glm5Fp4Error(f"{meta_path}: not valid JSON ({exc})") from exc
+    if meta.get("format") != FORMAT:
+        raise Glm5Fp4Error(f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
+    run = TelemetryRun(
+        available=bool(meta.get("available")),
+        reason=meta.get("reason"),
+        interval_s=float(meta.get("interval_s") or 0.1),
+        start_unix=meta.get("start_unix"),
+        start_monotonic=meta.get("start_monotonic"),
+        end_s=meta.get("end_s"),
+        driver=meta.get("driver"),
+        marks=[(float(m["t"]), str(m["name"])) for m in meta.get("marks", [])],
+        sampler=meta.get("sampler") or {},
+    )
+    by_index: dict[int, GpuSeries] = {}
+    for g in meta.get("gpus", []):
+        series = GpuSeries(
+            index=int(g["index"]),
+            name=g.get("name", ""),
+            uuid=g.get("uuid", ""),
+            metrics=list(g.get("metrics", [])),
+            unsupported=list(g.get("unsupported", [])),
+        )
+        by_index[series.index] = series
+        run.gpus.append(series)
+    samples_path = run_dir / SAMPLES_FILE
+    if run.available:
+        if not samples_path.is_file():
+            raise Glm5Fp4Error(f"{samples_path}: missing, but {meta_path} says telemetry was recorded")
+        lines = samples_path.read_text().splitlines()
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                gpu = int(row["gpu"])
+                t = float(row["t"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                # A recording killed mid-write leaves a torn last line; anything else is corruption.
+                if lineno == len(lines):
+                    break
+                raise Glm5Fp4Error(f"{samples_path}:{lineno}: not a telemetry sample ({exc})") from exc
+            if gpu not in by_index:
+                raise Glm5Fp4Error(f"{samples_path}:{lineno}: GPU {gpu} is not listed in {meta_path}")
+            bad = [k for k in METRICS if k in row and row[k] is not None and not isinstance(row[k], (int, float))]
+            if bad:
+                raise Glm5Fp4Error(f"{samples_path}:{lineno}: field {bad[0]!r} is {row[bad[0]]!r}, expected a number")
+            by_index[gpu].append(t, row)
+    return run

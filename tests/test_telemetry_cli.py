@@ -1,0 +1,172 @@
+"""`glm5-fp4 telemetry record|report`, in-process with a fake NVML and as a real subprocess without one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from glm5_fp4 import cli
+from glm5_fp4.telemetry import nvml_reader
+from glm5_fp4.telemetry.fake_nvml import FakeNvml
+from glm5_fp4.telemetry.series import MARKDOWN_FILE, META_FILE, PNG_FILE, SAMPLES_FILE, SUMMARY_FILE
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    fake = FakeNvml(n_gpus=2)
+    monkeypatch.setattr(nvml_reader, "import_nvml", lambda nvml=None: fake)
+    return fake
+
+
+def test_record_runs_command_and_writes_report(tmp_path, fake_nvml, capsys):
+    out = tmp_path / "tel"
+    marker = tmp_path / "ran"
+    code = f"import pathlib, sys, time; time.sleep(0.3); pathlib.Path({str(marker)!r}).write_text('x'); sys.exit(3)"
+    rc = cli.main(
+        [
+            "telemetry",
+            "record",
+            "--out",
+            str(out),
+            "--interval",
+            "0.02",
+            "--settle",
+            "0.1",
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ]
+    )
+    assert rc == 3  # the command's status passes through
+    assert marker.read_text() == "x"
+    for name in (SAMPLES_FILE, META_FILE, SUMMARY_FILE, MARKDOWN_FILE, PNG_FILE):
+        assert (out / name).is_file(), name
+    meta = json.loads((out / META_FILE).read_text())
+    assert [m["name"] for m in meta["marks"]] == ["idle-before", "command", "idle-after"]
+    assert meta["end_s"] >= 0.5
+    assert fake_nvml.shutdowns == 1
+    assert "2 GPU(s)" in capsys.readouterr().err
+
+
+def test_record_gpus_option(tmp_path, fake_nvml):
+    rc = cli.main(
+        [
+            "telemetry",
+            "record",
+            "--out",
+            str(tmp_path),
+            "--gpus",
+            "1",
+            "--no-report",
+            "--interval",
+            "0.05",
+            "--",
+            sys.executable,
+            "-c",
+            "pass",
+        ]
+    )
+    assert rc == 0
+    assert [g["index"] for g in json.loads((tmp_path / META_FILE).read_text())["gpus"]] == [1]
+    assert not (tmp_path / PNG_FILE).exists()
+
+
+def test_report_with_tokens_and_phase(tmp_path, fake_nvml, capsys):
+    cli.main(
+        [
+            "telemetry",
+            "record",
+            "--out",
+            str(tmp_path),
+            "--interval",
+            "0.02",
+            "--no-report",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(0.2)",
+        ]
+    )
+    capsys.readouterr()
+    assert cli.main(["telemetry", "report", str(tmp_path), "--tokens", "4000", "--phase", "command"]) == 0
+    printed = capsys.readouterr().out
+    assert "tokens/J" in printed and "phase `command`" in printed
+    summary = json.loads((tmp_path / SUMMARY_FILE).read_text())
+    assert summary["tokens"] == 4000
+    assert summary["tokens_per_joule"] == pytest.approx(4000 / summary["energy_j"])
+    assert (tmp_path / PNG_FILE).is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["record", "--out", "{tmp}/x"], "give the command"),
+        (["record", "--out", "{tmp}/x", "--gpus", "a,b", "--", "true"], "--gpus"),
+        (["record", "--out", "{tmp}/x", "--settle", "-1", "--", "true"], "--settle"),
+        (["record", "--out", "{tmp}/x", "--interval", "0", "--", "true"], "interval_s"),
+        (["record", "--out", "{tmp}/x", "--", "/no/such/program"], "cannot run"),
+        (["report", "{tmp}/missing"], "not a directory"),
+        (["report", "{tmp}", "--tokens", "-3"], "--tokens"),
+    ],
+)
+def test_user_errors_are_one_clear_line(tmp_path, fake_nvml, capsys, argv, message):
+    rc = cli.main(["telemetry", *[a.format(tmp=tmp_path) for a in argv]])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert message in err and "Traceback" not in err
+
+
+def test_report_unknown_phase(tmp_path, fake_nvml, capsys):
+    cli.main(
+        [
+            "telemetry",
+            "record",
+            "--out",
+            str(tmp_path),
+            "--interval",
+            "0.05",
+            "--no-report",
+            "--",
+            sys.executable,
+            "-c",
+            "pass",
+        ]
+    )
+    assert cli.main(["telemetry", "report", str(tmp_path), "--phase", "decode"]) == 1
+    assert "'decode' was not marked" in capsys.readouterr().err
+
+
+def test_subprocess_without_gpu_says_no_telemetry(tmp_path):
+    """The installed entry point on a GPU-less machine: warns once, runs the command, nothing fails."""
+    out = tmp_path / "tel"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glm5_fp4.cli",
+            "telemetry",
+            "record",
+            "--out",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            "print('payload ran')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "payload ran" in proc.stdout
+    if json.loads((out / META_FILE).read_text())["available"]:  # pragma: no cover - GPU machine
+        return
+    assert proc.stderr.count("no GPU telemetry") == 1
+    assert "no GPU telemetry" in (out / MARKDOWN_FILE).read_text()
+    listed = subprocess.run([sys.executable, "-m", "glm5_fp4.cli", "--help"], capture_output=True, text=True)
+    assert "telemetry" in listed.stdout
