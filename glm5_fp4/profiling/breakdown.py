@@ -1,0 +1,347 @@
+"""Decode-time breakdown of torch-profiler traces: per rank, per step and across ranks.
+
+For every rank: kernels classified by the taxonomy; the timeline split into decode steps; per category the
+summed kernel time and the exposed (non-overlapped) time; idle time; step time. All-reduce kernels are split
+into wait (for the last rank to arrive) and work across the ranks of each tensor-parallel group. Categories'
+summed times add up to the total kernel time; exposed times plus idle add up to the step window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from glm5_fp4.profiling.collectives import GroupMatch, match_group
+from glm5_fp4.profiling.intervals import covered_in_windows, exposed_by_priority, merge
+from glm5_fp4.profiling.steps import StepSplit, split_steps
+from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT, UNKNOWN_LABEL, Taxonomy, load_taxonomy
+from glm5_fp4.profiling.traces import RankTrace, load_rank_traces
+
+TOP_KERNELS = 8
+
+
+@dataclass
+class KernelRow:
+    name: str
+    category: str
+    label: str
+    count: int
+    total_us: float
+    mean_us: float
+
+
+@dataclass
+class StepRow:
+    index: int
+    start_us: float
+    time_us: float
+    n_kernels: int
+    partial: bool
+    idle_us: float
+    summed_us: dict[str, float]
+    exposed_us: dict[str, float]
+
+
+@dataclass
+class RankBreakdown:
+    rank: int
+    file: str
+    rank_source: str
+    tp_rank: int | None
+    pp_rank: int | None
+    mode: str
+    device_name: str | None
+    n_kernels: int
+    trace_window_us: float
+    total_kernel_us: float
+    summed_us: dict[str, float]
+    exposed_us: dict[str, float]
+    idle_us: float
+    step_method: str
+    step_detail: str
+    n_steps: int
+    n_complete_steps: int
+    median_step: dict  # time_us, idle_us, n_kernels, summed_us{}, exposed_us{}
+    p90_step_time_us: float
+    steps: list[StepRow]
+    allreduce: dict  # kernels, matched, wait_us, work_us, clock_skew_us
+    top_kernels: dict[str, list[KernelRow]]
+    unknown_kernels: list[KernelRow]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Breakdown:
+    source: str
+    mode: str
+    categories: list[str]
+    exposed_priority: list[str]
+    taxonomy: str
+    ranks: list[RankBreakdown]
+    across_ranks: dict
+    collective_groups: list[dict]
+    notes: list[str] = field(default_factory=list)
+    ceilings: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _category_codes(trace: RankTrace, taxonomy: Taxonomy, categories: list[str]) -> tuple[np.ndarray, list[str]]:
+    code_of = {c: i for i, c in enumerate(categories)}
+    labels = []
+    per_name = np.empty(len(trace.names), dtype=np.int16)
+    for i, name in enumerate(trace.names):
+        cat, label = taxonomy.classify(name)
+        per_name[i] = code_of[cat]
+        labels.append(label)
+    return per_name[trace.name_id], labels
+
+
+def _kernel_rows(trace, codes, labels, categories, mask) -> list[KernelRow]:
+    ids = trace.name_id[mask]
+    if ids.size == 0:
+        return []
+    count = np.bincount(ids, minlength=len(trace.names))
+    total = np.bincount(ids, weights=trace.dur[mask], minlength=len(trace.names))
+    code_of_name = np.zeros(len(trace.names), dtype=np.int16)
+    code_of_name[trace.name_id] = codes
+    rows = [
+        KernelRow(trace.names[i], categories[code_of_name[i]], labels[i], int(count[i]), float(total[i]), float(total[i] / count[i]))
+        for i in np.flatnonzero(count)
+    ]
+    return sorted(rows, key=lambda r: -r.total_us)
+
+
+def _median_dict(values: list[dict[str, float]]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {k: float(np.median([v[k] for v in values])) for k in values[0]}
+
+
+def _analyze_rank(
+    trace: RankTrace,
+    split: StepSplit,
+    codes: np.ndarray,
+    labels: list[str],
+    wait: np.ndarray,
+    taxonomy: Taxonomy,
+    ar_info: dict,
+) -> RankBreakdown:
+    categories = taxonomy.report_categories
+    code_of = {c: i for i, c in enumerate(categories)}
+    ar, wait_code = code_of["allreduce"], code_of[ALLREDUCE_WAIT]
+    start, dur = trace.start, trace.dur
+    end = start + dur
+
+    # all-reduce kernels become two intervals: [start, start+wait) waiting, the rest working
+    is_wait = wait > 0
+    iv_start = np.concatenate([np.where(is_wait, start + wait, start), start[is_wait]])
+    iv_end = np.concatenate([end, start[is_wait] + wait[is_wait]])
+    iv_code = np.concatenate([codes, np.full(int(is_wait.sum()), wait_code, dtype=codes.dtype)])
+    iv_step = np.concatenate([split.step_of_kernel, split.step_of_kernel[is_wait]])
+    iv_dur = iv_end - iv_start
+
+    n_steps = split.n_steps
+    ws, we = split.window_start, split.window_end
+    full_ws, full_we = np.array([start.min()]), np.array([end.max()])
+    priority = [code_of[c] for c in taxonomy.priority]
+
+    def summed(owner: np.ndarray, w_start: np.ndarray, w_end: np.ndarray) -> dict[str, np.ndarray]:
+        n = w_start.size
+        out = {}
+        for c, code in code_of.items():
+            sel = iv_code == code
+            if trace.mode == "cpu":
+                # CPU ops nest (aten::linear contains aten::addmm): count each category's union, not the sum
+                ms, me = merge(iv_start[sel], iv_end[sel])
+                out[c] = covered_in_windows(ms, me, w_start, w_end)
+            else:
+                out[c] = np.bincount(owner[sel], weights=iv_dur[sel], minlength=n)[:n]
+        return out
+
+    step_summed = summed(iv_step, ws, we)
+    total_summed = summed(np.zeros(iv_code.size, dtype=np.int64), full_ws, full_we)
+    step_exposed, step_busy = exposed_by_priority(iv_start, iv_end, iv_code, priority, ws, we)
+    tot_exposed, tot_busy = exposed_by_priority(iv_start, iv_end, iv_code, priority, full_ws, full_we)
+
+    steps = []
+    for i in range(n_steps):
+        steps.append(
+            StepRow(
+                index=i,
+                start_us=float(ws[i]),
+                time_us=float(we[i] - ws[i]),
+                n_kernels=int(split.n_kernels[i]),
+                partial=bool(split.partial[i]),
+                idle_us=float(max(we[i] - ws[i] - step_busy[i], 0.0)),
+                summed_us={c: float(step_summed[c][i]) for c in categories},
+                exposed_us={c: float(step_exposed[code_of[c]][i]) for c in categories},
+            )
+        )
+    complete = [steps[i] for i in split.complete]
+    times = np.array([s.time_us for s in complete])
+    median_step = {
+        "time_us": float(np.median(times)),
+        "idle_us": float(np.median([s.idle_us for s in complete])),
+        "n_kernels": float(np.median([s.n_kernels for s in complete])),
+        "summed_us": _median_dict([s.summed_us for s in complete]),
+        "exposed_us": _median_dict([s.exposed_us for s in complete]),
+    }
+
+    everything = np.ones(trace.n_kernels, dtype=bool)
+    rows = _kernel_rows(trace, codes, labels, categories, everything)
+    top = {c: [r for r in rows if r.category == c][:TOP_KERNELS] for c in taxonomy.categories}
+    unknown = [r for r in rows if r.label == UNKNOWN_LABEL]
+
+    window = float(full_we[0] - full_ws[0])
+    notes = list(trace.notes) + list(split.notes)
+    if split.n_steps == 1 or len(complete) == 0 or all(s.partial for s in steps):
+        notes.append("no complete step found: per-step figures use the whole trace window")
+    return RankBreakdown(
+        rank=trace.rank,
+        file=trace.path.name,
+        rank_source=trace.rank_source,
+        tp_rank=trace.tp_rank,
+        pp_rank=trace.pp_rank,
+        mode=trace.mode,
+        device_name=trace.device_name,
+        n_kernels=trace.n_kernels,
+        trace_window_us=window,
+        total_kernel_us=float(dur.sum()),
+        summed_us={c: float(total_summed[c][0]) for c in categories},
+        exposed_us={c: float(tot_exposed[code_of[c]][0]) for c in categories},
+        idle_us=float(max(window - tot_busy[0], 0.0)),
+        step_method=split.method,
+        step_detail=split.detail,
+        n_steps=split.n_steps,
+        n_complete_steps=int(len(split.complete)) if (~split.partial).any() else 0,
+        median_step=median_step,
+        p90_step_time_us=float(np.percentile(times, 90)),
+        steps=steps,
+        allreduce=ar_info,
+        top_kernels=top,
+        unknown_kernels=unknown,
+        notes=notes,
+    )
+
+
+def _collectives(traces: list[RankTrace], codes: dict[int, np.ndarray], ar_code: int) -> tuple[dict[int, np.ndarray], list[GroupMatch]]:
+    """Per-kernel wait time for every rank, from matching each TP group's all-reduce kernels."""
+    wait = {t.rank: np.zeros(t.n_kernels) for t in traces}
+    groups: dict[int, list[RankTrace]] = {}
+    for t in traces:
+        groups.setdefault(t.pp_rank or 0, []).append(t)
+    matches = []
+    for _, members in sorted(groups.items()):
+        members.sort(key=lambda t: t.rank)
+        ranks = [t.rank for t in members]
+        starts, ends, names, index, offset = {}, {}, {}, {}, {}
+        for t in members:
+            idx = np.flatnonzero(codes[t.rank] == ar_code)
+            index[t.rank] = idx
+            starts[t.rank] = t.start[idx]
+            ends[t.rank] = t.start[idx] + t.dur[idx]
+            # compare kernel names across ranks by text, not by per-file ids
+            names[t.rank] = np.array([t.names[i] for i in t.name_id[idx]], dtype=object)
+            offset[t.rank] = (t.origin_ns - members[0].origin_ns) / 1000.0
+        match = match_group(ranks, starts, ends, names, index, offset)
+        for r, rc in match.per_rank.items():
+            wait[r][rc.kernel_index] = rc.wait_us
+        matches.append(match)
+    return wait, matches
+
+
+def analyze_traces(
+    traces: list[RankTrace],
+    taxonomy: Taxonomy | None = None,
+    step_method: str = "auto",
+    step_gap_us: float | None = None,
+    source: str = "",
+    notes: list[str] | None = None,
+) -> Breakdown:
+    taxonomy = taxonomy or load_taxonomy()
+    categories = taxonomy.report_categories
+    ar_code = categories.index("allreduce")
+    codes, labels, splits = {}, {}, {}
+    for t in traces:
+        codes[t.rank], labels[t.rank] = _category_codes(t, taxonomy, categories)
+        splits[t.rank] = split_steps(t, step_method, step_gap_us)
+    wait, matches = _collectives(traces, codes, ar_code)
+
+    ranks = []
+    for t in traces:
+        rc = next(m.per_rank[t.rank] for m in matches if t.rank in m.per_rank)
+        ar_mask = codes[t.rank] == ar_code
+        ar_info = {
+            "kernels": int(ar_mask.sum()),
+            "matched": int(rc.matched.sum()),
+            "wait_us": float(rc.wait_us.sum()),
+            "work_us": float(t.dur[ar_mask].sum() - rc.wait_us.sum()),
+            "clock_skew_us": float(rc.clock_skew_us),
+        }
+        ranks.append(_analyze_rank(t, splits[t.rank], codes[t.rank], labels[t.rank], wait[t.rank], taxonomy, ar_info))
+
+    across = _across_ranks(ranks, categories)
+    groups = [
+        {
+            "ranks": m.ranks,
+            "reference_rank": m.reference,
+            "matched_instances": m.matched_instances,
+            "method": m.method,
+            "notes": m.notes,
+        }
+        for m in matches
+    ]
+    all_notes = list(notes or [])
+    for m in matches:
+        all_notes += m.notes
+    return Breakdown(
+        source=source,
+        mode=traces[0].mode,
+        categories=categories,
+        exposed_priority=taxonomy.priority,
+        taxonomy=taxonomy.source,
+        ranks=ranks,
+        across_ranks=across,
+        collective_groups=groups,
+        notes=all_notes,
+    )
+
+
+def _across_ranks(ranks: list[RankBreakdown], categories: list[str]) -> dict:
+    """Per-rank median-step figures summarised over ranks (mean, min, max) and the slowest rank."""
+    def stats(values: list[float]) -> dict[str, float]:
+        a = np.array(values, dtype=float)
+        return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+
+    out = {
+        "n_ranks": len(ranks),
+        "step_time_us": stats([r.median_step["time_us"] for r in ranks]),
+        "idle_us": stats([r.median_step["idle_us"] for r in ranks]),
+        "summed_us": {c: stats([r.median_step["summed_us"][c] for r in ranks]) for c in categories},
+        "exposed_us": {c: stats([r.median_step["exposed_us"][c] for r in ranks]) for c in categories},
+    }
+    if len(ranks) > 1:
+        waits = [r.median_step["exposed_us"].get(ALLREDUCE_WAIT, 0.0) for r in ranks]
+        # the rank everyone waits for waits least itself
+        out["slowest_rank"] = ranks[int(np.argmin(waits))].rank
+        out["wait_spread_us"] = float(max(waits) - min(waits))
+    return out
+
+
+def analyze_path(
+    path: str | Path,
+    taxonomy_path: str | Path | None = None,
+    step_method: str = "auto",
+    step_gap_us: float | None = None,
+    mode: str = "auto",
+    stage: str | None = None,
+    jobs: int | None = None,
+) -> Breakdown:
+    """Load every rank's trace under ``path`` and analyse them together."""
+    traces, notes = load_rank_traces(path, mode=mode, stage=stage, jobs=jobs)
+    taxonomy = load_taxonomy(taxonomy_path)
+    return analyze_traces(traces, taxonomy, step_method, step_gap_us, source=str(path), notes=notes)

@@ -1,0 +1,168 @@
+"""`glm5-fp4 profile`: analyze torch-profiler traces against the hardware ceilings, or capture them.
+
+    glm5-fp4 profile analyze DIR [--out DIR] [--gpu NAME] [--batch N --context N --tp N --pp N]
+    glm5-fp4 profile capture --url http://127.0.0.1:8000 --steps N --trace-dir DIR [--out DIR] [--analyze]
+    glm5-fp4 profile timers FILE [FILE ...] --out DIR     (per-layer timer dumps -> median / p90 table)
+    glm5-fp4 profile trim SRC DST                         (keep only what the analysis reads: small fixtures)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{analyze,capture,timers,trim}")
+
+    a = sub.add_parser("analyze", help="decode-time breakdown of Kineto traces (one per rank) vs hardware ceilings")
+    a.add_argument("path", help="directory of traces (.json / .json.gz, one per rank) or one trace file")
+    _analysis_args(a)
+
+    c = sub.add_parser("capture", help="drive a running server's /start_profile and /stop_profile during a decode load")
+    c.add_argument("--url", required=True, help="server base URL (loopback only), e.g. http://127.0.0.1:8000")
+    c.add_argument("--steps", type=int, required=True, help="decode steps to profile")
+    c.add_argument("--trace-dir", required=True, help="the server's profiler output directory (torch_profiler_dir / SGLANG_TORCH_PROFILER_DIR)")
+    c.add_argument("--engine", choices=["auto", "vllm", "sglang"], default="auto")
+    c.add_argument("--concurrency", type=int, default=8, help="decode streams kept running during the capture")
+    c.add_argument("--prompt-len", type=int, default=64, help="prompt length in words")
+    c.add_argument("--output-len", type=int, default=4096, help="max_tokens per request (ignore_eos)")
+    c.add_argument("--model", help="model name (default: the first of /v1/models)")
+    c.add_argument("--warmup-s", type=float, default=120.0, help="longest wait for every stream to be decoding")
+    c.add_argument("--flush-timeout-s", type=float, default=900.0, help="longest wait for the server to write its traces")
+    c.add_argument("--analyze", action="store_true", help="run `profile analyze` on the collected traces")
+    _analysis_args(c, positional=False)
+
+    t = sub.add_parser("timers", help="aggregate per-layer timer dumps (JSON lines from LayerTimer) into median/p90 tables")
+    t.add_argument("files", nargs="+", help="JSONL files written by LayerTimer.dump / GLM5_FP4_LAYER_TIMERS")
+    t.add_argument("--out", default="profile-timers", help="output directory (JSON, markdown, PNG)")
+
+    m = sub.add_parser("trim", help="copy traces keeping only what the analysis reads (small fixtures to commit)")
+    m.add_argument("src", help="trace file or directory of traces")
+    m.add_argument("dst", help="output directory")
+    m.add_argument("--keep-cpu-ops", action="store_true", help="keep cpu_op events too (needed for CPU-run traces)")
+
+
+def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    p.add_argument("--out", default=None if positional else "profile-capture", help="output directory (default: PATH/breakdown)")
+    g = p.add_argument_group("step detection and classification")
+    g.add_argument("--steps-by", dest="steps_by", choices=["auto", "annotation", "graph", "gap", "whole"], default="auto",
+                   help="how decode steps are found (default: ProfilerStep annotations, else graph replays, else idle gaps)")
+    g.add_argument("--step-gap-us", type=float, help="idle gap that separates steps (implies --steps-by gap)")
+    g.add_argument("--stage", help="SGLang per-stage traces: DECODE (default when both exist), EXTEND or all")
+    g.add_argument("--taxonomy", help="kernel taxonomy YAML (default: the packaged glm5_fp4/data/taxonomy.yaml)")
+    g.add_argument("--mode", choices=["auto", "gpu", "cpu"], default="auto", help="gpu kernels, or cpu ops for a CPU run")
+    g.add_argument("--jobs", type=int, help="processes parsing traces in parallel (default: CPUs, at most 4)")
+    g.add_argument("--no-png", action="store_true", help="skip the PNG plots")
+    h = p.add_argument_group("ceilings (FLOPs / bytes of the step vs the GPU's peaks)")
+    h.add_argument("--gpu", help="hardware table entry (default: detected from the trace's device name)")
+    h.add_argument("--batch", type=int, help="sequences decoding per step; needed for the ceilings")
+    h.add_argument("--context", type=int, default=0, help="mean context length of those sequences")
+    h.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks per pipeline stage in the traces)")
+    h.add_argument("--pp", type=int, help="pipeline-parallel size (default: stages in the traces)")
+    h.add_argument("--tokens-per-seq", type=int, default=1, help="tokens per sequence per step (>1 with MTP)")
+    h.add_argument("--config", help="model config.json (default: GLM-5)")
+    h.add_argument("--expert-dtype", choices=["nvfp4", "fp8", "bf16"], default="nvfp4")
+    h.add_argument("--attention-dtype", choices=["nvfp4", "fp8", "bf16"], default="bf16")
+    h.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+
+
+def _ceilings(breakdown, args) -> dict | None:
+    from glm5_fp4.hardware import detect_gpu_name, get_gpu
+    from glm5_fp4.profiling.ceilings import StepShape, ceilings
+    from glm5_fp4.spec import Glm5Spec
+
+    if args.batch is None:
+        breakdown.notes.append("no ceilings: pass --batch (and --context) to compare with the hardware's peaks")
+        return None
+    gpu_name = args.gpu
+    if gpu_name is None:
+        if breakdown.mode == "cpu":
+            breakdown.notes.append("no ceilings for a CPU run unless --gpu names a GPU to compare against")
+            return None
+        device = next((r.device_name for r in breakdown.ranks if r.device_name), None)
+        gpu_name = detect_gpu_name(device) if device else None
+        if gpu_name is None:
+            raise Glm5Fp4Error(f"cannot tell the GPU from the trace (device name {device!r}); pass --gpu NAME")
+    gpu = get_gpu(gpu_name)
+    spec = Glm5Spec.from_config_json(args.config) if args.config else Glm5Spec()
+    pp = args.pp or len({r.pp_rank for r in breakdown.ranks})
+    tp = args.tp or max(1, len(breakdown.ranks) // pp)
+    shape = StepShape(
+        batch=args.batch, context=args.context, tp=tp, pp=pp, tokens_per_seq=args.tokens_per_seq,
+        expert_dtype=args.expert_dtype, attention_dtype=args.attention_dtype, kv_dtype=args.kv_dtype,
+    )
+    across = breakdown.across_ranks
+    summed = {c: v["mean"] for c, v in across["summed_us"].items()}
+    exposed = {c: v["mean"] for c, v in across["exposed_us"].items()}
+    # the work of an all-reduce is what the hardware can speed up; waiting is another rank's slowness
+    return ceilings(spec, shape, gpu, summed, exposed, across["step_time_us"]["mean"])
+
+
+def analyze(path: str, args) -> dict[str, Path]:
+    from glm5_fp4.profiling.breakdown import analyze_path
+    from glm5_fp4.profiling.report import write_reports
+
+    method = "gap" if args.step_gap_us is not None else args.steps_by
+    breakdown = analyze_path(path, args.taxonomy, method, args.step_gap_us, args.mode, args.stage, args.jobs)
+    breakdown.ceilings = _ceilings(breakdown, args)
+    out = Path(args.out) if args.out else (Path(path) if Path(path).is_dir() else Path(path).parent) / "breakdown"
+    paths = write_reports(breakdown, out, png=not args.no_png)
+    _print_summary(breakdown)
+    for kind, p in paths.items():
+        print(f"{kind:>9}: {p}")
+    return paths
+
+
+def _print_summary(b) -> None:
+    from glm5_fp4.profiling.report import title
+
+    print(title(b))
+    cats = b.categories
+    head = f"{'rank':>4} {'step us':>9} {'idle':>7} " + " ".join(f"{c:>14}" for c in cats)
+    print("median step, exposed time (us):")
+    print(head)
+    for r in b.ranks:
+        ms = r.median_step
+        print(f"{r.rank:>4} {ms['time_us']:>9.0f} {ms['idle_us']:>7.0f} " + " ".join(f"{ms['exposed_us'][c]:>14.0f}" for c in cats))
+    unknown = sum(len(r.unknown_kernels) for r in b.ranks)
+    if unknown:
+        print(f"{unknown} unknown kernel name(s) (listed in the markdown report)")
+
+
+def run(args) -> int:
+    if args.action == "analyze":
+        analyze(args.path, args)
+        return 0
+    if args.action == "capture":
+        from glm5_fp4.profiling.capture import CaptureConfig, capture
+
+        cfg = CaptureConfig(
+            url=args.url, steps=args.steps, trace_dir=Path(args.trace_dir), out=Path(args.out) / "traces",
+            engine=args.engine, concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,
+            warmup_s=args.warmup_s, flush_timeout_s=args.flush_timeout_s, model=args.model,
+        )
+        capture(cfg)
+        if args.analyze:
+            args.out = str(Path(args.out) / "breakdown")
+            analyze(str(cfg.out), args)
+        return 0
+    if args.action == "timers":
+        from glm5_fp4.profiling.layer_timers import report_from_files
+
+        paths = report_from_files([Path(f) for f in args.files], Path(args.out))
+        for kind, p in paths.items():
+            print(f"{kind:>9}: {p}")
+        return 0
+    if args.action == "trim":
+        from glm5_fp4.profiling.traces import find_trace_files, trim_trace
+
+        dst = Path(args.dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in find_trace_files(args.src):
+            kept, total = trim_trace(f, dst / f.name, keep_cpu_ops=args.keep_cpu_ops)
+            print(f"{f.name}: kept {kept} of {total} events -> {(dst / f.name).stat().st_size / 1e3:.0f} kB")
+        return 0
+    raise Glm5Fp4Error(f"unknown action {args.action!r}")

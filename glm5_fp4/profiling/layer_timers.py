@@ -1,0 +1,347 @@
+"""Per-layer GPU timers that survive CUDA-graph capture and torch.compile.
+
+Host-side hooks, NVTX ranges and Python timers do not run when a CUDA graph is replayed, which is how
+engines run decode. Here every timing point is a one-thread kernel that writes the GPU's ``%globaltimer``
+(nanoseconds, the same clock for all SMs) into a fixed slot of a preallocated int64 device buffer. The
+kernel is launched through a torch custom op (``glm5_fp4::timer_stamp``, with a fake implementation), so
+capture records it like any other kernel, every replay writes fresh stamps, and torch.compile keeps it.
+After a step, :meth:`LayerTimer.collect` reads the buffer once and turns stamps into region durations.
+On CPU the same op stores ``time.perf_counter_ns()`` eagerly.
+
+Two ways to delimit regions, which can be mixed and nested:
+
+* ``timer.mark("layer.3")`` starts region ``layer.3`` and ends the previous mark's region; ``timer.stop()``
+  ends the last one. Regions follow each other.
+* ``with timer.range("layer.3/attention"):`` (or ``begin``/``end``) times one region; ranges may nest.
+  :func:`wrap_module_forward` puts a range around a module's forward with hooks.
+
+Slots are assigned per name on first use and stay fixed, so a captured graph and later eager calls agree.
+A stamp costs one tiny kernel (about 1-3 µs of GPU time per stamp inside a graph, more eagerly); keep to a
+few per layer. ``glm5-fp4 profile timers FILE`` aggregates the JSON-lines dumps (median, p90; JSON,
+markdown, PNG).
+
+Wiring into an engine plugin (enabled by ``GLM5_FP4_LAYER_TIMERS=1``):
+
+    timer = timer_from_env(device, rank)            # NullTimer when the variable is unset: zero cost
+    for i, layer in enumerate(model.layers):        # before warm-up and graph capture
+        wrap_module_forward(layer, f"layer{i:02d}", timer)
+        wrap_module_forward(layer.self_attn, f"layer{i:02d}/attention", timer)
+        wrap_module_forward(layer.mlp, f"layer{i:02d}/moe", timer)
+    timer.reset()                                   # after capture: drop the warm-up stamps
+    ...                                             # after every decode step (graph replay):
+    timer.collect()                                 # synchronises; the sampled-token copy already did
+
+Every captured graph (one per batch size) writes the same slots, so whichever one replays is what is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import statistics
+from typing import Optional
+
+import torch
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+ENV_ENABLE = "GLM5_FP4_LAYER_TIMERS"
+ENV_OUT = "GLM5_FP4_LAYER_TIMERS_OUT"
+DEFAULT_CAPACITY = 4096
+_STOP = "\x00stop"
+
+# -- the stamp op ------------------------------------------------------------------------------------
+try:  # Triton resolves `tl` from the kernel's module globals, so the kernel lives at module level
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the CPU path needs no kernel
+    triton = None
+
+if triton is not None:
+    # one compiled variant for every slot (Triton would otherwise specialise on slot == 1, slot % 16 == 0)
+    @triton.jit(do_not_specialize=["slot"])
+    def glm5_fp4_timer_stamp_kernel(buf_ptr, slot):
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(buf_ptr + slot, t)
+
+
+def _globaltimer_kernel():
+    if triton is None:
+        raise Glm5Fp4Error("GPU layer timers need Triton (it ships with CUDA builds of torch)")
+    return glm5_fp4_timer_stamp_kernel
+
+
+@torch.library.custom_op("glm5_fp4::timer_stamp", mutates_args=("buf",))
+def timer_stamp(buf: torch.Tensor, slot: int, after: Optional[torch.Tensor] = None) -> None:
+    """Write the current time (ns) into ``buf[slot]``: GPU globaltimer on CUDA, perf_counter_ns on CPU.
+
+    ``after`` is not read: it only makes the stamp depend on that tensor, so a compiler that reorders
+    independent ops (Inductor) cannot move the stamp ahead of the work that produced it.
+    """
+    if buf.is_cuda:
+        _globaltimer_kernel()[(1,)](buf, slot, num_warps=1)
+    else:
+        buf[slot] = time.perf_counter_ns()
+
+
+@timer_stamp.register_fake
+def _timer_stamp_fake(buf: torch.Tensor, slot: int, after: Optional[torch.Tensor] = None) -> None:
+    return None
+
+
+# -- the timer -------------------------------------------------------------------------------------------
+class LayerTimer:
+    """Named timing points in a device buffer; :meth:`collect` turns them into per-region durations (µs)."""
+
+    enabled = True
+
+    def __init__(self, device: str | torch.device | None = None, capacity: int = DEFAULT_CAPACITY, dump_path: str | Path | None = None):
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.buf = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self._slot: dict[tuple[str, str], int] = {}
+        self.stats = TimerStats()
+        self.dump_path = Path(dump_path) if dump_path else None
+        self._steps = 0
+
+    # slots are fixed per (kind, name): a captured graph writes the same slots on every replay
+    def _slot_for(self, kind: str, name: str) -> int:
+        key = (kind, name)
+        slot = self._slot.get(key)
+        if slot is None:
+            slot = len(self._slot)
+            if slot >= self.capacity:
+                raise Glm5Fp4Error(f"LayerTimer: more than {self.capacity} timing points; raise capacity=")
+            self._slot[key] = slot
+        return slot
+
+    def _stamp(self, kind: str, name: str, after: torch.Tensor | None) -> None:
+        torch.ops.glm5_fp4.timer_stamp(self.buf, self._slot_for(kind, name), after)
+
+    # ``after``: a tensor the stamp must follow (the layer's input or output); only needed under torch.compile
+    def mark(self, name: str, after: torch.Tensor | None = None) -> None:
+        """Start region ``name``; ends the region of the previous mark."""
+        if name == _STOP:
+            raise Glm5Fp4Error("LayerTimer.mark: reserved name")
+        self._stamp("mark", name, after)
+
+    def stop(self, after: torch.Tensor | None = None) -> None:
+        """End the last mark's region."""
+        self._stamp("mark", _STOP, after)
+
+    def begin(self, name: str, after: torch.Tensor | None = None) -> None:
+        self._stamp("begin", name, after)
+
+    def end(self, name: str, after: torch.Tensor | None = None) -> None:
+        self._stamp("end", name, after)
+
+    @contextlib.contextmanager
+    def range(self, name: str, after: torch.Tensor | None = None):
+        self.begin(name, after)
+        try:
+            yield
+        finally:
+            self.end(name)
+
+    def reset(self) -> None:
+        """Forget stamps and statistics (e.g. those of warm-up and graph-capture passes); slots stay."""
+        self.buf.zero_()
+        self.stats = TimerStats()
+
+    def collect(self, synchronize: bool = True) -> dict[str, float]:
+        """Durations (µs) of this step's regions, in time order; clears the buffer and adds to ``stats``.
+
+        Call after the step (after the graph replay); stamps of regions that did not run are ignored.
+        """
+        n = len(self._slot)
+        if n == 0:
+            return {}
+        if synchronize and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stamps = self.buf[:n].tolist()
+        self.buf[:n].zero_()
+        regions = regions_from_stamps(self._slot, stamps)
+        self.stats.add(regions)
+        self._steps += 1
+        if self.dump_path is not None:
+            with self.dump_path.open("a") as fh:
+                fh.write(json.dumps({"step": self._steps, "regions_us": regions}) + "\n")
+        return regions
+
+
+class NullTimer:
+    """Same API, does nothing: what the plugins hold when the timers are off."""
+
+    enabled = False
+    stats = None
+
+    def mark(self, name: str, after=None) -> None: ...
+    def stop(self, after=None) -> None: ...
+    def begin(self, name: str, after=None) -> None: ...
+    def end(self, name: str, after=None) -> None: ...
+
+    @contextlib.contextmanager
+    def range(self, name: str, after=None):
+        yield
+
+    def collect(self, synchronize: bool = True) -> dict[str, float]:
+        return {}
+
+    def reset(self) -> None: ...
+
+
+def regions_from_stamps(slots: dict[tuple[str, str], int], stamps: list[int]) -> dict[str, float]:
+    """Region durations (µs) from raw stamps (ns; 0 = not written this step), ordered by start time."""
+    starts: dict[str, float] = {}
+    out: dict[str, float] = {}
+    marks = sorted((stamps[s], s, name) for (kind, name), s in slots.items() if kind == "mark" and stamps[s])
+    for (t0, _, name), (t1, _, _) in zip(marks, marks[1:]):
+        if name != _STOP:
+            out[name] = out.get(name, 0.0) + (t1 - t0) / 1000.0
+            starts.setdefault(name, t0)
+    for (kind, name), s in slots.items():
+        if kind != "begin" or not stamps[s]:
+            continue
+        e = slots.get(("end", name))
+        if e is not None and stamps[e] >= stamps[s]:
+            key = name if name not in out else f"{name} (range)"
+            out[key] = (stamps[e] - stamps[s]) / 1000.0
+            starts[key] = stamps[s]
+    return dict(sorted(out.items(), key=lambda kv: starts[kv[0]]))
+
+
+def wrap_module_forward(module: torch.nn.Module, name: str, timer: LayerTimer | NullTimer) -> list:
+    """Time ``module``'s forward as range ``name`` (forward pre/post hooks); returns the hook handles."""
+    if not timer.enabled:
+        return []
+    pre = module.register_forward_pre_hook(lambda _m, args: timer.begin(name, _first_tensor(args)))
+    post = module.register_forward_hook(lambda _m, _args, out: timer.end(name, _first_tensor(out)))
+    return [pre, post]
+
+
+def _first_tensor(value) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((v for v in value if isinstance(v, torch.Tensor)), None)
+    return None
+
+
+def timer_from_env(device: str | torch.device | None = None, rank: int = 0) -> LayerTimer | NullTimer:
+    """A LayerTimer when ``GLM5_FP4_LAYER_TIMERS=1`` (dumping JSON lines to ``GLM5_FP4_LAYER_TIMERS_OUT``,
+    default ``glm5_fp4_layer_timers.rank<r>.jsonl``), else a NullTimer."""
+    if os.environ.get(ENV_ENABLE, "0").lower() not in ("1", "true", "yes", "on"):
+        return NullTimer()
+    out = os.environ.get(ENV_OUT) or f"glm5_fp4_layer_timers.rank{rank}.jsonl"
+    if "{rank}" in out:
+        out = out.format(rank=rank)
+    return LayerTimer(device=device, dump_path=out)
+
+
+# -- aggregation and reports ------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), without numpy: the GPU boxes may lack it."""
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+class TimerStats:
+    """Region durations over many steps: median, p90, mean."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+
+    def add(self, regions: dict[str, float]) -> None:
+        for name, us in regions.items():
+            self.samples.setdefault(name, []).append(float(us))
+
+    @property
+    def steps(self) -> int:
+        return max((len(v) for v in self.samples.values()), default=0)
+
+    def summary(self) -> list[dict]:
+        rows = []
+        for name, values in self.samples.items():
+            rows.append(
+                {"region": name, "n": len(values), "median_us": statistics.median(values), "p90_us": percentile(values, 90),
+                 "mean_us": statistics.fmean(values), "min_us": min(values), "max_us": max(values)}
+            )
+        return rows
+
+    def to_markdown(self, title: str = "Per-layer timers") -> str:
+        rows = self.summary()
+        lines = [f"# {title}", "", f"{self.steps} step(s); GPU %globaltimer stamps (CPU: perf_counter) per region.", ""]
+        lines.append("| region | n | median (µs) | p90 (µs) | mean (µs) | min (µs) | max (µs) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            lines.append(f"| {r['region']} | {r['n']} | {r['median_us']:.1f} | {r['p90_us']:.1f} | {r['mean_us']:.1f} | {r['min_us']:.1f} | {r['max_us']:.1f} |")
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path: Path, title: str = "Per-layer timers") -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = self.summary()
+        names = [r["region"] for r in rows]
+        med = [r["median_us"] for r in rows]
+        p90 = [r["p90_us"] - r["median_us"] for r in rows]
+        fig, ax = plt.subplots(figsize=(9, 0.28 * len(rows) + 1.6))
+        ax.barh(names, med, xerr=[[0] * len(rows), p90], color="#1f77b4", ecolor="#555", capsize=2)
+        ax.invert_yaxis()
+        ax.set_xlabel("µs per step (bar: median, whisker: p90)")
+        ax.set_title(f"{title} ({self.steps} steps)", fontsize=10)
+        ax.tick_params(axis="y", labelsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def write(self, out: Path, title: str = "Per-layer timers", png: bool = True) -> dict[str, Path]:
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
+        paths["json"].write_text(json.dumps({"steps": self.steps, "regions": self.summary()}, indent=1) + "\n")
+        paths["markdown"].write_text(self.to_markdown(title))
+        if png:
+            try:
+                paths["png"] = self.plot(out / "layer_timers.png", title)
+            except ImportError:
+                pass
+        return paths
+
+
+def read_dumps(files: list[Path]) -> TimerStats:
+    stats = TimerStats()
+    for f in files:
+        try:
+            lines = f.read_text().splitlines()
+        except OSError as exc:
+            raise Glm5Fp4Error(f"{f}: cannot read ({exc.strerror})") from None
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                regions = record["regions_us"]
+                if not isinstance(regions, dict):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
+            stats.add(regions)
+    if not stats.samples:
+        raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}")
+    return stats
+
+
+def report_from_files(files: list[Path], out: Path) -> dict[str, Path]:
+    return read_dumps(files).write(out)

@@ -1,0 +1,258 @@
+"""Breakdown reports: JSON (everything), markdown (what a person reads), PNG (stacked bars, roofline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glm5_fp4.profiling.breakdown import Breakdown
+from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT
+
+COLORS = {
+    "expert_gemm": "#d62728",
+    "attention": "#1f77b4",
+    "other_gemm": "#ff7f0e",
+    "other": "#9467bd",
+    "memcpy": "#8c564b",
+    "allreduce": "#2ca02c",
+    ALLREDUCE_WAIT: "#98df8a",
+    "idle": "#d9d9d9",
+}
+
+
+def _us(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f} %"
+
+
+def _sci(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
+def title(b: Breakdown) -> str:
+    if b.mode == "cpu":
+        return "Decode-time breakdown: CPU run (CPU ops stand in for GPU kernels)"
+    names = {r.device_name for r in b.ranks if r.device_name}
+    return f"Decode-time breakdown: {', '.join(sorted(names)) or 'GPU'}"
+
+
+def markdown(b: Breakdown) -> str:
+    cats = b.categories
+    lines = [f"# {title(b)}", ""]
+    lines.append(f"Source `{b.source}`: {len(b.ranks)} rank(s); taxonomy `{b.taxonomy}`.")
+    if b.mode == "cpu":
+        lines.append("Times are CPU op times of a CPU run, labelled with the GPU kernel taxonomy; summed time per category is the union of its ops (CPU ops nest).")
+    lines.append(
+        "Exposed time charges each instant to the first busy category in the order "
+        + " > ".join(b.exposed_priority)
+        + "; exposed + idle = step time. `allreduce_wait` is the part of all-reduce kernels spent waiting for the last rank."
+    )
+    lines.append("")
+
+    lines += ["## Median decode step per rank: exposed time (µs)", ""]
+    lines.append("| rank | steps (complete) | step time | p90 step | idle | " + " | ".join(cats) + " |")
+    lines.append("|---:|---:|---:|---:|---:|" + "---:|" * len(cats))
+    for r in b.ranks:
+        ms = r.median_step
+        lines.append(
+            f"| {r.rank} | {r.n_steps} ({r.n_complete_steps}) | {_us(ms['time_us'])} | {_us(r.p90_step_time_us)} | {_us(ms['idle_us'])} | "
+            + " | ".join(_us(ms["exposed_us"][c]) for c in cats)
+            + " |"
+        )
+    lines += ["", "## Median decode step per rank: summed kernel time (µs)", ""]
+    lines.append("| rank | kernels/step | total | " + " | ".join(cats) + " |")
+    lines.append("|---:|---:|---:|" + "---:|" * len(cats))
+    for r in b.ranks:
+        ms = r.median_step
+        total = sum(ms["summed_us"].values())
+        lines.append(f"| {r.rank} | {ms['n_kernels']:.0f} | {_us(total)} | " + " | ".join(_us(ms["summed_us"][c]) for c in cats) + " |")
+
+    a = b.across_ranks
+    if len(b.ranks) > 1:
+        lines += ["", "## Across ranks (median step, µs): mean [min, max]", ""]
+        lines.append("| quantity | exposed | summed |")
+        lines.append("|---|---|---|")
+        st = a["step_time_us"]
+        lines.append(f"| step time | {_us(st['mean'])} [{_us(st['min'])}, {_us(st['max'])}] | |")
+        idle = a["idle_us"]
+        lines.append(f"| idle | {_us(idle['mean'])} [{_us(idle['min'])}, {_us(idle['max'])}] | |")
+        for c in cats:
+            e, s = a["exposed_us"][c], a["summed_us"][c]
+            lines.append(f"| {c} | {_us(e['mean'])} [{_us(e['min'])}, {_us(e['max'])}] | {_us(s['mean'])} [{_us(s['min'])}, {_us(s['max'])}] |")
+        if "slowest_rank" in a:
+            lines += ["", f"Slowest rank (the one the others wait for in all-reduce): **{a['slowest_rank']}**; "
+                      f"spread of all-reduce wait across ranks {_us(a['wait_spread_us'])} µs per step."]
+
+    lines += ["", "## All-reduce: wait vs work (whole trace)", ""]
+    lines.append("| rank | kernels | matched across ranks | wait (µs) | work (µs) | clock skew vs reference (µs) |")
+    lines.append("|---:|---:|---:|---:|---:|---:|")
+    for r in b.ranks:
+        ar = r.allreduce
+        lines.append(f"| {r.rank} | {ar['kernels']} | {ar['matched']} | {_us(ar['wait_us'])} | {_us(ar['work_us'])} | {ar['clock_skew_us'] + 0.0:.1f} |")
+    for g in b.collective_groups:
+        lines.append(f"\nTP group {g['ranks']}: {g['matched_instances']} collective instances matched ({g['method']}).")
+
+    if b.ceilings:
+        lines += ["", *ceilings_markdown(b.ceilings)]
+
+    lines += ["", "## Top kernels per category (rank %d)" % b.ranks[0].rank, ""]
+    lines.append("| category | label | kernel | count | total (µs) | mean (µs) |")
+    lines.append("|---|---|---|---:|---:|---:|")
+    for c, rows in b.ranks[0].top_kernels.items():
+        for row in rows:
+            lines.append(f"| {c} | {row.label} | `{_short(row.name)}` | {row.count} | {_us(row.total_us)} | {_us(row.mean_us)} |")
+
+    unknown: dict[str, list[float]] = {}
+    for r in b.ranks:
+        for row in r.unknown_kernels:
+            u = unknown.setdefault(row.name, [0, 0.0])
+            u[0] += row.count
+            u[1] += row.total_us
+    lines += ["", "## Unknown kernels (no taxonomy rule matched; counted as `other`)", ""]
+    if unknown:
+        lines.append("| kernel | count (all ranks) | total (µs, all ranks) |")
+        lines.append("|---|---:|---:|")
+        for name, (count, total) in sorted(unknown.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"| `{_short(name, 160)}` | {count} | {_us(total)} |")
+        lines.append("\nAdd a rule for them to the taxonomy file (see `profiling/README.md`).")
+    else:
+        lines.append("None: every kernel matched a taxonomy rule.")
+
+    lines += ["", "## Step detection", ""]
+    for r in b.ranks:
+        lines.append(f"- rank {r.rank} (`{r.file}`, rank from {r.rank_source}): {r.step_method}: {r.step_detail}")
+    notes = list(b.notes) + [f"rank {r.rank}: {n}" for r in b.ranks for n in r.notes]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def ceilings_markdown(c: dict) -> list[str]:
+    shape = c["shape"]
+    lines = [
+        f"## Against the ceilings: {c['gpu_display_name']} ({c['model']}, batch {shape['batch']}, context {shape['context']}, "
+        f"TP{shape['tp']} PP{shape['pp']}, experts {shape['expert_dtype']}, attention {shape['attention_dtype']}, KV {shape['kv_dtype']})",
+        "",
+    ]
+    peaks = ", ".join(
+        f"{d} {p['dense']:g} dense" + (f" / {p['sparse']:g} sparse" if p.get("sparse") else "")
+        for d, p in c["peaks_tflops"].items()
+        if p.get("dense")
+    )
+    lines.append(f"Peaks (TFLOPS): {peaks}; memory bandwidth {c['bandwidth_gbs']:g} GB/s. "
+                 "The sparse figures are NVIDIA's headline numbers (2:4 structured sparsity); dense is what a GEMM can reach.")
+    lines.append("")
+    lines.append("| category | GFLOP | MB | FLOP/B | compute dtype | t mem (µs) | t compute (µs) | floor (µs) | bound | measured (µs) | % of BW | % of dense peak | % of sparse peak | floor / measured |")
+    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    for cat, row in c["categories"].items():
+        lines.append(
+            f"| {cat} | {row['flops'] / 1e9:.2f} | {row['bytes'] / 1e6:.2f} | {_sci(row['intensity_flop_per_byte'])} | {row['compute_dtype'] or '-'} | "
+            f"{_us(row['t_memory_us'])} | {_us(row['t_compute_us'])} | {_us(row['floor_us'])} | {row['bound']} | {_us(row['measured_summed_us'])} | "
+            f"{_pct(row['pct_of_bandwidth'])} | {_pct(row['pct_of_compute_dense'])} | {_pct(row['pct_of_compute_sparse'])} | {_pct(row['floor_over_measured_pct'])} |"
+        )
+    lines.append("")
+    if c["step_floor_us"] is not None:
+        lines.append(f"Step floor (sum of category floors; other/memcpy not modelled): {_us(c['step_floor_us'])} µs vs measured median step "
+                     f"{_us(c['measured_step_us'])} µs ({_pct(c['step_floor_over_measured_pct'])}).")
+    else:
+        lines.append(f"Step floor without all-reduce (no all-reduce figures for this GPU in hardware.yaml): {_us(c['step_floor_partial_us'])} µs; "
+                     f"measured median step {_us(c['measured_step_us'])} µs.")
+    lines.append("")
+    for cat, row in c["categories"].items():
+        if row.get("notes"):
+            lines.append(f"- {cat}: {row['notes']}")
+    return lines
+
+
+def _short(name: str, limit: int = 110) -> str:
+    name = name.replace("|", "\\|")
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
+def plot_breakdown(b: Breakdown, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = b.categories
+    ranks = [f"rank {r.rank}" for r in b.ranks]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 * len(ranks) + 2.8), sharey=True)
+    for ax, key, label in ((axes[0], "exposed_us", "exposed time + idle"), (axes[1], "summed_us", "summed kernel time")):
+        left = [0.0] * len(ranks)
+        parts = cats + (["idle"] if key == "exposed_us" else [])
+        for c in parts:
+            vals = [
+                (r.median_step["idle_us"] if c == "idle" else r.median_step[key][c]) / 1000.0 for r in b.ranks
+            ]
+            ax.barh(ranks, vals, left=left, color=COLORS.get(c, "#7f7f7f"), label=c)
+            left = [x + v for x, v in zip(left, vals)]
+        ax.set_xlabel("ms per decode step (median)")
+        ax.set_title(label)
+        ax.invert_yaxis()
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.suptitle(title(b), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_roofline(c: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    bw = c["bandwidth_gbs"] * 1e9
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    x = np.logspace(-1, 4, 200)
+    styles = {"nvfp4": "-", "fp8": "--", "bf16": ":"}
+    for dtype, peak in c["peaks_tflops"].items():
+        if not peak.get("dense") or dtype not in styles:
+            continue
+        for kind in ("dense", "sparse"):
+            p = peak.get(kind)
+            if not p:
+                continue
+            y = np.minimum(x * bw, p * 1e12) / 1e12
+            ax.plot(x, y, styles[dtype], color="black" if kind == "dense" else "grey", lw=1.2 if kind == "dense" else 0.8,
+                    label=f"{dtype} {kind} {p:g} TFLOPS")
+    for cat, row in c["categories"].items():
+        if row["intensity_flop_per_byte"] and row["achieved_tflops"]:
+            ax.scatter([row["intensity_flop_per_byte"]], [row["achieved_tflops"]], s=60, color=COLORS.get(cat, "#333"), zorder=5,
+                       label=f"{cat} ({_pct(row['pct_of_bandwidth'])} of BW)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("achieved TFLOP/s (summed kernel time)")
+    shape = c["shape"]
+    ax.set_title(f"{c['gpu_display_name']}: decode step, batch {shape['batch']}, context {shape['context']}, TP{shape['tp']}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_reports(b: Breakdown, out: str | Path, png: bool = True) -> dict[str, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "breakdown.json", "markdown": out / "breakdown.md"}
+    paths["json"].write_text(json.dumps(b.to_dict(), indent=1) + "\n")
+    paths["markdown"].write_text(markdown(b))
+    if png:
+        try:
+            paths["png"] = plot_breakdown(b, out / "breakdown.png")
+            if b.ceilings:
+                paths["roofline"] = plot_roofline(b.ceilings, out / "roofline.png")
+        except ImportError:
+            (out / "PLOTS_SKIPPED.txt").write_text("matplotlib is not installed: pip install 'glm5-fp4[profiling]'\n")
+    return paths

@@ -1,0 +1,403 @@
+"""Reading torch-profiler (Kineto) Chrome traces: one file per rank, as vLLM and SGLang write them.
+
+Only what the breakdown needs is kept, as numpy columns: GPU kernels / memcpy / memset records (name, start,
+duration, stream, correlation id), the correlation ids of CUDA-graph launches, launch times of runtime calls
+(to map kernels onto CPU ``ProfilerStep#`` annotations) and step annotations. A trace without GPU records
+falls back to CPU mode: its ``cpu_op`` events stand in for kernels, so a CPU run gets the same report.
+
+The rank comes from the file name (vLLM ``..._dp0_pp0_tp3_..._rank3.<ts>.pt.trace.json.gz``, SGLang
+``...-TP-3[-PP-1][-DECODE].trace.json.gz``, ``....rank3.trace.json.gz``), else from ``distributedInfo``.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import json
+import os
+import re
+import zlib
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+try:  # optional: roughly 2x faster parsing of large traces
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KIND_CPU_OP = 0, 1, 2, 3
+_GPU_CATS = {
+    "kernel": KIND_KERNEL,
+    "Kernel": KIND_KERNEL,
+    "gpu_memcpy": KIND_MEMCPY,
+    "Memcpy": KIND_MEMCPY,
+    "gpu_memset": KIND_MEMSET,
+    "Memset": KIND_MEMSET,
+}
+_RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "Runtime", "Driver"}
+_ANNOTATION_CATS = {"user_annotation", "gpu_user_annotation", "cpu_op"}
+STEP_PREFIX = "ProfilerStep#"
+
+_VLLM_NAME = re.compile(r"dp(\d+)_pp(\d+)_tp(\d+)(?:_dcp\d+)?(?:_ep\d+)?_rank(\d+)")
+_SGLANG_NAME = re.compile(r"-TP-(\d+)(?:-DP-(\d+))?(?:-PP-(\d+))?(?:-EP-(\d+))?(?:-(EXTEND|DECODE))?")
+_RANK_NAME = re.compile(r"(?:^|[._-])rank[_-]?(\d+)(?:[._-]|$)")
+_TRACE_SUFFIXES = (".json", ".json.gz")
+MAX_JOBS = 4
+
+
+@dataclass
+class NameFromFile:
+    rank: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    stage: str | None = None
+    scheme: str | None = None
+
+
+def parse_trace_name(file_name: str) -> NameFromFile:
+    """Rank / TP / PP / stage encoded in a trace file name by vLLM or SGLang (all None if none is)."""
+    m = _VLLM_NAME.search(file_name)
+    if m:
+        return NameFromFile(rank=int(m[4]), tp=int(m[3]), pp=int(m[2]), scheme="vllm")
+    m = _SGLANG_NAME.search(file_name)
+    if m:
+        pp = int(m[3]) if m[3] is not None else 0
+        return NameFromFile(rank=None, tp=int(m[1]), pp=pp, stage=m[5], scheme="sglang")
+    m = _RANK_NAME.search(file_name)
+    if m:
+        return NameFromFile(rank=int(m[1]), scheme="rank")
+    return NameFromFile()
+
+
+@dataclass
+class RankTrace:
+    """One rank's trace, reduced to the columns the analysis needs. Times are µs from ``origin_ns``."""
+
+    path: Path
+    rank: int
+    rank_source: str
+    tp_rank: int | None
+    pp_rank: int | None
+    stage: str | None
+    mode: str  # "gpu" (kernels) or "cpu" (cpu_op events stand in for kernels)
+    device_name: str | None
+    names: list[str]
+    name_id: np.ndarray
+    start: np.ndarray
+    dur: np.ndarray
+    stream: np.ndarray
+    corr: np.ndarray
+    kind: np.ndarray
+    graph_corrs: np.ndarray
+    launch_corr: np.ndarray
+    launch_ts: np.ndarray
+    step_marks_gpu: list[tuple[float, float, str]]
+    step_marks_cpu: list[tuple[float, float, str]]
+    origin_ns: int
+    distributed: dict | None = None
+    n_events: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_kernels(self) -> int:
+        return int(self.start.size)
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.start + self.dur
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise Glm5Fp4Error(f"{path}: cannot read trace ({exc.strerror or exc})") from None
+    if not raw.strip():
+        raise Glm5Fp4Error(f"{path}: empty trace file")
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            # zlib in one call is faster than GzipFile for whole-file reads; wbits=47 accepts gzip headers
+            raw = zlib.decompress(raw, 47)
+        except zlib.error as exc:
+            raise Glm5Fp4Error(f"{path}: corrupt or truncated gzip trace ({exc})") from None
+        if not raw.strip():
+            raise Glm5Fp4Error(f"{path}: empty trace (gzip holds no data)")
+    elif path.name.endswith(".gz"):
+        raise Glm5Fp4Error(f"{path}: named .gz but is not gzip data")
+    return raw
+
+
+def _parse_json(raw: bytes, path: Path) -> dict:
+    try:
+        data = _orjson.loads(raw) if _orjson is not None else json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        # json.JSONDecodeError and orjson.JSONDecodeError are both ValueErrors
+        raise Glm5Fp4Error(f"{path}: corrupt or truncated trace JSON ({str(exc)[:200]})") from None
+    if isinstance(data, list):  # the bare-array Chrome trace form
+        data = {"traceEvents": data}
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise Glm5Fp4Error(f"{path}: not a Kineto/Chrome trace (no 'traceEvents' list)")
+    return data
+
+
+def load_trace(path: str | Path, mode: str = "auto") -> RankTrace:
+    """Read one trace file. ``mode``: "auto" (GPU records if any, else CPU ops), "gpu" or "cpu"."""
+    # Parsing builds millions of small containers and the cyclic GC would rescan them over and over;
+    # JSON has no cycles, so pausing it halves the load time of a large trace.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _load_trace(Path(path), mode)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _load_trace(path: Path, mode: str) -> RankTrace:
+    data = _parse_json(_read_bytes(path), path)
+    events = data["traceEvents"]
+    if not events:
+        raise Glm5Fp4Error(f"{path}: trace has no events")
+
+    name_index: dict[str, int] = {}
+    names: list[str] = []
+    gpu_rows: list[tuple] = []
+    cpu_rows: list[tuple] = []
+    graph_corrs: list[int] = []
+    launch_rows: list[tuple[int, float]] = []
+    marks_gpu: list[tuple[float, float, str]] = []
+    marks_cpu: list[tuple[float, float, str]] = []
+    want_cpu = mode in ("auto", "cpu")
+
+    def intern(name: str) -> int:
+        idx = name_index.get(name)
+        if idx is None:
+            idx = name_index[name] = len(names)
+            names.append(name)
+        return idx
+
+    bad = 0
+    for ev in events:
+        if not isinstance(ev, dict):
+            bad += 1
+            continue
+        cat = ev.get("cat")
+        kind = _GPU_CATS.get(cat)
+        try:
+            if kind is not None:
+                args = ev.get("args") or {}
+                gpu_rows.append(
+                    (
+                        intern(str(ev.get("name", "?"))),
+                        float(ev["ts"]),
+                        float(ev.get("dur", 0.0)),
+                        int(args.get("stream", ev.get("tid", 0)) or 0),
+                        int(args.get("correlation", -1)),
+                        kind,
+                    )
+                )
+            elif cat in _RUNTIME_CATS:
+                args = ev.get("args") or {}
+                corr = args.get("correlation")
+                if corr is not None:
+                    launch_rows.append((int(corr), float(ev["ts"])))
+                    if "GraphLaunch" in ev.get("name", ""):
+                        graph_corrs.append(int(corr))
+            elif cat in _ANNOTATION_CATS:
+                name = ev.get("name", "")
+                if name.startswith(STEP_PREFIX):
+                    mark = (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), name)
+                    (marks_gpu if cat == "gpu_user_annotation" else marks_cpu).append(mark)
+                elif cat == "cpu_op" and want_cpu and ev.get("ph") == "X":
+                    cpu_rows.append(
+                        (intern(str(name)), float(ev["ts"]), float(ev.get("dur", 0.0)), int(ev.get("tid", 0) or 0), -1, KIND_CPU_OP)
+                    )
+        except (KeyError, TypeError, ValueError):
+            bad += 1
+
+    if mode == "gpu" and not gpu_rows:
+        raise Glm5Fp4Error(
+            f"{path}: no GPU kernel records (cat 'kernel'/'gpu_memcpy'/'gpu_memset'); "
+            "was the profiler started with CUDA activities?"
+        )
+    if gpu_rows:
+        rows, trace_mode = gpu_rows, "gpu"
+    elif cpu_rows:
+        rows, trace_mode = cpu_rows, "cpu"
+    else:
+        raise Glm5Fp4Error(
+            f"{path}: no GPU kernels and no CPU ops in {len(events)} events; not a torch.profiler trace of a model run"
+        )
+
+    table = np.array(rows, dtype=np.float64)
+    order = np.argsort(table[:, 1], kind="stable")
+    table = table[order]
+    t0 = float(table[0, 1])
+    base_ns = int(data.get("baseTimeNanoseconds") or 0)
+    origin_ns = base_ns + int(round(t0 * 1000.0))
+
+    launch = np.array(launch_rows, dtype=np.float64).reshape(-1, 2)
+    launch = launch[np.argsort(launch[:, 0], kind="stable")]
+    notes = []
+    if bad:
+        notes.append(f"{bad} malformed events skipped")
+    device_name = None
+    props = data.get("deviceProperties")
+    if isinstance(props, list) and props and isinstance(props[0], dict):
+        device_name = props[0].get("name")
+    dist = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else None
+
+    def shift(marks: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+        return sorted((s - t0, e - t0, n) for s, e, n in marks)
+
+    return RankTrace(
+        path=path,
+        rank=-1,
+        rank_source="",
+        tp_rank=None,
+        pp_rank=None,
+        stage=None,
+        mode=trace_mode,
+        device_name=device_name if trace_mode == "gpu" else "CPU",
+        names=names,
+        name_id=table[:, 0].astype(np.int32),
+        start=table[:, 1] - t0,
+        dur=np.maximum(table[:, 2], 0.0),
+        stream=table[:, 3].astype(np.int64),
+        corr=table[:, 4].astype(np.int64),
+        kind=table[:, 5].astype(np.int8),
+        graph_corrs=np.unique(np.array(graph_corrs, dtype=np.int64)),
+        launch_corr=launch[:, 0].astype(np.int64),
+        launch_ts=launch[:, 1] - t0,
+        step_marks_gpu=shift(marks_gpu),
+        step_marks_cpu=shift(marks_cpu),
+        origin_ns=origin_ns,
+        distributed=dist,
+        n_events=len(events),
+        notes=notes,
+    )
+
+
+def find_trace_files(path: str | Path) -> list[Path]:
+    """Trace files in a directory (not recursive) or the single file given."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise Glm5Fp4Error(f"{path}: no such trace file or directory")
+    candidates = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(_TRACE_SUFFIXES))
+    # vLLM's `bench forward` writes <case>.rank<r>.kernels.json next to its traces: not a Kineto trace
+    candidates = [p for p in candidates if not p.name.endswith((".kernels.json", ".kernels.json.gz"))]
+    named = [p for p in candidates if ".trace.json" in p.name]
+    files = named or candidates
+    if not files:
+        raise Glm5Fp4Error(f"{path}: no .json or .json.gz trace files in this directory")
+    return files
+
+
+def _select_stage(files: list[Path], stage: str | None, notes: list[str]) -> list[Path]:
+    stages = {parse_trace_name(p.name).stage for p in files}
+    if stage is None and {"DECODE", "EXTEND"} <= stages:
+        stage = "DECODE"
+        notes.append("SGLang wrote per-stage traces; analysing the DECODE ones (use --stage to choose)")
+    if stage is None or stage.lower() == "all":
+        return files
+    chosen = [p for p in files if (parse_trace_name(p.name).stage or "").upper() == stage.upper()]
+    if not chosen:
+        raise Glm5Fp4Error(f"no trace file with stage {stage!r} among {[p.name for p in files]}")
+    return chosen
+
+
+def _load_all(files: list[Path], mode: str, jobs: int | None) -> list[RankTrace]:
+    jobs = min(jobs or os.cpu_count() or 1, len(files), MAX_JOBS)
+    if jobs <= 1:
+        return [load_trace(p, mode=mode) for p in files]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(load_trace, files, [mode] * len(files)))
+
+
+def load_rank_traces(
+    path: str | Path, mode: str = "auto", stage: str | None = None, jobs: int | None = None
+) -> tuple[list[RankTrace], list[str]]:
+    """All ranks' traces under ``path``, each with its rank; returns (traces sorted by rank, notes).
+
+    ``jobs`` processes parse files in parallel (default: one per CPU, at most 4: each holds a parsed trace).
+    """
+    notes: list[str] = []
+    files = find_trace_files(path)
+    frontend = [p for p in files if "async_llm" in p.name]
+    if frontend and len(frontend) < len(files):
+        notes.append(f"skipped vLLM front-end trace(s) without GPU work: {', '.join(p.name for p in frontend)}")
+        files = [p for p in files if p not in frontend]
+    files = _select_stage(files, stage, notes)
+
+    traces = _load_all(files, mode, jobs)
+    modes = {t.mode for t in traces}
+    if len(modes) > 1:
+        cpu_files = [t.path.name for t in traces if t.mode == "cpu"]
+        raise Glm5Fp4Error(f"mixed GPU and CPU-only traces; these have no GPU kernels: {', '.join(cpu_files)}")
+
+    parsed = [parse_trace_name(t.path.name) for t in traces]
+    tp_size = max((p.tp for p in parsed if p.tp is not None), default=-1) + 1
+    for i, (t, p) in enumerate(zip(traces, parsed)):
+        t.tp_rank, t.pp_rank, t.stage = p.tp, p.pp, p.stage
+        dist_rank = t.distributed.get("rank") if t.distributed else None
+        if p.rank is not None:
+            t.rank, t.rank_source = p.rank, "file name"
+        elif p.scheme == "sglang":
+            t.rank, t.rank_source = (p.pp or 0) * tp_size + p.tp, "file name (TP/PP)"
+        elif isinstance(dist_rank, int):
+            t.rank, t.rank_source = dist_rank, "distributedInfo"
+        else:
+            t.rank, t.rank_source = i, "file order"
+            if len(traces) > 1:
+                notes.append(f"{t.path.name}: no rank in the file name or distributedInfo; using file order ({i})")
+        if t.tp_rank is None:
+            t.tp_rank = t.rank
+        if t.pp_rank is None:
+            t.pp_rank = 0
+
+    by_rank: dict[int, RankTrace] = {}
+    for t in traces:
+        if t.rank in by_rank:
+            raise Glm5Fp4Error(
+                f"two traces for rank {t.rank}: {by_rank[t.rank].path.name} and {t.path.name}; "
+                "put each capture in its own directory"
+            )
+        by_rank[t.rank] = t
+    return [by_rank[r] for r in sorted(by_rank)], notes
+
+
+def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> tuple[int, int]:
+    """Copy a trace keeping only what the analysis reads (GPU records, launch calls, step annotations and the
+    header), e.g. to commit a small test fixture. Returns (events kept, events in the source)."""
+    src = Path(src)
+    data = _parse_json(_read_bytes(src), src)
+    keep_cats = set(_GPU_CATS) | _RUNTIME_CATS | {"user_annotation", "gpu_user_annotation"}
+    if keep_cpu_ops:
+        keep_cats.add("cpu_op")
+    events = data["traceEvents"]
+    kept = [
+        e for e in events
+        if isinstance(e, dict) and (e.get("cat") in keep_cats or e.get("ph") == "M")
+        and (e.get("cat") not in ("user_annotation", "gpu_user_annotation") or str(e.get("name", "")).startswith(STEP_PREFIX))
+    ]
+    write_trace({**data, "traceEvents": kept}, dst)
+    return len(kept), len(events)
+
+
+def write_trace(data: dict, path: str | Path) -> Path:
+    """Write a trace dict as JSON (gzip when the name ends in .gz), the way torch.profiler does."""
+    path = Path(path)
+    payload = json.dumps(data).encode()
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wb", compresslevel=1) as fh:
+            fh.write(payload)
+    else:
+        path.write_bytes(payload)
+    return path

@@ -1,0 +1,176 @@
+"""`glm5-fp4 profile analyze` and `capture` end to end (capture against a fake loopback server)."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.cli import main
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.profiling.capture import CaptureConfig, capture
+from glm5_fp4.profiling.synthetic import make_decode_traces
+from glm5_fp4.profiling.traces import write_trace
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("traces")
+    files, _ = make_decode_traces(n_ranks=2, n_steps=6, layers=3, graph="breakable", slow_rank=1)
+    for name, trace in files:
+        write_trace(trace, d / name)
+    return d
+
+
+def test_analyze_writes_markdown_json_and_pngs(trace_dir, tmp_path, capsys):
+    out = tmp_path / "report"
+    rc = main(["profile", "analyze", str(trace_dir), "--out", str(out), "--batch", "64", "--context", "2048", "--gpu", "rtx-pro-6000-ws", "--jobs", "1"])
+    assert rc == 0
+    for name in ("breakdown.md", "breakdown.json", "breakdown.png", "roofline.png"):
+        assert (out / name).stat().st_size > 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert data["ceilings"]["categories"]["expert_gemm"]["peak_tflops_sparse"] == 4000
+    md = (out / "breakdown.md").read_text()
+    for needle in ("allreduce_wait", "Unknown kernels", "mystery_kernel_xyz", "% of sparse peak", "Slowest rank", "bound"):
+        assert needle in md
+    assert "median step, exposed time" in capsys.readouterr().out
+
+
+def test_analyze_detects_the_gpu_from_the_trace(trace_dir, tmp_path):
+    out = tmp_path / "r"
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--batch", "8", "--no-png", "--jobs", "1"]) == 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert data["ceilings"]["gpu"] == "h200"  # the synthetic traces say "NVIDIA H200"
+    assert not (out / "breakdown.png").exists()
+
+
+def test_analyze_without_batch_has_no_ceilings_and_says_so(trace_dir, tmp_path):
+    out = tmp_path / "r"
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--no-png", "--jobs", "1"]) == 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert data["ceilings"] is None and any("--batch" in n for n in data["notes"])
+
+
+def test_corrupt_trace_is_one_error_line_naming_the_file(tmp_path, capsys):
+    bad = tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz"
+    bad.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    assert main(["profile", "analyze", str(tmp_path), "--jobs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert bad.name in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cpu_run_is_labelled_cpu(tmp_path):
+    events = [{"ph": "X", "cat": "cpu_op", "name": n, "pid": 1, "tid": 1, "ts": 1000.0 * s + o, "dur": d}
+              for s in range(3) for n, o, d in (("aten::addmm", 0, 10.0), ("_C::cpu_fused_moe", 12, 20.0))]
+    write_trace({"traceEvents": events}, tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz")
+    out = tmp_path / "r"
+    assert main(["profile", "analyze", str(tmp_path), "--out", str(out), "--batch", "4", "--jobs", "1"]) == 0
+    md = (out / "breakdown.md").read_text()
+    assert md.startswith("# Decode-time breakdown: CPU run")
+    assert "no ceilings for a CPU run" in md  # a CPU run is not compared with a GPU unless --gpu says which
+
+
+# -- capture against a fake server --------------------------------------------------------------------
+class FakeServer:
+    """vLLM-like: /version, /v1/models, streaming /v1/completions, /start_profile, /stop_profile writing traces."""
+
+    def __init__(self, trace_dir: Path):
+        self.trace_dir = trace_dir
+        self.calls: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args):
+                pass
+
+            def _json(self, code, body):
+                payload = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                outer.calls.append(f"GET {self.path}")
+                if self.path == "/version":
+                    self._json(200, {"version": "0.33.0"})
+                elif self.path == "/v1/models":
+                    self._json(200, {"data": [{"id": "glm-5-tiny"}]})
+                else:
+                    self._json(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                outer.calls.append(f"POST {self.path}")
+                if self.path == "/v1/completions":
+                    assert body["stream"] and body["ignore_eos"]
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    try:
+                        for i in range(min(body["max_tokens"], 400)):
+                            self.wfile.write(f'data: {{"choices": [{{"text": "t{i}"}}]}}\n\n'.encode())
+                            self.wfile.flush()
+                            time.sleep(0.005)
+                        self.wfile.write(b"data: [DONE]\n\n")
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                elif self.path == "/start_profile":
+                    self._json(200, {})
+                elif self.path == "/stop_profile":
+                    files, _ = make_decode_traces(n_ranks=2, n_steps=4, layers=2)
+                    for name, trace in files:
+                        write_trace(trace, outer.trace_dir / name)
+                    self._json(200, {})
+                else:
+                    self._json(404, {})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_capture_drives_the_profiler_during_decode_and_collects_traces(tmp_path):
+    trace_dir = tmp_path / "server_traces"
+    trace_dir.mkdir()
+    (trace_dir / "old.pt.trace.json.gz").write_bytes(b"from an earlier capture")
+    with FakeServer(trace_dir) as server:
+        out = tmp_path / "cap"
+        rc = main(["profile", "capture", "--url", server.url, "--steps", "5", "--trace-dir", str(trace_dir),
+                   "--concurrency", "2", "--out", str(out), "--analyze", "--no-png", "--jobs", "1"])
+        assert rc == 0
+        calls = list(server.calls)
+    start = calls.index("POST /start_profile")
+    assert calls.index("POST /stop_profile") > start
+    assert sum(c == "POST /v1/completions" for c in calls[:start]) >= 2  # decode load was running first
+    copied = sorted(p.name for p in (out / "traces").iterdir())
+    assert len(copied) == 2 and "old.pt.trace.json.gz" not in copied
+    assert (out / "breakdown" / "breakdown.md").exists()
+
+
+def test_capture_refuses_non_loopback_urls(tmp_path):
+    cfg = CaptureConfig(url="http://10.1.2.3:8000", steps=3, trace_dir=tmp_path, out=tmp_path / "o")
+    with pytest.raises(Glm5Fp4Error, match="loopback"):
+        capture(cfg)
+
+
+def test_capture_reports_an_unreachable_server(tmp_path):
+    cfg = CaptureConfig(url="http://127.0.0.1:9", steps=3, trace_dir=tmp_path, out=tmp_path / "o", request_timeout_s=2)
+    with pytest.raises(Glm5Fp4Error, match="not reachable"):
+        capture(cfg)

@@ -1,0 +1,159 @@
+"""Per-layer timers on CPU (perf_counter_ns fallback), the custom op under torch.compile, aggregation."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.profiling.layer_timers import (
+    LayerTimer,
+    NullTimer,
+    TimerStats,
+    read_dumps,
+    report_from_files,
+    timer_from_env,
+    wrap_module_forward,
+)
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_marks_give_ordered_regions_that_cover_the_step():
+    timer = LayerTimer(device="cpu")
+    waits = {"layer0": 0.004, "layer1": 0.001, "layer2": 0.003}
+    t0 = time.perf_counter_ns()
+    for name, s in waits.items():
+        timer.mark(name)
+        _spin(s)
+    timer.stop()
+    wall_us = (time.perf_counter_ns() - t0) / 1000
+    regions = timer.collect()
+    assert list(regions) == list(waits)  # time order
+    for name, s in waits.items():
+        assert regions[name] >= s * 1e6 * 0.99
+    assert sum(regions.values()) <= wall_us
+    assert sum(regions.values()) >= sum(waits.values()) * 1e6 * 0.99
+
+
+def test_ranges_nest_and_modules_can_be_wrapped():
+    timer = LayerTimer(device="cpu")
+    layer = torch.nn.Linear(16, 16)
+    handles = wrap_module_forward(layer, "layer0/linear", timer)
+    with timer.range("layer0"):
+        _spin(0.001)
+        layer(torch.randn(4, 16))
+        with timer.range("layer0/inner"):
+            _spin(0.002)
+    regions = timer.collect()
+    assert set(regions) == {"layer0", "layer0/linear", "layer0/inner"}
+    assert regions["layer0"] >= regions["layer0/inner"] + regions["layer0/linear"]
+    assert regions["layer0/inner"] >= 2000 * 0.99
+    for h in handles:
+        h.remove()
+    layer(torch.randn(4, 16))
+    assert "layer0/linear" not in timer.collect()
+
+
+def test_collect_clears_and_regions_that_did_not_run_are_dropped():
+    timer = LayerTimer(device="cpu")
+    timer.mark("a")
+    timer.mark("b")
+    timer.stop()
+    assert set(timer.collect()) == {"a", "b"}
+    timer.mark("a")
+    timer.stop()
+    assert set(timer.collect()) == {"a"}  # "b" kept its slot but did not run this step
+    assert timer.collect() == {}
+
+
+def test_stats_median_and_p90_over_steps(tmp_path):
+    dump = tmp_path / "t.jsonl"
+    timer = LayerTimer(device="cpu", dump_path=dump)
+    for i in range(9):
+        timer.mark("x")
+        _spin(0.0002 * (1 + i % 3))
+        timer.stop()
+        timer.collect()
+    samples = timer.stats.samples["x"]
+    assert len(samples) == 9
+    row = timer.stats.summary()[0]
+    assert row["median_us"] == pytest.approx(np.median(samples))
+    assert row["p90_us"] == pytest.approx(np.percentile(samples, 90))
+    # the JSON-lines dump round-trips into the same statistics and a report
+    assert read_dumps([dump]).samples["x"] == pytest.approx(samples)
+    paths = report_from_files([dump], tmp_path / "rep")
+    assert json.loads(paths["json"].read_text())["steps"] == 9
+    assert "| x | 9 |" in paths["markdown"].read_text()
+    assert paths["png"].stat().st_size > 0
+
+
+def test_bad_dump_line_is_named(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"regions_us": {"a": 1}}\nnot json\n')
+    with pytest.raises(Glm5Fp4Error, match="bad.jsonl:2"):
+        read_dumps([f])
+
+
+def test_env_switch(monkeypatch, tmp_path):
+    monkeypatch.delenv("GLM5_FP4_LAYER_TIMERS", raising=False)
+    assert isinstance(timer_from_env("cpu"), NullTimer)
+    monkeypatch.setenv("GLM5_FP4_LAYER_TIMERS", "1")
+    monkeypatch.setenv("GLM5_FP4_LAYER_TIMERS_OUT", str(tmp_path / "timers.rank{rank}.jsonl"))
+    t = timer_from_env("cpu", rank=3)
+    assert isinstance(t, LayerTimer) and t.dump_path == tmp_path / "timers.rank3.jsonl"
+    null = NullTimer()
+    with null.range("x"):
+        null.mark("y")
+    assert null.collect() == {} and wrap_module_forward(torch.nn.Linear(2, 2), "m", null) == []
+
+
+def test_capacity_is_enforced():
+    timer = LayerTimer(device="cpu", capacity=2)
+    timer.mark("a")
+    timer.mark("b")
+    with pytest.raises(Glm5Fp4Error, match="capacity"):
+        timer.mark("c")
+
+
+def test_stamp_op_survives_torch_compile():
+    """The op has a fake implementation, so a traced graph keeps the stamps (no graph break, fullgraph)."""
+    assert hasattr(torch.ops.glm5_fp4, "timer_stamp")
+    timer = LayerTimer(device="cpu")
+
+    def step(x):
+        timer.mark("first", after=x)
+        y = torch.sin(x) @ x
+        timer.mark("second", after=y)
+        y = y.relu()
+        timer.stop(after=y)
+        return y
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    x = torch.randn(64, 64)
+    compiled(x)
+    timer.collect()
+    compiled(x)  # the second call runs the traced graph, with no Python marks executing
+    regions = timer.collect()
+    assert list(regions) == ["first", "second"] and all(v > 0 for v in regions.values())
+
+
+def test_stats_ignore_empty():
+    assert TimerStats().steps == 0
+
+
+def test_reset_drops_warmup_stamps_and_stats():
+    timer = LayerTimer(device="cpu")
+    timer.mark("warmup")
+    timer.stop()
+    timer.collect()
+    timer.mark("warmup")
+    timer.stop()  # e.g. a graph-capture pass that nobody collected
+    timer.reset()
+    assert timer.stats.steps == 0 and timer.collect() == {}

@@ -1,0 +1,165 @@
+"""Reading Kineto traces: ranks from file names, json / json.gz, and one clear error per bad file."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.profiling.synthetic import make_decode_traces
+from glm5_fp4.profiling.traces import load_rank_traces, load_trace, parse_trace_name, write_trace
+
+
+def _kernel(name, ts, dur, corr=1, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+            "args": {"stream": stream, "correlation": corr, "device": 0}}
+
+
+def _trace(events, **top):
+    return {"schemaVersion": 1, "traceEvents": events, **top}
+
+
+@pytest.mark.parametrize(
+    "name,rank,tp,pp,stage",
+    [
+        ("dp0_pp0_tp3_dcp0_ep0_rank3.1764000000123456789.pt.trace.json.gz", 3, 3, 0, None),
+        ("myprefix_dp0_pp1_tp2_dcp0_ep0_rank6.1764000000123.pt.trace.json.gz", 6, 2, 1, None),
+        ("1764000000.1-TP-3-DECODE.trace.json.gz", None, 3, 0, "DECODE"),
+        ("1764000000.1-TP-2-PP-1-EXTEND.trace.json.gz", None, 2, 1, "EXTEND"),
+        ("decode=512x1@4096.rank5.trace.json.gz", 5, None, None, None),
+        ("bs_32_rank1.json.gz", 1, None, None, None),
+        ("trace.json", None, None, None, None),
+    ],
+)
+def test_rank_from_file_names(name, rank, tp, pp, stage):
+    parsed = parse_trace_name(name)
+    assert (parsed.rank, parsed.tp, parsed.pp, parsed.stage) == (rank, tp, pp, stage)
+
+
+def test_json_and_gz_load_the_same(tmp_path):
+    files, _ = make_decode_traces(n_ranks=1, n_steps=3, layers=2)
+    name, trace = files[0]
+    a = load_trace(write_trace(trace, tmp_path / name))
+    b = load_trace(write_trace(trace, tmp_path / name.removesuffix(".gz")))
+    kernels = [e for e in trace["traceEvents"] if e["cat"] in ("kernel", "gpu_memcpy")]
+    assert a.n_kernels == b.n_kernels == len(kernels)
+    np.testing.assert_allclose(a.dur.sum(), sum(e["dur"] for e in kernels))
+    np.testing.assert_array_equal(a.start, b.start)
+    assert a.mode == "gpu" and a.device_name == "NVIDIA H200"
+
+
+def test_ranks_across_naming_schemes(tmp_path):
+    # SGLang names with a PP stage: global rank = pp * tp_size + tp
+    for tp in range(2):
+        for pp in range(2):
+            write_trace(_trace([_kernel("k", 10.0, 1.0)]), tmp_path / f"77-TP-{tp}-PP-{pp}.trace.json.gz")
+    traces, _ = load_rank_traces(tmp_path)
+    assert [(t.rank, t.tp_rank, t.pp_rank) for t in traces] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+
+
+def test_rank_from_distributed_info_then_file_order(tmp_path):
+    write_trace(_trace([_kernel("k", 1.0, 1.0)], distributedInfo={"rank": 1}), tmp_path / "a.json")
+    write_trace(_trace([_kernel("k", 1.0, 1.0)], distributedInfo={"rank": 0}), tmp_path / "b.json")
+    traces, _ = load_rank_traces(tmp_path)
+    assert [(t.rank, t.path.name, t.rank_source) for t in traces] == [(0, "b.json", "distributedInfo"), (1, "a.json", "distributedInfo")]
+
+
+def test_duplicate_rank_is_an_error_naming_both_files(tmp_path):
+    for name in ("x_rank0.trace.json", "y_rank0.trace.json"):
+        write_trace(_trace([_kernel("k", 1.0, 1.0)]), tmp_path / name)
+    with pytest.raises(Glm5Fp4Error, match="rank 0.*x_rank0.*y_rank0"):
+        load_rank_traces(tmp_path)
+
+
+def test_sglang_stage_selection(tmp_path):
+    write_trace(_trace([_kernel("decode_k", 1.0, 1.0)]), tmp_path / "9-TP-0-DECODE.trace.json.gz")
+    write_trace(_trace([_kernel("extend_k", 1.0, 1.0)]), tmp_path / "9-TP-0-EXTEND.trace.json.gz")
+    traces, notes = load_rank_traces(tmp_path)
+    assert [t.names for t in traces] == [["decode_k"]] and "DECODE" in notes[0]
+    traces, _ = load_rank_traces(tmp_path, stage="EXTEND")
+    assert traces[0].names == ["extend_k"]
+
+
+def test_non_trace_json_next_to_traces_is_ignored(tmp_path):
+    write_trace(_trace([_kernel("k", 1.0, 1.0)]), tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz")
+    (tmp_path / "breakdown.json").write_text("{}")
+    (tmp_path / "case.rank0.kernels.json").write_text("[]")
+    traces, _ = load_rank_traces(tmp_path)
+    assert len(traces) == 1
+
+
+def test_cpu_only_trace_uses_cpu_ops(tmp_path):
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "pid": 1, "tid": 1, "ts": 5.0, "dur": 3.0},
+        {"ph": "X", "cat": "cpu_op", "name": "vllm::unified_mla_attention_with_output", "pid": 1, "tid": 1, "ts": 9.0, "dur": 4.0},
+        {"ph": "X", "cat": "python_function", "name": "forward", "pid": 1, "tid": 1, "ts": 1.0, "dur": 20.0},
+    ]
+    t = load_trace(write_trace(_trace(events), tmp_path / "cpu.json"))
+    assert t.mode == "cpu" and t.device_name == "CPU" and sorted(t.names) == ["aten::addmm", "vllm::unified_mla_attention_with_output"]
+    with pytest.raises(Glm5Fp4Error, match="no GPU kernel records"):
+        load_trace(tmp_path / "cpu.json", mode="gpu")
+
+
+def _good_bytes():
+    files, _ = make_decode_traces(n_ranks=1, n_steps=2, layers=1)
+    return json.dumps(files[0][1]).encode()
+
+
+@pytest.mark.parametrize(
+    "name,content,needle",
+    [
+        ("empty.json", b"", "empty trace file"),
+        ("blank.json", b"   \n", "empty trace file"),
+        ("truncated.json", _good_bytes()[: len(_good_bytes()) // 2], "corrupt or truncated trace JSON"),
+        ("truncated.json.gz", gzip.compress(_good_bytes())[: len(gzip.compress(_good_bytes())) // 2], "corrupt or truncated gzip"),
+        ("garbage.json.gz", b"this is not gzip at all", "not gzip"),
+        ("empty.json.gz", gzip.compress(b""), "empty trace"),
+        ("other.json", b'{"hello": 1}', "no 'traceEvents' list"),
+        ("noevents.json", b'{"traceEvents": []}', "no events"),
+        ("nothing.json", json.dumps({"traceEvents": [{"ph": "M", "name": "process_name", "pid": 0}]}).encode(), "no GPU kernels and no CPU ops"),
+    ],
+)
+def test_bad_trace_files_give_one_clear_error_naming_the_file(tmp_path, name, content, needle):
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(Glm5Fp4Error) as err:
+        load_trace(p)
+    msg = str(err.value)
+    assert str(p) in msg and needle in msg
+    assert "\n" not in msg  # one line, no traceback text
+
+
+def test_bad_file_among_good_ones_is_named(tmp_path):
+    files, _ = make_decode_traces(n_ranks=2, n_steps=2, layers=1)
+    write_trace(files[0][1], tmp_path / files[0][0])
+    bad = tmp_path / files[1][0]
+    bad.write_bytes(gzip.compress(json.dumps(files[1][1]).encode())[:-200])
+    with pytest.raises(Glm5Fp4Error, match=bad.name):
+        load_rank_traces(tmp_path, jobs=1)
+
+
+def test_missing_directory_and_empty_directory(tmp_path):
+    with pytest.raises(Glm5Fp4Error, match="no such trace file or directory"):
+        load_rank_traces(tmp_path / "nope")
+    with pytest.raises(Glm5Fp4Error, match="no .json or .json.gz trace files"):
+        load_rank_traces(tmp_path)
+
+
+def test_trim_keeps_what_the_analysis_reads(tmp_path):
+    from glm5_fp4.profiling.breakdown import analyze_path
+    from glm5_fp4.profiling.traces import trim_trace
+
+    files, _ = make_decode_traces(n_ranks=2, n_steps=4, layers=2, graph="breakable", profiler_steps="cpu", target_bytes=400_000)
+    full, small = tmp_path / "full", tmp_path / "small"
+    full.mkdir()
+    small.mkdir()
+    for name, trace in files:
+        write_trace(trace, full / name)
+        kept, total = trim_trace(full / name, small / name)
+        assert kept < total
+        assert (small / name).stat().st_size < (full / name).stat().st_size / 2
+    a, b = analyze_path(full, jobs=1), analyze_path(small, jobs=1)
+    for x, y in zip(a.ranks, b.ranks):
+        assert x.summed_us == y.summed_us and x.allreduce == y.allreduce
+        assert (x.step_method, x.n_steps) == (y.step_method, y.n_steps) == ("annotation", 4)
