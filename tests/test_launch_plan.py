@@ -1,0 +1,164 @@
+"""`glm5-fp4 plan` against numbers computed by hand from GLM-5's config and the 8x RTX PRO 6000 table.
+
+Hand values use the raw config numbers (not Glm5Spec), NVFP4 = 4 bits + one E4M3 scale per 16 = 0.5625 B/param,
+RTX PRO 6000 WS: 1792 GB/s, 96 GiB; PCIe NCCL all-reduce 38 GB/s bus bandwidth, 24 us (hardware.md section 3).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.hardware import get_gpu
+from glm5_fp4.launch.plan import PlanInputs, make_plan, pp_partition
+from glm5_fp4.spec import Glm5Spec
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+H, I, E, K, MOE_LAYERS, LAYERS = 6144, 2048, 256, 8, 75, 78
+EXPERT_PARAMS = 3 * H * I
+NVFP4 = 0.5 + 1 / 16
+BW = 1792e9
+
+
+def plan(tp, pp, c=512, ctx=2048, **kw):
+    return make_plan(Glm5Spec(), get_gpu("rtx-pro-6000-ws"), PlanInputs(tp, pp, c, ctx, **kw))
+
+
+def touched(b):
+    return E * (1 - (1 - K / E) ** b)
+
+
+def test_tp8_c512_routed_expert_floor_matches_hand_value():
+    p = plan(8, 1)
+    routed_bytes = MOE_LAYERS * E * EXPERT_PARAMS * NVFP4 / 8  # every expert is touched at c512
+    assert routed_bytes == pytest.approx(50.96e9, rel=1e-3)  # the "~51 GB per GPU per step"
+    assert p.routed_expert_bytes_per_step == pytest.approx(routed_bytes, rel=1e-4)
+    assert routed_bytes / BW == pytest.approx(0.02844, rel=1e-3)  # "floor ~28 ms at 1.79 TB/s"
+    assert p.per_step("expert") == pytest.approx(routed_bytes / BW, rel=1e-3)
+    assert p.bottleneck.expert.bound == "memory"  # AI ~ 2*16/0.5625 = 57 FLOP/B << ridge ~1124
+
+
+def test_tp4pp2_streams_each_stage_once_per_micro_batch():
+    p = plan(4, 2)
+    assert p.micro_batch == 256
+    # stage 1 (layers 39..77) is all MoE; each GPU holds a quarter of each expert and reads it per micro-batch
+    per_micro_batch = 39 * touched(256) * EXPERT_PARAMS * NVFP4 / 4
+    assert p.routed_expert_bytes_per_step == pytest.approx(2 * per_micro_batch, rel=1e-6)
+    assert p.per_step("expert") == pytest.approx(2 * per_micro_batch / BW, rel=1e-3)
+
+
+def test_allreduce_latency_bandwidth_model():
+    msg = 512 * H * 2
+    one = 24e-6 + 2 * 7 / 8 * msg / 38e9
+    assert plan(8, 1).per_step("allreduce_s") == pytest.approx(2 * LAYERS * one, rel=1e-6)
+    msg2 = 256 * H * 2
+    one2 = 24e-6 + 2 * 3 / 4 * msg2 / 38e9
+    # bottleneck stage: 39 layers, 2 all-reduces each, once per micro-batch (2 per step)
+    assert plan(4, 2).per_step("allreduce_s") == pytest.approx(2 * 2 * 39 * one2, rel=1e-6)
+    assert plan(1, 1, c=8).per_step("allreduce_s") == 0.0
+
+
+def test_memory_per_gpu_and_fit():
+    tp8 = plan(8, 1)
+    w = tp8.heaviest.weights_bytes
+    assert w["routed experts (NVFP4)"] == pytest.approx(MOE_LAYERS * E * EXPERT_PARAMS * NVFP4 / 8, rel=1e-9)
+    # attention: q_a (H x 2048) and kv_a (H x 576) and the indexer replicated, the rest split 8 ways, BF16
+    replicated = H * 2048 + H * 576
+    split = 2048 * 64 * 256 + 512 * 64 * (192 + 256) + 64 * 256 * H
+    indexer = 2048 * 32 * 128 + H * 128 + H * 32
+    assert w["attention + DSA indexer (BF16)"] == pytest.approx(LAYERS * (replicated + split / 8 + indexer) * 2, rel=1e-9)
+    # public figure: ~56-57 GB of weights per GPU at TP8 (hardware/glm5 notes); ours is within that neighbourhood
+    assert 52e9 < tp8.heaviest.weights_total < 62e9
+    assert tp8.weights_fit()
+    assert not plan(4, 1).weights_fit()  # "TP4 alone does not fit"
+    usable = 96 * 2**30 * 0.90 - 2 * 2**30
+    assert tp8.usable_bytes == pytest.approx(usable)
+
+
+def test_kv_cache_bytes_and_capacity():
+    fp8_row = 512 + 512 // 128 * 4 + 64 * 2  # 656: vLLM fp8_ds_mla / SGLang DSA FP8 row
+    indexer = 128 + 4
+    tp8 = plan(8, 1)
+    assert tp8.heaviest.kv_bytes_per_token == LAYERS * (fp8_row + indexer)
+    cap = int((tp8.usable_bytes - tp8.heaviest.weights_total) / (LAYERS * (fp8_row + indexer)))
+    assert tp8.kv_capacity_tokens() == cap
+    # TP4+PP2: each stage holds only its 39 layers' KV -> about twice the tokens
+    assert plan(4, 2).heaviest.kv_bytes_per_token == 39 * (fp8_row + indexer)
+    bf16 = plan(8, 1, kv_cache_dtype="bfloat16")
+    assert bf16.heaviest.kv_bytes_per_token == LAYERS * ((512 + 64) * 2 + indexer)
+    # TP4+PP2 holds about twice TP8's tokens; 512 sequences at 1024 tokens (524,288) fit only there
+    assert plan(4, 2).kv_capacity_tokens() == pytest.approx(2 * cap, rel=0.02)
+    assert not plan(8, 1, ctx=1024).fits() and plan(4, 2, ctx=1024).fits()
+
+
+def test_attention_kv_read_grows_with_context():
+    short, long = plan(8, 1, ctx=1024), plan(8, 1, ctx=2048)
+    assert long.bottleneck.kv_read_bytes == pytest.approx(2 * short.bottleneck.kv_read_bytes)
+    # beyond index_topk only the indexer keys keep growing (DSA selects 2048 tokens)
+    a, b = plan(8, 1, ctx=4096), plan(8, 1, ctx=8192)
+    per_token_ctx = 512 * LAYERS * 132
+    assert b.bottleneck.kv_read_bytes - a.bottleneck.kv_read_bytes == pytest.approx(4096 * per_token_ctx)
+
+
+def test_pp_partition_matches_vllm():
+    from vllm.distributed.utils import get_pp_indices
+
+    for layers, pp in ((78, 2), (78, 4), (78, 3), (61, 4), (5, 5)):
+        assert pp_partition(layers, pp) == [get_pp_indices(layers, r, pp) for r in range(pp)]
+
+
+def test_step_time_is_the_sum_of_parts_and_tokens_per_s():
+    p = plan(8, 1)
+    parts = sum(p.per_step(a) for a in ("expert", "attention", "allreduce_s", "hop_s", "other"))
+    assert p.step_s == pytest.approx(parts)
+    assert p.tokens_per_s == pytest.approx(512 / p.step_s)
+    pp = plan(4, 2)
+    assert pp.step_s == pytest.approx(2 * max(s.time_s for s in pp.stages))
+
+
+def test_every_assumption_is_stated():
+    text = "\n".join(plan(4, 2).assumptions)
+    for needle in ("0.5625", "38 GB/s", "24 us", "55 GB/s", "656 B", "index_topk", "micro-batch", "0.90 x 96 GiB",
+                   "replicated", "BF16", "no launch gaps"):
+        assert needle in text, needle
+
+
+def test_gpu_without_interconnect_numbers_needs_flags():
+    with pytest.raises(Glm5Fp4Error, match="--allreduce-gbs"):
+        make_plan(Glm5Spec(), get_gpu("h200"), PlanInputs(8, 1, 512, 2048))
+    h200 = make_plan(Glm5Spec(), get_gpu("h200"), PlanInputs(8, 1, 512, 2048, allreduce_gbs=360,
+                                                              allreduce_latency_us=10))
+    assert "bf16" in h200.assumptions[5]  # no FP4 tensor cores: W4A16 roof
+
+
+def test_plan_cli_side_by_side_and_json():
+    from glm5_fp4.cli import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["plan", "--profile", str(LAUNCH / "tp8.yaml")]) == 0
+    text = out.getvalue()
+    header = next(line for line in text.splitlines() if "TP8" in line and "TP4+PP2" in line)
+    assert header.index("TP8") < header.index("TP4+PP2")
+    assert "Assumptions:" in text and "expert GEMM (routed)" in text and "50.96" in text
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["plan", "--profile", str(LAUNCH / "tp4pp2-sglang.yaml"), "--json", "--layouts", "tp8",
+                     "--concurrency", "64", "--context", "4096"]) == 0
+    data = json.loads(out.getvalue())
+    assert list(data["layouts"]) == ["TP8"]
+    tp8 = data["layouts"]["TP8"]
+    assert tp8["concurrency"] == 64 and tp8["context"] == 4096
+    assert tp8["routed_expert_bytes_per_step"] == pytest.approx(MOE_LAYERS * touched(64) * EXPERT_PARAMS * NVFP4 / 8)
+
+
+def test_plan_cli_rejects_bad_layout(capsys):
+    from glm5_fp4.cli import main
+
+    assert main(["plan", "--layouts", "tp8,pp2"]) == 1
+    assert "pp2" in capsys.readouterr().err

