@@ -3,15 +3,15 @@
 Runs on a CUDA machine (no engine needed; torch + Triton only):
 
 1. Layer timers: a small stack of decoder-like layers (RMSNorm, projections, SDPA attention over a KV cache,
-   a matmul-heavy expert stand-in) is captured in a CUDA graph with a LayerTimer mark per layer and ranges
+   this project's fused NVFP4 MoE kernel behind a router) is captured in a CUDA graph with a LayerTimer mark per layer and ranges
    for attention and MoE. Over many replays it checks that every region is non-zero, that the layer marks
    come back in layer order, and that the layers sum to within a few % of the replay time measured with CUDA
    events; it measures the overhead against the same graph captured without timers. Eager mode too.
 2. Traces: torch.profiler traces of eager steps (with ProfilerStep# annotations) and of CUDA-graph replays
    (no CPU op names), single GPU; with more than one GPU, the same on every rank of a torch.distributed NCCL
    group with two all-reduces per layer and the last rank made slower (a GPU sleep before its expert GEMMs),
-   so the other ranks wait in all-reduce. The expert stand-in's Triton kernels are named like this project's
-   (glm5_fp4_moe_gemm1_kernel / _gemm2_kernel) and torch._grouped_mm adds a real CUTLASS grouped GEMM.
+   so the other ranks wait in all-reduce. The MoE is this project's Triton kernel (moe_gemm1_kernel, moe_gemm2_*_kernel, ...)
+   and torch._grouped_mm adds a real CUTLASS grouped GEMM.
 
 Output (``$OUT`` if set, else ./out/gpu_layer_timers): gpu_layer_timers.json (all numbers and checks),
 layer_timers.md, traces.tar.gz (single/{eager,graph}/..., tp<N>/{eager,graph}/..., vLLM file names).
@@ -44,72 +44,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from glm5_fp4.kernels import fused_moe  # noqa: E402
 from glm5_fp4.profiling.layer_timers import LayerTimer, NullTimer  # noqa: E402
+from glm5_fp4.reference import route  # noqa: E402
 
 SUM_TOLERANCE = 0.05
 OVERHEAD_GOAL = 0.02
 
 
-# -- the expert stand-in: grouped GEMMs in Triton, named like this project's MoE kernels ----------------
-# (module level: Triton looks `tl` up in the kernel's module globals)
 try:
     import triton
-    import triton.language as tl
 except ImportError:  # checked in main(): CUDA builds of torch ship Triton
     triton = None
 
-if triton is not None:
-    # Two copies of one batched GEMM, so the trace shows both names (Triton names kernels after the function).
 
-    @triton.jit
-    def glm5_fp4_moe_gemm1_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn, sae, sbe, sce,
-                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        pid_e = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = tl.load(a_ptr + pid_e * sae + rm[:, None] * sam + (k0 + rk)[None, :] * sak,
-                        mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
-            b = tl.load(b_ptr + pid_e * sbe + (k0 + rk)[:, None] * sbk + rn[None, :] * sbn,
-                        mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
-            acc += tl.dot(a, b)
-        tl.store(c_ptr + pid_e * sce + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+def random_prepared_experts(experts: int, hidden: int, inter: int, top_k: int, max_tokens: int, device):
+    """This project's NVFP4 experts (random valid codes and scales) in the fused kernel's layout."""
+    from glm5_fp4.kernels import prepare_experts, reserve_workspace
+    from glm5_fp4.reference import NvFp4Experts
 
-    @triton.jit
-    def glm5_fp4_moe_gemm2_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn, sae, sbe, sce,
-                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        pid_e = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = tl.load(a_ptr + pid_e * sae + rm[:, None] * sam + (k0 + rk)[None, :] * sak,
-                        mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
-            b = tl.load(b_ptr + pid_e * sbe + (k0 + rk)[:, None] * sbk + rn[None, :] * sbn,
-                        mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
-            acc += tl.dot(a, b)
-        tl.store(c_ptr + pid_e * sce + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+    def arrays(n, k):
+        packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=device)
+        scale = (torch.rand(experts, n, k // 16, device=device) * 2 + 0.5).to(torch.float8_e4m3fn)
+        return packed, scale, torch.full((experts,), 1.0 / (6 * 448) / k**0.5, device=device)
 
-    _KERNELS = (glm5_fp4_moe_gemm1_kernel, glm5_fp4_moe_gemm2_kernel)
-
-
-def grouped_bmm(which: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """c[e] = a[e] @ b[e] for a [E, M, K], b [E, K, N]."""
-    e, m, k = a.shape
-    n = b.shape[2]
-    c = torch.empty(e, m, n, device=a.device, dtype=a.dtype)
-    bm = max(16, 1 << (m - 1).bit_length())
-    grid = (e, (n + 63) // 64)
-    _KERNELS[which][grid](a, b, c, m, n, k, a.stride(1), a.stride(2), b.stride(1), b.stride(2), c.stride(1), c.stride(2),
-                    a.stride(0), b.stride(0), c.stride(0), BM=bm, BN=64, BK=64)
-    return c
+    prepared = prepare_experts(NvFp4Experts(*arrays(2 * inter, hidden), *arrays(hidden, inter)))
+    reserve_workspace(prepared, top_k, max_tokens)
+    return prepared
 
 
 class DecoderStandIn(nn.Module):
@@ -126,8 +87,9 @@ class DecoderStandIn(nn.Module):
         scale = hidden ** -0.5
         self.k_cache = torch.randn(batch, heads, context, self.head_dim, device=device, dtype=dtype)
         self.v_cache = torch.randn(batch, heads, context, self.head_dim, device=device, dtype=dtype)
-        self.w13 = nn.Parameter(torch.randn(experts, hidden, 2 * inter, device=device, dtype=dtype) * scale)
-        self.w2 = nn.Parameter(torch.randn(experts, inter, hidden, device=device, dtype=dtype) * inter ** -0.5)
+        # The real fused NVFP4 MoE kernel (glm5_fp4.kernels), top-k chosen so each expert gets ~per_expert tokens.
+        self.top_k = max(1, min(experts, experts * per_expert // batch))
+        self.prepared = random_prepared_experts(experts, hidden, inter, self.top_k, batch, device)
         self.grouped_mm = grouped_mm
         if grouped_mm:  # the shared expert through torch._grouped_mm: a real CUTLASS GroupProblemShape kernel
             self.ws = nn.Parameter(torch.randn(experts, hidden, inter, device=device, dtype=dtype) * scale)
@@ -148,19 +110,14 @@ class DecoderStandIn(nn.Module):
         x = x + y
         with timer.range(f"{name}/moe"):
             hn = self.norm2(x)
-            _ = self.router(hn)
+            weights, ids = route(self.router(hn).float(), None, self.top_k)
             if skew_cycles:
                 torch.cuda._sleep(skew_cycles)  # this rank is the slow one: the others wait in all-reduce
-            # tokens pre-grouped per expert (routing is not what is timed here)
-            xe = hn.repeat(self.experts * self.per_expert // b + 1, 1)[: self.experts * self.per_expert]
-            xe = xe.view(self.experts, self.per_expert, h)
-            h13 = grouped_bmm(0, xe, self.w13)
-            gate, up = h13.chunk(2, dim=-1)
-            out = grouped_bmm(1, (F.silu(gate) * up).contiguous(), self.w2)
+            y = fused_moe(hn, weights, ids, self.prepared)
             if self.grouped_mm:
-                shared = torch._grouped_mm(xe.reshape(-1, h), self.ws, offs=self.offs)
-                out = out + shared.sum() * 0
-            y = out.view(-1, h)[:b]
+                xe = hn.repeat(self.experts * self.per_expert // b + 1, 1)[: self.experts * self.per_expert]
+                shared = torch._grouped_mm(xe, self.ws, offs=self.offs)
+                y = y + shared.sum() * 0
         if group is not None:
             with timer.range(f"{name}/allreduce_moe"):
                 torch.distributed.all_reduce(y, group=group)
@@ -479,12 +436,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
     }
-    try:
-        import triton
-
-        result["triton"] = triton.__version__
-    except ImportError:
-        pass
+    result["triton"] = triton.__version__
     ok = True
     stats_timer = None
     try:
