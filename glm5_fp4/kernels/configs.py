@@ -1,0 +1,307 @@
+"""Tile configurations of the fused NVFP4 MoE kernels, per GPU architecture, and how one is picked.
+
+Picking is a pure function of static shapes (tokens T, experts E, top-k, hidden H, intermediate I) and the
+architecture, so a CUDA graph captured for a batch size always replays the kernels it was captured with,
+and no autotuning runs inside capture. The per-arch defaults below were chosen from the sweep in
+``benchmarks/moe_kernel.py --sweep`` on an H200 (SM90); SM120 and SM100 entries are untested on such GPUs
+and are sized to fit their shared memory (SM120: 99 KB per block, checked by
+``tests/test_kernels_configs.py``).
+
+Vocabulary: GEMM1 computes ``act = silu(x Wg^T) * (x Wu^T)`` (N = I per gate/up half, K = H); GEMM2
+computes ``act W2^T`` (N = H, K = I). ``bn`` is the weight-tile rows (the MMA M side after swapping A/B),
+``bm`` the tokens per MMA (N side), ``bk`` the K tile. GEMM2 takes the whole K = I in one tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+# Shared memory one block may use (opt-in maximum), bytes.
+SMEM_LIMIT = {"sm80": 166_912, "sm90": 232_448, "sm100": 232_448, "sm120": 101_376}
+
+
+@dataclass(frozen=True)
+class Gemm1Config:
+    bn: int  # gate rows per tile (the same number of up rows ride along)
+    bm: int  # tokens per MMA
+    bk: int  # K tile (multiple of 32)
+    num_warps: int
+    num_stages: int
+    # One MMA chain per weight tile (the eight decoded K subsets concatenated in registers) instead of
+    # eight MMAs each waited for; costs registers (the whole decoded tile is live at once).
+    merged: bool = True
+
+
+@dataclass(frozen=True)
+class Gemm2Config:
+    bn: int  # output features per tile
+    bm: int  # tokens per MMA (grouped schedule; the slot schedule always uses 16)
+    num_warps: int
+    num_stages: int
+    # Programs per expert along H (grouped) or per token along H (slot). None: pick to fill the GPU.
+    n_split: int | None = None
+    merged: bool = True  # as Gemm1Config.merged
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the launcher needs for one call shape."""
+
+    schedule: str  # "slot" or "grouped"
+    gemm1: Gemm1Config
+    gemm2: Gemm2Config
+    gemm2_n_split: int
+    # Slot schedule: GEMM1 programs per (N tile, slot) along K; the slot GEMM2 adds the partial sums.
+    gemm1_split_k: int = 1
+    # Grouped W4A16: the align kernel converts x to fp16 in GEMM1's K order once (False: GEMM1 converts
+    # every K tile itself; kept for comparison).
+    prep_x: bool = True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Candidate lists (the sweep explores these; SM120's must each fit 99 KB).
+# ---------------------------------------------------------------------------------------------------------
+GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
+    "sm90": [
+        Gemm1Config(bn, bm, bk, w, s)
+        for bn, bm, bk, w, s in [
+            (16, 16, 256, 4, 4),
+            (16, 16, 512, 4, 3),
+            (32, 16, 256, 4, 4),
+            (64, 16, 256, 4, 4),
+            (64, 16, 256, 4, 3),
+            (64, 32, 256, 4, 4),
+            (128, 16, 256, 8, 3),
+            (128, 16, 256, 8, 2),
+            (128, 32, 256, 8, 3),
+            (128, 32, 256, 8, 2),
+            (128, 32, 128, 8, 4),
+            (64, 64, 256, 4, 3),
+            (128, 64, 128, 8, 3),
+            (128, 128, 128, 8, 3),
+        ]
+    ],
+    "sm120": [
+        Gemm1Config(bn, bm, bk, w, s)
+        for bn, bm, bk, w, s in [
+            (16, 16, 256, 4, 3),
+            (32, 16, 256, 4, 3),
+            (64, 16, 128, 4, 3),
+            (64, 32, 128, 4, 3),
+            (64, 64, 128, 8, 2),
+        ]
+    ],
+}
+GEMM1_CANDIDATES["sm100"] = GEMM1_CANDIDATES["sm90"]
+GEMM1_CANDIDATES["sm80"] = GEMM1_CANDIDATES["sm120"]
+
+GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
+    "sm90": [
+        Gemm2Config(bn, bm, w, s)
+        for bn, bm, w, s in [
+            (32, 16, 4, 3),
+            (64, 16, 4, 3),
+            (64, 16, 8, 3),
+            (128, 16, 8, 3),
+            (64, 32, 8, 3),
+            (128, 32, 8, 3),
+            (64, 64, 8, 2),
+            (128, 64, 8, 2),
+            (64, 128, 8, 2),
+        ]
+    ],
+    "sm120": [
+        Gemm2Config(bn, bm, w, s)
+        for bn, bm, w, s in [
+            (64, 16, 4, 2),
+            (64, 32, 8, 2),
+            (128, 16, 4, 2),
+            (64, 64, 8, 2),
+        ]
+    ],
+}
+GEMM2_CANDIDATES["sm100"] = GEMM2_CANDIDATES["sm90"]
+GEMM2_CANDIDATES["sm80"] = GEMM2_CANDIDATES["sm120"]
+
+# Native FP4 MMA path (native_fp4.py, W4A4 on SM100/SM120, unverified): (bn, bm, bk, warps, stages) of
+# GEMM1 and (bn, bm, warps, stages) of GEMM2. SM100's tcgen05 path needs 128-row weight tiles.
+NATIVE_GEMM1 = {"sm120": Gemm1Config(64, 32, 128, 4, 2), "sm100": Gemm1Config(128, 32, 128, 4, 2)}
+NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32, 4, 2)}
+
+# Split-K of the slot schedule's GEMM1: at most this many K ranges, for at most this many tokens (the
+# partial sums live in a static workspace of SPLIT_K_MAX * SPLIT_K_MAX_TOKENS * top_k * 2I floats).
+SPLIT_K_MAX = 4
+SPLIT_K_MAX_TOKENS = 8
+
+# Largest T (tokens) served by the slot schedule (no sorting, 2 launches) per arch.
+SLOT_MAX_TOKENS = {"sm90": 4, "sm100": 4, "sm120": 4, "sm80": 4}
+
+
+def arch_of(capability: tuple[int, int]) -> str:
+    major, _ = capability
+    if major >= 12:
+        return "sm120"
+    if major == 10 or major == 11:
+        return "sm100"
+    if major == 9:
+        return "sm90"
+    return "sm80"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared-memory estimate. Triton's pipeliner keeps num_stages - 1 copies of every tile the loop loads (packed
+# weights, scales, activations); on top come the 16-bit activation operands / W4A4 quantizer scratch and the
+# epilogue's layout conversion. Matches Triton 3.9's own figure exactly for several sm_90/sm_120 configs and
+# exceeds it for the rest; tests/test_kernels_configs.py checks that against AOT-compiled sm_120 kernels.
+# ---------------------------------------------------------------------------------------------------------
+def gemm1_smem_bytes(cfg: Gemm1Config, act_bytes: int = 2) -> int:
+    per_stage = 2 * cfg.bn * cfg.bk // 2 + 2 * cfg.bn * cfg.bk // 16 + cfg.bm * cfg.bk * act_bytes
+    return max(cfg.num_stages - 1, 1) * per_stage + cfg.bm * cfg.bk * 4 + cfg.bn * cfg.bm * 2
+
+
+def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None) -> int:
+    bm = cfg.bm if bm is None else bm
+    per_stage = cfg.bn * intermediate // 2 + cfg.bn * intermediate // 16
+    return max(cfg.num_stages - 1, 1) * per_stage + bm * intermediate * 2 + cfg.bn * bm * 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Defaults per regime (picked from the H200 sweep; see the module docstring).
+# ---------------------------------------------------------------------------------------------------------
+_DEFAULT_GEMM1 = {
+    # key: (schedule, bm) -> config; bm picks itself from tokens per expert.
+    # sm90 entries: fastest in the 2026-11-29 H200 sweep (benchmarks/results/moe_kernel_h200_sweep.json).
+    "sm90": {
+        ("slot", 16): Gemm1Config(32, 16, 256, 4, 4),
+        ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
+        ("grouped", 32): Gemm1Config(128, 32, 256, 8, 3),
+        ("grouped", 64): Gemm1Config(128, 64, 128, 8, 3),
+        ("grouped", 128): Gemm1Config(128, 128, 128, 8, 3),
+    },
+    # sm120: unmeasured; small tiles that fit 99 KB of shared memory (tests/test_kernels_configs.py).
+    "sm120": {
+        ("slot", 16): Gemm1Config(16, 16, 256, 4, 3),
+        ("grouped", 16): Gemm1Config(64, 16, 128, 4, 3),
+        ("grouped", 32): Gemm1Config(64, 32, 128, 4, 3),
+        ("grouped", 64): Gemm1Config(64, 64, 128, 8, 2),
+        ("grouped", 128): Gemm1Config(64, 64, 128, 8, 2),
+    },
+}
+_DEFAULT_GEMM1["sm100"] = _DEFAULT_GEMM1["sm90"]
+_DEFAULT_GEMM1["sm80"] = _DEFAULT_GEMM1["sm120"]
+
+_DEFAULT_GEMM2 = {
+    "sm90": {
+        ("slot", 16): Gemm2Config(64, 16, 4, 3),
+        ("grouped", 16): Gemm2Config(64, 16, 4, 3),
+        ("grouped", 32): Gemm2Config(128, 32, 8, 3),
+        ("grouped", 64): Gemm2Config(128, 64, 8, 2),
+        # GEMM2 walks its own token blocks: 64 beat 128 at T=4096
+        ("grouped", 128): Gemm2Config(128, 64, 8, 2),
+    },
+    "sm120": {
+        ("slot", 16): Gemm2Config(64, 16, 4, 2),
+        ("grouped", 16): Gemm2Config(64, 16, 4, 2),
+        ("grouped", 32): Gemm2Config(64, 32, 8, 2),
+        ("grouped", 64): Gemm2Config(64, 32, 8, 2),
+        ("grouped", 128): Gemm2Config(64, 32, 8, 2),
+    },
+}
+_DEFAULT_GEMM2["sm100"] = _DEFAULT_GEMM2["sm90"]
+_DEFAULT_GEMM2["sm80"] = _DEFAULT_GEMM2["sm120"]
+
+SM_COUNT_GUESS = {"sm90": 132, "sm100": 148, "sm120": 188, "sm80": 108}
+
+
+def expected_active_experts(tokens: int, num_experts: int, top_k: int) -> float:
+    """Experts receiving at least one token under uniform random routing: E (1 - (1 - k/E)^T)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+# (largest mean tokens per active expert, bm): a block should hold most of an expert's tokens (the maximum
+# over 256 experts runs near twice the mean at decode sizes) without paying for a wide MMA. From the H200
+# sweep: bm 16 up to T=256 (8 per expert), 32 at T=512-1024 (16-32), 128 at T=4096 (128).
+BM_BY_TOKENS_PER_EXPERT = ((8.5, 16), (40.0, 32), (80.0, 64))
+
+
+def pick_bm(tokens: int, num_experts: int, top_k: int) -> int:
+    """Tokens per MMA from the expected tokens per active expert."""
+    per_expert = tokens * top_k / max(expected_active_experts(tokens, num_experts, top_k), 1.0)
+    for limit, bm in BM_BY_TOKENS_PER_EXPERT:
+        if per_expert <= limit:
+            return bm
+    return 128
+
+
+def pick_n_split(n_tiles: int, programs_per_split: float, sm_count: int, waves: float = 4.0) -> int:
+    """Smallest divisor of ``n_tiles`` giving at least ``waves`` programs per SM (or all tiles split)."""
+    want = waves * sm_count / max(programs_per_split, 1.0)
+    for d in range(1, n_tiles + 1):
+        if n_tiles % d == 0 and d >= want:
+            return d
+    return n_tiles
+
+
+def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 4.0) -> int:
+    """Largest power of two <= SPLIT_K_MAX dividing ``k_tiles`` that keeps programs <= ``waves`` per SM.
+
+    Tiny batches have a handful of experts: (N tiles x slots) programs each walking all of K serially leave
+    most SMs idle and every program latency-bound; split K until the GPU holds a few programs per SM.
+    """
+    s = 1
+    while s * 2 <= SPLIT_K_MAX and k_tiles % (s * 2) == 0 and programs * s * 2 <= waves * sm_count:
+        s *= 2
+    return s
+
+
+def plan(
+    arch: str,
+    tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    sm_count: int | None = None,
+    schedule: str | None = None,
+    gemm1: Gemm1Config | None = None,
+    gemm2: Gemm2Config | None = None,
+) -> Plan:
+    """The launch plan for one call shape; explicit ``schedule``/``gemm1``/``gemm2`` override the defaults."""
+    sm_count = sm_count or SM_COUNT_GUESS.get(arch, 132)
+    if schedule is None:
+        schedule = "slot" if tokens <= SLOT_MAX_TOKENS.get(arch, 4) else "grouped"
+    bm = 16 if schedule == "slot" else pick_bm(tokens, num_experts, top_k)
+    g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
+    g2 = gemm2 or _DEFAULT_GEMM2[arch][(schedule, bm)]
+    # Tiles must divide the problem; shrink for small test shapes.
+    while intermediate % g1.bn and g1.bn > 16:
+        g1 = dataclasses.replace(g1, bn=g1.bn // 2)
+    while hidden % g1.bk and g1.bk > 128:
+        g1 = dataclasses.replace(g1, bk=g1.bk // 2)
+    while hidden % g2.bn and g2.bn > 16:
+        g2 = dataclasses.replace(g2, bn=g2.bn // 2)
+    n_tiles = hidden // g2.bn
+    if g2.n_split is not None and n_tiles % g2.n_split == 0:
+        n_split = g2.n_split
+    elif schedule == "slot":
+        n_split = pick_n_split(n_tiles, tokens, sm_count)
+    else:
+        active = min(expected_active_experts(tokens, num_experts, top_k), tokens * top_k)
+        n_split = pick_n_split(n_tiles, active, sm_count)
+    split_k = 1
+    if schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
+        split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count)
+    return Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k)
+
+
+def all_configs(arch: str) -> tuple[list[Gemm1Config], list[Gemm2Config]]:
+    """Every configuration the picker or the sweep may use on ``arch`` (for the static smem check)."""
+    g1 = list(GEMM1_CANDIDATES[arch]) + list(_DEFAULT_GEMM1[arch].values())
+    g2 = list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values())
+    return g1, g2
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

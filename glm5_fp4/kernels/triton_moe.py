@@ -1,0 +1,652 @@
+"""Triton kernels of the fused NVFP4 MoE: routing alignment, gate/up GEMM + SwiGLU, down GEMM + combine.
+
+Weights stay NVFP4 in memory (0.5625 B per weight) and are decoded in registers right before a 16-bit MMA:
+each E2M1 nibble is moved into the bit positions of an E4M3 byte (exact: value / 64), the FP8 hardware
+conversion (``cvt.rn.f16x2.e4m3x2``, SM89+) turns byte pairs into fp16 pairs, and one fp16 multiply per
+value applies the E4M3 block scale; the per-expert global scale and the factor 64 are applied to the fp32
+accumulator. Products are exact in fp16, so the MMA sees exactly ``e2m1 * block_scale / 64``.
+
+GEMMs are "swap-AB": the weight tile is the MMA's M side (64+ rows for wgmma), tokens the N side (16+), so
+a handful of tokens per expert wastes little. A program owns one weight tile of one expert and walks all
+of that expert's tokens, so each weight byte is read from memory once per layer call.
+
+Two schedules (see :mod:`glm5_fp4.kernels.configs` for when each is used):
+
+* ``slot`` (tiny batches): no sorting. GEMM1 runs one program per (N-tile, token-slot); GEMM2 one per
+  (N-range, token) and sums the token's ``top_k`` experts in registers, writing the output directly:
+  2 launches, deterministic.
+* ``grouped``: an alignment kernel counts tokens per expert, lists the active experts and writes each
+  expert's slots contiguously (and zeroes the fp32 combine workspace); GEMM1 then GEMM2 per
+  (N-tile, active expert); GEMM2 multiplies by the router weight and adds into the workspace with fp32
+  atomics; a last kernel converts the workspace to the output dtype. 4 launches.
+
+The combine uses atomics rather than a deterministic [T*k, H] reduce because the reduce would move
+``T*k*H*2*2`` bytes (100 MB at T=512, ~24 us at 4.2 TB/s, 15 % of the layer's floor) while the fp32
+workspace (``T*H*4`` bytes, 12.6 MB at T=512) stays in L2. The price: fp32 sums of a token's 8 expert
+outputs are added in a run-dependent order (differences far below bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Two 32-bit words = one 16-element scale block of one weight row (layout.py): word A holds K offsets 0..7
+# (byte j: k=j low nibble, k=4+j high nibble), word B offsets 8..15. Outputs $0..$7 are the fp16 pairs
+# (k=2j, k=2j+1) for j = 0..7, i.e. set j of the eight K subsets, each times the block scale pair $10.
+# Each nibble becomes an E4M3 byte (magnitude bits -> bits 2-4, sign -> bit 7: exactly value / 64) and
+# cvt.rn.f16x2.e4m3x2 converts two bytes at once.
+_DECODE_WORD = """
+shl.b32 a, {w}, 2;
+and.b32 a, a, 0x1C1C1C1C;
+shl.b32 b, {w}, 4;
+and.b32 b, b, 0x80808080;
+or.b32 lo, a, b;
+shr.b32 a, {w}, 2;
+and.b32 a, a, 0x1C1C1C1C;
+and.b32 b, {w}, 0x80808080;
+or.b32 hi, a, b;
+mov.b32 {{l0, l1}}, lo;
+mov.b32 {{h0, h1}}, hi;
+cvt.rn.f16x2.e4m3x2 t, l0;
+mul.rn.f16x2 {o0}, t, $10;
+cvt.rn.f16x2.e4m3x2 t, l1;
+mul.rn.f16x2 {o1}, t, $10;
+cvt.rn.f16x2.e4m3x2 t, h0;
+mul.rn.f16x2 {o2}, t, $10;
+cvt.rn.f16x2.e4m3x2 t, h1;
+mul.rn.f16x2 {o3}, t, $10;
+"""
+_DECODE_ASM = tl.constexpr(
+    "{\n.reg .b32 a, b, lo, hi, t;\n.reg .b16 l0, l1, h0, h1;\n"
+    + _DECODE_WORD.format(w="$8", o0="$0", o1="$1", o2="$2", o3="$3")
+    + _DECODE_WORD.format(w="$9", o0="$4", o1="$5", o2="$6", o3="$7")
+    + "}\n"
+)
+
+
+@triton.jit
+def _decode_code(v):
+    """E2M1 codes (int, 0..15) -> fp16 value / 64, through the same E4M3 bit trick as the asm."""
+    e8 = (((v & 0x7) << 2) | ((v & 0x8) << 4)).to(tl.uint8)
+    return e8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _set_pair(src, byte0: tl.constexpr, nib: tl.constexpr, sf, BN: tl.constexpr, NW: tl.constexpr):
+    v0 = _decode_code((src >> (8 * byte0 + 4 * nib)) & 0xF) * sf
+    v1 = _decode_code((src >> (8 * byte0 + 8 + 4 * nib)) & 0xF) * sf
+    return tl.reshape(tl.join(v0, v1), (BN, NW))
+
+
+@triton.jit
+def _dequant_tile(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Words [BN, BK/8] (int32) + scales [BN, BK/16] (e4m3 bytes) -> 8 fp16 operands W_j [BN, BK/8].
+
+    W_j[n, c] is the weight at K offset 16*(c//2) + 2*j + c%2 of the tile, times its block scale / 64.
+    """
+    sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    if USE_ASM:
+        s2 = tl.reshape(tl.join(sf, sf), (BN, BK // 8))
+        d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+            _DECODE_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+            [wt, s2],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        wa, wb = tl.split(tl.reshape(wt, (BN, BK // 16, 2)))
+        d0 = _set_pair(wa, 0, 0, sf, BN, BK // 8)
+        d1 = _set_pair(wa, 2, 0, sf, BN, BK // 8)
+        d2 = _set_pair(wa, 0, 1, sf, BN, BK // 8)
+        d3 = _set_pair(wa, 2, 1, sf, BN, BK // 8)
+        d4 = _set_pair(wb, 0, 0, sf, BN, BK // 8)
+        d5 = _set_pair(wb, 2, 0, sf, BN, BK // 8)
+        d6 = _set_pair(wb, 0, 1, sf, BN, BK // 8)
+        d7 = _set_pair(wb, 2, 1, sf, BN, BK // 8)
+    return d0, d1, d2, d3, d4, d5, d6, d7
+
+
+@triton.jit
+def _cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, R: tl.constexpr, NW: tl.constexpr):
+    """Eight [R, NW] set operands -> one [R, 8*NW] operand, set j in columns j*NW .. j*NW+NW-1.
+
+    Every thread already holds the same (row, column) of all eight sets, so this is a register renaming
+    (no data movement) and the tile feeds one MMA chain instead of eight waited-for MMAs.
+    """
+    a = tl.join(tl.join(d0, d1), tl.join(d2, d3))
+    b = tl.join(tl.join(d4, d5), tl.join(d6, d7))
+    v = tl.permute(tl.join(a, b), (0, 4, 3, 2, 1))  # [R, j>>2, (j>>1)&1, j&1, NW]
+    return tl.reshape(v, (R, 8 * NW))
+
+
+@triton.jit
+def _split_sets(x, NW: tl.constexpr, BM: tl.constexpr):
+    """Inverse of :func:`_cat_sets` along dim 0: [8*NW, BM] -> eight [NW, BM] operands."""
+    v = tl.permute(tl.reshape(x, (2, 2, 2, NW, BM)), (3, 4, 0, 1, 2))  # [NW, BM, j>>2, (j>>1)&1, j&1]
+    ev, od = tl.split(v)
+    e0, e1 = tl.split(ev)
+    o0, o1 = tl.split(od)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc):
+    acc = tl.dot(d0, x0, acc)
+    acc = tl.dot(d1, x1, acc)
+    acc = tl.dot(d2, x2, acc)
+    acc = tl.dot(d3, x3, acc)
+    acc = tl.dot(d4, x4, acc)
+    acc = tl.dot(d5, x5, acc)
+    acc = tl.dot(d6, x6, acc)
+    acc = tl.dot(d7, x7, acc)
+    return acc
+
+
+@triton.jit
+def _load_sets(p, mask, NW: tl.constexpr):
+    """Eight [NW, BM] loads of the sets of a merged-order tile (``p``: the tile's row-0 pointers)."""
+    return (tl.load(p, mask=mask, other=0.0), tl.load(p + NW, mask=mask, other=0.0),
+            tl.load(p + 2 * NW, mask=mask, other=0.0), tl.load(p + 3 * NW, mask=mask, other=0.0),
+            tl.load(p + 4 * NW, mask=mask, other=0.0), tl.load(p + 5 * NW, mask=mask, other=0.0),
+            tl.load(p + 6 * NW, mask=mask, other=0.0), tl.load(p + 7 * NW, mask=mask, other=0.0))
+
+
+@triton.jit
+def _decode_sets(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DIAG: tl.constexpr):
+    """The eight decoded set operands of a weight tile; DIAG=1 (benchmarks only, wrong results) skips the
+    decode: the words go straight to fp16, so the time difference is the cost of decoding."""
+    if DIAG == 0:
+        d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(wt, sb, BN, BK, USE_ASM)
+    else:
+        d0 = wt.to(tl.float16) + sb.to(tl.float16).sum(1)[:, None]
+        d1 = d0 + 1.0
+        d2 = d0 + 2.0
+        d3 = d0 + 3.0
+        d4 = d0 + 4.0
+        d5 = d0 + 5.0
+        d6 = d0 + 6.0
+        d7 = d0 + 7.0
+    return d0, d1, d2, d3, d4, d5, d6, d7
+
+
+@triton.jit
+def _merged_k_of(r, NW: tl.constexpr):
+    """K offset within a tile of row ``r`` of the merged operand: row j*NW + c holds 16*(c//2) + 2*j + c%2."""
+    c = r % NW
+    return (c // 2) * 16 + 2 * (r // NW) + c % 2
+
+
+@triton.jit
+def _merged_k(BK: tl.constexpr):
+    return _merged_k_of(tl.arange(0, BK), BK // 8)
+
+
+@triton.jit
+def _merged_pos(i, NW: tl.constexpr):
+    """Inverse of :func:`_merged_k_of` (tile of 8*NW): merged row of K offset ``i``."""
+    return ((i % 16) // 2) * NW + (i // 16) * 2 + i % 2
+
+
+@triton.jit
+def _e2m1_round(v):
+    """Round non-negative fp32 to the nearest E2M1 magnitude, ties to the even code, saturating at 6."""
+    r = tl.where(v > 0.25, 0.5, 0.0)
+    r = tl.where(v >= 0.75, 1.0, r)
+    r = tl.where(v > 1.25, 1.5, r)
+    r = tl.where(v >= 1.75, 2.0, r)
+    r = tl.where(v > 2.5, 3.0, r)
+    r = tl.where(v >= 3.5, 4.0, r)
+    r = tl.where(v > 5.0, 6.0, r)
+    return r
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Round non-negative fp32 to E4M3 (nearest, ties even), after clamping to its maximum 448.
+
+    Written with integer arithmetic because Triton's interpreter mis-rounds fp32->fp8 casts whose
+    mantissa carry bumps the exponent (126.5 -> 256); on GPUs it equals ``cvt.rn.satfinite.e4m3x2``.
+    """
+    v = tl.minimum(v, 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    # Below 2^-6 E4M3 is subnormal with a fixed step of 2^-9: adding 2^14 rounds to that step.
+    subnormal = (v + 16384.0) - 16384.0
+    return tl.where(v < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _fake_quant_rows(x, g, R: tl.constexpr, C: tl.constexpr):
+    """NVFP4-quantize fp32 ``x`` [R, C] in 16-row blocks along dim 0 with global scale ``g``, Blackwell-style.
+
+    Returns ``e2m1 * block_scale`` (exact in fp16); the true dequantized value is that divided by ``g``,
+    which callers fold into their epilogue.
+    """
+    xb = tl.reshape(x, (R // 16, 16, C))
+    amax = tl.max(tl.abs(xb), axis=1)
+    s = _round_e4m3(tl.math.div_rn(g * amax, 6.0))
+    pos = s > 0
+    s_safe = tl.where(pos, s, 1.0)
+    y = tl.math.div_rn(xb * g, s_safe[:, None, :])
+    q = _e2m1_round(tl.abs(y))
+    q = tl.where(y < 0, -q, q)
+    q = tl.where(pos[:, None, :], q * s[:, None, :], 0.0)
+    return tl.reshape(q, (R, C))
+
+
+@triton.jit
+def _quant_with(x, g, s):
+    """NVFP4 codes of fp32 ``x`` for given block scales ``s`` (same shape), returned as e2m1 * s in fp16."""
+    pos = s > 0
+    y = tl.math.div_rn(x * g, tl.where(pos, s, 1.0))
+    q = _e2m1_round(tl.abs(y))
+    q = tl.where(y < 0, -q, q)
+    return tl.where(pos, q * s, 0.0).to(tl.float16)
+
+
+@triton.jit
+def _quant_merged(x, g, BK: tl.constexpr, BM: tl.constexpr):
+    """NVFP4-quantize fp32 ``x`` [BK, BM] whose rows are in merged K order (one 16-block of K = the rows
+    j*NW + 2b + p for all j, p) with global scale ``g``, Blackwell-style; returns e2m1 * block_scale in fp16."""
+    NW: tl.constexpr = BK // 8
+    xb = tl.reshape(x, (8, NW // 2, 2, BM))
+    amax = tl.max(tl.max(tl.abs(xb), axis=2), axis=0)
+    s = _round_e4m3(tl.math.div_rn(g * amax, 6.0))
+    s4 = tl.broadcast_to(tl.expand_dims(tl.expand_dims(s, 0), 2), (8, NW // 2, 2, BM))
+    return tl.reshape(_quant_with(xb, g, s4), (BK, BM))
+
+
+@triton.jit
+def _x_operand(xt, g, W4A4: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+    """A loaded 16-bit activation tile [BK, BM] (merged K order) -> the fp16 MMA operand.
+
+    W4A4: quantized Blackwell-style with per-16 dynamic block scales; the result is e2m1 * block_scale, the
+    global ``g`` being folded into the epilogue. W4A16: bf16 -> fp16 keeps every bf16 value in fp16's
+    normal range exactly; the rare huge ones are clamped.
+    """
+    if W4A4:
+        return _quant_merged(xt.to(tl.float32), g, BK, BM)
+    else:
+        return tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _expert_rows(pid_e, ids_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, SLOT_MODE: tl.constexpr):
+    """(expert, row count, first row) of this program's work: one routing slot, or one active expert."""
+    if SLOT_MODE:
+        e = tl.load(ids_ptr + pid_e).to(tl.int32)
+        count = 1
+        start = pid_e
+    else:
+        n_active = tl.load(num_active_ptr)
+        live = pid_e < n_active
+        e = tl.load(active_ptr + pid_e, mask=live, other=0)
+        count = tl.where(live, tl.load(counts_ptr + e), 0)
+        start = tl.load(offsets_ptr + e)
+    return e, count, start
+
+
+@triton.jit
+def moe_gemm1_kernel(
+    x_ptr,
+    stride_xt,
+    xq_ptr,
+    w_ptr,
+    s_ptr,
+    alpha_ptr,
+    a_scale_ptr,
+    a_gscale_ptr,
+    o_gscale_ptr,
+    act_ptr,
+    part_ptr,
+    part_stride,
+    ids_ptr,
+    slots_ptr,
+    counts_ptr,
+    offsets_ptr,
+    active_ptr,
+    num_active_ptr,
+    TOPK,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    BN: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    SLOT_MODE: tl.constexpr,
+    W4A4: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    X_PREP: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
+    MERGED: tl.constexpr = True,
+    DIAG: tl.constexpr = 0,
+):
+    """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
+
+    ``X_PREP``: read the activations from ``xq_ptr``, fp16 already in the merged K order (the align kernel
+    wrote them), so each K tile is one contiguous [BK] run per token that the pipeliner copies straight into
+    the MMA's shared-memory operand; otherwise gather them from ``x_ptr`` and convert (or quantize) per tile.
+
+    ``SPLIT_K > 1`` (slot schedule only): program (n, slot, k) sums 1/SPLIT_K of K and stores alpha * (gate,
+    up) partial sums in fp32 to ``part_ptr`` [SPLIT_K, slots, 2I] (natural i order); the slot GEMM2 adds the
+    partials and applies SwiGLU. Otherwise ``act`` is fp16 [T*k, I] with each row in merged K order of one
+    I-wide tile (W4A4: the NVFP4-quantized act times the quantizer's global scale).
+
+    ``DIAG=1`` (benchmarks only, wrong results) skips the decode: the words go straight to fp16 MMA
+    operands, so the time difference to ``DIAG=0`` is the cost of decoding.
+
+    Rows are sorted slot positions (grouped) or slot ids (slot mode). ``w_ptr`` is the packed weight as
+    int32 words.
+    """
+    tl.static_assert(not (X_PREP and W4A4), "prepared activations are W4A16 only")
+    NW: tl.constexpr = BK // 8
+    K_PER: tl.constexpr = H // SPLIT_K
+    pid_n = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    k_begin = tl.program_id(2) * K_PER
+    e, count, start = _expert_rows(pid_e, ids_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, SLOT_MODE)
+    e64 = e.to(tl.int64)
+
+    offs_i = pid_n * BN + tl.arange(0, BN)
+    offs_w = tl.arange(0, NW)
+    offs_ks = tl.arange(0, BK // 16)
+    offs_k = tl.arange(0, BK)
+    mk = _merged_k(BK)
+
+    w_gate = w_ptr + e64 * (2 * I * (H // 8)) + offs_i[:, None] * (H // 8) + offs_w[None, :]
+    w_up = w_gate + I * (H // 8)
+    s_gate = s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * (H // 16) + offs_ks[None, :]
+    s_up = s_gate + I * (H // 16)
+    alpha = tl.load(alpha_ptr + e)
+    g_in = 1.0
+    if W4A4:
+        g_in = tl.load(a_gscale_ptr + e)
+        alpha = alpha * tl.load(a_scale_ptr + e)
+        g_out = tl.load(o_gscale_ptr + e)
+
+    for m0 in range(0, count, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        mmask = offs_m < count
+        if SLOT_MODE:
+            slot = start + offs_m
+        else:
+            slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
+        tok = (slot // TOPK).to(tl.int64)
+        if X_PREP and not MERGED:
+            xp = xq_ptr + tok[None, :] * H + offs_w[:, None]
+        elif X_PREP:
+            xp = xq_ptr + tok[None, :] * H + offs_k[:, None]
+        else:
+            xp = x_ptr + tok[None, :] * stride_xt + mk[:, None]
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(k_begin, k_begin + K_PER, BK):
+            if X_PREP and not MERGED:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _load_sets(xp + k0, mmask[None, :], NW)
+            else:
+                xt = tl.load(xp + k0, mask=mmask[None, :], other=0.0)
+                if not X_PREP:
+                    xt = _x_operand(xt, g_in, W4A4, BK, BM)
+                if not MERGED:
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _split_sets(xt, NW, BM)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_gate + k0 // 8), tl.load(s_gate + k0 // 16), BN, BK, USE_ASM, DIAG)
+            if MERGED:
+                acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
+            else:
+                acc_g = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_g)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_up + k0 // 8), tl.load(s_up + k0 // 16), BN, BK, USE_ASM, DIAG)
+            if MERGED:
+                acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)
+            else:
+                acc_u = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_u)
+        gate = acc_g * alpha
+        up = acc_u * alpha
+        rows = (start + offs_m).to(tl.int64)
+        if SPLIT_K > 1:
+            pp = part_ptr + tl.program_id(2).to(tl.int64) * part_stride + rows[None, :] * (2 * I) + offs_i[:, None]
+            tl.store(pp, gate, mask=mmask[None, :])
+            tl.store(pp + I, up, mask=mmask[None, :])
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
+            if W4A4:
+                act = _fake_quant_rows(act, g_out, BN, BM)
+            pos = _merged_pos(offs_i, I // 8)
+            tl.store(act_ptr + rows[None, :] * I + pos[:, None], act.to(tl.float16), mask=mmask[None, :])
+
+
+@triton.jit
+def moe_gemm2_grouped_kernel(
+    act_ptr,
+    w_ptr,
+    s_ptr,
+    alpha_ptr,
+    o_scale_ptr,
+    topk_w_ptr,
+    ws_ptr,
+    slots_ptr,
+    counts_ptr,
+    offsets_ptr,
+    active_ptr,
+    num_active_ptr,
+    TOPK,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    BN: tl.constexpr,
+    BM: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    W4A4: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    MERGED: tl.constexpr = True,
+):
+    """ws[token, n] += router_weight * (act W_down^T)[row, n] for one expert's rows over 1/N_SPLIT of H."""
+    NW: tl.constexpr = I // 8
+    pid_s = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    e, count, start = _expert_rows(pid_e, slots_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, False)
+    e64 = e.to(tl.int64)
+    alpha = tl.load(alpha_ptr + e)
+    if W4A4:
+        alpha = alpha * tl.load(o_scale_ptr + e)
+
+    offs_w = tl.arange(0, NW)
+    offs_ks = tl.arange(0, I // 16)
+    offs_k = tl.arange(0, I)
+    offs_bn = tl.arange(0, BN)
+    n_per: tl.constexpr = H // N_SPLIT
+    n_begin = pid_s * n_per
+    w_base = w_ptr + e64 * (H * (I // 8)) + offs_bn[:, None] * (I // 8) + offs_w[None, :]
+    s_base = s_ptr + e64 * (H * (I // 16)) + offs_bn[:, None] * (I // 16) + offs_ks[None, :]
+
+    for m0 in range(0, count, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        mmask = offs_m < count
+        rows = (start + offs_m).to(tl.int64)
+        slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
+        tok = (slot // TOPK).to(tl.int64)
+        scale = tl.load(topk_w_ptr + slot, mask=mmask, other=0.0) * alpha
+        if MERGED:
+            a = tl.load(act_ptr + rows[None, :] * I + offs_k[:, None], mask=mmask[None, :], other=0.0)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(act_ptr + rows[None, :] * I + offs_w[:, None], mmask[None, :], NW)
+        out_ptrs = ws_ptr + tok[None, :] * H + offs_bn[:, None]
+        for n0 in range(n_begin, n_begin + n_per, BN):
+            d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
+                tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, I, USE_ASM
+            )
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            if MERGED:
+                acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
+            else:
+                acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
+            tl.atomic_add(out_ptrs + n0, acc * scale[None, :], mask=mmask[None, :], sem="relaxed")
+
+
+@triton.jit
+def moe_gemm2_slot_kernel(
+    act_ptr,
+    part_ptr,
+    part_stride,
+    w_ptr,
+    s_ptr,
+    alpha_ptr,
+    o_scale_ptr,
+    o_gscale_ptr,
+    topk_w_ptr,
+    ids_ptr,
+    out_ptr,
+    stride_ot,
+    TOPK: tl.constexpr,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    BN: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    W4A4: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
+    MERGED: tl.constexpr = True,
+):
+    """out[token, n] = sum over the token's k slots of weight * (act[slot] W_down[e]^T)[n], written once.
+
+    ``SPLIT_K > 1``: act is built here from GEMM1's fp32 partial sums (gate, up) and SwiGLU (+ the NVFP4
+    quantization in W4A4 mode), exactly as GEMM1's epilogue would have."""
+    BM: tl.constexpr = 16  # the MMA's smallest token side; only column 0 is real
+    NW: tl.constexpr = I // 8
+    pid_s = tl.program_id(0)
+    tok = tl.program_id(1)
+    offs_w = tl.arange(0, NW)
+    offs_ks = tl.arange(0, I // 16)
+    offs_k = tl.arange(0, I)
+    offs_bn = tl.arange(0, BN)
+    cols = tl.arange(0, BM)
+    first = cols < 1
+    n_per: tl.constexpr = H // N_SPLIT
+    n_begin = pid_s * n_per
+    for n0 in range(n_begin, n_begin + n_per, BN):
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for j in range(TOPK):
+            slot = tok * TOPK + j
+            e64 = tl.load(ids_ptr + slot).to(tl.int64)
+            alpha = tl.load(alpha_ptr + e64) * tl.load(topk_w_ptr + slot)
+            if W4A4:
+                alpha = alpha * tl.load(o_scale_ptr + e64)
+            if SPLIT_K > 1:
+                # one [I] vector per partial (a masked [I, BM] tile would be staged whole in shared memory)
+                pp = part_ptr + slot.to(tl.int64) * (2 * I) + _merged_k(I)
+                g = tl.load(pp)
+                u = tl.load(pp + I)
+                for sk in tl.static_range(1, SPLIT_K):
+                    g += tl.load(pp + sk * part_stride)
+                    u += tl.load(pp + (sk * part_stride + I))
+                act = tl.where(first[None, :], (g / (1.0 + tl.exp(-g)) * u)[:, None], 0.0)
+                if W4A4:
+                    a = _quant_merged(act, tl.load(o_gscale_ptr + e64), I, BM)
+                else:
+                    a = act.to(tl.float16)
+                if not MERGED:
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _split_sets(a, NW, BM)
+            else:
+                if MERGED:
+                    a = tl.load(act_ptr + slot.to(tl.int64) * I + offs_k[:, None] + cols[None, :] * 0,
+                                mask=first[None, :], other=0.0)
+                else:
+                    ap = act_ptr + slot.to(tl.int64) * I + offs_w[:, None] + cols[None, :] * 0
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, first[None, :], NW)
+            w_off = e64 * (H * (I // 8)) + (n0 + offs_bn[:, None]) * (I // 8) + offs_w[None, :]
+            s_off = e64 * (H * (I // 16)) + (n0 + offs_bn[:, None]) * (I // 16) + offs_ks[None, :]
+            d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(tl.load(w_ptr + w_off), tl.load(s_ptr + s_off), BN, I, USE_ASM)
+            part = tl.zeros((BN, BM), dtype=tl.float32)
+            if MERGED:
+                part = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, part)
+            else:
+                part = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, part)
+            acc += part * alpha
+        o_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + n0 + offs_bn[:, None] + cols[None, :] * 0
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=first[None, :])
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr,
+    num_slots,
+    counts_ptr,
+    offsets_ptr,
+    rank_ptr,
+    slots_ptr,
+    active_ptr,
+    num_active_ptr,
+    ws_ptr,
+    ws_numel,
+    x_ptr,
+    stride_xt,
+    xq_ptr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ZBLOCK: tl.constexpr,
+    H: tl.constexpr = 128,
+    BK: tl.constexpr = 128,
+    PREP_X: tl.constexpr = False,
+):
+    """Program 0: per-expert counts, offsets, active-expert list, slots grouped by expert.
+
+    Programs 1..: zero the fp32 combine workspace (GEMM2 adds into it) and, with ``PREP_X``, write the
+    activations as fp16 in GEMM1's merged K order (tiles of BK) to ``xq_ptr`` [T, H].
+    """
+    pid = tl.program_id(0)
+    if pid == 0:
+        offs_e = tl.arange(0, E_POW2)
+        emask = offs_e < E
+        tl.store(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask)
+        tl.debug_barrier()
+        # The count's old value is the slot's rank among its expert's slots: one atomic per slot.
+        for s0 in range(0, num_slots, BLOCK):
+            offs = s0 + tl.arange(0, BLOCK)
+            m = offs < num_slots
+            ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+            r = tl.atomic_add(counts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
+            tl.store(rank_ptr + offs, r, mask=m)
+        tl.debug_barrier()
+        # Read the counts back through the atomic unit: plain loads could see a stale L1 line.
+        counts = tl.atomic_add(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask, sem="relaxed")
+        counts = tl.where(emask, counts, 0)
+        excl = tl.cumsum(counts, 0) - counts
+        tl.store(offsets_ptr + offs_e, excl, mask=emask)
+        live = counts > 0
+        pos = tl.cumsum(live.to(tl.int32), 0) - 1
+        tl.store(active_ptr + pos, offs_e, mask=live)
+        tl.store(num_active_ptr, tl.sum(live.to(tl.int32), 0))
+        tl.debug_barrier()
+        for s0 in range(0, num_slots, BLOCK):
+            offs = s0 + tl.arange(0, BLOCK)
+            m = offs < num_slots
+            ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+            dst = tl.load(offsets_ptr + ids, mask=m, other=0) + tl.load(rank_ptr + offs, mask=m, other=0)
+            tl.store(slots_ptr + dst, offs, mask=m)
+    else:
+        offs = (pid - 1).to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
+        m = offs < ws_numel
+        tl.store(ws_ptr + offs, tl.zeros((ZBLOCK,), dtype=tl.float32), mask=m)
+        if PREP_X:
+            # ws is [T, H] like x: the same flat range, written in merged order, read gathered in pairs
+            t = offs // H
+            r = offs % H
+            tile = r - r % BK
+            xv = tl.load(x_ptr + t * stride_xt + tile + _merged_k_of(r % BK, BK // 8), mask=m, other=0.0)
+            xv = tl.clamp(xv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            tl.store(xq_ptr + offs, xv, mask=m)
+
+
+@triton.jit
+def moe_finalize_kernel(ws_ptr, out_ptr, stride_ot, H: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, :] = ws[t, :] in the output dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    v = tl.load(ws_ptr + t * H + offs, mask=m)
+    tl.store(out_ptr + t * stride_ot + offs, v.to(out_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,91 @@
+"""Static checks of the MoE kernel tile configurations: shared memory per arch, tiling of GLM-5 shapes, and
+(ahead-of-time, no GPU) Triton's own shared-memory/register figures for SM120 and the native FP4 MMA."""
+
+import pytest
+
+from glm5_fp4.kernels import configs as C
+from glm5_fp4.spec import Glm5Spec
+
+SM120_LIMIT = 101_376  # 99 KB opt-in maximum per block on RTX PRO 6000 / RTX 5090
+
+
+def test_sm120_limit_is_the_documented_one():
+    assert C.SMEM_LIMIT["sm120"] == SM120_LIMIT
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120"])
+def test_every_config_fits_shared_memory(arch):
+    g1s, g2s = C.all_configs(arch)
+    limit = C.SMEM_LIMIT[arch]
+    for cfg in g1s:
+        assert C.gemm1_smem_bytes(cfg) <= limit, (arch, cfg, C.gemm1_smem_bytes(cfg))
+    for cfg in g2s:
+        for intermediate in (256, 512):  # GLM-5 TP8 and TP4 shards
+            need = C.gemm2_smem_bytes(cfg, intermediate)
+            assert need <= limit, (arch, cfg, intermediate, need)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120"])
+@pytest.mark.parametrize("tp", [4, 8])
+def test_plans_tile_glm5_shapes(arch, tp):
+    spec = Glm5Spec()
+    h, i = spec.hidden_size, spec.moe_intermediate_size // tp
+    for t in (1, 2, 3, 4, 5, 16, 64, 100, 512, 1000, 4096, 8192):
+        p = C.plan(arch, t, spec.n_routed_experts, spec.num_experts_per_tok, h, i)
+        assert i % p.gemm1.bn == 0 and h % p.gemm1.bk == 0 and p.gemm1.bk // 8 >= 16
+        assert h % p.gemm2.bn == 0 and (h // p.gemm2.bn) % p.gemm2_n_split == 0
+        assert p.schedule == ("slot" if t <= C.SLOT_MAX_TOKENS[arch] else "grouped")
+
+
+def test_bm_grows_with_tokens_per_expert():
+    bms = [C.pick_bm(t, 256, 8) for t in (1, 16, 256, 512, 1024, 4096)]
+    assert bms == sorted(bms) and bms[0] == 16 and bms[-1] == 128
+
+
+def _aot_available():
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _aot_available(), reason="Triton's NVIDIA backend (with ptxas) is not installed")
+@pytest.mark.parametrize("which", ["gemm1", "gemm2"])
+def test_sm120_default_kernel_compiles_within_limits(which):
+    """Compile the default SM120 grouped configs for sm_120 on this CPU and read Triton's metadata."""
+    from glm5_fp4.kernels.aot import compile_gemm1, compile_gemm2
+
+    spec = Glm5Spec()
+    i = spec.moe_intermediate_size // 4
+    p = C.plan("sm120", 512, spec.n_routed_experts, spec.num_experts_per_tok, spec.hidden_size, i)
+    if which == "gemm1":
+        c = compile_gemm1(p.gemm1, 120, spec.hidden_size, i)
+        estimate = C.gemm1_smem_bytes(p.gemm1)
+    else:
+        c = compile_gemm2(p.gemm2, 120, spec.hidden_size, i, n_split=p.gemm2_n_split)
+        estimate = C.gemm2_smem_bytes(p.gemm2, i)
+    assert 0 < c.shared <= min(estimate, SM120_LIMIT), (c.shared, estimate)
+    assert "mma.sync.aligned" in c.asm["ptx"]  # SM120 has no wgmma: warp-level MMA
+    if c.n_regs is not None:
+        assert c.n_regs <= 255 and c.n_spills == 0, c.summary()
+
+
+@pytest.mark.skipif(not _aot_available(), reason="Triton's NVIDIA backend (with ptxas) is not installed")
+@pytest.mark.parametrize("cc,arch,marker", [(120, "sm120", "kind::mxf4nvf4.block_scale.scale_vec::4X"),
+                                            (100, "sm100", "kind::mxf4nvf4.block_scale.block16")])
+def test_native_fp4_kernels_lower_to_the_fp4_block_scaled_mma(cc, arch, marker):
+    """The unverified native path at least compiles to the FP4 x FP4 E4M3-scaled tensor-core instruction."""
+    from glm5_fp4.kernels import native_fp4 as N
+    from glm5_fp4.kernels.aot import _compile, _signature
+
+    g1, g2 = C.NATIVE_GEMM1[arch], C.NATIVE_GEMM2[arch]
+    k1 = _compile(N.moe_gemm1_native_kernel, _signature(N.moe_gemm1_native_kernel),
+                  dict(H=6144, I=512, BN=g1.bn, BM=g1.bm, BK=g1.bk), cc, g1.num_warps, g1.num_stages)
+    k2 = _compile(N.moe_gemm2_native_kernel, _signature(N.moe_gemm2_native_kernel),
+                  dict(H=6144, I=512, BN=g2.bn, BM=g2.bm, N_SPLIT=3), cc, g2.num_warps, g2.num_stages)
+    for k in (k1, k2):
+        assert marker in k.asm["ptx"], k.name
+        assert k.shared <= C.SMEM_LIMIT[arch]

@@ -1,0 +1,80 @@
+"""Load-time repacking for the fused MoE kernel: nibble order, exact decode trick, validation."""
+
+import pytest
+import torch
+
+from glm5_fp4 import nvfp4
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.kernels import prepare_experts
+from glm5_fp4.kernels.layout import DECODE_FACTOR, K_GROUP, merge_nibbles, split_nibbles
+from glm5_fp4.reference import NvFp4Experts, random_experts
+
+
+def test_split_nibbles_places_k_and_k_plus_4_in_one_byte():
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (3, 7, 64), dtype=torch.uint8, generator=g)
+    codes = nvfp4.unpack_fp4(packed)  # [3, 7, 128]
+    split = split_nibbles(packed)
+    assert split.shape == packed.shape
+    lo, hi = split & 0xF, split >> 4
+    byte = torch.arange(64)
+    k_lo = (byte // 4) * K_GROUP + byte % 4  # byte j of group g holds k = 8g + j and 8g + j + 4
+    assert torch.equal(lo, codes[..., k_lo])
+    assert torch.equal(hi, codes[..., k_lo + 4])
+    assert torch.equal(merge_nibbles(split), packed)
+
+
+def test_e2m1_to_e4m3_bit_move_is_exact_over_64():
+    # The decode moves magnitude bits 0-2 to bits 2-4 and the sign to bit 7 (for either nibble); the
+    # resulting E4M3 byte must be exactly the E2M1 value / 64 for all 16 codes.
+    codes = torch.arange(16, dtype=torch.int32)
+    e4m3 = (((codes & 7) << 2) | ((codes & 8) << 4)).to(torch.uint8)
+    got = e4m3.view(torch.float8_e4m3fn).float() * DECODE_FACTOR
+    want = nvfp4.e2m1_decode(codes.to(torch.uint8))
+    assert torch.equal(got, want)
+    # the high-nibble variant of the asm: ((b >> 2) & 0x1C) | (b & 0x80) on byte b = code << 4
+    hi_bytes = (codes << 4).to(torch.int32)
+    e4m3_hi = (((hi_bytes >> 2) & 0x1C) | (hi_bytes & 0x80)).to(torch.uint8)
+    assert torch.equal(e4m3_hi.view(torch.float8_e4m3fn).float() * DECODE_FACTOR, want)
+
+
+def test_prepared_roundtrips_to_the_same_experts():
+    g = torch.Generator().manual_seed(2)
+    ex = random_experts(4, 256, 128, generator=g)
+    prep = prepare_experts(ex)
+    ex.validate()
+    back = prep.to_experts()
+    assert back is ex  # CPU keeps the source
+    prep.source = None
+    back = prep.to_experts()
+    for name in ("w13", "w2"):
+        assert torch.equal(getattr(back, name), getattr(ex, name))
+    for name in ("w13_scale", "w2_scale"):
+        assert torch.equal(getattr(back, name).view(torch.uint8), getattr(ex, name).view(torch.uint8))
+    assert torch.allclose(back.w13_global, ex.w13_global) and torch.allclose(back.w2_global, ex.w2_global)
+    assert torch.equal(prep.a13_gscale, 1.0 / ex.a13_scale)
+
+
+def test_prepare_rejects_shapes_the_kernel_cannot_tile():
+    w13 = torch.randn(2, 2 * 96, 256)
+    w2 = torch.randn(2, 256, 96)
+    with pytest.raises(Glm5Fp4Error, match="intermediate_size.*128"):
+        prepare_experts(NvFp4Experts.from_float(w13, w2))
+
+
+def test_prepare_validates_dtypes():
+    ex = random_experts(2, 128, 128, generator=torch.Generator().manual_seed(3))
+    ex.w13_scale = ex.w13_scale.float()
+    with pytest.raises(Glm5Fp4Error, match="w13_scale"):
+        prepare_experts(ex)
+
+
+def test_checkpoint_layout_keeps_packing_and_global_scales():
+    ex = random_experts(2, 128, 128, generator=torch.Generator().manual_seed(4))
+    prep = prepare_experts(ex, layout="checkpoint")
+    assert torch.equal(prep.w13, ex.w13) and torch.equal(prep.w13_alpha, ex.w13_global)
+    prep.source = None
+    back = prep.to_experts()
+    assert torch.equal(back.w2, ex.w2) and torch.equal(back.w2_global, ex.w2_global)
+    with pytest.raises(Glm5Fp4Error, match="layout"):
+        prepare_experts(ex, layout="swizzled")

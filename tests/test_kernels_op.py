@@ -1,0 +1,103 @@
+"""The registered op torch.ops.glm5_fp4.moe_nvfp4 and fused_moe's CPU path: results, fake impl, errors."""
+
+import pytest
+import torch
+
+import glm5_fp4.kernels.op as op
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.kernels import fused_moe, prepare_experts
+from glm5_fp4.reference import moe_reference, random_experts, route
+
+E, H, I, K = 8, 128, 128, 2
+
+
+@pytest.fixture(scope="module")
+def experts():
+    ex = random_experts(E, H, I, generator=torch.Generator().manual_seed(5))
+    return ex, prepare_experts(ex)
+
+
+def inputs(t, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+    w, ids = route(torch.randn(t, E, generator=g), None, K, routed_scaling_factor=2.5)
+    return x, w, ids
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_cpu_path_and_op_equal_reference(experts, mode):
+    ex, prep = experts
+    x, w, ids = inputs(7, seed=11)
+    ref = moe_reference(x, w, ids, ex, mode=mode)
+    assert torch.equal(fused_moe(x, w, ids, prep, mode=mode), ref)
+    out = torch.full_like(x, float("nan"))
+    prep.source = None  # the op rebuilds the checkpoint layout from the kernel layout
+    try:
+        assert op.moe_nvfp4(x, w, ids, prep, mode=mode, out=out) is out
+    finally:
+        prep.source = ex
+    assert torch.equal(out, ref)
+
+
+def _op_args(prep, x, w, ids, mode, out):
+    t = prep.tensors()
+    return (x, w, ids, t["w13"], t["w13_scale"], t["w13_alpha"], t["w2"], t["w2_scale"], t["w2_alpha"],
+            t["a13_scale"], t["a2_scale"], t["a13_gscale"], t["a2_gscale"], mode, out)
+
+
+def test_opcheck_fake_impl_and_schema(experts):
+    _, prep = experts
+    x, w, ids = inputs(5, seed=12)
+    torch.library.opcheck(torch.ops.glm5_fp4.moe_nvfp4.default, _op_args(prep, x, w, ids, "w4a16", torch.empty_like(x)))
+
+
+def test_fake_impl_shapes_under_fake_tensors(experts):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, prep = experts
+    x, w, ids = inputs(4, seed=13)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fx = mode.from_tensor(x)
+        out = torch.empty_like(fx)
+        torch.ops.glm5_fp4.moe_nvfp4(*_op_args(prep, fx, w, ids, "w4a16", out))
+        assert out.shape == x.shape and out.dtype == x.dtype
+        bad = torch.empty(4, H + 16, dtype=torch.bfloat16)
+        with pytest.raises(Glm5Fp4Error, match="hidden states"):
+            torch.ops.glm5_fp4.moe_nvfp4(*_op_args(prep, bad, w, ids, "w4a16", torch.empty_like(bad)))
+
+
+def test_traces_through_torch_compile(experts):
+    ex, prep = experts
+
+    class Block(torch.nn.Module):
+        def forward(self, x, w, ids):
+            return op.moe_nvfp4(x * 2, w, ids, prep) + x
+
+    x, w, ids = inputs(6, seed=14)
+    compiled = torch.compile(Block(), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, w, ids), Block()(x, w, ids))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda x, w, ids: (x[:, :64], w, ids), "hidden states must be"),
+        (lambda x, w, ids: (x.float(), w, ids), "bfloat16 or float16"),
+        (lambda x, w, ids: (x, w[:, :1], ids), "topk_ids"),
+        (lambda x, w, ids: (x, w, ids.float()), "int32 or int64"),
+    ],
+)
+def test_bad_inputs_name_the_culprit(experts, change, match):
+    _, prep = experts
+    with pytest.raises(Glm5Fp4Error, match=match):
+        fused_moe(*change(*inputs(3, seed=15)), prep)
+
+
+def test_bad_mode_and_missing_input_scales(experts):
+    ex, prep = experts
+    x, w, ids = inputs(3, seed=16)
+    with pytest.raises(Glm5Fp4Error, match="unknown MoE mode"):
+        fused_moe(x, w, ids, prep, mode="w8a8")
+    no_scales = prepare_experts(random_experts(E, H, I, generator=torch.Generator().manual_seed(1), with_input_scales=False))
+    with pytest.raises(Glm5Fp4Error, match="input scales"):
+        fused_moe(x, w, ids, no_scales, mode="w4a4")
