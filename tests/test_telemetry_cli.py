@@ -170,3 +170,14 @@ def test_subprocess_without_gpu_says_no_telemetry(tmp_path):
     assert "no GPU telemetry" in (out / MARKDOWN_FILE).read_text()
     listed = subprocess.run([sys.executable, "-m", "glm5_fp4.cli", "--help"], capture_output=True, text=True)
     assert "telemetry" in listed.stdout
+
+
+def test_record_default_interval_is_auto(tmp_path, fake_nvml):
+    rc = cli.main(["telemetry", "record", "--out", str(tmp_path), "--", sys.executable, "-c", "pass"])
+    assert rc == 0
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    # FakeNvml answers in microseconds, so the 100 ms default fits the CPU budget
+    assert meta["interval_s"] == 0.1 and meta["sampler"]["auto_interval"]["chosen_s"] == 0.1
+    md = (tmp_path / MARKDOWN_FILE).read_text()
+    assert "chosen automatically" in md and "NVML calls per GPU per tick" in md
+    assert "wrap every 4 GiB" in md  # the fake has PCIe counters: say where they alias

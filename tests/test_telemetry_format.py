@@ -19,7 +19,7 @@ from glm5_fp4.telemetry.summary import summarize
 def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("tel")
     fake = FakeNvml(n_gpus=2)
-    with TelemetrySampler(out, interval_s=0.02, nvml=fake) as s:
+    with TelemetrySampler(out, interval_s=0.02, nvml=fake, slow_s=0.1) as s:
         s.mark("warmup")
         time.sleep(0.1)
         s.mark("measure")
@@ -37,17 +37,27 @@ def test_every_line_is_one_sample_of_one_gpu(recorded):
         assert " " not in line  # compact separators
         assert set(row) <= allowed
         assert isinstance(row["t"], float) and row["t"] >= 0
-        assert all(isinstance(x, str) for x in row["throttle"])
+        assert all(isinstance(x, str) for x in row.get("throttle", []))
         per_gpu.setdefault(row["gpu"], []).append(row["t"])
     assert sorted(per_gpu) == [0, 1]
     assert len(per_gpu[0]) == len(per_gpu[1]) == len(s.run.gpus[0])
     for ts in per_gpu.values():
         assert ts == sorted(ts)
     # what the fake reports is what the file holds: power in W, memory in MiB, energy from 0
-    assert {r["mem_used_mib"] for r in rows if r["gpu"] == 1} == {2048.0}
+    assert {r["mem_used_mib"] for r in rows if r["gpu"] == 1 and "mem_used_mib" in r} == {2048.0}
     first = [r for r in rows if r["gpu"] == 0][0]
     assert first["energy_j"] == 0.0
     assert 100 <= first["power_w"] <= 500
+    # slow metrics (every 0.1 s = 5 ticks here) sit in the first and last line and in about 1 line in 5
+    meta = json.loads((out / META_FILE).read_text())
+    slow = set(meta["sampler"]["slow_metrics"])
+    assert slow == {"mem_mhz", "mem_used_mib", "temp_c", "throttle"}
+    gpu0 = [r for r in rows if r["gpu"] == 0]
+    assert slow <= set(gpu0[0]) and slow <= set(gpu0[-1])
+    for key in slow:  # each read in its own tick, staggered, so ticks carry equal work
+        with_key = [r for r in gpu0 if key in r]
+        assert len(gpu0) / 5 - 1 <= len(with_key) <= len(gpu0) / 5 + 3
+    assert all("power_w" in r and "sm_mhz" in r and "util_gpu" in r for r in gpu0)
 
 
 def test_meta_lists_gpus_metrics_and_marks(recorded):

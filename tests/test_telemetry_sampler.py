@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import sys
 import threading
 import time
@@ -14,7 +15,7 @@ from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.telemetry import TelemetrySampler, load_run
 from glm5_fp4.telemetry import sampler as sampler_mod
 from glm5_fp4.telemetry.fake_nvml import FakeNvml, FakeNvmlError
-from glm5_fp4.telemetry.nvml_reader import THROTTLE_BITS, decode_throttle
+from glm5_fp4.telemetry.nvml_reader import THROTTLE_BITS, counter_rate, decode_throttle
 from glm5_fp4.telemetry.series import META_FILE, SAMPLES_FILE, SUMMARY_FILE
 
 
@@ -179,9 +180,15 @@ def test_unsupported_metrics_are_dropped(tmp_path):
     assert summary["energy_j"] == pytest.approx(summary["energy_trapezoid_j"])
 
 
-def test_legacy_pcie_throughput_round_robin(tmp_path):
+def test_legacy_pcie_throughput_is_opt_in_and_round_robin(tmp_path):
     fake = FakeNvml(n_gpus=2, unsupported={"pcie_counters"})
-    with TelemetrySampler(tmp_path, interval_s=0.05, nvml=fake):
+    with TelemetrySampler(tmp_path / "default", interval_s=0.05, nvml=fake) as s:
+        time.sleep(0.1)
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0  # not even probed: it blocks ~20 ms a call
+    assert {"pcie_tx_mbs", "pcie_rx_mbs"} <= set(s.run.gpus[0].unsupported)
+
+    fake = FakeNvml(n_gpus=2, unsupported={"pcie_counters"})
+    with TelemetrySampler(tmp_path, interval_s=0.05, nvml=fake, pcie_legacy=True):
         time.sleep(0.5)
     rows = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
     with_pcie = [r for r in rows if "pcie_tx_mbs" in r]
@@ -191,27 +198,46 @@ def test_legacy_pcie_throughput_round_robin(tmp_path):
     assert all(r["pcie_rx_mbs"] == pytest.approx(2000 * 1024 / 1e6) for r in with_pcie)
 
 
-def test_pcie_counter_throughput(tmp_path):
-    with TelemetrySampler(tmp_path, interval_s=0.02, nvml=FakeNvml(n_gpus=1)) as s:
+def test_pcie_counter_throughput_across_the_wrap(tmp_path):
+    # The fake's 32-bit counters start 50 MB below the wrap and grow at 2e9 and 1e9 bytes/s, so both
+    # wrap during the run; every reading (not just the median) must still be the true rate.
+    fake = FakeNvml(n_gpus=1, pcie_start=2**32 - 50_000_000)
+    with TelemetrySampler(tmp_path, interval_s=0.02, nvml=fake) as s:
         time.sleep(0.2)
-    summary = s.summary()
-    # the fake's counters grow at 2e9 and 1e9 bytes/s
-    assert summary["gpus"][0]["metrics"]["pcie_tx_mbs"]["median"] == pytest.approx(2000, rel=0.02)
-    assert summary["gpus"][0]["metrics"]["pcie_rx_mbs"]["median"] == pytest.approx(1000, rel=0.02)
+    assert fake.pcie_counter(0, 0) < 50_000_000 + 2e9 * 0.2 and fake.elapsed() > 0.05  # it did wrap
+    g = s.run.gpus[0]
+    tx = [v for v in g.values["pcie_tx_mbs"] if v == v]
+    rx = [v for v in g.values["pcie_rx_mbs"] if v == v]
+    assert len(tx) >= len(g) - 1 and len(rx) >= len(g) - 1
+    assert tx == pytest.approx([2000.0] * len(tx), rel=0.01)
+    assert rx == pytest.approx([1000.0] * len(rx), rel=0.01)
+    assert s.summary()["sampler"]["pcie_alias_above_mbs"] == pytest.approx(2**32 / 0.02 / 1e6, rel=1e-3)
+
+
+def test_counter_rate_modulo_wrap():
+    rng = random.Random(11)
+    wrap = 2**32
+    for _ in range(2000):
+        start = rng.randrange(wrap)
+        moved = rng.randrange(wrap)  # anything under one wrap per interval is recoverable
+        t0, dt = rng.randrange(2 * 10**15), rng.randrange(1, 2 * 10**6)  # µs stamps, as NVML gives them
+        assert counter_rate((t0, start), (t0 + dt, (start + moved) % wrap), wrap) == pytest.approx(moved / dt)
+    assert counter_rate(None, (1.0, 5), wrap) is None
+    assert counter_rate((2.0, 5), (2.0, 9), wrap) is None  # no time passed: no rate
 
 
 class _Flaky(FakeNvml):
-    """Power reads fail on every third call after start: a transient NVML error."""
+    """The field-values read (power, energy, PCIe) fails on every third call after the probe's two."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.calls = 0
+        self.field_calls = 0
 
-    def nvmlDeviceGetPowerUsage(self, h):
-        self.calls += 1
-        if self.calls > 2 and self.calls % 3 == 0:
+    def nvmlDeviceGetFieldValues(self, h, field_ids):
+        self.field_calls += 1
+        if self.field_calls > 2 and self.field_calls % 3 == 0:
             raise FakeNvmlError(15, "Unknown Error")
-        return super().nvmlDeviceGetPowerUsage(h)
+        return super().nvmlDeviceGetFieldValues(h, field_ids)
 
 
 def test_transient_read_failures_leave_nulls(tmp_path):
@@ -220,6 +246,8 @@ def test_transient_read_failures_leave_nulls(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
     missing = [r for r in rows if r["power_w"] is None]
     assert missing and len(missing) < len(rows)
+    # one failed call nulls everything it reads, nothing else
+    assert all(r["energy_j"] is None and r["power_inst_w"] is None and r["util_gpu"] is not None for r in missing)
     assert s.summary()["sampler"]["read_failures"] == len(missing)
     assert s.summary()["gpus"][0]["metrics"]["power_w"]["median"] > 0
 
@@ -246,7 +274,7 @@ def test_throttle_reasons_fall_back_to_the_old_call(tmp_path):
     with TelemetrySampler(tmp_path, interval_s=0.05, nvml=_OldDriver(n_gpus=1)) as s:
         time.sleep(0.1)
     assert "throttle" in s.run.gpus[0].metrics
-    assert set(s.run.gpus[0].throttle) == {("sw_power_cap",)}
+    assert set(s.run.gpus[0].throttle) - {None} == {("sw_power_cap",)}
 
 
 def test_summary_while_running_is_a_snapshot(tmp_path):
@@ -261,3 +289,149 @@ def test_summary_while_running_is_a_snapshot(tmp_path):
     assert final["gpus"][0]["samples"] > n_mid
     assert final["energy_j"] > mid["energy_j"] > 0
     json.dumps(final, allow_nan=False)  # goes straight into a load test's result JSON
+
+
+READS = (
+    "nvmlDeviceGetFieldValues",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetTotalEnergyConsumption",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetClockInfo",
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    "nvmlDeviceGetPcieThroughput",
+)
+
+
+def _calls_while_sampling(fake, n_gpus, **kw):
+    """NVML calls per GPU per loop tick, counted by the fake between the start and stop samples."""
+    s = TelemetrySampler(kw.pop("out"), nvml=fake, **kw).start()
+    before, ticks0 = fake.calls.copy(), s._ticks
+    time.sleep(0.6)
+    after, ticks1 = fake.calls.copy(), s._ticks  # a tick in flight is within the tolerances below
+    s.stop()
+    ticks = ticks1 - ticks0
+    per = {name: (after[name] - before[name]) / (ticks * n_gpus) for name in READS}
+    return s, per, ticks
+
+
+def test_three_calls_per_gpu_per_tick_plus_slow_metrics(tmp_path):
+    fake = FakeNvml(n_gpus=2)
+    s, per, ticks = _calls_while_sampling(fake, 2, out=tmp_path, interval_s=0.02, slow_s=0.2)
+    assert ticks >= 10
+    # every tick: one field read (power, instant power, energy, PCIe), utilisation, and the SM clock
+    assert per["nvmlDeviceGetFieldValues"] == pytest.approx(1.0, abs=0.15)
+    assert per["nvmlDeviceGetUtilizationRates"] == pytest.approx(1.0, abs=0.15)
+    # the clock call serves SM (every tick) and memory clock (slow): 1 + 1/10
+    assert per["nvmlDeviceGetClockInfo"] == pytest.approx(1.1, abs=0.15)
+    for name in ("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetTemperature", "nvmlDeviceGetCurrentClocksEventReasons"):
+        assert per[name] == pytest.approx(0.1, abs=0.06), name  # slow_s 0.2 s = every 10th tick
+    for name in ("nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPcieThroughput"):
+        assert per[name] == 0, name  # served by the field read
+    total = sum(per.values())
+    assert total == pytest.approx(3.4, abs=0.3)
+    # the sampler counts its own calls (start and stop samples read everything, so slightly more)
+    assert s.summary()["sampler"]["nvml_calls_per_gpu_tick"] == pytest.approx(total, abs=0.5)
+    g = s.run.gpus[0]
+    assert {"power_w", "power_inst_w", "energy_j", "pcie_tx_mbs", "pcie_rx_mbs"} <= set(g.metrics)
+
+
+@pytest.mark.parametrize(
+    "missing, fallback_call, lost",
+    [
+        ({"power_average"}, "nvmlDeviceGetPowerUsage", set()),
+        ({"fields"}, "nvmlDeviceGetPowerUsage", {"power_inst_w", "pcie_tx_mbs", "pcie_rx_mbs"}),
+        ({"energy"}, None, {"energy_j"}),
+        ({"pcie_counters"}, None, {"pcie_tx_mbs", "pcie_rx_mbs"}),
+    ],
+)
+def test_each_field_falls_back_on_its_own(tmp_path, missing, fallback_call, lost):
+    fake = FakeNvml(n_gpus=1, unsupported=missing)
+    s, per, _ = _calls_while_sampling(fake, 1, out=tmp_path, interval_s=0.02)
+    g = s.run.gpus[0]
+    assert set(g.unsupported) == lost
+    assert {"power_w", "sm_mhz", "util_gpu"} <= set(g.metrics)
+    assert "energy_j" in g.metrics or "energy" in missing
+    if fallback_call:
+        assert per[fallback_call] == pytest.approx(1.0, abs=0.15)
+        powers = [v for v in g.values["power_w"] if v == v]
+        assert len(powers) == len(g) and min(powers) >= 100
+    if "fields" in missing:  # energy comes from its own call then
+        assert per["nvmlDeviceGetTotalEnergyConsumption"] == pytest.approx(1.0, abs=0.15)
+        assert per["nvmlDeviceGetFieldValues"] == 0
+
+
+def _expected_interval(n_gpus, cost_s, fast_calls=3, slow_calls=4):
+    """The ladder walked with the fake's known per-call cost (not with anything the sampler measured)
+    plus the sampler's stated Python overhead; slow reads every max(5, 1 s / interval) ticks."""
+    fast = n_gpus * fast_calls * cost_s + sampler_mod.PY_TICK_S + n_gpus * sampler_mod.PY_SAMPLE_S
+    slow = n_gpus * slow_calls * cost_s
+    for interval in sampler_mod.AUTO_INTERVALS:
+        if fast / interval + slow / (max(5, round(1.0 / interval)) * interval) <= 0.01:
+            return interval
+    return sampler_mod.AUTO_INTERVALS[-1]
+
+
+def test_auto_interval_keeps_sampling_within_budget(tmp_path):
+    # NVML about as costly per call as the H200's driver: 2 GPUs cannot be read every 0.1 s for 1 %
+    fake = FakeNvml(n_gpus=2, call_cost_s=0.4e-3)
+    with TelemetrySampler(tmp_path / "slow", nvml=fake) as s:
+        pass
+    expected = _expected_interval(2, 0.4e-3)
+    assert expected == 0.5  # by hand: 0.25 s would cost ~1.3 % of a core, 0.5 s ~0.65 %
+    assert s.interval_s == expected and s.run.interval_s == expected
+    auto = json.loads((tmp_path / "slow" / META_FILE).read_text())["sampler"]["auto_interval"]
+    assert auto["chosen_s"] == expected
+    assert auto["read_cpu_ms_per_tick"] == pytest.approx(2 * 3 * 0.4, rel=0.3)
+    assert auto["slow_read_cpu_ms_per_round"] == pytest.approx(2 * 4 * 0.4, rel=0.3)
+    # the slow metrics: every 5th tick at most, so every 2.5 s here
+    assert s.run.sampler["slow_s"] == pytest.approx(2.5)
+
+    with TelemetrySampler(tmp_path / "cheap", nvml=FakeNvml(n_gpus=2)) as s:
+        pass
+    assert s.interval_s == 0.1  # NVML in pure Python costs microseconds: the 100 ms default holds
+
+    with TelemetrySampler(tmp_path / "forced", interval_s=0.05, nvml=FakeNvml(n_gpus=2, call_cost_s=0.3e-3)) as s:
+        pass
+    assert s.interval_s == 0.05 and "auto_interval" not in s.run.sampler  # a number is obeyed
+
+
+def test_pick_interval_is_the_shortest_within_budget():
+    rng = random.Random(5)
+    ladder = sampler_mod.AUTO_INTERVALS
+    for _ in range(500):
+        fast, slow = rng.uniform(0, 0.02), rng.uniform(0, 0.05)
+        chosen = sampler_mod.pick_interval(fast, slow, slow_s=1.0, budget=0.01)
+
+        def cost(iv):
+            return fast / iv + slow / (max(5, round(1.0 / iv)) * iv)
+
+        i = ladder.index(chosen)
+        assert cost(chosen) <= 0.01 or chosen == ladder[-1]
+        assert all(cost(iv) > 0.01 for iv in ladder[:i])
+
+
+def test_bad_interval_and_slow_s(tmp_path):
+    for bad in ("fast", True, -1, 0.0):
+        with pytest.raises(Glm5Fp4Error, match="interval_s"):
+            TelemetrySampler(tmp_path, interval_s=bad)
+    with pytest.raises(Glm5Fp4Error, match="slow_s"):
+        TelemetrySampler(tmp_path, slow_s=0)
+
+
+class _WideCounters(FakeNvml):
+    """A GPU whose PCIe byte counters are 64-bit: they already read above 2**32."""
+
+    PCIE_WRAP = 2**64
+
+
+def test_wide_pcie_counters_are_not_taken_modulo_4gib(tmp_path):
+    # 300 GB/s moves 6 GB per 20 ms tick: modulo 2**32 that would alias, modulo 2**64 it is exact
+    fake = _WideCounters(n_gpus=1, pcie_start=2**40, pcie_bytes_per_s=(3e11, 1e9))
+    with TelemetrySampler(tmp_path, interval_s=0.02, nvml=fake) as s:
+        time.sleep(0.1)
+    tx = [v for v in s.run.gpus[0].values["pcie_tx_mbs"] if v == v]
+    assert tx and tx == pytest.approx([300_000.0] * len(tx), rel=0.01)
+    sampler = s.summary()["sampler"]
+    assert sampler["pcie_counter_wrap_bytes"] == 2**64 and sampler["pcie_alias_above_mbs"] is None

@@ -18,13 +18,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exits with CMD's status. Example: glm5-fp4 telemetry record --out out/tel -- python bench.py",
     )
     rec.add_argument("--out", required=True, help="directory for telemetry.jsonl, summary, plot and table")
-    rec.add_argument("--interval", type=float, default=0.1, help="seconds between samples (default 0.1)")
+    rec.add_argument(
+        "--interval",
+        type=_interval,
+        default="auto",
+        help="seconds between samples, or 'auto' (default): 0.1 s unless sampling that often would take more "
+        "than 1 %% of one core (several GPUs on a GSP-based driver), then the shortest interval that does not",
+    )
     rec.add_argument("--gpus", help="comma-separated NVML GPU indices (default: CUDA_VISIBLE_DEVICES, else all)")
     rec.add_argument(
         "--settle",
         type=float,
         default=0.0,
         help="also record this many idle seconds before and after the command (phases idle-before/idle-after)",
+    )
+    rec.add_argument(
+        "--pcie-legacy",
+        action="store_true",
+        help="where NVML lacks PCIe byte counters, read nvmlDeviceGetPcieThroughput (blocks ~20 ms per call)",
     )
     rec.add_argument("--no-report", action="store_true", help="skip the PNG and markdown report")
     rec.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
@@ -37,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--tokens", type=int, help="tokens produced during the window, for tokens per joule")
     rep.add_argument("--phase", help="summarise only this marked phase (e.g. measure)")
     rep.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def _interval(text: str) -> float | str:
+    return text if text == "auto" else float(text)
 
 
 def _parse_gpus(text: str | None) -> list[int] | None:
@@ -64,7 +79,9 @@ def _record(args: argparse.Namespace) -> int:
         raise Glm5Fp4Error("telemetry record: give the command to run after --, e.g. `-- python bench.py`")
     if args.settle < 0:
         raise Glm5Fp4Error(f"--settle {args.settle}: must be >= 0 seconds")
-    sampler = TelemetrySampler(args.out, interval_s=args.interval, gpus=_parse_gpus(args.gpus))
+    sampler = TelemetrySampler(
+        args.out, interval_s=args.interval, gpus=_parse_gpus(args.gpus), pcie_legacy=args.pcie_legacy
+    )
     rc = 0
     with sampler:
         if args.settle:

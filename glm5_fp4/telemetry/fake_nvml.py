@@ -4,12 +4,19 @@ It has the same function names as pynvml, so `TelemetrySampler(..., nvml=FakeNvm
 real sampling code without a GPU. Power follows a curve whose integral is known in closed form,
 and the fake's total-energy counter reports that integral, so energy computed from samples can
 be checked against an answer that was not computed from samples.
+
+It also models what made the real sampler expensive: `calls` counts every NVML call by name, and
+`call_cost_s` makes each device query burn that much CPU (the driver's share on a real GPU; about
+0.35 ms per call on the H200 run), and `field_cost_s` more for each field id of a field-values call.
+Field values come as pynvml returns them (valueType, value union, timestamp in µs), and the PCIe
+byte counters wrap at 2**32 as the H200's do.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -96,11 +103,16 @@ class FakeNvml:
 
     `curves[i]` drives GPU i (power, clocks and utilisation all follow its power); `unsupported`
     names call groups that answer NOT_SUPPORTED: "energy", "fields", "pcie_counters",
-    "pcie_legacy", "throttle", "utilization", "memory", "temperature", "clocks", "power_instant".
+    "pcie_legacy", "throttle", "utilization", "memory", "temperature", "clocks", "power_instant",
+    "power_average" (the last two are field ids only; nvmlDeviceGetPowerUsage always answers).
+    clock_model "follows_load": the SM clock rises with power (most GPUs); "power_capped": it stays
+    at 1980 MHz until power reaches 95 % of max_power_w, then drops to 1485 MHz with sw_power_cap
+    set, as the H200 did under a heavy matmul.
     """
 
     NVMLError = FakeNvmlError
     NVML_ERROR_NOT_SUPPORTED = NOT_SUPPORTED
+    PCIE_WRAP = 2**32
 
     def __init__(
         self,
@@ -111,19 +123,33 @@ class FakeNvml:
         name: str = "Fake GPU",
         clock: Callable[[], float] = time.monotonic,
         max_power_w: float = 700.0,
+        clock_model: str = "follows_load",
+        pcie_bytes_per_s: tuple[float, float] = (2e9, 1e9),
+        pcie_start: int = 2**32 - 50_000_000,
+        call_cost_s: float = 0.0,
+        field_cost_s: float = 0.0,
     ):
         self.n_gpus = n_gpus
         self.curves = curves or [SineSquaredPower(base_w=100.0 + 10 * i) for i in range(n_gpus)]
         if len(self.curves) != n_gpus:
             raise ValueError(f"FakeNvml: {len(self.curves)} curves for {n_gpus} GPUs")
+        if clock_model not in ("follows_load", "power_capped"):
+            raise ValueError(f"FakeNvml: clock_model {clock_model!r} is not follows_load or power_capped")
         self.unsupported = set(unsupported)
         self.init_error = init_error
         self.name = name
         self.clock = clock
         self.max_power_w = max_power_w
+        self.clock_model = clock_model
+        self.pcie_bytes_per_s = pcie_bytes_per_s  # (TX, RX); the counters start near the wrap
+        self.pcie_start = pcie_start
+        self.call_cost_s = call_cost_s
+        self.field_cost_s = field_cost_s
         self.t0 = clock()
+        self.unix0 = time.time()
         self.initialised = 0
         self.shutdowns = 0
+        self.calls: Counter[str] = Counter()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -131,13 +157,31 @@ class FakeNvml:
         """Seconds on the fake's clock since construction: the `t` its curves are evaluated at."""
         return self.clock() - self.t0
 
-    def _check(self, group: str) -> None:
-        if group in self.unsupported:
+    def _query(self, name: str, group: str | None = None, fields: int = 0) -> None:
+        """Count the call, burn its modelled CPU cost, and refuse it when its group is unsupported."""
+        self.calls[name] += 1
+        cost = self.call_cost_s + fields * self.field_cost_s
+        if cost > 0:
+            end = time.thread_time() + cost
+            while time.thread_time() < end:
+                pass
+        if group is not None and group in self.unsupported:
             raise FakeNvmlError()
+
+    def _power(self, h: int) -> float:
+        return self.curves[h].power(self.elapsed())
 
     def _load(self, h: int) -> float:
         """0..1 fraction of full power, which clocks and utilisation follow."""
-        return min(max(self.curves[h].power(self.elapsed()) / self.max_power_w, 0.0), 1.0)
+        return min(max(self._power(h) / self.max_power_w, 0.0), 1.0)
+
+    def _capped(self, h: int) -> bool:
+        return self.clock_model == "power_capped" and self._load(h) >= 0.95
+
+    def pcie_counter(self, h: int, direction: int, t: float | None = None) -> int:
+        """The raw (wrapped) byte counter for direction 0 = TX, 1 = RX at fake time t."""
+        t = self.elapsed() if t is None else t
+        return int(self.pcie_start + self.pcie_bytes_per_s[direction] * t) % self.PCIE_WRAP
 
     # -- pynvml surface ------------------------------------------------------------------------
 
@@ -176,54 +220,73 @@ class FakeNvml:
         return f"GPU-fake-{h:04d}"
 
     def nvmlDeviceGetPowerUsage(self, h: int) -> int:
-        return int(round(self.curves[h].power(self.elapsed()) * 1000))
+        self._query("nvmlDeviceGetPowerUsage")
+        return int(round(self._power(h) * 1000))
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> int:
-        self._check("energy")
+        self._query("nvmlDeviceGetTotalEnergyConsumption", "energy")
         return int(round(self.curves[h].energy(self.elapsed()) * 1000))
 
     def nvmlDeviceGetClockInfo(self, h: int, kind: int) -> int:
-        self._check("clocks")
-        if kind == 1:
-            return int(345 + (1980 - 345) * self._load(h))
-        return 2619
+        self._query("nvmlDeviceGetClockInfo", "clocks")
+        if kind != 1:
+            return 2619
+        if self.clock_model == "power_capped":
+            return 1485 if self._capped(h) else 1980
+        return int(345 + (1980 - 345) * self._load(h))
 
     def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
-        self._check("utilization")
+        self._query("nvmlDeviceGetUtilizationRates", "utilization")
         load = self._load(h)
         return SimpleNamespace(gpu=int(100 * load), memory=int(80 * load))
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
-        self._check("memory")
+        self._query("nvmlDeviceGetMemoryInfo", "memory")
         total = 141 * 2**30
         used = 2**30 * (1 + h)
         return SimpleNamespace(total=total, used=used, free=total - used)
 
     def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
-        self._check("temperature")
+        self._query("nvmlDeviceGetTemperature", "temperature")
         return int(30 + 40 * self._load(h))
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:
-        self._check("throttle")
+        self._query("nvmlDeviceGetCurrentClocksEventReasons", "throttle")
         load = self._load(h)
+        if self.clock_model == "power_capped":
+            return 0x4 if self._capped(h) else (0x1 if load < 0.2 else 0x0)
         return 0x1 if load < 0.2 else (0x4 if load > 0.7 else 0x0)
 
     def nvmlDeviceGetPcieThroughput(self, h: int, counter: int) -> int:
-        self._check("pcie_legacy")
+        self._query("nvmlDeviceGetPcieThroughput", "pcie_legacy")
         return 1000 * (counter + 1)  # KB/s
 
     def nvmlDeviceGetFieldValues(self, h: int, field_ids: list[int]) -> list[SimpleNamespace]:
-        self._check("fields")
+        self._query("nvmlDeviceGetFieldValues", "fields", fields=len(field_ids))
         t = self.elapsed()
+        stamp = int((self.unix0 + t) * 1e6)
         out = []
         for fid in field_ids:
-            ret, value = 0, 0
-            if fid == 186 and "power_instant" not in self.unsupported:
-                value = self.nvmlDeviceGetPowerUsage(h)
+            ret, vtype, member, value = 0, 3, "ullVal", 0
+            if fid == 83 and "energy" not in self.unsupported:
+                value = int(round(self.curves[h].energy(t) * 1000))
+            elif fid == 185 and "power_average" not in self.unsupported:
+                vtype, member, value = 1, "uiVal", int(round(self.curves[h].power(t) * 1000))
+            elif fid == 186 and "power_instant" not in self.unsupported:
+                vtype, member, value = 1, "uiVal", int(round(self.curves[h].power(t) * 1000))
             elif fid in (197, 198) and "pcie_counters" not in self.unsupported:
-                rate = 2e9 if fid == 197 else 1e9  # bytes/s, so throughput is checkable
-                value = int(rate * t)
+                value = self.pcie_counter(h, fid - 197, t)
             else:
                 ret = NOT_SUPPORTED
-            out.append(SimpleNamespace(fieldId=fid, nvmlReturn=ret, valueType=3, value=SimpleNamespace(ullVal=value)))
+            out.append(
+                SimpleNamespace(
+                    fieldId=fid,
+                    scopeId=0,
+                    timestamp=stamp,
+                    latencyUsec=0,
+                    nvmlReturn=ret,
+                    valueType=vtype,
+                    value=SimpleNamespace(**{member: value}),
+                )
+            )
         return out

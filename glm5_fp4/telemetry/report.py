@@ -130,7 +130,7 @@ def summary_markdown(summary: dict[str, Any], png_name: str | None = None, headi
     lines.append(
         "| GPU | power W (med / p90) | SM MHz (med / p90) | mem MHz (med) | GPU util % (med / p90) "
         "| mem-ctrl util % (med / p90) | mem used GiB (max) | temp °C (max) | PCIe TX / RX MB/s (med) "
-        "| energy J (counter / integral) | clock limits (share of samples) |"
+        "| energy J (counter / integral) | clock limits (share of reads) |"
     )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for g in summary["gpus"]:
@@ -167,11 +167,27 @@ def summary_markdown(summary: dict[str, Any], png_name: str | None = None, headi
 
     s = summary.get("sampler") or {}
     cpu = s.get("cpu_fraction_of_one_core")
-    lines += [
-        "",
+    calls = s.get("nvml_calls_per_gpu_tick")
+    auto = s.get("auto_interval")
+    sampler_line = (
         f"Sampler: {s.get('ticks', 0)} ticks, {s.get('late_ticks', 0)} late, {s.get('read_failures', 0)} failed reads, "
-        f"CPU {_fmt(None if cpu is None else 100 * cpu, 2)} % of one core.",
-    ]
+        + (f"{_fmt(calls, 1)} NVML calls per GPU per tick, " if calls is not None else "")
+        + f"CPU {_fmt(None if cpu is None else 100 * cpu, 2)} % of one core."
+    )
+    if auto:
+        sampler_line += (
+            f" Interval {auto['chosen_s']:g} s chosen automatically: NVML reads measured "
+            f"{_fmt(auto['read_cpu_ms_per_tick'], 2)} ms of CPU per tick, "
+            f"budget {100 * auto['budget_of_one_core']:g} % of one core for the whole sampler."
+        )
+    if s.get("slow_metrics"):
+        sampler_line += f" Read every {_fmt(s.get('slow_s'), 1)} s only: {', '.join(s['slow_metrics'])}."
+    lines += ["", sampler_line]
+    if s.get("pcie_alias_above_mbs"):
+        lines.append(
+            f"PCIe rates come from NVML's byte counters, which wrap every 4 GiB: above "
+            f"{_fmt(s['pcie_alias_above_mbs'], 0)} MB/s a reading at this interval aliases to a lower one."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -5,12 +5,15 @@ A run directory holds
   telemetry_meta.json      GPUs, which metrics each reports, phase marks, sampler cost; rewritten as the run goes
   telemetry_summary.json   summary() at the end of the run (see summary.py)
   telemetry.png / .md      written by report.py
-Metrics a GPU does not support are absent from its lines; a metric that failed for one sample is null.
+Metrics a GPU does not support are absent from its lines (the metadata lists them), and so are the
+slow metrics (sampler.slow_metrics: memory clock, memory used, temperature, throttle) in the ticks
+that do not read them; a metric whose read failed in one sample is null there.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from array import array
 from dataclasses import dataclass, field, replace
@@ -37,7 +40,7 @@ METRICS: dict[str, tuple[str, int]] = {
     "util_mem": ("%", 0),  # memory-controller busy time, NVML's "memory utilisation"
     "mem_used_mib": ("MiB", 1),
     "temp_c": ("C", 0),
-    "pcie_tx_mbs": ("MB/s", 3),
+    "pcie_tx_mbs": ("MB/s", 3),  # from NVML's 32-bit byte counters (wrap every 4 GiB; see nvml_reader.py)
     "pcie_rx_mbs": ("MB/s", 3),
     "energy_j": ("J", 3),  # NVML total-energy counter, relative to the run's first sample
 }
@@ -55,7 +58,7 @@ class GpuSeries:
     unsupported: list[str] = field(default_factory=list)
     t: array = field(default_factory=lambda: array("d"))
     values: dict[str, array] = field(default_factory=lambda: {m: array("d") for m in METRICS})
-    throttle: list[tuple[str, ...]] = field(default_factory=list)
+    throttle: list[tuple[str, ...] | None] = field(default_factory=list)  # None: not read in that sample
 
     def append(self, t: float, sample: dict[str, Any]) -> None:
         self.t.append(t)
@@ -63,7 +66,8 @@ class GpuSeries:
         for key, column in self.values.items():
             v = get(key)
             column.append(NAN if v is None else v)
-        self.throttle.append(tuple(get("throttle") or ()))
+        reasons = get("throttle")
+        self.throttle.append(None if reasons is None else tuple(reasons))
 
     def __len__(self) -> int:
         return len(self.t)
@@ -131,22 +135,27 @@ class TelemetryRun:
         }
 
 
-_DECIMALS = {key: decimals for key, (_, decimals) in METRICS.items()}
-_encode = json.JSONEncoder(separators=(",", ":")).encode
+# key -> formatter of its value as a JSON number, rounded to what the sensor resolves
+_FORMAT = {key: ("{:.%df}" % decimals).format for key, (_, decimals) in METRICS.items()}
+_isfinite = math.isfinite
 
 
 def sample_line(t: float, gpu: int, sample: dict[str, Any]) -> str:
-    """One compact JSONL line; numbers rounded to what the sensors resolve. Runs per sample: keep it lean."""
-    row: dict[str, Any] = {"t": round(t, 4), "gpu": gpu}
+    """One compact JSONL line. Runs for every sample of every GPU, so it formats by hand (~7 µs,
+    against ~12 µs for round() + json); keys are our own identifiers and throttle names are
+    [a-z0-9_], so nothing needs escaping."""
+    parts = ['{"t":', f"{t:.4f}", ',"gpu":', str(gpu)]
     for key, value in sample.items():
-        decimals = _DECIMALS.get(key)
-        if decimals is None:  # "throttle": a tuple of reason names
-            row[key] = None if value is None else list(value)
-        elif value is None or value != value:  # None or NaN
-            row[key] = None
+        parts.append(f',"{key}":')
+        fmt = _FORMAT.get(key)
+        if fmt is None:  # "throttle": a tuple of reason names
+            parts.append("null" if value is None else "[" + ",".join(f'"{name}"' for name in value) + "]")
+        elif value is None or not _isfinite(value):
+            parts.append("null")
         else:
-            row[key] = round(value) if decimals == 0 else round(value, decimals)
-    return _encode(row)
+            parts.append(fmt(value))
+    parts.append("}")
+    return "".join(parts)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -162,9 +162,11 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
             if m in g.metrics:
                 metrics[m] = _stats(_window_values(t, g.values[m], a, b, last=True))
         in_window = [i for i, tt in enumerate(t) if a <= tt <= b]
+        # clock-event reasons are a slow metric: shares are of the samples that read them
+        throttle_read = [g.throttle[i] for i in in_window if g.throttle[i] is not None]
         throttle: dict[str, float] = {}
-        for i in in_window:
-            for name in g.throttle[i]:
+        for reasons in throttle_read:
+            for name in reasons:
                 throttle[name] = throttle.get(name, 0) + 1
         trap = integrate(t, g.values["power_w"], a, b)
         counter = counter_delta(t, g.values["energy_j"], a, b) if "energy_j" in g.metrics else None
@@ -178,7 +180,8 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
                 "metrics": metrics,
                 "energy_j": {"trapezoid": trap, "counter": counter, "trapezoid_instant_power": inst},
                 "counter_vs_trapezoid_pct": (100.0 * (trap - counter) / counter) if counter else None,
-                "throttle_fraction": {k: v / len(in_window) for k, v in sorted(throttle.items())} if in_window else {},
+                "throttle_fraction": {k: v / len(throttle_read) for k, v in sorted(throttle.items())},
+                "throttle_samples": len(throttle_read),
                 "unsupported": list(g.unsupported),
             }
         )
