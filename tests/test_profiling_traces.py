@@ -163,3 +163,33 @@ def test_trim_keeps_what_the_analysis_reads(tmp_path):
     for x, y in zip(a.ranks, b.ranks):
         assert x.summed_us == y.summed_us and x.allreduce == y.allreduce
         assert (x.step_method, x.n_steps) == (y.step_method, y.n_steps) == ("annotation", 4)
+
+
+def test_cpu_run_steps_follow_vllm_execute_annotations(tmp_path):
+    """A CPU run has no launches to correlate: each `execute_context_*_generation_*` annotation starts a step."""
+    import random
+
+    from glm5_fp4.profiling.breakdown import analyze_path
+
+    rng = random.Random(7)
+    events, t = [], 0.0
+    durations = []
+    for step in range(5):
+        start = t
+        for _ in range(rng.randint(3, 8)):
+            d = rng.uniform(5, 50)
+            events.append({"ph": "X", "cat": "cpu_op", "name": rng.choice(["aten::addmm", "_C::cpu_fused_moe"]),
+                           "pid": 1, "tid": 1, "ts": t + 1, "dur": d})
+            t += d + 2
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"execute_context_0(0)_generation_4({step})",
+                       "pid": 1, "tid": 1, "ts": start, "dur": t - start})
+        durations.append(t - start)
+        t += 1  # back to back: no idle gap a gap-based split could use
+    d = tmp_path / "traces"
+    d.mkdir()
+    write_trace(_trace(events), d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json")
+    b = analyze_path(d)
+    r = b.ranks[0]
+    assert r.step_method == "annotation" and r.n_steps == 5
+    complete = sorted(durations[:-1])  # the last step has no successor: partial
+    assert r.median_step["time_us"] == pytest.approx((complete[1] + complete[2]) / 2, rel=0.15)

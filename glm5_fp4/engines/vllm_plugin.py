@@ -9,6 +9,8 @@ What it registers:
 
 * quantization config ``glm5_nvfp4`` (:class:`glm5_fp4.engines.vllm.config.Glm5NvFp4Config`);
 * on the CPU platform, an NVFP4 linear kernel in vLLM's kernel registry (vLLM's CPU build has none).
+* with ``GLM5_FP4_LAYER_TIMERS=1``, per-layer timers on the model each worker loads
+  (:mod:`glm5_fp4.engines.layer_timers`; works with any ``--quantization``).
 
 Backend choice: ``--additional-config '{"glm5_fp4": {"backend": "triton|dequant|reference|auto",
 "mode": "auto|w4a16|w4a4"}}'`` or ``GLM5_FP4_BACKEND`` / ``GLM5_FP4_MODE`` (see ``settings``).
@@ -45,3 +47,7 @@ def _register() -> None:
         from glm5_fp4.engines.vllm.linear import register_cpu_kernel
 
         register_cpu_kernel()
+
+    from glm5_fp4.engines.layer_timers import install_vllm
+
+    install_vllm()

@@ -98,8 +98,19 @@ def _split_by_annotation(trace: RankTrace) -> StepSplit | None:
     if trace.step_marks_gpu:
         anchors = np.array([s for s, _, _ in trace.step_marks_gpu])
         return _from_anchor_starts(trace, anchors, "annotation", f"{len(anchors)} GPU ProfilerStep# ranges")
-    if not trace.step_marks_cpu or trace.launch_corr.size == 0:
+    if not trace.step_marks_cpu:
         return None
+    if trace.launch_corr.size == 0:
+        # A CPU run: its "kernels" are the CPU ops themselves, so each step starts at its annotation.
+        marks = np.array(sorted((s, e) for s, e, _ in trace.step_marks_cpu))
+        starts = np.sort(trace.start)
+        first = np.searchsorted(starts, marks[:, 0])  # first op starting inside each annotation
+        ok = first < starts.size
+        ok[ok] &= starts[first[ok]] <= marks[ok, 1]
+        anchors = starts[first[ok]]
+        if anchors.size == 0:
+            return None
+        return _from_anchor_starts(trace, anchors, "annotation", f"{len(anchors)} CPU step annotations")
     # map each kernel to the CPU step range that contains its launch call
     marks = np.array([(s, e) for s, e, _ in trace.step_marks_cpu])
     pos = np.searchsorted(trace.launch_corr, trace.corr)

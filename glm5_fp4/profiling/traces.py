@@ -42,6 +42,8 @@ _GPU_CATS = {
 _RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "Runtime", "Driver"}
 _ANNOTATION_CATS = {"user_annotation", "gpu_user_annotation", "cpu_op"}
 STEP_PREFIX = "ProfilerStep#"
+# vLLM's model runner annotates every forward as e.g. `execute_context_0(0)_generation_4(4)`.
+VLLM_STEP_RE = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)$")
 
 _VLLM_NAME = re.compile(r"dp(\d+)_pp(\d+)_tp(\d+)(?:_dcp\d+)?(?:_ep\d+)?_rank(\d+)")
 _SGLANG_NAME = re.compile(r"-TP-(\d+)(?:-DP-(\d+))?(?:-PP-(\d+))?(?:-EP-(\d+))?(?:-(EXTEND|DECODE))?")
@@ -210,7 +212,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                         graph_corrs.append(int(corr))
             elif cat in _ANNOTATION_CATS:
                 name = ev.get("name", "")
-                if name.startswith(STEP_PREFIX):
+                if name.startswith(STEP_PREFIX) or VLLM_STEP_RE.match(name):
                     mark = (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), name)
                     (marks_gpu if cat == "gpu_user_annotation" else marks_cpu).append(mark)
                 elif cat == "cpu_op" and want_cpu and ev.get("ph") == "X":

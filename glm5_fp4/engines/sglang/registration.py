@@ -1,4 +1,5 @@
-"""What the SGLang entry point registers: the CLI name, the runner core, the three method hooks."""
+"""What the SGLang entry point registers: the CLI name, the runner core, the three method hooks (and the
+per-layer timer hooks when ``GLM5_FP4_LAYER_TIMERS=1``)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,9 @@ def register_all() -> None:
 
     for method, fn in HOOKS.items():
         HookRegistry.register(f"{TARGET}.{method}", fn, HookType.AROUND)
+
+    # 4. per-layer timers, only with GLM5_FP4_LAYER_TIMERS=1 (glm5_fp4/engines/layer_timers.py documents them).
+    from glm5_fp4.engines.layer_timers import sglang_hooks
+
+    for target, fn in sglang_hooks().items():
+        HookRegistry.register(target, fn, HookType.AFTER)
