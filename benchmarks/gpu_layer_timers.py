@@ -273,7 +273,7 @@ def trace_name(rank: int, pp: int = 0) -> str:
 
 
 def write_traces(model, x, out: Path, rank: int, group=None, skew_cycles: int = 0, steps: int = 4) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     null = NullTimer()
@@ -282,7 +282,9 @@ def write_traces(model, x, out: Path, rank: int, group=None, skew_cycles: int = 
         for _ in range(2):
             model(x, null, group, skew_cycles)
         torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
+        # A schedule makes prof.step() record the ProfilerStep#N annotations step detection uses; one
+        # active step more than run keeps the cycle open until the context exits (a closed cycle is dropped).
+        with profile(activities=acts, schedule=schedule(wait=0, warmup=0, active=steps + 1)) as prof:
             for _ in range(steps):
                 model(x, null, group, skew_cycles)
                 torch.cuda.synchronize()

@@ -18,7 +18,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("glm5_fp4.demo", "CPU end-to-end demo on a tiny GLM-5 checkpoint"),
     "make-checkpoint": ("glm5_fp4.checkpoint.make_cli", "write a random tiny checkpoint in the ModelOpt NVFP4 layout"),
     "inspect": ("glm5_fp4.checkpoint.inspect_cli", "validate an NVFP4 checkpoint and summarise it"),
+    "serve": ("glm5_fp4.serve_cli", "launch vLLM's OpenAI server with the glm5-fp4 backend"),
+    "loadtest": ("glm5_fp4.loadtest.cli", "decode load test against an OpenAI-compatible server"),
+    "compare": ("glm5_fp4.loadtest.compare_cli", "compare load-test results side by side"),
+    "improvements": ("glm5_fp4.improvements.cli", "create numbered improvement write-ups and regenerate their index"),
+    "plan": ("glm5_fp4.launch.plan_cli", "memory per GPU and predicted decode step time for a launch profile"),
     "telemetry": ("glm5_fp4.telemetry.cli", "record or report GPU power, clocks and utilisation"),
+    "profile": ("glm5_fp4.profiling.cli", "analyze or capture torch-profiler traces: decode-time breakdown vs hardware ceilings"),
+    "compile-matrix": ("glm5_fp4.sm120.cli", "compile every MoE kernel config for sm_120/sm_100/sm_90 without a GPU; check fit, spills, instructions"),
+    "selftest": ("glm5_fp4.selftest.cli", "check the MoE backend on this GPU against the reference and benchmark it; writes a report"),
 }
 
 

@@ -85,3 +85,22 @@ def test_streaming_matches_the_non_streamed_greedy_text(server):
         model=model, messages=[{"role": "user", "content": "stream please"}], max_tokens=12, temperature=0,
         stream=True, extra_body={"ignore_eos": True}) if c.choices]
     assert sum(1 for d in deltas if d) > 3
+
+
+def test_loadtest_against_the_plugin_server(server, checkpoints, arch, tmp_path):
+    """`glm5-fp4 loadtest` against real vLLM: every request completes with exact lengths; results parse back."""
+    import json
+
+    from glm5_fp4.loadtest.runner import run_loadtest
+
+    summary = run_loadtest({"url": server.api_url.removesuffix("/v1"), "concurrency": 4, "num_prompts": 8,
+                            "input_len": 32, "output_len": 16, "num_warmups": 1, "tokenizer": str(checkpoints[arch]),
+                            "progress": False, "telemetry": False, "result_dir": str(tmp_path), "label": arch})
+    assert summary["completed"] == 8 and summary["failed"] == 0
+    assert summary["total_input_tokens"] == 8 * 32 and summary["total_output_tokens"] == 8 * 16
+    assert summary["output_throughput"] > 0 and 0 < summary["median_ttft_ms"] <= summary["median_e2el_ms"]
+    files = sorted(tmp_path.rglob("*.json"))
+    assert files, "summary JSON written"
+    assert json.loads(files[0].read_text())["completed"] == 8
+    rows = [json.loads(line) for f in tmp_path.rglob("*.jsonl") for line in f.read_text().splitlines()]
+    assert len(rows) == 8 and all(not r.get("error") for r in rows)

@@ -1,0 +1,389 @@
+"""Side-by-side comparison of load-test results, with a noise estimate for every difference.
+
+A *group* is one configuration: a single result file, or several repeat runs of it. The first
+group is the baseline; every other group is compared with it, metric by metric. Result files of
+`vllm bench serve --save-result` work too (with `--save-detailed` they carry per-request data).
+
+Whether a difference is real:
+- with >= 2 repeats on both sides, from the run-to-run spread (Welch's t interval, 95 %);
+- otherwise from per-request dispersion: the per-request JSONL next to each summary is
+  resampled (bootstrap over requests, seeded) and each statistic recomputed, giving a 95 %
+  interval for the difference. ITLs are resampled by request (cluster bootstrap), on at most
+  `ITL_PER_REQUEST` ITLs per request - this widens the interval a little, never narrows it.
+  Throughputs have no per-request sample; a closed loop obeys Little's law (throughput =
+  concurrency / mean E2EL x tokens), so their interval scales with the bootstrap of mean E2EL
+  (approximate, and marked so);
+- with neither, the difference is shown without a verdict.
+A difference whose interval contains 0 is reported as "within noise".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loadtest.report import describe_run, read_requests, requests_path_for
+
+ITL_PER_REQUEST = 32
+LATENCIES = ("ttft", "tpot", "itl", "e2el", "chunk_itl")
+HIGHER_IS_BETTER = {"completed", "request_throughput", "request_goodput", "output_throughput",
+                    "total_token_throughput", "output_throughput_per_user", "output_throughput_per_gpu",
+                    "max_output_tokens_per_s", "good_requests"}
+COUNT_KEYS = ("completed", "failed")
+THROUGHPUT_KEYS = ("request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+                   "output_throughput_per_user", "output_throughput_per_gpu", "max_output_tokens_per_s")
+OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tokens_per_chunk")
+CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "num_prompts")
+CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format")
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+
+
+def _t95(df: float) -> float:
+    if not math.isfinite(df) or df > 60:
+        return 1.96
+    keys = sorted(_T95)
+    for k in keys:
+        if df <= k:
+            return _T95[k]
+    return 1.96
+
+
+@dataclass
+class Group:
+    label: str
+    paths: list[Path]
+    results: list[dict[str, Any]]
+    rows: list[list[dict[str, Any]] | None] = field(default_factory=list)
+
+    def value(self, key: str) -> float | None:
+        vals = [r.get(key) for r in self.results]
+        if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in vals):
+            return None
+        return float(np.mean(vals))
+
+
+def load_group(spec: str, label: str | None = None) -> Group:
+    """`a.json`, `a1.json,a2.json` (repeats) or `label=a1.json,a2.json`."""
+    if "=" in spec and not Path(spec).exists():
+        label, _, spec = spec.partition("=")
+    paths = [Path(p) for p in spec.split(",") if p]
+    if not paths:
+        raise Glm5Fp4Error(f"compare: empty result group {spec!r}")
+    results, rows = [], []
+    for p in paths:
+        if not p.is_file():
+            raise Glm5Fp4Error(f"compare: result file {str(p)!r} does not exist")
+        try:
+            res = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise Glm5Fp4Error(f"compare: {p} is not JSON ({exc})") from None
+        if not isinstance(res, dict) or "completed" not in res:
+            raise Glm5Fp4Error(f"compare: {p} is not a load-test summary (no 'completed' key)")
+        results.append(res)
+        req = requests_path_for(p, res)
+        rows.append(read_requests(req) if req.is_file() else rows_from_vllm_detailed(res))
+    name = label or results[0].get("label") or (paths[0].stem if len(paths) == 1 else f"{paths[0].stem} (+{len(paths) - 1})")
+    return Group(name, paths, results, rows)
+
+
+def rows_from_vllm_detailed(result: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per-request rows from a `vllm bench serve --save-detailed` result (arrays inline, seconds)."""
+    need = ("ttfts", "itls", "latencies", "output_lens", "errors")
+    if not all(isinstance(result.get(k), list) for k in need):
+        return None
+    rows = []
+    for ttft, itl, lat, out, err in zip(*(result[k] for k in need)):
+        if err or not ttft:
+            rows.append({"status": "failed", "error": err})
+            continue
+        rows.append({"status": "ok", "ttft_ms": ttft * 1e3, "e2el_ms": lat * 1e3, "output_tokens": out,
+                     "tpot_ms": (lat - ttft) * 1e3 / (out - 1) if out > 1 else 0.0,
+                     "itl_ms": [x * 1e3 for x in itl]})
+    return rows
+
+
+def _latency_stats(result: dict[str, Any], m: str) -> list[str]:
+    """Stat names present for metric m, in the order mean, median, std, p<low>..p<high>."""
+    suffix = f"_{m}_ms"
+    stats = [k[: -len(suffix)] for k in result if k.endswith(suffix) and "_" not in k[: -len(suffix)]]
+    fixed = [s for s in ("mean", "median", "std") if s in stats]
+    pcts = sorted((s for s in stats if s.startswith("p") and _is_number(s[1:])), key=lambda s: float(s[1:]))
+    return fixed + pcts
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def metric_keys(result: dict[str, Any]) -> list[str]:
+    keys = [k for k in COUNT_KEYS + THROUGHPUT_KEYS if isinstance(result.get(k), (int, float))]
+    for m in LATENCIES:
+        keys += [f"{s}_{m}_ms" for s in _latency_stats(result, m)]
+    keys += [k for k in OTHER_KEYS if isinstance(result.get(k), (int, float))]
+    return keys
+
+
+def _all_stats(a: np.ndarray, pcts: list[float]) -> dict[str, np.ndarray]:
+    """mean/median/std/p<q> along the last axis, NaNs (padding) ignored."""
+    out = {"mean": np.nanmean(a, axis=-1), "median": np.nanmedian(a, axis=-1), "std": np.nanstd(a, axis=-1)}
+    if pcts:
+        qs = np.nanpercentile(a, pcts, axis=-1)
+        for q, v in zip(pcts, qs):
+            out[f"p{_pword(q)}"] = v
+    return out
+
+
+def _pword(q: float) -> str:
+    return str(int(q)) if int(q) == q else str(q)
+
+
+class _Bootstrap:
+    """Bootstrap replicates (over requests) of every statistic of one run's per-request data."""
+
+    def __init__(self, rows: list[dict[str, Any]], n_boot: int, rng: np.random.Generator, pcts: list[float]):
+        ok = [r for r in rows if r.get("status") == "ok" and "ttft_ms" in r]
+        self.n = len(ok)
+        self.pcts = pcts
+        self.idx = rng.integers(0, self.n, size=(n_boot, self.n)) if self.n else None
+        self.per_request = {
+            "ttft": np.array([r["ttft_ms"] for r in ok]),
+            "e2el": np.array([r["e2el_ms"] for r in ok]),
+            "tpot": np.array([r["tpot_ms"] if r["output_tokens"] > 1 else np.nan for r in ok]),
+        }
+        # ITLs: a fixed-size, seeded subsample per request (NaN-padded) so a resample is one index.
+        self.itl: dict[str, np.ndarray] = {}
+        has_chunks = any("chunk_itl_ms" in r for r in ok)
+        for name in ("itl", "chunk_itl"):
+            if name == "chunk_itl" and not has_chunks:
+                continue
+            mat = np.full((self.n, ITL_PER_REQUEST), np.nan)
+            for i, r in enumerate(ok):
+                v = np.asarray(r.get("chunk_itl_ms", r.get("itl_ms", [])) if name == "chunk_itl"
+                               else r.get("itl_ms", []), dtype=float)
+                if v.size > ITL_PER_REQUEST:
+                    v = rng.choice(v, ITL_PER_REQUEST, replace=False)
+                mat[i, : v.size] = v
+            self.itl[name] = mat
+        if not has_chunks and "itl" in self.itl:
+            self.itl["chunk_itl"] = self.itl["itl"]  # single-token chunks: chunk gaps are the ITLs
+        self._cache: dict[str, dict[str, np.ndarray]] = {}
+
+    def replicates(self, metric: str, stat: str) -> np.ndarray | None:
+        if self.idx is None:
+            return None
+        if metric not in self._cache:
+            if metric in self.per_request:
+                self._cache[metric] = _all_stats(self.per_request[metric][self.idx], self.pcts)
+            elif metric in self.itl:
+                mat = self.itl[metric]
+                parts: dict[str, list[np.ndarray]] = {}
+                for lo in range(0, self.idx.shape[0], 16):  # bounded memory: 16 replicates at a time
+                    block = self.idx[lo:lo + 16]
+                    sample = mat[block].reshape(block.shape[0], -1)
+                    for k, v in _all_stats(sample, self.pcts).items():
+                        parts.setdefault(k, []).append(v)
+                self._cache[metric] = {k: np.concatenate(v) for k, v in parts.items()}
+            else:
+                return None
+        return self._cache[metric].get(stat)
+
+
+def _throughput_replicates(value: float, boot: _Bootstrap) -> np.ndarray | None:
+    reps = boot.replicates("e2el", "mean")
+    if reps is None:
+        return None
+    base = float(np.mean(boot.per_request["e2el"]))
+    return value * base / reps  # Little's law: throughput ~ 1 / mean E2EL at fixed concurrency
+
+
+@dataclass
+class Row:
+    key: str
+    base: float | None
+    other: float | None
+    delta: float | None
+    rel: float | None
+    ci: tuple[float, float] | None
+    method: str
+    verdict: str
+
+
+def _direction(key: str) -> int:
+    if key in HIGHER_IS_BETTER:
+        return 1
+    if key in ("duration", "total_input_tokens", "total_output_tokens", "mean_tokens_per_chunk") or key.startswith("std_"):
+        return 0
+    return -1  # latencies and failures: lower is better
+
+
+def _replicates_for(key: str, group: Group, run: int, boot: _Bootstrap | None) -> np.ndarray | None:
+    if boot is None:
+        return None
+    value = group.results[run].get(key)
+    if key in THROUGHPUT_KEYS and key not in ("max_output_tokens_per_s", "output_throughput_per_user"):
+        return _throughput_replicates(float(value), boot) if isinstance(value, (int, float)) else None
+    if key == "output_throughput_per_user":
+        reps = boot.replicates("tpot", "mean")
+        return None if reps is None else 1e3 / reps
+    for m in LATENCIES:
+        stat = key[: -len(f"_{m}_ms")]
+        if key.endswith(f"_{m}_ms") and "_" not in stat:  # "mean_chunk_itl_ms" is chunk_itl, not itl
+            return boot.replicates(m, stat)
+    return None
+
+
+def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 0) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    repeats = len(base.results) >= 2 and len(other.results) >= 2
+    boots: dict[int, _Bootstrap | None] = {}
+    if not repeats and len(base.results) == 1 and len(other.results) == 1:
+        for gi, g in enumerate((base, other)):
+            pcts = sorted({float(s[1:]) for s in _latency_stats(g.results[0], "ttft") if s.startswith("p")})
+            boots[gi] = _Bootstrap(g.rows[0], n_boot, rng, pcts) if g.rows and g.rows[0] else None
+    rows = []
+    for key in metric_keys(base.results[0]):
+        a, b = base.value(key), other.value(key)
+        if a is None or b is None:
+            rows.append(Row(key, a, b, None, None, None, "-", "missing"))
+            continue
+        delta = b - a
+        rel = delta / abs(a) if a else None
+        ci: tuple[float, float] | None = None
+        method = "none"
+        if repeats:
+            va = np.array([r[key] for r in base.results], float)
+            vb = np.array([r[key] for r in other.results], float)
+            sa, sb = va.var(ddof=1) / va.size, vb.var(ddof=1) / vb.size
+            se = math.sqrt(sa + sb)
+            df = (sa + sb) ** 2 / ((sa**2 / (va.size - 1) if sa else 0) + (sb**2 / (vb.size - 1) if sb else 0)) \
+                if (sa or sb) else math.inf
+            h = _t95(df) * se
+            ci, method = (delta - h, delta + h), f"repeats {va.size}v{vb.size}"
+        elif boots:
+            ra = _replicates_for(key, base, 0, boots.get(0))
+            rb = _replicates_for(key, other, 0, boots.get(1))
+            if ra is not None and rb is not None:
+                d = rb - ra
+                d = d[np.isfinite(d)]
+                if d.size:
+                    # Percentile interval of the bootstrap differences, re-centred on the observed delta.
+                    lo, hi = np.percentile(d - d.mean(), [2.5, 97.5])
+                    ci = (delta + lo, delta + hi)
+                    approx = key in THROUGHPUT_KEYS and key != "output_throughput_per_user"
+                    method = "bootstrap~" if approx else "bootstrap"
+        direction = _direction(key)
+        if key in COUNT_KEYS:
+            verdict = "same" if delta == 0 else ("better" if delta * (1 if key == "completed" else -1) > 0 else "worse")
+        elif ci is None:
+            verdict = "no noise estimate" if delta else "same"
+        elif ci[0] <= 0 <= ci[1]:
+            verdict = "within noise"
+        elif direction == 0:
+            verdict = "changed"
+        else:
+            verdict = "better" if delta * direction > 0 else "worse"
+        rows.append(Row(key, a, b, delta, rel, ci, method, verdict))
+    return rows
+
+
+def config_differences(base: Group, other: Group) -> list[str]:
+    diffs = []
+    ra, rb = base.results[0], other.results[0]
+    for k in CONFIG_KEYS:
+        if ra.get(k) != rb.get(k):
+            diffs.append(f"{k}: {ra.get(k)} vs {rb.get(k)}")
+    ma, mb = ra.get("metadata", {}), rb.get("metadata", {})
+    for k in CONFIG_META:
+        if ma.get(k) != mb.get(k):
+            diffs.append(f"{k}: {ma.get(k)} vs {mb.get(k)}")
+    return diffs
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if abs(v) >= 100:
+        return f"{v:.1f}"
+    return f"{v:.3g}" if abs(v) < 1 and v != 0 else f"{v:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:+.1f}%"
+
+
+def _ci(row: Row) -> str:
+    if row.ci is None:
+        return "-"
+    return f"[{row.ci[0]:+.3g}, {row.ci[1]:+.3g}]"
+
+
+def markdown_block(base: Group, other: Group, rows: list[Row]) -> str:
+    """A block ready to paste into an improvement write-up."""
+    lines = [f"### {other.label} vs {base.label}", ""]
+    lines.append(f"- Baseline **{base.label}**: {describe_run(base.results[0])} "
+                 f"({len(base.results)} run{'s' if len(base.results) > 1 else ''})")
+    lines.append(f"- Candidate **{other.label}**: {describe_run(other.results[0])} "
+                 f"({len(other.results)} run{'s' if len(other.results) > 1 else ''})")
+    diffs = config_differences(base, other)
+    if diffs:
+        lines.append(f"- Workloads differ: {'; '.join(diffs)}")
+    methods = sorted({r.method for r in rows if r.method not in ("-", "none")})
+    lines.append(f"- Noise estimate: {', '.join(methods) or 'none (no per-request files, single runs)'}; "
+                 "95 % interval of the difference; `~` = Little's-law approximation")
+    good = [r for r in rows if r.verdict in ("better", "worse") and r.key not in COUNT_KEYS
+            and not r.key.startswith("std_")]
+    if good:
+        lines.append("- Significant: " + ", ".join(f"{r.key} {_pct(r.rel)} ({r.verdict})" for r in good))
+    noise = [r.key for r in rows if r.verdict == "within noise" and not r.key.startswith("std_")]
+    if noise:
+        lines.append("- Within noise: " + ", ".join(noise))
+    lines += ["", f"| Metric | {base.label} | {other.label} | Δ | Δ% | 95% CI of Δ | noise from | verdict |",
+              "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.key} | {_num(r.base)} | {_num(r.other)} | {_num(r.delta)} | {_pct(r.rel)} | {_ci(r)} "
+                     f"| {r.method} | {r.verdict} |")
+    return "\n".join(lines)
+
+
+def print_table(base: Group, other: Group, rows: list[Row], console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(Console().width, 132))
+    t = Table(title=f"{other.label} vs {base.label}", header_style="bold")
+    for c, j in (("metric", "left"), (base.label, "right"), (other.label, "right"), ("Δ", "right"),
+                 ("Δ%", "right"), ("95% CI of Δ", "right"), ("noise", "left"), ("verdict", "left")):
+        t.add_column(c, justify=j)  # type: ignore[arg-type]
+    colour = {"better": "green", "worse": "red", "within noise": "dim"}
+    for r in rows:
+        style = colour.get(r.verdict, "")
+        t.add_row(r.key, _num(r.base), _num(r.other), _num(r.delta), _pct(r.rel), _ci(r), r.method,
+                  f"[{style}]{r.verdict}[/]" if style else r.verdict)
+    console.print(t)
+    diffs = config_differences(base, other)
+    if diffs:
+        console.print(f"[yellow]workloads differ:[/] {'; '.join(diffs)}")
+
+
+def compare_files(specs: Sequence[str], *, n_boot: int = 500, seed: int = 0,
+                  labels: Sequence[str] | None = None) -> tuple[list[Group], list[list[Row]], str]:
+    if len(specs) < 2:
+        raise Glm5Fp4Error("compare: give at least two result files (baseline first)")
+    groups = [load_group(s, labels[i] if labels and i < len(labels) else None) for i, s in enumerate(specs)]
+    tables = [compare_groups(groups[0], g, n_boot=n_boot, seed=seed) for g in groups[1:]]
+    md = "\n\n".join(markdown_block(groups[0], g, rows) for g, rows in zip(groups[1:], tables))
+    return groups, tables, md

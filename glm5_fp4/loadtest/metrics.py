@@ -1,0 +1,201 @@
+"""Per-request timings and run aggregates, with `vllm bench serve`'s definitions and key names.
+
+Per request (successful ones only enter the aggregates, as in vLLM):
+- TTFT  = arrival of the first chunk carrying a token - send time.
+- E2EL  = arrival of the last chunk carrying a token - send time.
+- TPOT  = (E2EL - TTFT) / (output_tokens - 1), only for output_tokens > 1 (vLLM counts 0 for goodput).
+- ITL   = gaps between token arrivals. A chunk that carries k tokens after a gap g contributes k
+          ITLs of g/k (vLLM would record one gap g: inflated and bimodal under MTP). Extra tokens in
+          the first chunk arrived together with the first token and count as gaps of 0, so the ITLs
+          of a request always sum to E2EL - TTFT and number output_tokens - 1 (mean ITL ~ TPOT).
+- chunk ITL = the raw gaps between chunks (what vLLM reports as ITL), kept as `*_chunk_itl_ms`.
+Aggregates: mean/median/std (numpy, population std)/percentiles (numpy linear) in ms, keys
+`mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`, `p99_ttft_ms`, ...; throughputs divide by the
+measured duration; input tokens are the server's `usage.prompt_tokens` when it reports them (as
+vLLM does); goodput counts requests meeting every SLO (`<=`) per second, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from glm5_fp4.loadtest.client import RequestRecord
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def _ms(x: float) -> float:
+    return round(x * 1e3, 4)  # 0.1 us resolution keeps the JSONL small without losing anything real
+
+
+def finalize_request(rec: RequestRecord, t0: float, t0_unix: float) -> dict[str, Any]:
+    """One JSONL row: the request's outcome, token counts and every latency, in ms."""
+    row: dict[str, Any] = {
+        "index": rec.index,
+        "status": "ok" if rec.status == "ok" else ("not_sent" if rec.status == "not_sent" else "failed"),
+        "error_kind": rec.error_kind,
+        "error": rec.error,
+        "prompt_len": rec.prompt_len,
+        "server_prompt_tokens": rec.server_prompt_tokens,
+        "requested_output_len": rec.requested_output_len,
+    }
+    if rec.status == "not_sent":
+        row["error_kind"] = rec.error_kind or "not_sent"
+        row["error"] = rec.error or "never sent: the run stopped first"
+        return row
+    times, toks = rec.chunk_times, rec.chunk_tokens
+    streamed = sum(toks)
+    # The final usage is the authority on the count; a stream without usage counts chunks, as vLLM.
+    output_tokens = rec.output_tokens if rec.output_tokens is not None else streamed
+    row.update({
+        "start_s": round(rec.start - t0, 6),
+        "start_unix": round(t0_unix + (rec.start - t0), 6),
+        "end_s": round(rec.end - t0, 6),
+        "output_tokens": output_tokens,
+        "streamed_tokens": streamed,
+        "num_chunks": len(times),
+        "token_count_source": "usage" if rec.running_usage else "chunks",
+        "response_id": rec.response_id,
+        "finish_reason": rec.finish_reason,
+    })
+    if not times:
+        return row
+    ttft = times[0] - rec.start
+    e2el = times[-1] - rec.start
+    row["ttft_ms"] = _ms(ttft)
+    row["e2el_ms"] = _ms(e2el)
+    row["tpot_ms"] = _ms((e2el - ttft) / (output_tokens - 1)) if output_tokens > 1 else 0.0
+    itl: list[float] = [0.0] * (toks[0] - 1)
+    chunk_itl: list[float] = []
+    multi = toks[0] > 1
+    for j in range(1, len(times)):
+        gap = times[j] - times[j - 1]
+        k = toks[j]
+        chunk_itl.append(_ms(gap))
+        if k == 1:
+            itl.append(_ms(gap))
+        else:
+            multi = True
+            itl.extend([_ms(gap / k)] * k)
+    row["itl_ms"] = itl
+    if multi:  # otherwise chunk gaps equal the ITLs; don't store them twice
+        row["chunk_itl_ms"] = chunk_itl
+        row["chunk_tokens"] = list(toks)
+    return row
+
+
+def chunk_itls_of(row: dict[str, Any]) -> list[float]:
+    return row["chunk_itl_ms"] if "chunk_itl_ms" in row else row.get("itl_ms", [])
+
+
+def _stats(name: str, values_ms: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+    # vLLM feeds `values or 0` to numpy, so an empty list reports 0 rather than NaN.
+    arr = np.asarray(values_ms if len(values_ms) else [0.0], dtype=np.float64)
+    out = {
+        f"mean_{name}_ms": float(np.mean(arr)),
+        f"median_{name}_ms": float(np.median(arr)),
+        f"std_{name}_ms": float(np.std(arr)),
+    }
+    for p, v in zip(percentiles, np.percentile(arr, list(percentiles))):
+        out[f"p{percentile_word(p)}_{name}_ms"] = float(v)
+    return out
+
+
+def percentile_word(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def parse_goodput(items: Iterable[str]) -> dict[str, float]:
+    """`ttft:500 tpot:50 e2el:30000` (ms) -> {"ttft": 500.0, ...}, with vLLM's names."""
+    slos: dict[str, float] = {}
+    for item in items:
+        for part in str(item).replace(",", " ").split():
+            name, sep, value = part.partition(":")
+            if not sep or name not in GOODPUT_METRICS:
+                raise ValueError(f"--goodput {part!r}: expected NAME:MS with NAME in {', '.join(GOODPUT_METRICS)}")
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"--goodput {part!r}: {value!r} is not a number of milliseconds") from None
+            if ms < 0:
+                raise ValueError(f"--goodput {part!r}: SLO must be >= 0 ms")
+            slos[name] = ms
+    return slos
+
+
+def _peak_rates(rows: list[dict[str, Any]]) -> tuple[float, int]:
+    """vLLM's max_output_tokens_per_s / max_concurrent_requests over 1 s buckets."""
+    if not rows:
+        return 0.0, 0
+    t_min = min(r["start_s"] for r in rows)
+    t_max = max(r["start_s"] + r["e2el_ms"] / 1e3 for r in rows)
+    n = int(math.ceil(t_max - t_min)) + 1
+    tokens = np.zeros(n)
+    conc = np.zeros(n)
+    for r in rows:
+        t = r["start_s"] + r["ttft_ms"] / 1e3 + np.concatenate([[0.0], np.cumsum(r["itl_ms"]) / 1e3])
+        idx = (t - t_min).astype(np.int64)
+        idx = idx[(idx >= 0) & (idx < n)]
+        np.add.at(tokens, idx, 1)
+        a = int(r["start_s"] - t_min)
+        b = min(int(r["start_s"] + r["e2el_ms"] / 1e3 - t_min), n - 1)
+        conc[a:b + 1] += 1
+    return float(tokens.max()), int(conc.max())
+
+
+def compute_metrics(rows: list[dict[str, Any]], duration_s: float, *,
+                    percentiles: Sequence[float] = (50, 90, 99),
+                    selected: Sequence[str] = METRICS,
+                    goodput: dict[str, float] | None = None) -> dict[str, Any]:
+    ok = [r for r in rows if r["status"] == "ok"]
+    failed = [r for r in rows if r["status"] != "ok"]
+    dur = max(duration_s, 1e-9)
+    total_in = sum(int(r["server_prompt_tokens"] if r.get("server_prompt_tokens") is not None else r["prompt_len"])
+                   for r in ok)
+    total_out = sum(int(r["output_tokens"]) for r in ok)
+    ttfts = [r["ttft_ms"] for r in ok]
+    e2els = [r["e2el_ms"] for r in ok]
+    tpots = [r["tpot_ms"] for r in ok if r["output_tokens"] > 1]
+    itls = [x for r in ok for x in r["itl_ms"]]
+    chunk_itls = [x for r in ok for x in chunk_itls_of(r)]
+    out: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(failed),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur,
+        "request_goodput": None,
+        "output_throughput": total_out / dur,
+        "total_token_throughput": (total_in + total_out) / dur,
+    }
+    if goodput:
+        per_metric = {"ttft": ttfts, "tpot": [r["tpot_ms"] for r in ok], "e2el": e2els}
+        good = sum(1 for vals in zip(*(per_metric[m] for m in goodput))
+                   if all(v <= goodput[m] for v, m in zip(vals, goodput)))
+        out["request_goodput"] = good / dur
+        out["good_requests"] = good
+    out["max_output_tokens_per_s"], out["max_concurrent_requests"] = _peak_rates(ok)
+    values = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
+    for name in selected:
+        out.update(_stats(name, values[name], percentiles))
+    out.update(_stats("chunk_itl", chunk_itls, percentiles))
+    n_chunks = sum(r["num_chunks"] for r in ok)
+    streamed = sum(r["streamed_tokens"] for r in ok)
+    out["mean_tokens_per_chunk"] = streamed / n_chunks if n_chunks else 0.0
+    mean_tpot = float(np.mean(tpots)) if tpots else 0.0
+    # Pareto axes: tokens/s seen by one user vs tokens/s of the whole server.
+    out["output_throughput_per_user"] = 1e3 / mean_tpot if mean_tpot > 0 else 0.0
+    out["errors_by_kind"] = dict(Counter(r.get("error_kind") or "unknown" for r in failed))
+    out["not_sent"] = sum(1 for r in failed if r["status"] == "not_sent")
+    out["short_outputs"] = sum(1 for r in ok if r["output_tokens"] < r["requested_output_len"])
+    mismatched = [r for r in ok if r.get("server_prompt_tokens") is not None
+                  and r["server_prompt_tokens"] != r["prompt_len"]]
+    out["prompt_len_mismatches"] = len(mismatched)
+    return out

@@ -1,0 +1,194 @@
+"""Result files and human-readable summaries of one load-test run.
+
+Files for a run with stem S, side by side so `compare` can find the per-request data:
+  S.json            summary with vLLM's key names (+ metadata, errors, telemetry)
+  S.requests.jsonl  one row per request: status/error, start time, TTFT, every ITL, token counts
+  S.md              markdown tables of the same numbers
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from glm5_fp4.loadtest.metrics import METRICS
+
+LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL", "chunk_itl": "chunk ITL"}
+THROUGHPUT_ROWS = (
+    ("completed", "Completed requests", "{:d}"),
+    ("failed", "Failed requests", "{:d}"),
+    ("duration", "Duration (s)", "{:.2f}"),
+    ("total_input_tokens", "Input tokens", "{:d}"),
+    ("total_output_tokens", "Output tokens", "{:d}"),
+    ("request_throughput", "Request throughput (req/s)", "{:.3f}"),
+    ("request_goodput", "Request goodput (req/s)", "{:.3f}"),
+    ("output_throughput", "Output throughput (tok/s)", "{:.1f}"),
+    ("total_token_throughput", "Total token throughput (tok/s)", "{:.1f}"),
+    ("output_throughput_per_user", "Output tok/s per user (1/TPOT)", "{:.2f}"),
+    ("max_output_tokens_per_s", "Peak output tok/s (1 s bins)", "{:.0f}"),
+    ("max_concurrent_requests", "Peak concurrent requests", "{:d}"),
+    ("mean_tokens_per_chunk", "Tokens per SSE chunk", "{:.3f}"),
+    ("client_cpu_util", "Client CPU (share of one core)", "{:.0%}"),
+)
+
+
+def stem_for(result_path: str | Path) -> Path:
+    p = Path(result_path)
+    return p.with_suffix("") if p.suffix == ".json" else p
+
+
+def requests_path_for(result_path: str | Path, result: dict[str, Any] | None = None) -> Path:
+    p = Path(result_path)
+    if result and result.get("requests_file"):
+        return p.parent / result["requests_file"]
+    return stem_for(p).with_name(stem_for(p).name + ".requests.jsonl")
+
+
+def write_results(result: dict[str, Any], rows: Iterable[dict[str, Any]], result_path: str | Path) -> dict[str, Path]:
+    """Write S.json, S.requests.jsonl and S.md; returns their paths."""
+    stem = stem_for(result_path)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = {"json": stem.with_name(stem.name + ".json"), "requests": stem.with_name(stem.name + ".requests.jsonl"),
+             "markdown": stem.with_name(stem.name + ".md")}
+    result["requests_file"] = paths["requests"].name
+    with paths["requests"].open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+    paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
+    paths["markdown"].write_text(markdown_summary(result) + "\n")
+    return paths
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def read_requests(path: str | Path) -> list[dict[str, Any]]:
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def latency_names(result: dict[str, Any]) -> list[str]:
+    return [m for m in (*METRICS, "chunk_itl") if f"mean_{m}_ms" in result]
+
+
+def percentile_columns(result: dict[str, Any], name: str = "ttft") -> list[str]:
+    """The percentile words present for a metric, e.g. ['50', '90', '99']."""
+    suffix = f"_{name}_ms"
+    words = [k[1:-len(suffix)] for k in result if k.startswith("p") and k.endswith(suffix)]
+    return sorted(words, key=float)
+
+
+def describe_run(result: dict[str, Any]) -> str:
+    meta = result.get("metadata", {})
+    parts = [
+        f"model `{result.get('model_id')}`",
+        f"endpoint {meta.get('endpoint', '?')}",
+        f"concurrency {result.get('max_concurrency')}",
+        f"rate {result.get('request_rate')}",
+        f"input {meta.get('input_len')} / output {meta.get('output_len')} tokens",
+        f"{result.get('num_prompts')} prompts",
+    ]
+    return ", ".join(parts)
+
+
+def markdown_summary(result: dict[str, Any]) -> str:
+    lines = [f"### Load test {result.get('label') or ''}".rstrip(), "", describe_run(result) + f" ({result.get('date')})", ""]
+    if result.get("partial"):
+        lines += [f"**Partial result:** {result.get('abort_reason')}", ""]
+    lines += ["| Metric | Value |", "|---|---|"]
+    for key, label, fmt in THROUGHPUT_ROWS:
+        if key in result:
+            lines.append(f"| {label} | {_fmt(result[key], fmt)} |")
+    pcts = percentile_columns(result)
+    lines += ["", "| Latency (ms) | mean | median | std | " + " | ".join(f"p{p}" for p in pcts) + " |",
+              "|---|" + "---:|" * (3 + len(pcts))]
+    for m in latency_names(result):
+        cells = [result.get(f"{s}_{m}_ms") for s in ("mean", "median", "std")]
+        cells += [result.get(f"p{p}_{m}_ms") for p in pcts]
+        lines.append(f"| {LATENCY_LABELS[m]} | " + " | ".join(_fmt(c, "{:.2f}") for c in cells) + " |")
+    if result.get("errors_by_kind"):
+        lines += ["", "| Failure | Requests |", "|---|---:|"]
+        lines += [f"| {k} | {v} |" for k, v in sorted(result["errors_by_kind"].items())]
+    return "\n".join(lines)
+
+
+def print_summary(result: dict[str, Any], console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=False)
+    title = "Load test" + (f" - {result['label']}" if result.get("label") else "")
+    t = Table(title=title, caption=describe_run(result), show_header=True, header_style="bold")
+    t.add_column("Metric")
+    t.add_column("Value", justify="right")
+    for key, label, fmt in THROUGHPUT_ROWS:
+        if key in result:
+            t.add_row(label, _fmt(result[key], fmt))
+    console.print(t)
+    pcts = percentile_columns(result)
+    lt = Table(show_header=True, header_style="bold")
+    lt.add_column("Latency (ms)")
+    for c in ("mean", "median", "std", *(f"p{p}" for p in pcts)):
+        lt.add_column(c, justify="right")
+    for m in latency_names(result):
+        cells = [result.get(f"{s}_{m}_ms") for s in ("mean", "median", "std")]
+        cells += [result.get(f"p{p}_{m}_ms") for p in pcts]
+        lt.add_row(LATENCY_LABELS[m], *(_fmt(c, "{:.2f}") for c in cells))
+    console.print(lt)
+    if result.get("errors_by_kind"):
+        et = Table(title="Failures", show_header=True, header_style="bold red")
+        et.add_column("kind")
+        et.add_column("requests", justify="right")
+        et.add_column("first message")
+        for k, v in sorted(result["errors_by_kind"].items()):
+            et.add_row(k, str(v), (result.get("first_errors") or {}).get(k, "")[:100])
+        console.print(et)
+    if result.get("partial"):
+        console.print(f"[bold yellow]partial result:[/] {result.get('abort_reason')}")
+
+
+class ProgressBar:
+    """tqdm over requests, with live output tok/s, in-flight and failures in the postfix."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=True)
+        self._last_done = 0
+        self._last_tokens = 0
+        self._last_t: float | None = None
+
+    def update(self, done: int, tokens: int, in_flight: int, failed: int, now: float) -> None:
+        if self.bar is None:
+            return
+        if self._last_t is not None and now > self._last_t:
+            rate = (tokens - self._last_tokens) / (now - self._last_t)
+            self.bar.set_postfix_str(f"out {rate:,.0f} tok/s, running {in_flight}, failed {failed}", refresh=False)
+        self._last_t, self._last_tokens = now, tokens
+        self.bar.update(done - self._last_done)
+        self._last_done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

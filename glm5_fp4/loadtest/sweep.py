@@ -1,0 +1,119 @@
+"""Concurrency sweeps: one load test per level, a table, and the curves people ask for.
+
+Files in the result dir: c<N>.json / .requests.jsonl / .md per level, sweep.json, sweep.md,
+sweep_throughput_tpot.png (output tok/s and TPOT vs concurrency) and sweep_pareto.png
+(tok/s per user vs total tok/s - or per GPU with --num-gpus - one point per level).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+SWEEP_COLUMNS = (
+    ("max_concurrency", "concurrency", "{}"),
+    ("completed", "ok", "{}"),
+    ("failed", "failed", "{}"),
+    ("request_throughput", "req/s", "{:.3f}"),
+    ("output_throughput", "out tok/s", "{:.1f}"),
+    ("output_throughput_per_user", "tok/s/user", "{:.2f}"),
+    ("mean_ttft_ms", "mean TTFT ms", "{:.1f}"),
+    ("p99_ttft_ms", "p99 TTFT ms", "{:.1f}"),
+    ("mean_tpot_ms", "mean TPOT ms", "{:.2f}"),
+    ("p99_tpot_ms", "p99 TPOT ms", "{:.2f}"),
+    ("p99_itl_ms", "p99 ITL ms", "{:.2f}"),
+)
+
+_SUMMARY_DROP = ("metadata", "first_errors", "telemetry")
+
+
+def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
+    """Run `base` (LoadTestConfig fields) once per concurrency level; write files and plots."""
+    from glm5_fp4.loadtest.runner import LoadTestConfig, run_loadtest
+
+    if not levels:
+        raise Glm5Fp4Error("--concurrency: a sweep needs at least one level")
+    result_dir = base.get("result_dir")
+    results = []
+    for level in levels:
+        fields = dict(base)
+        fields.update(concurrency=int(level), result_filename=f"c{level}.json", print_summary=True)
+        results.append(run_loadtest(LoadTestConfig(**fields)))
+    summary = [{k: v for k, v in r.items() if k not in _SUMMARY_DROP} for r in results]
+    out: dict[str, Any] = {"results": results, "summary": summary, "files": {}}
+    if result_dir:
+        d = Path(result_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (d / "sweep.md").write_text(sweep_markdown(results) + "\n")
+        out["files"] = {"json": d / "sweep.json", "markdown": d / "sweep.md", **plot_sweep(results, d)}
+    return out
+
+
+def sweep_markdown(results: Sequence[Mapping[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in SWEEP_COLUMNS) + " |", "|" + "---:|" * len(SWEEP_COLUMNS)]
+    for r in results:
+        cells = []
+        for key, _, fmt in SWEEP_COLUMNS:
+            v = r.get(key)
+            cells.append("-" if v is None else fmt.format(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_sweep(results: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dict[str, Path]:
+    """Two PNGs (matplotlib, Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    rs = sorted(results, key=lambda r: r["max_concurrency"])
+    conc = [r["max_concurrency"] for r in rs]
+    label = rs[0].get("label") or rs[0].get("model_id") or ""
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.plot(conc, [r["output_throughput"] for r in rs], "o-", label="output tok/s")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("concurrency")
+    ax1.set_ylabel("output tokens/s (total)")
+    ax1.set_title("Throughput vs concurrency")
+    ax1.grid(True, alpha=0.3)
+    ax2.plot(conc, [r["mean_tpot_ms"] for r in rs], "o-", label="mean TPOT")
+    p99 = [r.get("p99_tpot_ms") for r in rs]
+    if all(v is not None for v in p99):
+        ax2.plot(conc, p99, "s--", label="p99 TPOT")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("concurrency")
+    ax2.set_ylabel("TPOT (ms)")
+    ax2.set_title("TPOT vs concurrency")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend()
+    fig.suptitle(label)
+    fig.tight_layout()
+    p1 = out / "sweep_throughput_tpot.png"
+    fig.savefig(p1, dpi=110)
+    plt.close(fig)
+
+    per_gpu = all(r.get("output_throughput_per_gpu") is not None for r in rs)
+    ykey = "output_throughput_per_gpu" if per_gpu else "output_throughput"
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    xs = [r["output_throughput_per_user"] for r in rs]
+    ys = [r[ykey] for r in rs]
+    ax.plot(xs, ys, "o-")
+    for x, y, c in zip(xs, ys, conc):
+        ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("output tokens/s per user (1000 / mean TPOT)")
+    ax.set_ylabel("output tokens/s per GPU" if per_gpu else "output tokens/s (total)")
+    ax.set_title(f"Throughput vs interactivity {label}".strip())
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    p2 = out / "sweep_pareto.png"
+    fig.savefig(p2, dpi=110)
+    plt.close(fig)
+    return {"throughput_tpot_png": p1, "pareto_png": p2}

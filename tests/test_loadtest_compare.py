@@ -1,0 +1,133 @@
+"""`compare` on real result files (per-request noise) and on synthetic repeat runs (run-to-run noise)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from glm5_fp4.cli import main as cli_main
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loadtest.compare import compare_files
+from glm5_fp4.loadtest.fake_server import spawn_fake_server
+from glm5_fp4.loadtest.runner import LoadTestConfig, run_loadtest
+
+
+def _run(tmp_path, name: str, itl_ms: str) -> str:
+    with spawn_fake_server("--ttft-ms", "20,30", "--itl-ms", itl_ms) as srv:
+        res = run_loadtest(LoadTestConfig(
+            url=srv.url, model="fake-model", concurrency=4, num_prompts=24, input_len=16, output_len=10,
+            num_warmups=0, prompt_format="ids", progress=False, telemetry=False, result_dir=str(tmp_path),
+            result_filename=f"{name}.json", label=name))
+    return res["result_file"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cmp")
+    return {"fast": _run(d, "fast", "10"), "slow": _run(d, "slow", "15,13")}
+
+
+def _by_key(rows):
+    return {r.key: r for r in rows}
+
+
+def test_slower_server_is_flagged_worse(runs, tmp_path) -> None:
+    groups, tables, md = compare_files([runs["fast"], runs["slow"]], n_boot=200)
+    rows = _by_key(tables[0])
+    for key in ("mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms", "mean_itl_ms"):
+        assert rows[key].verdict == "worse", (key, rows[key])
+        assert rows[key].ci[0] > 0  # interval strictly above 0
+    for key in ("output_throughput", "request_throughput"):
+        assert rows[key].verdict == "worse", (key, rows[key])
+    # TTFT is the same schedule on both servers: the difference must be called noise, not a change
+    assert rows["mean_ttft_ms"].verdict == "within noise", rows["mean_ttft_ms"]
+    assert rows["mean_tpot_ms"].rel == pytest.approx(rows["mean_tpot_ms"].delta / rows["mean_tpot_ms"].base)
+    assert "### slow vs fast" in md and "| mean_tpot_ms |" in md
+
+
+def test_a_run_compared_with_itself_shows_no_change(runs) -> None:
+    _, tables, _ = compare_files([runs["fast"], runs["fast"]], n_boot=100)
+    for r in tables[0]:
+        if r.delta is not None:
+            assert r.delta == 0 and r.verdict in ("same", "within noise"), r
+
+
+def test_compare_cli_writes_markdown(runs, tmp_path, capsys) -> None:
+    out = tmp_path / "cmp.md"
+    assert cli_main(["compare", runs["fast"], runs["slow"], "--out", str(out), "--bootstrap", "100"]) == 0
+    text = out.read_text()
+    assert text.startswith("### slow vs fast")
+    assert "| Metric | fast | slow |" in text and "Significant:" in text
+    assert "mean_tpot_ms" in capsys.readouterr().out
+
+
+def _summary(path, **values):
+    base = {"completed": 100, "failed": 0, "model_id": "m", "max_concurrency": 8, "request_rate": "inf",
+            "num_prompts": 100, "metadata": {"endpoint": "completions", "input_len": 128, "output_len": 64}}
+    base.update(values)
+    path.write_text(json.dumps(base))
+    return str(path)
+
+
+def test_repeat_runs_use_run_to_run_spread(tmp_path) -> None:
+    a = [_summary(tmp_path / f"a{i}.json", output_throughput=v, mean_tpot_ms=t)
+         for i, (v, t) in enumerate([(100, 20.0), (102, 20.4), (98, 19.6)])]
+    b = [_summary(tmp_path / f"b{i}.json", output_throughput=v, mean_tpot_ms=t)
+         for i, (v, t) in enumerate([(110, 20.5), (112, 19.5), (108, 20.3)])]
+    _, tables, md = compare_files([",".join(a), ",".join(b)])
+    rows = _by_key(tables[0])
+    thr = rows["output_throughput"]
+    # Welch interval by hand: equal variances 4 and n=3 -> df=4, t=2.776
+    se = math.sqrt(np.var([100, 102, 98], ddof=1) / 3 + np.var([110, 112, 108], ddof=1) / 3)
+    assert thr.delta == pytest.approx(10.0)
+    assert thr.ci == pytest.approx((10 - 2.776 * se, 10 + 2.776 * se), rel=1e-3)
+    assert thr.verdict == "better" and thr.method == "repeats 3v3"
+    assert rows["mean_tpot_ms"].verdict == "within noise"
+    assert "repeats 3v3" in md
+
+
+def test_single_runs_without_request_files_get_no_verdict(tmp_path) -> None:
+    a = _summary(tmp_path / "a.json", output_throughput=100.0)
+    b = _summary(tmp_path / "b.json", output_throughput=90.0, max_concurrency=16)
+    _, tables, md = compare_files([a, b])
+    assert _by_key(tables[0])["output_throughput"].verdict == "no noise estimate"
+    assert "Workloads differ: max_concurrency: 8 vs 16" in md
+
+
+def test_compare_input_errors(tmp_path) -> None:
+    with pytest.raises(Glm5Fp4Error, match="at least two"):
+        compare_files([str(tmp_path / "x.json")])
+    with pytest.raises(Glm5Fp4Error, match="does not exist"):
+        compare_files([str(tmp_path / "x.json"), str(tmp_path / "y.json")])
+    (tmp_path / "bad.json").write_text('{"hello": 1}')
+    good = _summary(tmp_path / "g.json", output_throughput=1.0)
+    with pytest.raises(Glm5Fp4Error, match="not a load-test summary"):
+        compare_files([good, str(tmp_path / "bad.json")])
+
+
+def test_vllm_bench_results_with_detailed_arrays(tmp_path) -> None:
+    """`vllm bench serve --save-detailed` files carry per-request arrays inline: they get bootstrap noise."""
+    rng = np.random.default_rng(0)
+
+    def vllm_result(path, tpot_s):
+        n, out = 64, 20
+        ttfts = rng.uniform(0.1, 0.2, n)
+        itls = [list(rng.normal(tpot_s, tpot_s / 20, out - 1)) for _ in range(n)]
+        lat = [t + sum(i) for t, i in zip(ttfts, itls)]
+        tpots = [(la - t) / (out - 1) for la, t in zip(lat, ttfts)]
+        res = {"completed": n, "failed": 0, "model_id": "m", "max_concurrency": 8, "request_rate": "inf",
+               "num_prompts": n, "output_throughput": n * out / 10.0, "mean_ttft_ms": float(np.mean(ttfts) * 1e3),
+               "mean_tpot_ms": float(np.mean(tpots) * 1e3), "p99_tpot_ms": float(np.percentile(tpots, 99) * 1e3),
+               "ttfts": list(ttfts), "itls": itls, "latencies": lat, "output_lens": [out] * n, "errors": [""] * n}
+        path.write_text(json.dumps(res))
+        return str(path)
+
+    a = vllm_result(tmp_path / "va.json", 0.020)
+    b = vllm_result(tmp_path / "vb.json", 0.025)
+    _, tables, _ = compare_files([a, b], n_boot=200)
+    rows = _by_key(tables[0])
+    assert rows["mean_tpot_ms"].method == "bootstrap" and rows["mean_tpot_ms"].verdict == "worse"
+    assert rows["mean_ttft_ms"].verdict == "within noise"

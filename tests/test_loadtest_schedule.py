@@ -1,0 +1,148 @@
+"""End to end against the fake server: every reported metric within 2 % of the known schedule.
+
+Expected values are computed here, independently of the tester's code, from per-token arrival
+times: all tokens of the first chunk at once, then each chunk's tokens spread evenly over the gap
+before it; TTFT/E2EL/TPOT from those; throughput from a simulation of the closed loop.
+
+Two references are built:
+- the nominal schedule (what the server was told to do), and
+- the schedule as the server executed it (its send log: actual send times on the same
+  CLOCK_MONOTONIC as the client).
+Every metric must be within 2 % of the executed schedule, and within 2 % of the nominal one
+unless the server itself demonstrably missed its schedule there (executed vs nominal > 1 %):
+on a shared VM a stalled server process must not fail a test of the client.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+from glm5_fp4.loadtest.fake_server import spawn_fake_server
+from glm5_fp4.loadtest.runner import LoadTestConfig, run_loadtest_detailed
+
+TOL = 0.02
+PCTS = (50.0, 90.0, 99.0)
+
+
+def _nominal_chunks(output_len: int, tpc: list[int], gaps_ms: list[float]) -> tuple[list[float], list[int]]:
+    """Chunk offsets from the first chunk (ms) and tokens per chunk, as the schedule defines them."""
+    offsets, tokens, done, j, t = [], [], 0, 0, 0.0
+    while done < output_len:
+        if j:
+            t += gaps_ms[(j - 1) % len(gaps_ms)]
+        k = min(tpc[j % len(tpc)], output_len - done)
+        offsets.append(t)
+        tokens.append(k)
+        done += k
+        j += 1
+    return offsets, tokens
+
+
+def _expected(requests: list[tuple[float, list[float], list[int]]], duration_s: float, input_len: int,
+              slo_ttft: float) -> dict[str, float]:
+    """Metrics from per-request (ttft_ms, chunk offsets ms, tokens per chunk)."""
+    ttft, tpot, e2el, itl, chunk_itl = [], [], [], [], []
+    n_out = n_chunks = 0
+    for t, offsets, tokens in requests:
+        tok_times = [0.0] * tokens[0]
+        for j in range(1, len(offsets)):
+            k = tokens[j]
+            tok_times += [offsets[j - 1] + (offsets[j] - offsets[j - 1]) * m / k for m in range(1, k + 1)]
+        out = sum(tokens)
+        ttft.append(t)
+        e2el.append(t + offsets[-1])
+        tpot.append(offsets[-1] / (out - 1))
+        itl += list(np.diff(tok_times))
+        chunk_itl += list(np.diff(offsets))
+        n_out += out
+        n_chunks += len(tokens)
+    n = len(requests)
+    exp = {
+        "completed": n, "failed": 0, "total_input_tokens": n * input_len, "total_output_tokens": n_out,
+        "duration": duration_s, "request_throughput": n / duration_s, "output_throughput": n_out / duration_s,
+        "total_token_throughput": (n * input_len + n_out) / duration_s,
+        "request_goodput": sum(x <= slo_ttft for x in ttft) / duration_s,
+        "mean_tokens_per_chunk": n_out / n_chunks,
+        "output_throughput_per_user": 1e3 / float(np.mean(tpot)),
+    }
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el), ("chunk_itl", chunk_itl)):
+        a = np.asarray(vals, float)
+        exp[f"mean_{name}_ms"] = a.mean()
+        exp[f"median_{name}_ms"] = float(np.median(a))
+        exp[f"std_{name}_ms"] = a.std()
+        for p in PCTS:
+            exp[f"p{int(p)}_{name}_ms"] = float(np.percentile(a, p))
+    return exp
+
+
+def _closed_loop_makespan(durations_ms: list[float], concurrency: int) -> float:
+    free = [0.0] * concurrency
+    end = 0.0
+    for d in durations_ms:
+        t = heapq.heappop(free)
+        heapq.heappush(free, t + d)
+        end = max(end, t + d)
+    return end
+
+
+def _close(got: float, want: float, key: str, ref: dict, tol: float) -> bool:
+    if key.startswith("std_"):  # a spread is judged on the scale of its metric
+        return abs(got - want) <= tol * abs(ref["mean_" + key[4:]])
+    return abs(got - want) <= tol * abs(want) + 1e-9
+
+
+CASES = {
+    # MTP-like completions: 2 tokens in the first chunk, then 1, 3, 2, ... tokens per chunk
+    "completions-multitoken": dict(endpoint="completions", ttfts=[200.0, 300.0], gaps=[100.0, 150.0],
+                                   tpc=[2, 1, 3], output_len=13, concurrency=4, n=8),
+    # chat: the role chunk carries no token and must not count as the first token
+    "chat-single-token": dict(endpoint="chat", ttfts=[200.0], gaps=[100.0, 120.0, 140.0], tpc=[1],
+                              output_len=7, concurrency=3, n=6),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_metrics_match_schedule(case: str, tmp_path) -> None:
+    c = CASES[case]
+    warmups, input_len = 2, 48
+    slo_ttft = min(c["ttfts"]) + 40.0
+    args = ["--ttft-ms", ",".join(map(str, c["ttfts"])), "--itl-ms", ",".join(map(str, c["gaps"])),
+            "--tokens-per-chunk", ",".join(map(str, c["tpc"])), "--record-sends"]
+    with spawn_fake_server(*args) as srv:
+        res, rows = run_loadtest_detailed(LoadTestConfig(
+            url=srv.url, endpoint=c["endpoint"], concurrency=c["concurrency"], num_prompts=c["n"],
+            input_len=input_len, output_len=c["output_len"], num_warmups=warmups, warmup_output_len=2,
+            percentiles=PCTS, goodput={"ttft": slo_ttft}, progress=False, telemetry=False,
+            result_dir=str(tmp_path)))
+        log = json.load(urllib.request.urlopen(srv.url + "/fake/send_log"))
+    assert res["prompt_len_mismatches"] == 0
+    assert all(r["status"] == "ok" and r["output_tokens"] == c["output_len"] for r in rows)
+
+    offsets, tokens = _nominal_chunks(c["output_len"], c["tpc"], c["gaps"])
+    arrival_ttft = [c["ttfts"][(warmups + i) % len(c["ttfts"])] for i in range(c["n"])]
+    nominal = _expected([(t, offsets, tokens) for t in arrival_ttft],
+                        _closed_loop_makespan([t + offsets[-1] for t in arrival_ttft], c["concurrency"]) / 1e3,
+                        input_len, slo_ttft)
+    t0 = res["metadata"]["start_perf_counter"]
+    executed_reqs, last_send = [], 0.0
+    for r in rows:
+        e = log[r["response_id"]]
+        sent = np.asarray(e["sent"]) * 1e3
+        start = (t0 + r["start_s"]) * 1e3
+        executed_reqs.append((sent[0] - start, list(sent - sent[0]), e["tokens"]))
+        last_send = max(last_send, sent[-1] / 1e3)
+    executed = _expected(executed_reqs, last_send - t0, input_len, slo_ttft)
+
+    problems = []
+    for key, want in nominal.items():
+        got, done = res[key], executed[key]
+        if not _close(got, done, key, executed, TOL):
+            problems.append(f"{key}: got {got:.4f}, server executed {done:.4f} (nominal {want:.4f})")
+        elif not _close(got, want, key, nominal, TOL) and _close(done, want, key, nominal, TOL / 2):
+            problems.append(f"{key}: got {got:.4f}, schedule says {want:.4f} and the server kept it ({done:.4f})")
+    assert not problems, f"{case}: metrics off by > 2 %:\n" + "\n".join(problems)
