@@ -1,0 +1,213 @@
+"""Correctness on this GPU: the fused MoE backend against the float32 reference, GLM-5 shapes, random inputs.
+
+Same rules as ``tests/gpu/test_moe_kernel_gpu.py``: experts are random weights ~ N(0, 1/fan_in) quantized to
+NVFP4; outputs are filled with NaN first (an unwritten element fails); the reference is
+:func:`glm5_fp4.reference.moe_reference` in float32 on the same quantized experts (W4A4 against the
+reference's own W4A4 mode); relative Frobenius error < 1e-2.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+from glm5_fp4.sm120.launches import ShapeClass, shape_classes
+
+TOLERANCE = 1e-2
+ROUTED_SCALING = 2.5  # GLM-5's routed_scaling_factor, as the GPU tests use
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str
+    tokens: int
+    mode: str
+    ids_dtype: str = "int64"
+    layout: str = "split"  # "checkpoint": the native FP4-MMA path (W4A4 on SM100/SM120, opt-in)
+
+
+def native_archs() -> set[str]:
+    """Architectures with a native FP4-MMA path in configs.py (none if the kernels have no such path)."""
+    from glm5_fp4.kernels import configs as C
+
+    return set(getattr(C, "NATIVE_GEMM1", {}))
+
+
+def native_enabled() -> bool:
+    """Whether the engines would use the native path on this GPU (GLM5_FP4_NATIVE_FP4=1 there)."""
+    import torch
+
+    from glm5_fp4.kernels import moe
+
+    fn = getattr(moe, "native_fp4_enabled", None)
+    return bool(fn and fn(torch.device("cuda", torch.cuda.current_device())))
+
+
+def cases(quick: bool, arch: str = "sm90") -> list[Case]:
+    """Quick: the slot schedule and two grouped sizes on the TP8 shard, both modes. Full: TP8, TP4 and the
+    small shape over the slot and every grouped token tile, both modes, int32 and int64 expert ids. On a GPU
+    with a native FP4 path, W4A4 cases through it too."""
+    if quick:
+        spec = [("tp8", (1, 16, 512)), ("tiny", (37,))]
+    else:
+        spec = [("tp8", (1, 3, 16, 64, 512)), ("tp4", (1, 16, 128)), ("tiny", (3, 300))]
+    out = []
+    for shape, tokens in spec:
+        for t in tokens:
+            for mode in ("w4a16", "w4a4"):
+                out.append(Case(shape, t, mode))
+            if arch in native_archs():
+                out.append(Case(shape, t, "w4a4", layout="checkpoint"))
+    out.append(Case("tp8", 40, "w4a16", "int32"))  # engines pass int32 ids
+    return out
+
+
+def make_experts(shape: ShapeClass, seed: int = 0, chunk: int = 32, layouts: tuple[str, ...] = ("split",),
+                 device: str = "cuda"):
+    """Random NVFP4 experts on the GPU and their prepared form per layout; quantized a few experts at a time
+    so the float32 originals never exist for the whole layer at once."""
+    import torch
+
+    from glm5_fp4.kernels import prepare_experts
+    from glm5_fp4.reference import NvFp4Experts
+
+    e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+    g = torch.Generator(device=device).manual_seed(seed)
+    parts = []
+    for start in range(0, e, chunk):
+        n = min(chunk, e - start)
+        w13 = torch.randn(n, 2 * i, h, device=device, generator=g) / h**0.5
+        w2 = torch.randn(n, h, i, device=device, generator=g) / i**0.5
+        parts.append(NvFp4Experts.from_float(w13, w2))
+        del w13, w2
+    cat = {f: torch.cat([getattr(p, f) for p in parts]) for f in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")}
+    a13 = (3.0 + torch.rand(e, device=device, generator=g)) / (6 * 448)
+    a2 = (1.0 + torch.rand(e, device=device, generator=g)) / (6 * 448)
+    ex = NvFp4Experts(**cat, a13_scale=a13, a2_scale=a2)
+    prepared = {lay: (prepare_experts(ex) if lay == "split" else prepare_experts(ex, layout=lay)) for lay in layouts}
+    return ex, prepared
+
+
+def touched_experts(experts, ids):
+    """The experts ``ids`` routes to, as their own NvFp4Experts, and ``ids`` renumbered into them (the
+    reference dequantizes every expert it is given: this keeps small-T references small)."""
+    import torch
+
+    from glm5_fp4.reference import NvFp4Experts
+
+    used = torch.unique(ids.long())
+    fields = {k: (v[used] if isinstance(v, torch.Tensor) else v) for k, v in vars(experts).items()}
+    return NvFp4Experts(**fields), torch.searchsorted(used, ids.long())
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_case(case: Case, shape: ShapeClass, experts, prepared, sm_count: int, arch: str, seed: int,
+             device: str = "cuda") -> dict:
+    import torch
+
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels import fused_moe
+    from glm5_fp4.reference import moe_reference, route
+
+    res = {**asdict(case), "tolerance": TOLERANCE}
+    if case.layout == "checkpoint":
+        res["plan"] = {"schedule": "native", "gemm1": asdict(C.NATIVE_GEMM1[arch]), "gemm2": asdict(C.NATIVE_GEMM2[arch])}
+    else:
+        p = C.plan(arch, case.tokens, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sm_count=sm_count)
+        res["plan"] = {"schedule": p.schedule, "gemm1": asdict(p.gemm1), "gemm2": asdict(p.gemm2),
+                       "gemm2_n_split": p.gemm2_n_split}
+    try:
+        torch.manual_seed(seed)
+        x = torch.randn(case.tokens, shape.hidden, device=device).to(torch.bfloat16)
+        logits = torch.randn(case.tokens, shape.num_experts, device=device)
+        w, ids = route(logits, None, shape.top_k, routed_scaling_factor=ROUTED_SCALING)
+        ids = ids.to(getattr(torch, case.ids_dtype))
+        out = torch.full_like(x, float("nan"))
+        t0 = time.perf_counter()
+        fused_moe(x, w, ids, prepared, mode=case.mode, out=out)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        res["first_call_s"] = round(time.perf_counter() - t0, 3)  # includes Triton compilation
+        res["finite"] = bool(torch.isfinite(out).all().item())
+        sub, local_ids = touched_experts(experts, ids)
+        ref = moe_reference(x.float(), w, local_ids, sub, mode=case.mode)
+        res["rel_err"] = rel_err(out, ref)
+        res["passed"] = res["finite"] and res["rel_err"] < TOLERANCE
+    except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its traceback in the report
+        res["passed"] = False
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["traceback"] = traceback.format_exc()[-2000:]
+    return res
+
+
+def run_all(quick: bool, env: dict, progress=None) -> dict:
+    """Every case, shape by shape (one layer of experts resident at a time). Native-FP4 cases gate the
+    verdict only when the engines would use that path here (``gating``); otherwise they are informational."""
+    import torch
+
+    shapes = {s.name: s for s in shape_classes()}
+    todo = cases(quick, env["arch"])
+    native_gates = any(c.layout == "checkpoint" for c in todo) and native_enabled()
+    results = []
+    for name in dict.fromkeys(c.shape for c in todo):
+        shape = shapes[name]
+        mine = [c for c in todo if c.shape == name]
+        try:
+            experts, prepared = make_experts(shape, layouts=tuple(dict.fromkeys(c.layout for c in mine)))
+        except Exception as exc:  # noqa: BLE001
+            for c in mine:
+                results.append({**asdict(c), "passed": False, "gating": c.layout == "split" or native_gates,
+                                "error": f"making experts: {type(exc).__name__}: {exc}"})
+            continue
+        for c in mine:
+            r = run_case(c, shape, experts, prepared[c.layout], env["sm_count"], env["arch"], seed=1000 + len(results))
+            r["gating"] = c.layout == "split" or native_gates
+            results.append(r)
+            if progress:
+                progress(r)
+        del experts, prepared
+        torch.cuda.empty_cache()
+    gating = [r for r in results if r["gating"]]
+    passed = sum(1 for r in gating if r["passed"])
+    info = [r for r in results if not r["gating"]]
+    return {"tolerance": TOLERANCE, "cases": results, "passed": passed, "failed": len(gating) - passed,
+            "informational_passed": sum(1 for r in info if r["passed"]), "informational_failed": sum(1 for r in info if not r["passed"]),
+            "native_fp4_enabled": native_gates}
+
+
+def observed_kernels() -> list[dict] | dict:
+    """The MoE kernels Triton compiled in this process, with what the GPU's loader reported (registers,
+    spills, shared memory). Reads Triton's JIT caches; returns ``{"error": ...}`` if their layout differs."""
+    try:
+        from triton.runtime.jit import JITFunction
+
+        from glm5_fp4.sm120.launches import _kernel_modules
+
+        out = []
+        fns = {n: f for mod in _kernel_modules() for n, f in vars(mod).items() if isinstance(f, JITFunction)}
+        for name, fn in fns.items():
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    k = kernel.result() if hasattr(kernel, "result") else kernel
+                    md = k.metadata
+                    consts = {}
+                    for path, v in getattr(k.src, "constants", {}).items():
+                        idx = path[0] if isinstance(path, tuple) else path
+                        if isinstance(idx, int) and idx < len(fn.arg_names):
+                            consts[fn.arg_names[idx]] = getattr(v, "value", v)
+                    out.append({
+                        "kernel": name,
+                        "constexprs": {a: b for a, b in consts.items() if isinstance(b, (int, float, bool, str))},
+                        "num_warps": md.num_warps,
+                        "num_stages": getattr(md, "num_stages", None),
+                        "shared_bytes": md.shared,
+                        "registers": getattr(k, "n_regs", None),
+                        "spills": getattr(k, "n_spills", None),
+                    })
+        return out
+    except Exception as exc:  # noqa: BLE001 - diagnostics only
+        return {"error": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,130 @@
+"""The self-test report: one JSON (everything) and one markdown (for a bug report or a quick read)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def verdict(result: dict) -> str:
+    """'pass' when every correctness case passed; the benchmark informs but does not gate."""
+    c = result.get("correctness") or {}
+    if not c.get("cases"):
+        return "fail"
+    return "pass" if c.get("failed", 1) == 0 else "fail"
+
+
+def _f(v, fmt="{:.1f}") -> str:
+    return "—" if v is None or isinstance(v, str) else fmt.format(v)
+
+
+def _cfg(d: dict | None) -> str:
+    if not d:
+        return "—"
+    return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d)
+
+
+def markdown(result: dict) -> str:
+    env, meta = result["env"], result["meta"]
+    corr = result.get("correctness") or {"cases": [], "passed": 0, "failed": 0, "tolerance": None}
+    table = env.get("hardware_table") or {}
+    lines = [
+        f"# glm5-fp4 selftest: {env['gpu']} ({meta['date']})",
+        "",
+        f"**Verdict: {result['verdict'].upper()}** - {corr['passed']}/{corr['passed'] + corr['failed']} correctness "
+        f"cases passed; benchmark {(result.get('benchmark') or {}).get('status', 'not run')}. "
+        f"Mode: {'quick' if meta.get('quick') else 'full'}, {meta.get('elapsed_s', 0):.0f} s.",
+        "",
+        "## Machine",
+        "",
+        "| item | value |",
+        "|---|---|",
+    ]
+    items = [
+        ("GPU", f"{env['gpu']} (compute capability {env['compute_capability']}, {env['arch']}, {env['sm_count']} SMs, "
+                f"{env['memory_gb']} GB; device {env['device_index']} of {env['device_count']})"),
+        ("driver", env.get("driver") or "unknown"),
+        ("CUDA runtime (torch)", env.get("cuda_runtime") or "unknown"),
+        ("torch / triton", f"{env.get('torch')} / {env.get('triton')}"),
+        ("glm5-fp4 / python", f"{env.get('glm5_fp4')} / {env.get('python')}"),
+        ("engines", ", ".join(f"{k} {v}" for k, v in (env.get("engines") or {}).items() if v) or "none installed"),
+        ("hardware table", f"{table['name']}: {table['mem_bandwidth_gbs']:.0f} GB/s datasheet" if table else
+         "no entry (add one via GLM5_FP4_HARDWARE to get % of datasheet bandwidth)"),
+        ("platform", env.get("platform", "")),
+    ]
+    lines += [f"| {k} | {v} |" for k, v in items]
+    lines += [
+        "",
+        f"## Correctness (fused MoE vs float32 reference, relative error < {corr['tolerance']})",
+        "",
+        "| shape | T | mode | ids | schedule | gemm1 | gemm2 (split) | rel err | finite | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in corr["cases"]:
+        p = c.get("plan") or {}
+        res = "pass" if c.get("passed") else "**FAIL**" + (f" ({c['error'][:120]})" if c.get("error") else "")
+        if not c.get("gating", True):
+            res += " (native FP4 path, not enabled: informational)"
+        lines.append(
+            f"| {c['shape']} | {c['tokens']} | {c['mode']} | {c.get('ids_dtype', '')} | {p.get('schedule', '—')} | "
+            f"{_cfg(p.get('gemm1'))} | {_cfg(p.get('gemm2'))} ({p.get('gemm2_n_split', '—')}) | "
+            f"{_f(c.get('rel_err'), '{:.2e}')} | {c.get('finite', '—')} | {res} |"
+        )
+    if corr.get("informational_failed") or corr.get("informational_passed"):
+        lines += ["", f"Native FP4-MMA path (opt-in, GLM5_FP4_NATIVE_FP4=1; "
+                      f"{'enabled' if corr.get('native_fp4_enabled') else 'not enabled'} here): "
+                      f"{corr.get('informational_passed', 0)} passed, {corr.get('informational_failed', 0)} failed "
+                      "(informational unless enabled)."]
+    kernels = result.get("kernels")
+    if isinstance(kernels, list) and kernels:
+        lines += [
+            "",
+            "## Kernels compiled on this GPU",
+            "",
+            "| kernel | constexprs | warps/stages | shared B | registers | spills |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k in kernels:
+            cx = ", ".join(f"{a}={b}" for a, b in k["constexprs"].items())
+            lines.append(f"| {k['kernel']} | {cx} | {k['num_warps']}/{k.get('num_stages')} | {k['shared_bytes']} | "
+                         f"{k.get('registers')} | {k.get('spills')} |")
+    elif isinstance(kernels, dict):
+        lines += ["", f"Kernel resources unavailable: {kernels.get('error')}"]
+    bench = result.get("benchmark")
+    lines += ["", "## Benchmark (CUDA-graph replays, GLM-5 experts E=256, H=6144, top-8)", ""]
+    if not bench:
+        lines.append("Not run (--no-bench).")
+    elif bench.get("status") == "error":
+        lines.append(f"Failed: {bench.get('error')}")
+    else:
+        lines.append(
+            f"Same-run device copy bandwidth {_f(bench.get('copy_gbs'), '{:.0f}')} GB/s, dense bf16 GEMM "
+            f"{_f(bench.get('bf16_tflops'), '{:.0f}')} TFLOP/s. Floor = bytes needed (NVFP4 weights of the touched "
+            "experts + activations) / copy bandwidth. Baselines (bf16 / fp8 grouped GEMM, dequantize-all then bf16) "
+            "ran in the same process."
+        )
+        lines += [
+            "",
+            "| TP | T | experts | µs | floor µs | % copy BW | % datasheet BW | GB/s | TFLOP/s | W4A4 µs | bf16 µs | fp8 µs | dequant+bf16 µs | × vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in bench.get("rows", []):
+            if "error" in r:
+                lines.append(f"| TP{r['tp']} | {r['tokens']} | **error**: {r['error'][:150]} |" + " |" * 11)
+                continue
+            lines.append(
+                f"| TP{r['tp']} | {r['tokens']} | {r.get('experts_touched')} | {_f(r.get('us'))} | {_f(r.get('floor_us'))} | "
+                f"{_f(r.get('pct_copy_bw'), '{:.0f} %')} | {_f(r.get('pct_table_bw'), '{:.0f} %')} | {_f(r.get('gbs'), '{:.0f}')} | "
+                f"{_f(r.get('tflops'))} | {_f(r.get('us_w4a4'))} | {_f(r.get('bf16_grouped_mm_us'))} | "
+                f"{_f(r.get('fp8_scaled_grouped_mm_us'))} | {_f(r.get('dequant_then_bf16_us'))} | {_f(r.get('speedup_vs_bf16'), '{:.2f}')} |"
+            )
+    lines += ["", f"Command: `{meta.get('command', 'glm5-fp4 selftest')}`. Attach selftest.json to bug reports.", ""]
+    return "\n".join(lines)
+
+
+def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / "selftest.json", out_dir / "selftest.md"
+    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md.write_text(markdown(result))
+    return js, md

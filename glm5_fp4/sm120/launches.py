@@ -1,0 +1,245 @@
+"""Every kernel launch the fused MoE backend can make on an architecture, found without a GPU.
+
+Nothing here restates the kernels' argument lists or the tile configurations: the configurations come
+from :mod:`glm5_fp4.kernels.configs` (the per-arch candidate lists the sweep explores, plus the picker's
+defaults and what :func:`~glm5_fp4.kernels.configs.plan` selects for each batch size), and the launches are
+*recorded* by running :func:`glm5_fp4.kernels.moe.fused_moe_triton` on meta tensors with its Triton
+kernels swapped for recorders. So when the kernel author adds an argument, a constexpr or a config, the
+compile matrix follows without an edit here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from glm5_fp4.spec import Glm5Spec
+
+# Batch sizes whose picker choice is compiled: the decode range (slot and grouped regimes, odd and even
+# slot counts) and prefill-sized batches (the largest token tiles).
+DECODE_TOKENS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024)
+PREFILL_TOKENS = (2048, 4096, 8192)
+# Engines pass int32 expert ids and bf16 hidden states (vLLM and SGLang both do).
+IDS_DTYPE = torch.int32
+X_DTYPE = torch.bfloat16
+ARCHS = ("sm120", "sm100", "sm90")
+CAPABILITY = {"sm120": 120, "sm100": 100, "sm90": 90}
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """One expert shape the backend serves."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    note: str = ""
+
+
+def shape_classes(spec: Glm5Spec | None = None) -> list[ShapeClass]:
+    """GLM-5's TP8 and TP4 expert shards, and the small shape the GPU tests (and tiny checkpoints) use."""
+    spec = spec or Glm5Spec()
+    e, k, h = spec.n_routed_experts, spec.num_experts_per_tok, spec.hidden_size
+    out = [
+        ShapeClass(f"tp{tp}", e, k, h, spec.moe_intermediate_size // tp, f"GLM-5 routed experts, TP{tp} shard")
+        for tp in (8, 4)
+    ]
+    out.append(ShapeClass("tiny", 16, 4, 512, 128, "small test shape (tests/gpu, tiny checkpoints)"))
+    return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One way the backend may run: an architecture, a shape, a mode and a launch plan."""
+
+    arch: str
+    shape: ShapeClass
+    mode: str
+    plan: object  # glm5_fp4.kernels.configs.Plan (schedule "native" for the FP4-MMA path)
+    tokens: int
+    stages: tuple[str, ...]
+    origin: str  # why it is in the matrix: "picked T=16", "gemm1 candidate", ...
+    use_asm: bool = True
+
+    @property
+    def native(self) -> bool:
+        return self.plan.schedule == "native"
+
+
+@dataclass
+class Launch:
+    """One recorded ``kernel[grid](*args, **kwargs)`` call."""
+
+    fn: object  # triton JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+def _unique(items):
+    seen, out = set(), []
+    for it in items:
+        if it not in seen:
+            seen.add(it)
+            out.append(it)
+    return out
+
+
+def selections(
+    arch: str,
+    shapes: list[ShapeClass] | None = None,
+    modes: tuple[str, ...] = ("w4a16", "w4a4"),
+    tokens: tuple[int, ...] = DECODE_TOKENS + PREFILL_TOKENS,
+    candidates: bool = True,
+    use_asm: bool = True,
+) -> list[Selection]:
+    """Everything the backend may launch on ``arch``: the picker's plan for each batch size in ``tokens``,
+    and (``candidates``) every GEMM config of the arch's lists under each schedule it can serve."""
+    from glm5_fp4.kernels import configs as C
+
+    shapes = shapes or shape_classes()
+    g1_all, g2_all = (_unique(c) for c in C.all_configs(arch))
+    slot_tokens = C.SLOT_MAX_TOKENS.get(arch, 4)
+    out: list[Selection] = []
+    for shape in shapes:
+        dims = (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate)
+        for mode in modes:
+            for t in tokens:
+                p = C.plan(arch, t, *dims)
+                out.append(Selection(arch, shape, mode, p, t, ("align", "gemm1", "gemm2"), f"picked T={t}", use_asm))
+            if not candidates:
+                continue
+            # The sweep (benchmarks/moe_kernel.py) runs a candidate under the slot schedule only with 16
+            # tokens per MMA; the grouped schedule takes any.
+            for g1 in g1_all:
+                for sched in ("slot", "grouped") if g1.bm == 16 else ("grouped",):
+                    t = slot_tokens if sched == "slot" else 64
+                    p = C.plan(arch, t, *dims, schedule=sched, gemm1=g1)
+                    out.append(Selection(arch, shape, mode, p, t, ("gemm1",), "gemm1 candidate", use_asm))
+            for g2 in g2_all:
+                for sched in ("slot", "grouped") if g2.bm == 16 else ("grouped",):
+                    t = slot_tokens if sched == "slot" else 64
+                    p = C.plan(arch, t, *dims, schedule=sched, gemm2=g2)
+                    out.append(Selection(arch, shape, mode, p, t, ("gemm2",), "gemm2 candidate", use_asm))
+        out += native_selections(arch, shape, modes, tokens)
+    return out
+
+
+def native_selections(arch: str, shape: ShapeClass, modes, tokens) -> list[Selection]:
+    """The native FP4-MMA path (W4A4 only, opt-in with GLM5_FP4_NATIVE_FP4=1) where configs.py has one."""
+    from glm5_fp4.kernels import configs as C
+
+    g1s, g2s = getattr(C, "NATIVE_GEMM1", {}), getattr(C, "NATIVE_GEMM2", {})
+    if arch not in g1s or "w4a4" not in modes:
+        return []
+    p = C.Plan("native", g1s[arch], g2s[arch], 0)  # the launcher picks the split itself
+    return [
+        Selection(arch, shape, "w4a4", p, t, ("align", "gemm1", "gemm2"), f"picked (native FP4 path) T={t}")
+        for t in tokens if t > 1  # the native path has no slot schedule; T=1 exercises nothing new
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Recording launches
+# ---------------------------------------------------------------------------------------------------------
+class _Recorder:
+    def __init__(self, fn, sink: list[Launch]):
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append(Launch(self.fn, tuple(grid) if isinstance(grid, (tuple, list)) else (grid,), args, kwargs))
+
+        return launch
+
+
+def _kernel_modules() -> list:
+    """Every module of glm5_fp4.kernels (each may define Triton kernels the launcher calls)."""
+    import importlib
+    import pkgutil
+
+    import glm5_fp4.kernels as pkg
+
+    return [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+
+
+@contextlib.contextmanager
+def _recording(sink: list[Launch], arch: str):
+    """Swap every Triton kernel of glm5_fp4.kernels for a recorder and make the launcher see ``arch``
+    (meta tensors have no GPU to ask); everything is restored on exit."""
+    from triton.runtime.jit import JITFunction
+
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels import moe as M
+
+    swapped = [(mod, n, v) for mod in _kernel_modules() for n, v in vars(mod).items() if isinstance(v, JITFunction)]
+    workspaces, retired = dict(M._WORKSPACES), list(M._RETIRED)
+    arch_fn = getattr(M, "_arch", None)
+    try:
+        for mod, n, v in swapped:
+            setattr(mod, n, _Recorder(v, sink))
+        if arch_fn is not None:
+            M._arch = lambda device: (arch, C.SM_COUNT_GUESS.get(arch, 132))
+        yield
+    finally:
+        for mod, n, v in swapped:
+            setattr(mod, n, v)
+        if arch_fn is not None:
+            M._arch = arch_fn
+        # meta-device workspaces are of no use to anyone: leave the launcher's caches as they were
+        M._WORKSPACES.clear()
+        M._WORKSPACES.update(workspaces)
+        M._RETIRED[:] = retired
+
+
+def meta_prepared(shape: ShapeClass, layout: str = "split"):
+    """Prepared experts of ``shape`` on the meta device (shapes and dtypes only, no memory)."""
+    import dataclasses
+
+    from glm5_fp4.kernels.layout import PreparedExperts
+
+    e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+    meta = dict(device="meta")
+
+    def u8(*s):
+        return torch.empty(*s, dtype=torch.uint8, **meta)
+
+    def f32():
+        return torch.empty(e, dtype=torch.float32, **meta)
+
+    kw = dict(
+        w13=u8(e, 2 * i, h // 2), w13_scale=u8(e, 2 * i, h // 16), w13_alpha=f32(),
+        w2=u8(e, h, i // 2), w2_scale=u8(e, h, i // 16), w2_alpha=f32(),
+        a13_scale=f32(), a2_scale=f32(), a13_gscale=f32(), a2_gscale=f32(),
+    )
+    if any(f.name == "layout" for f in dataclasses.fields(PreparedExperts)):
+        kw["layout"] = layout
+    return PreparedExperts(**kw)
+
+
+def record(sel: Selection) -> list[Launch]:
+    """The kernel launches :func:`fused_moe_triton` makes for ``sel`` (nothing runs)."""
+    from glm5_fp4.kernels.moe import fused_moe_triton
+
+    shape = sel.shape
+    x = torch.empty(sel.tokens, shape.hidden, dtype=X_DTYPE, device="meta")
+    tw = torch.empty(sel.tokens, shape.top_k, dtype=torch.float32, device="meta")
+    ids = torch.empty(sel.tokens, shape.top_k, dtype=IDS_DTYPE, device="meta")
+    sink: list[Launch] = []
+    with _recording(sink, sel.arch):
+        if sel.native:
+            prepared = meta_prepared(shape, layout="checkpoint")
+            fused_moe_triton(x, tw, ids, prepared, sel.mode, stages=sel.stages)
+        else:
+            fused_moe_triton(
+                x, tw, ids, meta_prepared(shape), sel.mode, plan=sel.plan, use_asm=sel.use_asm, stages=sel.stages
+            )
+    return sink

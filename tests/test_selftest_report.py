@@ -1,0 +1,140 @@
+"""The self-test report: rendering from a fake result, the verdict rule, and the benchmark script contract."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+from glm5_fp4.selftest import bench, checks, report
+
+
+def fake_result(fail_case: bool = False, bench_status: str = "ok") -> dict:
+    case = {"shape": "tp8", "tokens": 16, "mode": "w4a4", "ids_dtype": "int64", "tolerance": 1e-2,
+            "plan": {"schedule": "grouped", "gemm1": {"bn": 64, "bm": 16, "bk": 128, "num_warps": 4, "num_stages": 3},
+                     "gemm2": {"bn": 64, "bm": 16, "num_warps": 4, "num_stages": 2}, "gemm2_n_split": 24},
+            "finite": True, "rel_err": 3.1e-3, "passed": True}
+    bad = {**case, "tokens": 512, "finite": False, "rel_err": float("nan"), "passed": False}
+    cases = [case, bad] if fail_case else [case]
+    passed = sum(c["passed"] for c in cases)
+    return {
+        "schema": 1,
+        "meta": {"date": "2026-11-29T20:00:00+00:00", "command": "glm5-fp4 selftest --quick", "quick": True, "elapsed_s": 61.0},
+        "env": {"gpu": "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "device_index": 0, "device_count": 8,
+                "compute_capability": "12.0", "arch": "sm120", "sm_count": 188, "memory_gb": 97.9, "driver": "580.65",
+                "cuda_runtime": "13.0", "torch": "2.11.0", "triton": "3.6.0", "glm5_fp4": "0.1.0", "python": "3.11",
+                "platform": "Linux", "engines": {"vllm": None, "sglang": None, "flashinfer": None},
+                "hardware_table": {"name": "rtx-pro-6000-ws", "mem_bandwidth_gbs": 1792.0}},
+        "correctness": {"tolerance": 1e-2, "cases": cases, "passed": passed, "failed": len(cases) - passed},
+        "kernels": [{"kernel": "moe_gemm1_kernel", "constexprs": {"BN": 64, "BM": 16}, "num_warps": 4, "num_stages": 3,
+                     "shared_bytes": 26624, "registers": 94, "spills": 0}],
+        "benchmark": {"status": bench_status, "copy_gbs": 1500.0, "bf16_tflops": 400.0, "rows": [
+            {"tp": 8, "tokens": 16, "experts_touched": 101, "us": 150.0, "floor_us": 45.0, "pct_copy_bw": 30.0,
+             "pct_table_bw": 25.1, "gbs": 450.0, "tflops": 2.0, "us_w4a4": 200.0, "bf16_grouped_mm_us": 400.0,
+             "fp8_scaled_grouped_mm_us": 250.0, "dequant_then_bf16_us": 900.0, "speedup_vs_bf16": 2.67},
+            {"tp": 8, "tokens": 256, "error": "RuntimeError: out of memory"},
+        ]},
+    }
+
+
+def test_markdown_carries_gpu_versions_results_and_bandwidth(tmp_path):
+    res = fake_result()
+    res["verdict"] = report.verdict(res)
+    js, md = report.write(res, tmp_path / "out")
+    text = md.read_text()
+    assert res["verdict"] == "pass" and "**Verdict: PASS**" in text
+    for needle in ("RTX PRO 6000", "580.65", "2.11.0 / 3.6.0", "sm120", "1792 GB/s datasheet", "3.10e-03",
+                   "| TP8 | 16 | 101 | 150.0 | 45.0 | 30 % | 25 % |", "64/16/128/4/3", "out of memory",
+                   "| moe_gemm1_kernel | BN=64, BM=16 | 4/3 | 26624 | 94 | 0 |"):
+        assert needle in text, needle
+    assert json.loads(js.read_text())["env"]["driver"] == "580.65"
+
+
+def test_a_failed_case_fails_the_verdict_and_shows():
+    res = fake_result(fail_case=True)
+    res["verdict"] = report.verdict(res)
+    text = report.markdown(res)
+    assert res["verdict"] == "fail" and "**Verdict: FAIL**" in text and "**FAIL**" in text
+    assert report.verdict({"correctness": {"cases": [], "failed": 0}}) == "fail"  # nothing ran is not a pass
+
+
+def test_report_without_benchmark_or_table_entry():
+    res = fake_result()
+    res["benchmark"] = None
+    res["env"]["hardware_table"] = None
+    res["verdict"] = report.verdict(res)
+    text = report.markdown(res)
+    assert "Not run (--no-bench)" in text and "no entry" in text
+
+
+def test_benchmark_script_has_what_the_selftest_calls():
+    mod = bench.load_script()
+    for name in ("copy_bandwidth_gbs", "bf16_gemm_tflops", "random_prepared", "dequant_all_us", "Baselines"):
+        assert callable(getattr(mod, name)), name
+    params = list(inspect.signature(mod.row_for).parameters)
+    assert params[:8] == ["t", "tp", "spec", "layers", "base", "copy_gbs", "gen", "args"], params
+
+
+def test_quick_cases_cover_both_modes_and_the_slot_schedule():
+    quick = checks.cases(quick=True)
+    assert not any(c.layout == "checkpoint" for c in quick)  # sm90 default: no native FP4 path
+    assert {c.mode for c in quick} == {"w4a16", "w4a4"}
+    assert any(c.tokens == 1 for c in quick) and any(c.ids_dtype == "int32" for c in quick)
+    assert len(checks.cases(quick=False)) > len(quick)
+
+
+def test_native_fp4_cases_where_configs_has_a_native_path():
+    archs = checks.native_archs()
+    for arch in archs:
+        native = [c for c in checks.cases(quick=True, arch=arch) if c.layout == "checkpoint"]
+        assert native and all(c.mode == "w4a4" for c in native)
+    assert not [c for c in checks.cases(quick=False, arch="sm90") if c.layout == "checkpoint"]
+
+
+def test_informational_native_failures_show_but_do_not_fail_the_verdict():
+    res = fake_result()
+    bad_native = {**res["correctness"]["cases"][0], "layout": "checkpoint", "passed": False, "gating": False,
+                  "error": "wrong results"}
+    res["correctness"]["cases"].append(bad_native)
+    res["correctness"].update(informational_failed=1, informational_passed=0, native_fp4_enabled=False)
+    res["verdict"] = report.verdict(res)
+    text = report.markdown(res)
+    assert res["verdict"] == "pass"
+    assert "informational" in text and "0 passed, 1 failed" in text
+
+
+def test_a_case_runs_end_to_end_on_the_cpu_path():
+    """The case plumbing (experts, routing, NaN poisoning, reference, error) on fused_moe's CPU path, which is
+    the reference itself: it must pass with bf16-rounding error, and a broken backend must fail the case."""
+    from glm5_fp4.sm120.launches import shape_classes
+
+    shape = next(s for s in shape_classes() if s.name == "tiny")
+    ex, prepared = checks.make_experts(shape, device="cpu")
+    case = checks.Case("tiny", 5, "w4a4", "int32")
+    r = checks.run_case(case, shape, ex, prepared["split"], sm_count=188, arch="sm120", seed=0, device="cpu")
+    assert r["passed"] and r["finite"] and r["rel_err"] < 4e-3, r  # bf16 output rounding only
+    assert r["plan"]["schedule"] in ("slot", "grouped")
+
+    import glm5_fp4.kernels as K
+
+    orig = K.fused_moe
+    K.fused_moe = lambda x, w, ids, p, mode, out: out  # leaves the NaN poison in place
+    try:
+        bad = checks.run_case(case, shape, ex, prepared["split"], sm_count=188, arch="sm120", seed=0, device="cpu")
+    finally:
+        K.fused_moe = orig
+    assert not bad["passed"] and bad["finite"] is False
+
+
+def test_touched_experts_reference_equals_the_full_reference():
+    import torch
+
+    from glm5_fp4.reference import moe_reference, random_experts, route
+
+    g = torch.Generator().manual_seed(3)
+    ex = random_experts(16, 256, 128, generator=g)
+    x = torch.randn(2, 256, generator=g)
+    w, ids = route(torch.randn(2, 16, generator=g), None, 4)  # at most 8 of 16 experts touched
+    sub, local = checks.touched_experts(ex, ids)
+    assert sub.num_experts == len(torch.unique(ids)) < 16
+    for mode in ("w4a16", "w4a4"):
+        torch.testing.assert_close(moe_reference(x, w, local, sub, mode=mode), moe_reference(x, w, ids, ex, mode=mode))
