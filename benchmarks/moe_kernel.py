@@ -13,11 +13,15 @@ dequantize-all-experts-then-bf16. Baselines include the token gather, SwiGLU and
 
     python benchmarks/moe_kernel.py                      # full table -> benchmarks/results/moe_kernel_h200.{json,md}
     python benchmarks/moe_kernel.py --sweep --tokens 16,512 --tp 8   # per-stage config sweep
+    python benchmarks/moe_kernel.py --variants --tokens 1,16,512,4096 --tp 8 --json sweep.json
+        # whole-layer time of the default plan and one-change variants (merged MMA, prepared x, split-K);
+        # --plans sweep.json then benchmarks the best plan per regime
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -258,8 +262,10 @@ def row_for(t, tp, spec, layers, base, copy_gbs, gen, args, plan_override=None):
     plan = plan_override or C.plan(arch, t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
     row = dict(tp=tp, intermediate=i, tokens=t, experts_touched=touched, bytes_needed=need, gflop=flops / 1e9,
                floor_us=need / (copy_gbs * 1e9) * 1e6, schedule=plan.schedule, launches=launches_per_call(plan),
-               gemm1=plan.gemm1.__dict__, gemm2=plan.gemm2.__dict__, gemm2_n_split=plan.gemm2_n_split)
+               gemm1=plan.gemm1.__dict__, gemm2=plan.gemm2.__dict__, gemm2_n_split=plan.gemm2_n_split,
+               gemm1_split_k=plan.gemm1_split_k, prep_x=plan.prep_x)
     us = bench_kernel(layers, x, tw, ids, plan=plan)
+    row["sm_clock_mhz"] = sm_clock_mhz()
     row.update(us=us, gbs=need / (us * 1e-6) / 1e9, pct_copy_bw=100 * need / (us * 1e-6) / (copy_gbs * 1e9),
                tflops=flops / (us * 1e-6) / 1e12, pct_floor=100 * row["floor_us"] / us)
     if args.stages and plan.schedule == "grouped":
@@ -267,9 +273,11 @@ def row_for(t, tp, spec, layers, base, copy_gbs, gen, args, plan_override=None):
             row["stage_us"] = {
                 "align": bench_kernel(layers, x, tw, ids, plan=plan, stages=("align",)),
                 "align+gemm1": bench_kernel(layers, x, tw, ids, plan=plan, stages=("align", "gemm1")),
-                # the same without decoding the weights (wrong results): isolates the decode's cost
-                "align+gemm1_nodecode": bench_kernel(layers, x, tw, ids, plan=plan, stages=("align", "gemm1"), diag=1),
             }
+            if args.nodecode:  # the same without decoding the weights (wrong results): the decode's cost
+                row["stage_us"]["align+gemm1_nodecode"] = bench_kernel(
+                    layers, x, tw, ids, plan=plan, stages=("align", "gemm1"), diag=1
+                )
         except Exception as exc:  # noqa: BLE001
             row["stage_us"] = {"error": repr(exc)}
     if args.w4a4:
@@ -289,7 +297,22 @@ def row_for(t, tp, spec, layers, base, copy_gbs, gen, args, plan_override=None):
             row["dequant_then_bf16_us"] = args.dequant_us[tp] + row["bf16_grouped_mm_us"]
         if row.get("bf16_grouped_mm_us"):
             row["speedup_vs_bf16"] = row["bf16_grouped_mm_us"] / us
+        # the same kernel again after the heavy baselines: how much the GPU's state moves the number
+        row["us_after_baselines"] = bench_kernel(layers, x, tw, ids, plan=plan)
+        row["sm_clock_mhz_after"] = sm_clock_mhz()
     return row
+
+
+def sm_clock_mhz():
+    """Current SM clock (nvidia-smi), or None."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return int(out.split()[0])
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def sweep(tp, t, spec, layers, copy_gbs, gen, arch):
@@ -334,10 +357,92 @@ def sweep(tp, t, spec, layers, copy_gbs, gen, arch):
     return res
 
 
+def variant_plans(base: C.Plan, hidden: int) -> dict[str, C.Plan]:
+    """The default plan and one-change variants of it (GEMM1 and GEMM2 kernels are independent, so the
+    best of each GEMM's variants can be combined)."""
+    g1, g2 = base.gemm1, base.gemm2
+    rep = dataclasses.replace
+    out = {
+        "default": base,
+        "g1_unmerged": rep(base, gemm1=rep(g1, merged=False)),
+    }
+    if base.schedule == "grouped":
+        out["g1_noprep"] = rep(base, prep_x=False)
+    elif base.gemm1_split_k > 1:
+        out["g1_nosplit"] = rep(base, gemm1_split_k=1)
+    if base.gemm2.merged:
+        out["g2_unmerged"] = rep(base, gemm2=rep(g2, merged=False))
+    else:
+        out["g2_merged"] = rep(base, gemm2=rep(g2, merged=True))
+    if base.schedule == "slot":  # split-K: more or fewer programs than the picker's choice
+        for s in (base.gemm1_split_k * 2, base.gemm1_split_k // 2):
+            if 2 <= s <= C.SPLIT_K_MAX and (hidden // base.gemm1.bk) % s == 0:
+                out[f"g1_split{s}"] = rep(base, gemm1_split_k=s)
+    if g1.bk >= 256:  # half the decoded tile held in registers at once
+        out["g1_bk_half"] = rep(base, gemm1=rep(g1, bk=g1.bk // 2, num_stages=g1.num_stages + 1))
+    if g1.bm >= 128:  # half the accumulators
+        out["g1_bm_half"] = rep(base, gemm1=rep(g1, bm=g1.bm // 2))
+    return out
+
+
+def variants(tp, t, spec, layers, gen, arch, sms):
+    """Full-layer time of each variant plan at one (TP, T); the best GEMM1 and GEMM2 choices combined last."""
+    e, h = spec.n_routed_experts, spec.hidden_size
+    i = spec.moe_intermediate_size // tp
+    k = spec.num_experts_per_tok
+    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    tw, ids = glm5_routing(t, spec, gen)
+    base = C.plan(arch, t, e, k, h, i, sm_count=sms)
+    res = {"tp": tp, "tokens": t, "schedule": base.schedule, "runs": []}
+    timed = {}
+    ref = None
+    for name, plan in variant_plans(base, h).items():
+        try:
+            # every form must compute the same layer: compare with the default plan's output
+            o = fused_moe_triton(x, tw, ids, layers[0], plan=plan)
+            if ref is None:
+                ref = o
+            diff = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+            if not diff < 2e-3:
+                raise AssertionError(f"output differs from the default plan's by {diff:.2e}")
+            timed[name] = bench_kernel(layers, x, tw, ids, plan=plan)
+            res["runs"].append({"name": name, "plan": dataclasses.asdict(plan), "us": timed[name], "rel_diff": diff})
+        except Exception as exc:  # noqa: BLE001
+            res["runs"].append({"name": name, "plan": dataclasses.asdict(plan), "error": repr(exc)[:400]})
+        print(f"  variants tp{tp} T={t} {name}: {timed.get(name, res['runs'][-1].get('error'))}", flush=True)
+    all_plans = variant_plans(base, h)
+    g1_names = [n for n in timed if n.startswith("g1_") or n == "default"]
+    if not g1_names:
+        return res
+    g1_best = min(g1_names, key=timed.get)
+    g2_alt = next((n for n in timed if n.startswith("g2_")), None)
+    g2_best = g2_alt if g2_alt and timed[g2_alt] < timed.get("default", math.inf) else "default"
+    best = dataclasses.replace(all_plans[g1_best], gemm2=all_plans[g2_best].gemm2)
+    try:
+        us = bench_kernel(layers, x, tw, ids, plan=best)
+        res["runs"].append({"name": "best", "plan": dataclasses.asdict(best), "us": us})
+        print(f"  variants tp{tp} T={t} best ({g1_best} + {g2_best}): {us}", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        res["runs"].append({"name": "best", "plan": dataclasses.asdict(best), "error": repr(exc)[:400]})
+    return res
+
+
+def _plan_of(d: dict) -> C.Plan:
+    return C.Plan(d["schedule"], C.Gemm1Config(**d["gemm1"]), C.Gemm2Config(**d["gemm2"]), d["gemm2_n_split"],
+                  gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True))
+
+
 def plans_from_sweep(path: str, arch: str, spec: Glm5Spec):
     """Best (gemm1, gemm2, n_split) per swept (tp, T); used for rows of the same regime (schedule, bm)."""
     data = json.loads(Path(path).read_text())
     best = {}
+    flags = {}
+    for vr in data.get("variants", []):
+        ok = [r for r in vr["runs"] if "us" in r]
+        if ok:
+            p = _plan_of(min(ok, key=lambda r: r["us"])["plan"])
+            best[(vr["tp"], vr["tokens"])] = (p.gemm1, p.gemm2, p.gemm2_n_split)
+            flags[(vr["tp"], vr["tokens"])] = p
     for sw in data.get("sweeps", []):
         g1 = [r for r in sw["gemm1"] if "us" in r]
         g2 = [r for r in sw["gemm2"] if "us" in r]
@@ -350,15 +455,37 @@ def plans_from_sweep(path: str, arch: str, spec: Glm5Spec):
         want = C.plan(arch, t, e, k, h, i)
         cands = []
         for (stp, st), (g1, g2, n_split) in best.items():
+            fp = flags.get((stp, st))
             if st == t and stp == tp:
+                if fp is not None:
+                    return fp
                 return C.Plan(want.schedule, g1, g2, n_split)
             same = C.plan(arch, st, e, k, h, i)
             if same.schedule == want.schedule and same.gemm1.bm == want.gemm1.bm and i % g1.bn == 0:
-                # n_split was tuned for that T's expert count: re-derive it for this T
-                cands.append((abs(math.log(st / t)), stp != tp, C.plan(arch, t, e, k, h, i, gemm1=g1, gemm2=g2)))
+                # n_split (and split-K) were tuned for that T's expert count: re-derive them for this T
+                p = C.plan(arch, t, e, k, h, i, gemm1=g1, gemm2=g2)
+                if fp is not None:
+                    p = dataclasses.replace(p, prep_x=fp.prep_x,
+                                            gemm1_split_k=p.gemm1_split_k if fp.gemm1_split_k > 1 else 1)
+                cands.append((abs(math.log(st / t)), stp != tp, p))
         return min(cands, key=lambda c: c[:2])[2] if cands else None
 
     return lookup
+
+
+def plan_label(r) -> str:
+    """GEMM1 bn x bm x bk / GEMM2 bn x bm, 'm' = merged MMA chain, 'u' = eight MMAs; prep / split-K."""
+    g1, g2 = r.get("gemm1") or {}, r.get("gemm2") or {}
+    if not g1:
+        return ""
+    m = lambda g: "m" if g.get("merged", True) else "u"  # noqa: E731
+    extra = []
+    if r.get("schedule") == "grouped" and r.get("prep_x", True):
+        extra.append("prep")
+    if r.get("gemm1_split_k", 1) > 1:
+        extra.append(f"splitK{r['gemm1_split_k']}")
+    return (f"{g1['bn']}x{g1['bm']}x{g1['bk']}{m(g1)} / {g2['bn']}x{g2['bm']}{m(g2)}"
+            + (" " + " ".join(extra) if extra else ""))
 
 
 def markdown(meta, rows) -> str:
@@ -370,8 +497,8 @@ def markdown(meta, rows) -> str:
         f"GLM-5 experts E=256, H=6144, top-8; {meta['layers']} distinct layers per CUDA graph. "
         "Floor = bytes needed / copy bandwidth; baselines include gather, SwiGLU and combine.",
         "",
-        "| TP | T | experts | sched/launches | µs | floor µs | % of copy BW | GB/s | TFLOP/s | W4A4 emul. µs | bf16 grouped µs | fp8 grouped µs | dequant+bf16 µs | × vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TP | T | experts | sched/launches | µs | floor µs | % of copy BW | GB/s | TFLOP/s | W4A4 emul. µs | bf16 grouped µs | fp8 grouped µs | dequant+bf16 µs | × vs bf16 | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt="{:.1f}"):
@@ -383,7 +510,7 @@ def markdown(meta, rows) -> str:
             f"{f(r['floor_us'])} | {f(r.get('pct_copy_bw'), '{:.0f} %')} | {f(r.get('gbs'), '{:.0f}')} | {f(r.get('tflops'))} | "
             f"{f(r.get('us_w4a4'))} | "
             f"{f(r.get('bf16_grouped_mm_us'))} | {f(r.get('fp8_scaled_grouped_mm_us'))} | {f(r.get('dequant_then_bf16_us'))} | "
-            f"{f(r.get('speedup_vs_bf16'), '{:.2f}')} |"
+            f"{f(r.get('speedup_vs_bf16'), '{:.2f}')} | {plan_label(r)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -395,7 +522,11 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="distinct expert sets per graph (defeats L2 reuse)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="per-stage config sweep instead of the table")
+    ap.add_argument("--variants", action="store_true",
+                    help="time the default plan and one-change variants (merged MMA, prepared x, split-K, tiles)")
+    ap.add_argument("--prior", help="with --variants: a JSON of earlier variant runs to keep (not re-measured)")
     ap.add_argument("--stages", action="store_true", help="also time align and align+gemm1 alone")
+    ap.add_argument("--nodecode", action="store_true", help="with --stages: also GEMM1 without the decode")
     ap.add_argument("--w4a4", action="store_true", help="also time the W4A4 emulation mode")
     ap.add_argument("--plans", help="sweep JSON whose best configs replace the built-in defaults")
     ap.add_argument("--json", default=str(RESULTS / "moe_kernel_h200.json"))
@@ -420,22 +551,28 @@ def main(argv=None) -> int:
     print(f"copy {meta['copy_gbs']:.0f} GB/s, bf16 {meta['bf16_tflops']:.0f} TFLOP/s", flush=True)
     tokens = [int(v) for v in args.tokens.split(",")]
     tps = [int(v) for v in args.tp.split(",")]
-    rows, sweeps = [], []
+    rows, sweeps, variant_runs = [], [], []
+    sms = props.multi_processor_count
+    if args.prior:  # earlier variant runs, kept unless this run measures the same (TP, T)
+        redo = {(tp, t) for tp in (int(v) for v in args.tp.split(",")) for t in (int(v) for v in args.tokens.split(","))}
+        for vr in json.loads(Path(args.prior).read_text()).get("variants", []):
+            if (vr["tp"], vr["tokens"]) not in redo:
+                variant_runs.append(dict(vr, prior=str(args.prior)))
     args.dequant_us = {}
 
     def save():  # after every row: a time-boxed run still leaves what it measured
-        out = dict(meta=meta, rows=rows, sweeps=sweeps, dequant_all_experts_us=args.dequant_us)
+        out = dict(meta=meta, rows=rows, sweeps=sweeps, variants=variant_runs, dequant_all_experts_us=args.dequant_us)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
         ok = [r for r in rows if "us" in r]
-        if ok and not args.sweep:
+        if ok and not (args.sweep or args.variants):
             Path(args.md).write_text(markdown(meta, ok))
 
     for tp in tps:
         i = spec.moe_intermediate_size // tp
         layers = [random_prepared(spec.n_routed_experts, spec.hidden_size, i, gen) for _ in range(args.layers)]
         base = None
-        if not args.no_baselines and not args.sweep:
+        if not args.no_baselines and not (args.sweep or args.variants):
             try:
                 base = Baselines(spec.n_routed_experts, spec.hidden_size, i, gen)
                 args.dequant_us[tp] = dequant_all_us(layers[0])
@@ -447,6 +584,10 @@ def main(argv=None) -> int:
             try:
                 if args.sweep:
                     sweeps.append(sweep(tp, t, spec, layers, meta["copy_gbs"], gen, arch))
+                    save()
+                    continue
+                if args.variants:
+                    variant_runs.append(variants(tp, t, spec, layers, gen, arch, sms))
                     save()
                     continue
                 override = args.plan_lookup(tp, t) if args.plan_lookup else None
@@ -463,7 +604,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     save()
     ok = [r for r in rows if "us" in r]
-    if ok and not args.sweep:
+    if ok and not (args.sweep or args.variants):
         print(markdown(meta, ok))
     return 0
 

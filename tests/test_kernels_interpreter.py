@@ -17,7 +17,7 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     r"""
-    import json, os
+    import dataclasses, json, os
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch, triton, triton.language as tl
     from glm5_fp4.reference import random_experts, route, moe_reference
@@ -32,12 +32,15 @@ SCRIPT = textwrap.dedent(
     ex = random_experts(E, H, I, generator=g)
     prep = prepare_experts(ex)
 
-    def run(name, x, w, ids, mode, schedule):
-        plan = C.plan("sm90", x.shape[0], E, K, H, I, schedule=schedule,
-                      gemm1=C.Gemm1Config(16, 16, 128, 4, 2), gemm2=C.Gemm2Config(32, 16, 4, 2))
+    def run(name, x, w, ids, mode, schedule, experts=None, merged=True, **flags):
+        ex_, prep_ = experts or (ex, prep)
+        h = x.shape[1]
+        plan = C.plan("sm90", x.shape[0], E, K, h, I, schedule=schedule,
+                      gemm1=C.Gemm1Config(16, 16, 128, 4, 2, merged), gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged))
+        plan = dataclasses.replace(plan, **flags)
         out = torch.full_like(x, float("nan"))
-        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
-        ref = moe_reference(x.float(), w.float(), ids.long(), ex, mode=mode)
+        fused_moe_triton(x, w, ids, prep_, mode, out=out, plan=plan)
+        ref = moe_reference(x.float(), w.float(), ids.long(), ex_, mode=mode)
         res[name] = dict(err=((out.float() - ref).norm() / ref.norm()).item(), finite=bool(torch.isfinite(out).all()))
 
     x = torch.randn(3, H, generator=g).half()
@@ -56,6 +59,21 @@ SCRIPT = textwrap.dedent(
     w = torch.rand(t, K, generator=g)
     x = torch.randn(t, H, generator=g).half()
     run("skewed_grouped", x, w, ids, "w4a16", "grouped")
+
+    # eight MMAs per tile instead of one chain; x converted per K tile instead of by the align kernel
+    x = torch.randn(40, H, generator=g).half()
+    w, ids = route(torch.randn(40, E, generator=g), None, K)
+    run("grouped_w4a16_unmerged", x, w, ids, "w4a16", "grouped", merged=False)
+    run("grouped_w4a16_noprep", x, w, ids, "w4a16", "grouped", prep_x=False)
+    run("grouped_w4a4_unmerged", x, w, ids, "w4a4", "grouped", merged=False)
+
+    # split-K of the slot GEMM1 needs two K tiles: H = 256
+    ex2 = random_experts(E, 256, I, generator=g)
+    both = (ex2, prepare_experts(ex2))
+    x = torch.randn(3, 256, generator=g).half()
+    w, ids = route(torch.randn(3, E, generator=g), None, K)
+    run("slot_w4a16_splitk", x, w, ids, "w4a16", "slot", experts=both, gemm1_split_k=2)
+    run("slot_w4a4_splitk_unmerged", x, w, ids, "w4a4", "slot", experts=both, merged=False, gemm1_split_k=2)
 
     @triton.jit
     def rk(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -96,7 +114,9 @@ def interpreted():
 
 
 @pytest.mark.parametrize(
-    "case", ["slot_w4a16", "slot_w4a4", "grouped_w4a16", "grouped_w4a4", "skewed_grouped"]
+    "case",
+    ["slot_w4a16", "slot_w4a4", "grouped_w4a16", "grouped_w4a4", "skewed_grouped", "grouped_w4a16_unmerged",
+     "grouped_w4a16_noprep", "grouped_w4a4_unmerged", "slot_w4a16_splitk", "slot_w4a4_splitk_unmerged"],
 )
 def test_interpreted_kernel_matches_reference(interpreted, case):
     r = interpreted[case]

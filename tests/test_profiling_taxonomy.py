@@ -35,6 +35,7 @@ CASES = [
     ("moe_gemm2_slot_kernel", "expert_gemm"),
     ("moe_align_kernel", "expert_gemm"),
     ("moe_finalize_kernel", "expert_gemm"),
+    ("moe_splitk_reduce_kernel", "expert_gemm"),
     ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<long, long, long>>, "
      "cutlass::gemm::collective::CollectiveMma<cutlass::gemm::MainloopSm120ArrayTmaWarpSpecializedBlockScaled<(int)2, (int)3>>>>", "expert_gemm"),
     ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int>>>>>", "expert_gemm"),

@@ -80,7 +80,6 @@ _PTR = {
     "x_ptr": "*bf16",
     "xq_ptr": "*fp16",
     "part_ptr": "*fp32",
-    "rank_ptr": "*i32",
     "w_ptr": "*i32",
     "actq_ptr": "*u8",
     "acts_ptr": "*u8",
@@ -142,14 +141,13 @@ def compile_gemm2(
     w4a4: bool = False,
     use_asm: bool = True,
     slot: bool = False,
-    split_k: int = 1,
 ) -> Compiled:
     from glm5_fp4.kernels.triton_moe import moe_gemm2_grouped_kernel, moe_gemm2_slot_kernel
 
     if slot:
         fn = moe_gemm2_slot_kernel
         constexprs = dict(TOPK=8, H=hidden, I=intermediate, BN=cfg.bn, N_SPLIT=n_split, W4A4=w4a4, USE_ASM=use_asm,
-                          SPLIT_K=split_k, MERGED=cfg.merged)
+                          MERGED=cfg.merged)
     else:
         fn = moe_gemm2_grouped_kernel
         constexprs = dict(
@@ -185,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         c = compile_gemm2(
             Gemm2Config(args.bn, args.bm, args.warps, args.stages, merged=not args.unmerged), args.cc, args.hidden,
-            args.intermediate, w4a4=args.w4a4, use_asm=not args.no_asm, slot=args.slot, split_k=args.split_k,
+            args.intermediate, w4a4=args.w4a4, use_asm=not args.no_asm, slot=args.slot,
         )
     if args.dump:
         print(c.asm[args.dump])

@@ -90,7 +90,8 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (32, 16, 256, 4, 3),
             (64, 16, 128, 4, 3),
             (64, 32, 128, 4, 3),
-            (64, 64, 128, 8, 2),
+            # 64 x 64 tiles spill on sm_120 once the decoded tile is one merged operand
+            (32, 64, 128, 8, 2),
         ]
     ],
 }
@@ -112,8 +113,9 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 128, 8, 2),
         ]
     ],
+    # sm_120: eight MMAs per tile (merged=False); the merged operand spills at I = 512 on sm_120's mma.sync
     "sm120": [
-        Gemm2Config(bn, bm, w, s)
+        Gemm2Config(bn, bm, w, s, merged=False)
         for bn, bm, w, s in [
             (64, 16, 4, 2),
             (64, 32, 8, 2),
@@ -127,7 +129,8 @@ GEMM2_CANDIDATES["sm80"] = GEMM2_CANDIDATES["sm120"]
 
 # Native FP4 MMA path (native_fp4.py, W4A4 on SM100/SM120, unverified): (bn, bm, bk, warps, stages) of
 # GEMM1 and (bn, bm, warps, stages) of GEMM2. SM100's tcgen05 path needs 128-row weight tiles.
-NATIVE_GEMM1 = {"sm120": Gemm1Config(64, 32, 128, 4, 2), "sm100": Gemm1Config(128, 32, 128, 4, 2)}
+# sm_120 GEMM1 uses 32-row tiles: 64 x 32 spills 4-8 B per thread with Triton 3.9's ptxas.
+NATIVE_GEMM1 = {"sm120": Gemm1Config(32, 32, 128, 4, 2), "sm100": Gemm1Config(128, 32, 128, 4, 2)}
 NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32, 4, 2)}
 
 # Split-K of the slot schedule's GEMM1: at most this many K ranges, for at most this many tokens (the
@@ -172,8 +175,10 @@ def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None)
 # ---------------------------------------------------------------------------------------------------------
 _DEFAULT_GEMM1 = {
     # key: (schedule, bm) -> config; bm picks itself from tokens per expert.
-    # sm90 entries: fastest in the 2026-11-29 H200 sweep (benchmarks/results/moe_kernel_h200_sweep.json).
+    # sm90 entries: tiles from the first 2026-11-29 H200 per-stage sweep; kernel forms (merged, prepared
+    # activations, split-K) from the later variants run (benchmarks/results/moe_kernel_h200_sweep.json).
     "sm90": {
+        # merged MMA chain everywhere (the 2026-11-29 variants run: 1-5 % faster than eight MMAs per tile)
         ("slot", 16): Gemm1Config(32, 16, 256, 4, 4),
         ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
         ("grouped", 32): Gemm1Config(128, 32, 256, 8, 3),
@@ -185,28 +190,31 @@ _DEFAULT_GEMM1 = {
         ("slot", 16): Gemm1Config(16, 16, 256, 4, 3),
         ("grouped", 16): Gemm1Config(64, 16, 128, 4, 3),
         ("grouped", 32): Gemm1Config(64, 32, 128, 4, 3),
-        ("grouped", 64): Gemm1Config(64, 64, 128, 8, 2),
-        ("grouped", 128): Gemm1Config(64, 64, 128, 8, 2),
+        ("grouped", 64): Gemm1Config(32, 64, 128, 8, 2),
+        ("grouped", 128): Gemm1Config(32, 64, 128, 8, 2),
     },
 }
 _DEFAULT_GEMM1["sm100"] = _DEFAULT_GEMM1["sm90"]
 _DEFAULT_GEMM1["sm80"] = _DEFAULT_GEMM1["sm120"]
 
 _DEFAULT_GEMM2 = {
+    # sm90, grouped: eight MMAs per tile (merged=False) beat one merged chain in the 2026-11-29 variants run
+    # (T=512: 347 vs 378 us per layer): the merged operand raises registers from 126 to 161 per thread,
+    # which halves the CTAs per SM for 8-warp tiles.
     "sm90": {
         ("slot", 16): Gemm2Config(64, 16, 4, 3),
-        ("grouped", 16): Gemm2Config(64, 16, 4, 3),
-        ("grouped", 32): Gemm2Config(128, 32, 8, 3),
-        ("grouped", 64): Gemm2Config(128, 64, 8, 2),
+        ("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
+        ("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
+        ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
         # GEMM2 walks its own token blocks: 64 beat 128 at T=4096
-        ("grouped", 128): Gemm2Config(128, 64, 8, 2),
+        ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False),
     },
     "sm120": {
-        ("slot", 16): Gemm2Config(64, 16, 4, 2),
-        ("grouped", 16): Gemm2Config(64, 16, 4, 2),
-        ("grouped", 32): Gemm2Config(64, 32, 8, 2),
-        ("grouped", 64): Gemm2Config(64, 32, 8, 2),
-        ("grouped", 128): Gemm2Config(64, 32, 8, 2),
+        ("slot", 16): Gemm2Config(64, 16, 4, 2, merged=False),
+        ("grouped", 16): Gemm2Config(64, 16, 4, 2, merged=False),
+        ("grouped", 32): Gemm2Config(64, 32, 8, 2, merged=False),
+        ("grouped", 64): Gemm2Config(64, 32, 8, 2, merged=False),
+        ("grouped", 128): Gemm2Config(64, 32, 8, 2, merged=False),
     },
 }
 _DEFAULT_GEMM2["sm100"] = _DEFAULT_GEMM2["sm90"]
@@ -244,11 +252,13 @@ def pick_n_split(n_tiles: int, programs_per_split: float, sm_count: int, waves: 
     return n_tiles
 
 
-def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 4.0) -> int:
+def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0) -> int:
     """Largest power of two <= SPLIT_K_MAX dividing ``k_tiles`` that keeps programs <= ``waves`` per SM.
 
     Tiny batches have a handful of experts: (N tiles x slots) programs each walking all of K serially leave
     most SMs idle and every program latency-bound; split K until the GPU holds a few programs per SM.
+    H200 variants run (2026-11-29, whole layer): TP8 T=1 31 us with 4 splits vs 55 us unsplit; TP4 T=1 49
+    vs 61; at T=4 (256-512 programs) 2-4 splits are within 3 % of none (TP8) or 2 % better (TP4).
     """
     s = 1
     while s * 2 <= SPLIT_K_MAX and k_tiles % (s * 2) == 0 and programs * s * 2 <= waves * sm_count:

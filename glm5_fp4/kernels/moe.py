@@ -1,7 +1,8 @@
 """``fused_moe``: the routed-experts forward on prepared NVFP4 experts, Triton on GPU, torch on CPU.
 
-Launches per MoE layer call (see :mod:`glm5_fp4.kernels.triton_moe`): 2 for tiny batches (slot
-schedule), 4 otherwise (align + zero, GEMM1+SwiGLU, GEMM2+combine, convert). No host synchronisation: all
+Launches per MoE layer call (see :mod:`glm5_fp4.kernels.triton_moe`): 2 for tiny batches (slot schedule;
+3 when GEMM1 is split along K: GEMM1 partials, split-K reduce + SwiGLU, GEMM2 + combine), 4 otherwise
+(align + zero + activation conversion, GEMM1+SwiGLU, GEMM2+combine, convert). No host synchronisation: all
 routing-dependent sizes live on the GPU and the grids are sized from static bounds.
 """
 
@@ -52,10 +53,10 @@ class Workspace:
         self.max_tokens = max_tokens
         self.counts = torch.zeros(num_experts, **i32)
         self.offsets = torch.zeros(num_experts, **i32)
+        self.cursor = torch.zeros(num_experts, **i32)
         self.active = torch.zeros(num_experts, **i32)
         self.num_active = torch.zeros(1, **i32)
         self.slots = torch.zeros(max_tokens * top_k, **i32)
-        self.rank = torch.zeros(max_tokens * top_k, **i32)  # a slot's rank among its expert's slots
         self.act = torch.empty(max_tokens * top_k, intermediate, dtype=torch.float16, device=device)
         self.combine = torch.zeros(max_tokens, hidden, dtype=torch.float32, device=device)
         # the activations in fp16, GEMM1's merged K order (grouped W4A16; written by the align kernel)
@@ -190,6 +191,8 @@ def fused_moe_triton(
         )
     # grouped W4A16: the align kernel also writes x as fp16 in GEMM1's K order (no per-tile conversion)
     prep_x = plan.prep_x and not slot_mode and not w4a4
+    if prep_x and t * h >= 2**31:
+        raise Glm5Fp4Error(f"{t} tokens x hidden {h} exceed the align kernel's 32-bit activation indexing")
     part_stride = num_slots * 2 * i
 
     if not slot_mode and "align" in stages:
@@ -198,7 +201,7 @@ def fused_moe_triton(
         # One program sorts the routing; enough threads to cover all slots in one or a few passes.
         ablock = max(128, min(8192, triton.next_power_of_2(num_slots)))
         K.moe_align_kernel[(1 + zprogs,)](
-            ids, num_slots, ws.counts, ws.offsets, ws.rank, ws.slots, ws.active, ws.num_active,
+            ids, num_slots, ws.counts, ws.offsets, ws.cursor, ws.slots, ws.active, ws.num_active,
             ws.combine, t * h, x, x.stride(0), ws.xq,
             E=e, E_POW2=triton.next_power_of_2(e), BLOCK=ablock, ZBLOCK=zblock, H=h, BK=g1c.bk, PREP_X=prep_x,
             num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16),
@@ -215,10 +218,14 @@ def fused_moe_triton(
     if "gemm2" not in stages:
         return out
     if slot_mode:
+        if split_k > 1:
+            rblock = min(i, 256)
+            K.moe_splitk_reduce_kernel[(num_slots, i // rblock)](
+                ws.part, part_stride, ws.act, ids, g2, I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, num_warps=4,
+            )
         K.moe_gemm2_slot_kernel[(plan.gemm2_n_split, t)](
-            ws.act, ws.part, part_stride, prepared.w2.view(torch.int32), prepared.w2_scale, prepared.w2_alpha, a2, g2,
-            tw, ids, out, out.stride(0),
-            TOPK=k, H=h, I=i, BN=g2c.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=asm, SPLIT_K=split_k,
+            ws.act, prepared.w2.view(torch.int32), prepared.w2_scale, prepared.w2_alpha, a2, tw, ids, out, out.stride(0),
+            TOPK=k, H=h, I=i, BN=g2c.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=asm,
             MERGED=g2c.merged, num_warps=g2c.num_warps, num_stages=g2c.num_stages,
         )
     else:
@@ -265,7 +272,7 @@ def _fused_moe_native(x, tw, ids, prepared, mode, out, arch, sms, stages):
         zblock = 4096
         ablock = max(128, min(8192, triton.next_power_of_2(num_slots)))
         K.moe_align_kernel[(1 + triton.cdiv(t * h, zblock),)](
-            ids, num_slots, ws.counts, ws.offsets, ws.rank, ws.slots, ws.active, ws.num_active, ws.combine, t * h,
+            ids, num_slots, ws.counts, ws.offsets, ws.cursor, ws.slots, ws.active, ws.num_active, ws.combine, t * h,
             x, x.stride(0), ws.xq, E=e, E_POW2=triton.next_power_of_2(e), BLOCK=ablock, ZBLOCK=zblock,
             num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16),
         )
@@ -289,7 +296,9 @@ def _fused_moe_native(x, tw, ids, prepared, mode, out, arch, sms, stages):
 
 
 def launches_per_call(plan: cfgs.Plan) -> int:
-    return 2 if plan.schedule == "slot" else 4
+    if plan.schedule == "slot":
+        return 3 if plan.gemm1_split_k > 1 else 2
+    return 4
 
 
 def fused_moe_torch(

@@ -12,13 +12,21 @@ of that expert's tokens, so each weight byte is read from memory once per layer 
 
 Two schedules (see :mod:`glm5_fp4.kernels.configs` for when each is used):
 
-* ``slot`` (tiny batches): no sorting. GEMM1 runs one program per (N-tile, token-slot); GEMM2 one per
-  (N-range, token) and sums the token's ``top_k`` experts in registers, writing the output directly:
-  2 launches, deterministic.
+* ``slot`` (tiny batches): no sorting. GEMM1 runs one program per (N-tile, token-slot[, K range]); with
+  split-K a reduce kernel adds the partial sums and applies SwiGLU once per slot; GEMM2 runs one program
+  per (N-range, token) and sums the token's ``top_k`` experts in registers, writing the output directly:
+  2 launches (3 with split-K), deterministic.
 * ``grouped``: an alignment kernel counts tokens per expert, lists the active experts and writes each
-  expert's slots contiguously (and zeroes the fp32 combine workspace); GEMM1 then GEMM2 per
-  (N-tile, active expert); GEMM2 multiplies by the router weight and adds into the workspace with fp32
-  atomics; a last kernel converts the workspace to the output dtype. 4 launches.
+  expert's slots contiguously (and zeroes the fp32 combine workspace and, W4A16, writes the activations
+  as fp16 in the merged K order below); GEMM1 then GEMM2 per (N-tile, active expert); GEMM2 multiplies by
+  the router weight and adds into the workspace with fp32 atomics; a last kernel converts the workspace to
+  the output dtype. 4 launches.
+
+Merged K order: the decode yields eight operands per weight tile, set j holding the K offsets
+16*(c//2) + 2*j + c%2 (c = 0 .. BK/8-1). Concatenating them (set j in columns j*BK/8 ..) is free in
+registers, so one MMA chain covers the tile; the activation tile is stored in that same order (x by the
+align kernel per BK tile, act by GEMM1 per I-wide row), so it is one contiguous load. ``merged=False``
+configs keep eight MMAs per tile (fewer registers; better for GEMM2 on sm90).
 
 The combine uses atomics rather than a deterministic [T*k, H] reduce because the reduce would move
 ``T*k*H*2*2`` bytes (100 MB at T=512, ~24 us at 4.2 TB/s, 15 % of the layer's floor) while the fp32
@@ -334,8 +342,8 @@ def moe_gemm1_kernel(
     the MMA's shared-memory operand; otherwise gather them from ``x_ptr`` and convert (or quantize) per tile.
 
     ``SPLIT_K > 1`` (slot schedule only): program (n, slot, k) sums 1/SPLIT_K of K and stores alpha * (gate,
-    up) partial sums in fp32 to ``part_ptr`` [SPLIT_K, slots, 2I] (natural i order); the slot GEMM2 adds the
-    partials and applies SwiGLU. Otherwise ``act`` is fp16 [T*k, I] with each row in merged K order of one
+    up) partial sums in fp32 to ``part_ptr`` [SPLIT_K, slots, 2I] (natural i order);
+    :func:`moe_splitk_reduce_kernel` adds them and applies SwiGLU. Otherwise ``act`` is fp16 [T*k, I] with each row in merged K order of one
     I-wide tile (W4A4: the NVFP4-quantized act times the quantizer's global scale).
 
     ``DIAG=1`` (benchmarks only, wrong results) skips the decode: the words go straight to fp16 MMA
@@ -490,13 +498,10 @@ def moe_gemm2_grouped_kernel(
 @triton.jit
 def moe_gemm2_slot_kernel(
     act_ptr,
-    part_ptr,
-    part_stride,
     w_ptr,
     s_ptr,
     alpha_ptr,
     o_scale_ptr,
-    o_gscale_ptr,
     topk_w_ptr,
     ids_ptr,
     out_ptr,
@@ -508,13 +513,9 @@ def moe_gemm2_slot_kernel(
     N_SPLIT: tl.constexpr,
     W4A4: tl.constexpr,
     USE_ASM: tl.constexpr,
-    SPLIT_K: tl.constexpr = 1,
     MERGED: tl.constexpr = True,
 ):
-    """out[token, n] = sum over the token's k slots of weight * (act[slot] W_down[e]^T)[n], written once.
-
-    ``SPLIT_K > 1``: act is built here from GEMM1's fp32 partial sums (gate, up) and SwiGLU (+ the NVFP4
-    quantization in W4A4 mode), exactly as GEMM1's epilogue would have."""
+    """out[token, n] = sum over the token's k slots of weight * (act[slot] W_down[e]^T)[n], written once."""
     BM: tl.constexpr = 16  # the MMA's smallest token side; only column 0 is real
     NW: tl.constexpr = I // 8
     pid_s = tl.program_id(0)
@@ -535,28 +536,12 @@ def moe_gemm2_slot_kernel(
             alpha = tl.load(alpha_ptr + e64) * tl.load(topk_w_ptr + slot)
             if W4A4:
                 alpha = alpha * tl.load(o_scale_ptr + e64)
-            if SPLIT_K > 1:
-                # one [I] vector per partial (a masked [I, BM] tile would be staged whole in shared memory)
-                pp = part_ptr + slot.to(tl.int64) * (2 * I) + _merged_k(I)
-                g = tl.load(pp)
-                u = tl.load(pp + I)
-                for sk in tl.static_range(1, SPLIT_K):
-                    g += tl.load(pp + sk * part_stride)
-                    u += tl.load(pp + (sk * part_stride + I))
-                act = tl.where(first[None, :], (g / (1.0 + tl.exp(-g)) * u)[:, None], 0.0)
-                if W4A4:
-                    a = _quant_merged(act, tl.load(o_gscale_ptr + e64), I, BM)
-                else:
-                    a = act.to(tl.float16)
-                if not MERGED:
-                    a0, a1, a2, a3, a4, a5, a6, a7 = _split_sets(a, NW, BM)
+            if MERGED:
+                a = tl.load(act_ptr + slot.to(tl.int64) * I + offs_k[:, None] + cols[None, :] * 0,
+                            mask=first[None, :], other=0.0)
             else:
-                if MERGED:
-                    a = tl.load(act_ptr + slot.to(tl.int64) * I + offs_k[:, None] + cols[None, :] * 0,
-                                mask=first[None, :], other=0.0)
-                else:
-                    ap = act_ptr + slot.to(tl.int64) * I + offs_w[:, None] + cols[None, :] * 0
-                    a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, first[None, :], NW)
+                ap = act_ptr + slot.to(tl.int64) * I + offs_w[:, None] + cols[None, :] * 0
+                a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, first[None, :], NW)
             w_off = e64 * (H * (I // 8)) + (n0 + offs_bn[:, None]) * (I // 8) + offs_w[None, :]
             s_off = e64 * (H * (I // 16)) + (n0 + offs_bn[:, None]) * (I // 16) + offs_ks[None, :]
             d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(tl.load(w_ptr + w_off), tl.load(s_ptr + s_off), BN, I, USE_ASM)
@@ -571,12 +556,43 @@ def moe_gemm2_slot_kernel(
 
 
 @triton.jit
+def moe_splitk_reduce_kernel(
+    part_ptr,
+    part_stride,
+    act_ptr,
+    ids_ptr,
+    o_gscale_ptr,
+    I: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    W4A4: tl.constexpr,
+):
+    """act[slot] = silu(gate) * up from GEMM1's split-K partial sums (added in split order, so the result
+    does not depend on which split finished first), stored like GEMM1's own epilogue would (merged order,
+    W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program."""
+    slot = tl.program_id(0).to(tl.int64)
+    offs_i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pp = part_ptr + slot * (2 * I) + offs_i
+    gate = tl.load(pp)
+    up = tl.load(pp + I)
+    for sk in tl.static_range(1, SPLIT_K):
+        gate += tl.load(pp + sk * part_stride)
+        up += tl.load(pp + (sk * part_stride + I))
+    act = tl.reshape(gate / (1.0 + tl.exp(-gate)) * up, (BLOCK, 1))
+    if W4A4:
+        e = tl.load(ids_ptr + slot)
+        act = _fake_quant_rows(act, tl.load(o_gscale_ptr + e), BLOCK, 1)
+    pos = _merged_pos(offs_i, I // 8)
+    tl.store(act_ptr + slot * I + pos, tl.reshape(act, (BLOCK,)).to(tl.float16))
+
+
+@triton.jit
 def moe_align_kernel(
     ids_ptr,
     num_slots,
     counts_ptr,
     offsets_ptr,
-    rank_ptr,
+    cursor_ptr,
     slots_ptr,
     active_ptr,
     num_active_ptr,
@@ -604,19 +620,18 @@ def moe_align_kernel(
         emask = offs_e < E
         tl.store(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask)
         tl.debug_barrier()
-        # The count's old value is the slot's rank among its expert's slots: one atomic per slot.
         for s0 in range(0, num_slots, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)
             m = offs < num_slots
             ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            r = tl.atomic_add(counts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
-            tl.store(rank_ptr + offs, r, mask=m)
+            tl.atomic_add(counts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
         tl.debug_barrier()
         # Read the counts back through the atomic unit: plain loads could see a stale L1 line.
         counts = tl.atomic_add(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask, sem="relaxed")
         counts = tl.where(emask, counts, 0)
         excl = tl.cumsum(counts, 0) - counts
         tl.store(offsets_ptr + offs_e, excl, mask=emask)
+        tl.store(cursor_ptr + offs_e, excl, mask=emask)
         live = counts > 0
         pos = tl.cumsum(live.to(tl.int32), 0) - 1
         tl.store(active_ptr + pos, offs_e, mask=live)
@@ -626,18 +641,20 @@ def moe_align_kernel(
             offs = s0 + tl.arange(0, BLOCK)
             m = offs < num_slots
             ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            dst = tl.load(offsets_ptr + ids, mask=m, other=0) + tl.load(rank_ptr + offs, mask=m, other=0)
+            dst = tl.atomic_add(cursor_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
             tl.store(slots_ptr + dst, offs, mask=m)
     else:
         offs = (pid - 1).to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
         m = offs < ws_numel
         tl.store(ws_ptr + offs, tl.zeros((ZBLOCK,), dtype=tl.float32), mask=m)
         if PREP_X:
-            # ws is [T, H] like x: the same flat range, written in merged order, read gathered in pairs
-            t = offs // H
-            r = offs % H
-            tile = r - r % BK
-            xv = tl.load(x_ptr + t * stride_xt + tile + _merged_k_of(r % BK, BK // 8), mask=m, other=0.0)
+            # ws is [T, H] like x: the same flat range, written in merged order, read gathered in pairs.
+            # 32-bit index math (the launcher keeps T*H < 2^31): fewer registers than the 64-bit offsets.
+            o32 = (pid - 1) * ZBLOCK + tl.arange(0, ZBLOCK)
+            t = o32 // H
+            r = o32 % H
+            src = t.to(tl.int64) * stride_xt + (r - r % BK + _merged_k_of(r % BK, BK // 8))
+            xv = tl.load(x_ptr + src, mask=m, other=0.0)
             xv = tl.clamp(xv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             tl.store(xq_ptr + offs, xv, mask=m)
 

@@ -83,6 +83,36 @@ def test_plain_triton_decode_matches_asm(t):
     assert rel_err(b, moe_reference(x.float(), w, ids, ex)) < 1e-2
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("t,variant", [(3, "unmerged"), (3, "nosplit"), (40, "unmerged"), (40, "noprep"),
+                                       (300, "unmerged")])
+def test_plan_variants_match_reference(t, variant, mode):
+    """Every kernel form a plan can pick: eight MMAs per tile instead of one merged chain, activations
+    converted per K tile instead of by the align kernel, the slot GEMM1 without split-K (h=512: 2 splits)."""
+    import dataclasses
+
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import fused_moe_triton
+
+    e, h, i, k = (SMALL[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(e, h, i)
+    x, w, ids = inputs(t, e, h, k)
+    cap = torch.cuda.get_device_capability()
+    plan = C.plan(C.arch_of(cap), t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    rep = dataclasses.replace
+    if variant == "unmerged":
+        plan = rep(plan, gemm1=rep(plan.gemm1, merged=False), gemm2=rep(plan.gemm2, merged=False))
+    elif variant == "noprep":
+        plan = rep(plan, prep_x=False)
+    else:
+        assert plan.gemm1_split_k > 1, plan  # the default at t=3 splits K
+        plan = rep(plan, gemm1_split_k=1)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, moe_reference(x.float(), w, ids, ex, mode=mode)) < 1e-2
+
+
 def test_fp16_activations():
     ex, prep = experts(**{k: SMALL[k] for k in ("e", "h", "i")})
     x, w, ids = inputs(64, SMALL["e"], SMALL["h"], SMALL["k"], dtype=torch.float16)
