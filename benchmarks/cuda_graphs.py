@@ -23,17 +23,18 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from glm5_fp4.kernels import fused_moe, prepare_experts, reserve_workspace  # noqa: E402
 from glm5_fp4.reference import NvFp4Experts, route  # noqa: E402
 from glm5_fp4.spec import GLM5  # noqa: E402
+from moe_kernel import event_time_us  # noqa: E402  (benchmarks/moe_kernel.py: the same CUDA-event timing)
 
 TP = 8
 
@@ -116,18 +117,6 @@ class Step:
             self.post_attention(layer)
 
 
-def timed(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return statistics.median(times)
-
-
 def count_launches(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,7 +139,7 @@ def run_batch(batch: int, context: int, layers: int, steps: int) -> dict:
         step.eager()
     torch.cuda.synchronize()
     launches = count_launches(step.eager)
-    eager_us = timed(step.eager, steps)
+    eager_us = event_time_us(step.eager, iters=steps, warmup=1)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -169,8 +158,8 @@ def run_batch(batch: int, context: int, layers: int, steps: int) -> dict:
     piecewise()
     full.replay()
     torch.cuda.synchronize()
-    piecewise_us = timed(piecewise, steps)
-    full_us = timed(full.replay, steps)
+    piecewise_us = event_time_us(piecewise, iters=steps, warmup=1)
+    full_us = event_time_us(full.replay, iters=steps, warmup=1)
     eager_attention_launches = count_launches(lambda: [step.attention(i) for i in range(layers)])
     return {
         "batch": batch, "context": context, "layers": layers,

@@ -8,16 +8,13 @@ a log file, stopped with SIGINT then SIGKILL of the group.
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.server_process import ServerProcess
 from glm5_fp4.launch.commands import EngineCommand, build_command
 from glm5_fp4.launch.profile import load_profile
 
@@ -37,65 +34,23 @@ def describe(command: EngineCommand) -> str:
     return f"{command.shell()}\n# why:\n{command.annotated()}"
 
 
-def _last_error(log_path: Path) -> str:
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)", line)
-        if m:
-            return f"{m.group(1)}: {m.group(2).strip()}"
-    return lines[-1].strip() if lines else ""
-
-
 @dataclass
-class EngineProcess:
+class EngineProcess(ServerProcess):
     """A server started from an :class:`EngineCommand` (leads its own process group)."""
 
     command: EngineCommand
     process: subprocess.Popen
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
+    ready_after_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.command.engine
 
     @property
     def base_url(self) -> str:
         return self.command.base_url
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def wait_healthy(self, timeout: float = 900.0, poll_s: float = 0.5) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                raise Glm5Fp4Error(f"{self.command.engine} server exited with code {code} before /health answered: "
-                                   f"{_last_error(self.log_path)} (full log: {self.log_path})")
-            if self.healthy():
-                return time.monotonic() - self.started_at
-            time.sleep(poll_s)
-        raise Glm5Fp4Error(f"{self.command.engine} server not healthy after {timeout:.0f} s (log: {self.log_path})")
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.process.poll() is None:
-            try:
-                self.process.send_signal(signal.SIGINT)
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the group's stragglers (scheduler/TP ranks)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            return self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            return None
 
 
 def start(command: EngineCommand, log_path: str | os.PathLike):

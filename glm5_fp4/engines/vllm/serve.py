@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +30,7 @@ from pathlib import Path
 from glm5_fp4.engines.vllm import compat
 from glm5_fp4.engines.vllm.settings import CONFIG_KEY
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.server_process import ServerProcess
 
 PLUGIN_NAME = "glm5_fp4"  # our entry-point name in vllm.general_plugins
 QUANTIZATIONS = ("glm5_nvfp4", "modelopt_fp4", "none")
@@ -164,24 +161,8 @@ def preflight(model: str | os.PathLike, quantization: str) -> None:
         inspect_checkpoint(path, require_nvfp4=True)
 
 
-def _error_from_log(log_path: Path) -> str:
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        m = re.search(r"Glm5Fp4Error: (.+)", line)
-        if m:
-            return m.group(1).strip()
-    for line in reversed(lines):
-        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)", line)
-        if m:
-            return f"{m.group(1)}: {m.group(2).strip()}"
-    return lines[-1].strip() if lines else ""
-
-
 @dataclass
-class ServerHandle:
+class ServerHandle(ServerProcess):
     """A running vLLM server started by :func:`launch_vllm` (the process leads its own process group)."""
 
     process: subprocess.Popen
@@ -189,6 +170,7 @@ class ServerHandle:
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
     ready_after_s: float | None = None
+    name = "vLLM"
 
     @property
     def base_url(self) -> str:
@@ -197,52 +179,6 @@ class ServerHandle:
     @property
     def api_url(self) -> str:
         return self.base_url + "/v1"
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def wait_healthy(self, timeout: float = 300.0, poll_s: float = 0.5) -> float:
-        """Block until /health answers 200; returns seconds since start. Raises with vLLM's error if it died."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                reason = _error_from_log(self.log_path)
-                raise Glm5Fp4Error(f"vLLM server exited with code {code} before becoming healthy: {reason} "
-                                   f"(full log: {self.log_path})")
-            if self.healthy():
-                self.ready_after_s = time.monotonic() - self.started_at
-                return self.ready_after_s
-            time.sleep(poll_s)
-        raise Glm5Fp4Error(f"vLLM server not healthy after {timeout:.0f} s (log: {self.log_path})")
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGINT the server (vLLM shuts its engine core and workers down), then SIGKILL its process group."""
-        if self.process.poll() is None:
-            try:
-                self.process.send_signal(signal.SIGINT)
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            # start_new_session=True made the server's pid its process-group id; this reaps stragglers only.
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            return self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def __enter__(self) -> "ServerHandle":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def launch_vllm(model: str | os.PathLike, port: int = 8000, backend: str = "auto",

@@ -1,0 +1,93 @@
+"""A server process started by glm5-fp4 (vLLM or SGLang): health polling, error extraction, clean stop.
+
+The process leads its own process group (``start_new_session=True``), so a stop reaps the engine's helper
+processes (engine core, workers, TP ranks) too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from glm5_fp4.errors import Glm5Fp4Error
+
+
+def error_from_log(log_path: Path) -> str:
+    """The most telling error line of a server log: our own error first, else the last exception, else the last line."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        m = re.search(r"Glm5Fp4Error: (.+)", line)
+        if m:
+            return m.group(1).strip()
+    for line in reversed(lines):
+        m = re.search(r"\b(\w+(?:Error|Exception)): (.+)", line)
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return lines[-1].strip() if lines else ""
+
+
+class ServerProcess:
+    """Mixin for dataclasses with fields ``process``, ``log_path``, ``started_at`` and ``ready_after_s``."""
+
+    process: subprocess.Popen
+    log_path: Path
+    started_at: float
+    ready_after_s: float | None
+    name = "server"  # for messages: "vLLM", "sglang", ...
+
+    @property
+    def base_url(self) -> str:
+        raise NotImplementedError
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 300.0, poll_s: float = 0.5) -> float:
+        """Block until /health answers 200; returns seconds since start. Raises with the log's error if it died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise Glm5Fp4Error(f"{self.name} server exited with code {code} before becoming healthy: "
+                                   f"{error_from_log(self.log_path)} (full log: {self.log_path})")
+            if self.healthy():
+                self.ready_after_s = time.monotonic() - self.started_at
+                return self.ready_after_s
+            time.sleep(poll_s)
+        raise Glm5Fp4Error(f"{self.name} server not healthy after {timeout:.0f} s (log: {self.log_path})")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT the server (engines shut their workers down), then SIGKILL its process group's stragglers."""
+        if self.process.poll() is None:
+            try:
+                self.process.send_signal(signal.SIGINT)
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
