@@ -15,8 +15,6 @@ after ``--``), or ``--stock --quantization none`` for a BF16 checkpoint with the
 from __future__ import annotations
 
 import argparse
-import signal
-import time
 
 from glm5_fp4.engines.vllm.serve import BACKENDS, MODES, QUANTIZATIONS
 from glm5_fp4.errors import Glm5Fp4Error
@@ -48,12 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM unchanged")
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     from glm5_fp4.engines.vllm.serve import build_launch, launch_vllm
+    from glm5_fp4.server_process import install_stop_signals, serve_until_stopped
 
     extra = list(args.vllm_args)
     if extra and extra[0] == "--":
@@ -72,25 +67,11 @@ def run(args: argparse.Namespace) -> int:
     print(spec.shell_command(), flush=True)
     if args.dry_run:
         return 0
-    # SIGTERM (a supervisor, CI, `kill`) stops the server like Ctrl-C; background jobs may even ignore SIGINT.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    install_stop_signals()
     log = args.log_file or f"glm5-fp4-vllm-{args.port}.log"
     handle = launch_vllm(args.model, args.port, args.backend, extra, host=args.host, quantization=args.quantization,
                          mode=args.mode, plugin=plugin, log_path=log)
-    print(f"log: {handle.log_path}", flush=True)
-    try:
-        took = handle.wait_healthy(args.timeout)
-        print(f"ready after {took:.0f} s: {handle.api_url} (Ctrl-C stops the server)", flush=True)
-        while handle.process.poll() is None:
-            time.sleep(1.0)
-        print(f"vLLM server exited with code {handle.process.returncode} (log: {handle.log_path})")
-        return handle.process.returncode or 0
-    except KeyboardInterrupt:
-        print("stopping vLLM server", flush=True)
-        return 0
-    finally:
-        handle.stop()
+    return serve_until_stopped(handle, args.timeout, handle.api_url)
 
 
 def _serve_profile(args: argparse.Namespace, extra: list[str]) -> int:

@@ -91,3 +91,35 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def install_stop_signals() -> None:
+    """Make Ctrl-C and SIGTERM raise KeyboardInterrupt, so a foreground `serve` always stops its server.
+
+    SIGINT is re-armed explicitly: a process started in the background by a non-interactive shell inherits
+    SIGINT as ignored, and Python then never raises KeyboardInterrupt. SIGTERM (a supervisor, CI, `kill`)
+    stops the server like Ctrl-C.
+    """
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
+
+
+def serve_until_stopped(handle: ServerProcess, timeout: float, url: str) -> int:
+    """Wait for /health, then run until the server exits or the user stops it; always stops the server."""
+    print(f"log: {handle.log_path}", flush=True)
+    try:
+        took = handle.wait_healthy(timeout)
+        print(f"ready after {took:.0f} s: {url} (Ctrl-C stops the server)", flush=True)
+        while handle.process.poll() is None:
+            time.sleep(1.0)
+        print(f"{handle.name} server exited with code {handle.process.returncode} (log: {handle.log_path})")
+        return handle.process.returncode or 0
+    except KeyboardInterrupt:
+        print(f"stopping {handle.name} server", flush=True)
+        return 0
+    finally:
+        handle.stop()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.server_process import ServerProcess
+from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped
 from glm5_fp4.launch.commands import EngineCommand, build_command
 from glm5_fp4.launch.profile import load_profile
 
@@ -91,17 +91,5 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     if dry_run:
         return 0
     log = log_file or f"glm5-fp4-{profile.engine}-{profile.effective_port}.log"
-    handle = start(command, log)
-    print(f"log: {handle.log_path}", flush=True)
-    try:
-        took = handle.wait_healthy(timeout)
-        print(f"ready after {took:.0f} s: {command.base_url}/v1 (Ctrl-C stops the server)", flush=True)
-        while handle.process.poll() is None:
-            time.sleep(1.0)
-        print(f"{profile.engine} server exited with code {handle.process.returncode} (log: {handle.log_path})")
-        return handle.process.returncode or 0
-    except KeyboardInterrupt:
-        print(f"stopping {profile.engine} server", flush=True)
-        return 0
-    finally:
-        handle.stop()
+    install_stop_signals()
+    return serve_until_stopped(start(command, log), timeout, f"{command.base_url}/v1")
