@@ -157,3 +157,12 @@ def test_reset_drops_warmup_stamps_and_stats():
     timer.stop()  # e.g. a graph-capture pass that nobody collected
     timer.reset()
     assert timer.stats.steps == 0 and timer.collect() == {}
+
+
+def test_null_timer_reads_nothing():
+    from glm5_fp4.profiling.layer_timers import NullTimer
+
+    t = NullTimer()
+    t.mark("layer00")
+    t.stop()
+    assert t.read() == {} and t.collect() == {}

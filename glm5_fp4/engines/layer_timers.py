@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from glm5_fp4.profiling.layer_timers import LayerTimer, dump_path_from_env, enabled_by_env
+from glm5_fp4.profiling.layer_timers import LayerTimer, dump_path_from_env, enabled_by_env, first_tensor
 
 logger = logging.getLogger("glm5_fp4.layer_timers")
 ALL_LAYERS = "all layers"
@@ -68,14 +68,6 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _first_tensor(value) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((v for v in value if isinstance(v, torch.Tensor)), None)
-    return None
-
-
 def instrument(layers: list[tuple[int, torch.nn.Module]], timer: LayerTimer) -> list:
     """Put the two marks per layer (and the final stop) on ``layers``; returns the hook handles.
 
@@ -94,7 +86,7 @@ def instrument(layers: list[tuple[int, torch.nn.Module]], timer: LayerTimer) -> 
             handles.append(module.register_forward_pre_hook(
                 lambda _m, args, kwargs, region=region: timer.mark(region, _hidden(args, kwargs)), with_kwargs=True))
     timer.stop()
-    handles.append(layers[-1][1].register_forward_hook(lambda _m, _args, out: timer.stop(_first_tensor(out))))
+    handles.append(layers[-1][1].register_forward_hook(lambda _m, _args, out: timer.stop(first_tensor(out))))
     timer.reset()
     return handles
 

@@ -204,15 +204,7 @@ class NullTimer:
         yield
 
     def read(self, synchronize: bool = True) -> dict[str, float]:
-        """This step's region durations (µs), clearing the buffer; no statistics, no dump (engine wiring)."""
-        n = len(self._slot)
-        if n == 0:
-            return {}
-        if synchronize and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        stamps = self.buf[:n].tolist()
-        self.buf[:n].zero_()
-        return regions_from_stamps(self._slot, stamps)
+        return {}
 
     def collect(self, synchronize: bool = True) -> dict[str, float]:
         return {}
@@ -244,12 +236,12 @@ def wrap_module_forward(module: torch.nn.Module, name: str, timer: LayerTimer | 
     """Time ``module``'s forward as range ``name`` (forward pre/post hooks); returns the hook handles."""
     if not timer.enabled:
         return []
-    pre = module.register_forward_pre_hook(lambda _m, args: timer.begin(name, _first_tensor(args)))
-    post = module.register_forward_hook(lambda _m, _args, out: timer.end(name, _first_tensor(out)))
+    pre = module.register_forward_pre_hook(lambda _m, args: timer.begin(name, first_tensor(args)))
+    post = module.register_forward_hook(lambda _m, _args, out: timer.end(name, first_tensor(out)))
     return [pre, post]
 
 
-def _first_tensor(value) -> torch.Tensor | None:
+def first_tensor(value) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)):
