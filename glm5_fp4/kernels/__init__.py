@@ -6,7 +6,10 @@
   torch.compile / CUDA graphs.
 """
 
+from glm5_fp4.kernels.capability import has_fp4_mma, supports
 from glm5_fp4.kernels.layout import PreparedExperts, prepare_experts
 from glm5_fp4.kernels.moe import fused_moe, native_fp4_enabled, reserve_workspace
 
-__all__ = ["PreparedExperts", "prepare_experts", "fused_moe", "reserve_workspace", "native_fp4_enabled"]
+__all__ = [
+    "PreparedExperts", "prepare_experts", "fused_moe", "reserve_workspace", "native_fp4_enabled", "supports", "has_fp4_mma",
+]
