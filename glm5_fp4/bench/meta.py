@@ -1,0 +1,74 @@
+"""The metadata block every committed benchmark result carries: machine, versions, date and git SHA."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_sha(path: str | Path | None = None) -> str | None:
+    """The checkout's HEAD (with ``-dirty`` when tracked files changed), or None outside a git checkout."""
+    cwd = Path(path) if path else Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "triton", "vllm", "sglang"):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "?")
+        except Exception:  # noqa: BLE001 - an absent or broken optional package is just not recorded
+            pass
+    return out
+
+
+def _gpus() -> list[dict]:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        out = []
+        for d in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(d)
+            out.append({"name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
+                        "memory_gib": round(p.total_memory / 2**30, 1)})
+        return out
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.split("\n")[0].strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def result_metadata(**extra) -> dict:
+    """``{"date", "git_sha", "host", "gpus", "gpu", "driver", "versions", ...extra}`` for a result file."""
+    gpus = _gpus()
+    meta = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "host": platform.node(),
+        "gpus": gpus,
+        "gpu": gpus[0]["name"] if gpus else None,
+        "driver": _driver() if gpus else None,
+        "versions": _versions(),
+    }
+    meta.update(extra)
+    return meta
