@@ -41,10 +41,12 @@ $(VLLM033)/.unpacked:
 
 test: setup $(VLLM033)/.unpacked $(SGLANG_VENV)/.installed
 	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) $(PY) -m pytest -q -ra --timeout 1800
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
 	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not server"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
 
 test-sglang: $(SGLANG_VENV)/.installed
 	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider

@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, the benchmark table, a config sweep and compute-sanitizer, each time-boxed.
+# One device call: GPU tests, the benchmark table, a config sweep, compute-sanitizer; each time-boxed, logs and
+# results bundled so they fit the device tool's 8 returned files.
 # Usage on the lent H200 (repo root): OUT=/some/dir bash benchmarks/run_moe_h200.sh [sections...]
-# Sections: tests variants sweep bench memcheck (default: tests sweep bench memcheck). 'variants' and 'sweep'
-# both write $OUT/sweep.json, from which 'bench' takes the best plan per regime.
+# Sections: tests bench sweep memcheck racecheck (default: tests bench memcheck). 'sweep' writes
+# $OUT/sweep.json; 'bench' uses it (or $PLANS) for the swept regimes. vLLM's Marlin MoE is measured beside
+# ours when vLLM's CUDA build is importable (PYTHONPATH with the shipped vLLM: benchmarks/h200_vllm/).
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 OUT=${OUT:-/tmp/moe_out}
-mkdir -p "$OUT"
-SECTIONS=${*:-tests sweep bench memcheck}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+L=$OUT/logs; mkdir -p "$L"
+SECTIONS=${*:-tests bench memcheck}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$L/gpu.txt"
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "${GREP:-passed|failed|FAIL|Error|best|x balanced|ERROR}" "$L/$name.log" | tail -${TAIL:-25}; }
+PLANS=${PLANS:-$OUT/sweep.json}
 for s in $SECTIONS; do
   case $s in
-    tests) timeout ${T_TESTS:-150} python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1; tail -5 "$OUT/pytest.log" ;;
-    bench) timeout ${T_BENCH:-170} python3 benchmarks/moe_kernel.py --stages --plans "$OUT/sweep.json" ${BENCH_ARGS:-} --json "$OUT/moe_kernel_h200.json" --md "$OUT/moe_kernel_h200.md" 2>&1 | tail -60 > "$OUT/bench.log"; tail -30 "$OUT/bench.log" ;;
-    variants) timeout ${T_VARIANTS:-170} python3 benchmarks/moe_kernel.py --variants --tokens ${VAR_TOKENS:-1,16,512,4096} --tp ${VAR_TP:-8} ${VAR_PRIOR:+--prior $VAR_PRIOR} --json "$OUT/sweep.json" 2>&1 | tail -100 > "$OUT/variants.log"; grep -E "best|Error|error" "$OUT/variants.log" | tail -12 ;;
-    sweep) timeout ${T_SWEEP:-130} python3 benchmarks/moe_kernel.py --sweep --tokens ${SWEEP_TOKENS:-1,16,512,4096} --tp ${SWEEP_TP:-8} --json "$OUT/sweep.json" 2>&1 | tail -150 > "$OUT/sweep.log"; tail -8 "$OUT/sweep.log" ;;
-    memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${T_MEMCHECK:-50} compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -6 "$OUT/memcheck.log" ;;
+    tests) step tests "${T_TESTS:-170}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -x -p no:cacheprovider ${TEST_ARGS:-} ;;
+    sweep) step sweep "${T_SWEEP:-170}" python3 benchmarks/moe_kernel.py --sweep --shards "${SWEEP_SHARDS:-tp8}" \
+             --tokens "${SWEEP_TOKENS:-1,512,1024,4096}" --layers 2 --json "$OUT/sweep.json" ;;
+    bench) step bench "${T_BENCH:-170}" python3 benchmarks/moe_kernel.py --shards "${BENCH_SHARDS:-tp8}" \
+             --tokens "${BENCH_TOKENS:-1,4,16,64,256,512,1024,4096,8192}" --routings "${BENCH_ROUTINGS:-balanced,same_k,zipf1.2}" \
+             ${BENCH_ARGS:-} $( [ -f "$PLANS" ] && echo --plans "$PLANS" ) --json "$OUT/moe_kernel_h200.json" --md "$OUT/moe_kernel_h200.md" ;;
+    memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-60}" compute-sanitizer --tool memcheck \
+             --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
+    racecheck) step racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --print-limit 20 \
+             python3 tests/gpu/memcheck_moe_kernel.py ;;
   esac
 done
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$L"
+ls "$OUT"

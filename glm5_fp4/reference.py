@@ -150,11 +150,14 @@ def moe_reference(
     shared: NvFp4Experts | None = None,
     mode: str = "w4a16",
     compute_dtype: torch.dtype = torch.float32,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts (+ shared expert) on NVFP4 weights; ``x [T, H]``, result in ``x.dtype``.
 
     ``topk_weights`` must already include ``routed_scaling_factor`` (as :func:`route` returns them). Computes
     in ``compute_dtype`` (float32, or float64 for exact comparisons), expert by expert, tokens gathered.
+    ``expert_map`` (expert parallelism): ``experts`` are this rank's, ``topk_ids`` global, and
+    ``expert_map[global] = local id`` or -1 for an expert of another rank, which contributes nothing.
     """
     if mode not in MODES:
         raise Glm5Fp4Error(f"unknown MoE mode {mode!r}; choose one of {MODES}")
@@ -167,10 +170,20 @@ def moe_reference(
     w4a4 = mode == "w4a4"
     if w4a4 and (experts.a13_scale is None or experts.a2_scale is None):
         raise Glm5Fp4Error("w4a4 mode needs the experts' input scales (a13_scale, a2_scale)")
+    if expert_map is not None:
+        emap = expert_map.to(topk_ids.device).long()
+        top = int(topk_ids.max()) if topk_ids.numel() else -1
+        if emap.dim() != 1 or top >= emap.numel():
+            raise Glm5Fp4Error(f"expert_map of {list(emap.shape)} does not cover topk_ids up to {top}")
+        topk_ids = emap[topk_ids.long()]
+        if topk_ids.numel() and int(topk_ids.max()) >= experts.num_experts:
+            raise Glm5Fp4Error(f"expert_map points past the {experts.num_experts} local experts")
     w13, w2 = experts.dequantized(compute_dtype)
     xc = x.to(compute_dtype)
     out = torch.zeros_like(xc)
     for e in torch.unique(topk_ids).tolist():
+        if e < 0:
+            continue
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         a13 = experts.a13_scale[e] if w4a4 else None
         a2 = experts.a2_scale[e] if w4a4 else None

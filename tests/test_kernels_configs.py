@@ -56,7 +56,7 @@ def _aot_available():
 @pytest.mark.parametrize("which", ["gemm1", "gemm2"])
 def test_sm120_default_kernel_compiles_within_limits(which):
     """Compile the default SM120 grouped configs for sm_120 on this CPU and read Triton's metadata."""
-    from glm5_fp4.kernels.aot import compile_gemm1, compile_gemm2
+    from glm5_fp4.sm120.aot import compile_gemm1, compile_gemm2
 
     spec = Glm5Spec()
     i = spec.moe_intermediate_size // 4
@@ -67,10 +67,10 @@ def test_sm120_default_kernel_compiles_within_limits(which):
     else:
         c = compile_gemm2(p.gemm2, 120, spec.hidden_size, i, n_split=p.gemm2_n_split)
         estimate = C.gemm2_smem_bytes(p.gemm2, i)
-    assert 0 < c.shared <= min(estimate, SM120_LIMIT), (c.shared, estimate)
-    assert "mma.sync.aligned" in c.asm["ptx"]  # SM120 has no wgmma: warp-level MMA
-    if c.n_regs is not None:
-        assert c.n_regs <= 255 and c.n_spills == 0, c.summary()
+    assert 0 < c.shared_bytes <= min(estimate, SM120_LIMIT), (c.shared_bytes, estimate)
+    assert "mma.sync.aligned" in c.ptx  # SM120 has no wgmma: warp-level MMA
+    if c.registers is not None:
+        assert c.registers <= 255 and c.spill_store_bytes == 0, c
 
 
 @pytest.mark.skipif(not _aot_available(), reason="Triton's NVIDIA backend (with ptxas) is not installed")
@@ -78,14 +78,10 @@ def test_sm120_default_kernel_compiles_within_limits(which):
                                             (100, "sm100", "kind::mxf4nvf4.block_scale.block16")])
 def test_native_fp4_kernels_lower_to_the_fp4_block_scaled_mma(cc, arch, marker):
     """The unverified native path at least compiles to the FP4 x FP4 E4M3-scaled tensor-core instruction."""
-    from glm5_fp4.kernels import native_fp4 as N
-    from glm5_fp4.kernels.aot import _compile, _signature
+    from glm5_fp4.sm120.aot import compile_native
 
-    g1, g2 = C.NATIVE_GEMM1[arch], C.NATIVE_GEMM2[arch]
-    k1 = _compile(N.moe_gemm1_native_kernel, _signature(N.moe_gemm1_native_kernel),
-                  dict(H=6144, I=512, BN=g1.bn, BM=g1.bm, BK=g1.bk), cc, g1.num_warps, g1.num_stages)
-    k2 = _compile(N.moe_gemm2_native_kernel, _signature(N.moe_gemm2_native_kernel),
-                  dict(H=6144, I=512, BN=g2.bn, BM=g2.bm, N_SPLIT=3), cc, g2.num_warps, g2.num_stages)
-    for k in (k1, k2):
-        assert marker in k.asm["ptx"], k.name
-        assert k.shared <= C.SMEM_LIMIT[arch]
+    builds = compile_native(arch)
+    assert len(builds) == 2
+    for k in builds:
+        assert marker in k.ptx, k.kernel
+        assert k.shared_bytes <= C.SMEM_LIMIT[arch]

@@ -27,11 +27,13 @@ def fake_result(fail_case: bool = False, bench_status: str = "ok") -> dict:
         "correctness": {"tolerance": 1e-2, "cases": cases, "passed": passed, "failed": len(cases) - passed},
         "kernels": [{"kernel": "moe_gemm1_kernel", "constexprs": {"BN": 64, "BM": 16}, "num_warps": 4, "num_stages": 3,
                      "shared_bytes": 26624, "registers": 94, "spills": 0}],
-        "benchmark": {"status": bench_status, "copy_gbs": 1500.0, "bf16_tflops": 400.0, "rows": [
-            {"tp": 8, "tokens": 16, "experts_touched": 101, "us": 150.0, "floor_us": 45.0, "pct_copy_bw": 30.0,
-             "pct_table_bw": 25.1, "gbs": 450.0, "tflops": 2.0, "us_w4a4": 200.0, "bf16_grouped_mm_us": 400.0,
-             "fp8_scaled_grouped_mm_us": 250.0, "dequant_then_bf16_us": 900.0, "speedup_vs_bf16": 2.67},
-            {"tp": 8, "tokens": 256, "error": "RuntimeError: out of memory"},
+        "benchmark": {"status": bench_status, "copy_gbs": 1500.0, "bf16_tflops": 400.0, "marlin": "vLLM fused_marlin_moe",
+                      "rows": [
+            {"shard": "tp8", "tp": 8, "tokens": 16, "routing": "balanced", "experts_touched": 101, "us": 150.0,
+             "floor_us": 45.0, "pct_copy_bw": 30.0, "pct_table_bw": 25.1, "gbs": 450.0, "tflops": 2.0, "skew_ratio": 1.0,
+             "us_w4a4": 200.0, "marlin_us": 180.0, "speedup_vs_marlin": 1.2, "bf16_grouped_mm_us": 400.0,
+             "speedup_vs_bf16": 2.67},
+            {"shard": "tp8", "tp": 8, "tokens": 256, "routing": "same_k", "error": "RuntimeError: out of memory"},
         ]},
     }
 
@@ -43,7 +45,7 @@ def test_markdown_carries_gpu_versions_results_and_bandwidth(tmp_path):
     text = md.read_text()
     assert res["verdict"] == "pass" and "**Verdict: PASS**" in text
     for needle in ("RTX PRO 6000", "580.65", "2.11.0 / 3.6.0", "sm120", "1792 GB/s datasheet", "3.10e-03",
-                   "| TP8 | 16 | 101 | 150.0 | 45.0 | 30 % | 25 % |", "64/16/128/4/3", "out of memory",
+                   "| tp8 | 16 | balanced | 101 | 150.0 | 45.0 | 30 % | 25 % |", "| 180.0 | 1.20 |", "64/16/128/4/3", "out of memory",
                    "| moe_gemm1_kernel | BN=64, BM=16 | 4/3 | 26624 | 94 | 0 |"):
         assert needle in text, needle
     assert json.loads(js.read_text())["env"]["driver"] == "580.65"
@@ -66,12 +68,43 @@ def test_report_without_benchmark_or_table_entry():
     assert "Not run (--no-bench)" in text and "no entry" in text
 
 
-def test_benchmark_script_has_what_the_selftest_calls():
-    mod = bench.load_script()
-    for name in ("copy_bandwidth_gbs", "bf16_gemm_tflops", "random_prepared", "dequant_all_us", "Baselines"):
-        assert callable(getattr(mod, name)), name
-    params = list(inspect.signature(mod.row_for).parameters)
-    assert params[:8] == ["t", "tp", "spec", "layers", "base", "copy_gbs", "gen", "args"], params
+def test_selftest_benchmark_lives_in_the_package():
+    """The self-test's benchmark is package code (glm5_fp4.bench), never a file of the source checkout."""
+    from glm5_fp4.bench import moe
+
+    params = list(inspect.signature(moe.run_table).parameters)
+    assert params[:3] == ["shards", "tokens", "routings"], params
+    src = inspect.getsource(bench)
+    assert "spec_from_file_location" not in src and "__file__" not in src
+    assert set(bench.QUICK["routings"]) - {"balanced"}, "the quick benchmark must include a skewed routing"
+
+
+def test_selftest_runs_from_a_wheel_install(tmp_path):
+    """Build the wheel, install it into an empty folder and import the self-test there, away from the
+    checkout: every module it needs must be inside the package."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                    str(root)], check=True, capture_output=True, timeout=600)
+    whl = next(wheels.glob("glm5_fp4-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(whl)],
+                   check=True, capture_output=True, timeout=600)
+    code = ("import glm5_fp4, glm5_fp4.selftest.bench as b, glm5_fp4.bench.moe, glm5_fp4.bench.marlin, "
+            "glm5_fp4.bench.routing; print(glm5_fp4.__file__)")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert str(target) in out.stdout  # the wheel's copy, not the checkout's
+    cli = subprocess.run([sys.executable, "-m", "glm5_fp4.cli", "selftest", "--quick", "--out", str(tmp_path / "r")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    # no GPU here: the documented exit code 2 and its one-line reason, not an import error
+    assert cli.returncode == 2 and "no CUDA GPU" in cli.stderr, (cli.returncode, cli.stderr[-2000:])
 
 
 def test_quick_cases_cover_both_modes_and_the_slot_schedule():

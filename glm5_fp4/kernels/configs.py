@@ -68,19 +68,21 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
         Gemm1Config(bn, bm, bk, w, s)
         for bn, bm, bk, w, s in [
             (16, 16, 256, 4, 4),
-            (16, 16, 512, 4, 3),
             (32, 16, 256, 4, 4),
-            (64, 16, 256, 4, 4),
             (64, 16, 256, 4, 3),
-            (64, 32, 256, 4, 4),
+            (64, 16, 256, 4, 4),
+            (64, 16, 128, 4, 4),
             (128, 16, 256, 8, 3),
-            (128, 16, 256, 8, 2),
+            (64, 32, 256, 4, 3),
+            (64, 32, 128, 4, 4),
             (128, 32, 256, 8, 3),
-            (128, 32, 256, 8, 2),
             (128, 32, 128, 8, 4),
-            (64, 64, 256, 4, 3),
+            (128, 32, 256, 8, 2),
+            (64, 64, 128, 4, 3),
             (128, 64, 128, 8, 3),
+            (128, 64, 128, 8, 2),
             (128, 128, 128, 8, 3),
+            (128, 128, 128, 8, 2),
         ]
     ],
     "sm120": [
@@ -100,17 +102,18 @@ GEMM1_CANDIDATES["sm80"] = GEMM1_CANDIDATES["sm120"]
 
 GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
     "sm90": [
-        Gemm2Config(bn, bm, w, s)
-        for bn, bm, w, s in [
-            (32, 16, 4, 3),
-            (64, 16, 4, 3),
-            (64, 16, 8, 3),
-            (128, 16, 8, 3),
-            (64, 32, 8, 3),
-            (128, 32, 8, 3),
-            (64, 64, 8, 2),
-            (128, 64, 8, 2),
-            (64, 128, 8, 2),
+        Gemm2Config(bn, bm, w, s, merged=m)
+        for bn, bm, w, s, m in [
+            (32, 16, 4, 3, True),
+            (64, 16, 4, 3, True),
+            (64, 16, 4, 3, False),
+            (128, 16, 8, 3, False),
+            (64, 32, 8, 3, False),
+            (128, 32, 8, 3, False),
+            (128, 32, 4, 3, False),
+            (64, 64, 8, 2, False),
+            (128, 64, 8, 2, False),
+            (128, 64, 8, 3, False),
         ]
     ],
     # sm_120: eight MMAs per tile (merged=False); the merged operand spills at I = 512 on sm_120's mma.sync
@@ -137,6 +140,9 @@ NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32
 # partial sums live in a static workspace of SPLIT_K_MAX * SPLIT_K_MAX_TOKENS * top_k * 2I floats).
 SPLIT_K_MAX = 4
 SPLIT_K_MAX_TOKENS = 8
+
+# Smallest work-list block (tokens per MMA) any plan uses; the workspace's work list is sized for it.
+MIN_BLOCK_M = 16
 
 # Largest T (tokens) served by the slot schedule (no sorting, 2 launches) per arch.
 SLOT_MAX_TOKENS = {"sm90": 4, "sm100": 4, "sm120": 4, "sm80": 4}
@@ -304,6 +310,15 @@ def plan(
     if schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
         split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count)
     return Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k)
+
+
+def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                sm_count: int | None = None) -> Plan:
+    """The native FP4-MMA path's plan (SM100/SM120 W4A4, unverified): fixed tiles, GEMM2 split to fill the GPU."""
+    sm_count = sm_count or SM_COUNT_GUESS.get(arch, 132)
+    g1, g2 = NATIVE_GEMM1[arch], NATIVE_GEMM2[arch]
+    active = min(expected_active_experts(tokens, num_experts, top_k), tokens * top_k)
+    return Plan("native", g1, g2, pick_n_split(hidden // g2.bn, active, sm_count), prep_x=False)
 
 
 def all_configs(arch: str) -> tuple[list[Gemm1Config], list[Gemm2Config]]:

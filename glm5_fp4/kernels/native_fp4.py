@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from glm5_fp4.kernels.triton_moe import _expert_rows, _round_e4m3
+from glm5_fp4.kernels.triton_moe import _block_rows, _e2m1_index, _round_e4m3
 
 ENV = "GLM5_FP4_NATIVE_FP4"
 
@@ -31,11 +31,7 @@ def _quant_fp4(x, g, R: tl.constexpr, C: tl.constexpr):
     s = _round_e4m3(tl.math.div_rn(g * amax, 6.0))
     y = tl.math.div_rn(xb * g, tl.where(s > 0, s, 1.0)[:, :, None])
     v = tl.where(s[:, :, None] > 0, tl.abs(y), 0.0)
-    idx = (
-        (v > 0.25).to(tl.int32) + (v >= 0.75).to(tl.int32) + (v > 1.25).to(tl.int32) + (v >= 1.75).to(tl.int32)
-        + (v > 2.5).to(tl.int32) + (v >= 3.5).to(tl.int32) + (v > 5.0).to(tl.int32)
-    )
-    code = idx | ((y < 0).to(tl.int32) << 3)
+    code = _e2m1_index(v) | ((y < 0).to(tl.int32) << 3)
     lo, hi = tl.split(tl.reshape(code, (R, C // 2, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
     return packed, s.to(tl.float8e4nv)
@@ -44,13 +40,13 @@ def _quant_fp4(x, g, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def moe_gemm1_native_kernel(
     x_ptr, stride_xt, w_ptr, s_ptr, w_global_ptr, a_scale_ptr, a_gscale_ptr, o_gscale_ptr,
-    actq_ptr, acts_ptr, slots_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, TOPK,
+    actq_ptr, acts_ptr, slots_ptr, blk_ptr, num_blocks_ptr, TOPK,
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """act = NVFP4(silu(xq Wg^T) * (xq Wu^T)) for one expert's rows and this program's I tile."""
-    pid_n = tl.program_id(0)
-    pid_e = tl.program_id(1)
-    e, count, start = _expert_rows(pid_e, slots_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, False)
+    """act = NVFP4(silu(xq Wg^T) * (xq Wu^T)) for one work-list block's rows and this program's I tile.
+    Grid: (block, I tile)."""
+    pid_n = tl.program_id(1)
+    e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
     e64 = e.to(tl.int64)
     offs_i = pid_n * BN + tl.arange(0, BN)
     offs_kb = tl.arange(0, BK // 2)
@@ -95,13 +91,13 @@ def moe_gemm1_native_kernel(
 @triton.jit
 def moe_gemm2_native_kernel(
     actq_ptr, acts_ptr, w_ptr, s_ptr, w_global_ptr, a_scale_ptr, topk_w_ptr, ws_ptr,
-    slots_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, TOPK,
+    slots_ptr, blk_ptr, num_blocks_ptr, TOPK,
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, N_SPLIT: tl.constexpr,
 ):
-    """ws[token, n] += router_weight * (act W_down^T)[row, n], FP4 x FP4 with block scales."""
+    """ws[token, n] += router_weight * (act W_down^T)[row, n], FP4 x FP4 with block scales, for one work-list
+    block's rows (walked BM at a time). Grid: (N range, block)."""
     pid_s = tl.program_id(0)
-    pid_e = tl.program_id(1)
-    e, count, start = _expert_rows(pid_e, slots_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, False)
+    e, count, start = _block_rows(tl.program_id(1), blk_ptr, num_blocks_ptr)
     e64 = e.to(tl.int64)
     alpha = tl.load(w_global_ptr + e) * tl.load(a_scale_ptr + e)
     offs_kb = tl.arange(0, I // 2)

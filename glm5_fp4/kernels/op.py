@@ -46,21 +46,23 @@ def _moe_nvfp4(
     quant_mode: str,
     out: torch.Tensor,
     layout: str = "split",
+    expert_map: torch.Tensor | None = None,
 ) -> None:
     # (named quant_mode: torch's dispatch machinery reserves a keyword called "mode")
     prepared = _prepared_from(
         w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha, a13_scale, a2_scale, a13_gscale, a2_gscale, layout
     )
-    check_inputs(x, topk_weights, topk_ids, prepared, quant_mode)
+    check_inputs(x, topk_weights, topk_ids, prepared, quant_mode, expert_map)
     if x.device.type == "cuda" or _interpreting():
-        fused_moe_triton(x, topk_weights, topk_ids, prepared, quant_mode, out=out)
+        fused_moe_triton(x, topk_weights, topk_ids, prepared, quant_mode, out=out, expert_map=expert_map)
     else:
-        fused_moe_torch(x, topk_weights, topk_ids, prepared, quant_mode, out=out)
+        fused_moe_torch(x, topk_weights, topk_ids, prepared, quant_mode, out=out, expert_map=expert_map)
 
 
 @_moe_nvfp4.register_fake
 def _moe_nvfp4_fake(x, topk_weights, topk_ids, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha,
-                    a13_scale, a2_scale, a13_gscale, a2_gscale, quant_mode, out, layout="split") -> None:
+                    a13_scale, a2_scale, a13_gscale, a2_gscale, quant_mode, out, layout="split",
+                    expert_map=None) -> None:
     e, two_i, h_half = w13.shape
     if x.dim() != 2 or x.shape[1] != 2 * h_half:
         raise Glm5Fp4Error(f"moe_nvfp4: hidden states must be [T, {2 * h_half}], got {list(x.shape)}")
@@ -82,13 +84,16 @@ def moe_nvfp4(
     prepared: PreparedExperts,
     mode: str = "w4a16",
     out: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Call the registered op on prepared experts; allocates ``out`` when not given."""
+    """Call the registered op on prepared experts; allocates ``out`` when not given. ``expert_map``:
+    expert parallelism (``prepared`` holds the local experts; global id -> local id or -1)."""
     if out is None:
         out = torch.empty_like(x)
     t = prepared.tensors()
     torch.ops.glm5_fp4.moe_nvfp4(
         x, topk_weights, topk_ids, t["w13"], t["w13_scale"], t["w13_alpha"], t["w2"], t["w2_scale"],
         t["w2_alpha"], t["a13_scale"], t["a2_scale"], t["a13_gscale"], t["a2_gscale"], mode, out, prepared.layout,
+        expert_map,
     )
     return out

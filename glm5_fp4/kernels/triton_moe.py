@@ -7,8 +7,7 @@ value applies the E4M3 block scale; the per-expert global scale and the factor 6
 accumulator. Products are exact in fp16, so the MMA sees exactly ``e2m1 * block_scale / 64``.
 
 GEMMs are "swap-AB": the weight tile is the MMA's M side (64+ rows for wgmma), tokens the N side (16+), so
-a handful of tokens per expert wastes little. A program owns one weight tile of one expert and walks all
-of that expert's tokens, so each weight byte is read from memory once per layer call.
+a handful of tokens per expert wastes little.
 
 Two schedules (see :mod:`glm5_fp4.kernels.configs` for when each is used):
 
@@ -16,11 +15,20 @@ Two schedules (see :mod:`glm5_fp4.kernels.configs` for when each is used):
   split-K a reduce kernel adds the partial sums and applies SwiGLU once per slot; GEMM2 runs one program
   per (N-range, token) and sums the token's ``top_k`` experts in registers, writing the output directly:
   2 launches (3 with split-K), deterministic.
-* ``grouped``: an alignment kernel counts tokens per expert, lists the active experts and writes each
-  expert's slots contiguously (and zeroes the fp32 combine workspace and, W4A16, writes the activations
-  as fp16 in the merged K order below); GEMM1 then GEMM2 per (N-tile, active expert); GEMM2 multiplies by
-  the router weight and adds into the workspace with fp32 atomics; a last kernel converts the workspace to
-  the output dtype. 4 launches.
+* ``grouped``: an alignment kernel counts tokens per expert, writes each expert's slots contiguously and
+  builds a **work list** of token blocks: expert ``e`` with ``c`` tokens contributes ``ceil(c / BM)`` blocks
+  of at most ``BM`` rows, listed expert by expert. GEMM1 and GEMM2 run one program per (block, N tile), so
+  the work of a hot expert spreads over as many SMs as it has blocks, and the blocks of one expert sit next
+  to each other in launch order (their weight tiles are read from DRAM once and from L2 after). The grid
+  is sized from a static bound on the number of blocks; programs past the list's end exit at once. Under
+  balanced decode an expert has about one block, so each weight is read once per layer call. The align
+  kernel also zeroes the fp32 combine workspace and (W4A16) writes the activations as fp16 in the merged K
+  order below; GEMM2 multiplies by the router weight and adds into the workspace with fp32 atomics; a last
+  kernel converts the workspace to the output dtype. 4 launches.
+
+Expert parallelism: with an expert map (global expert id -> local id, -1 where the expert lives on another
+rank), slots routed to remote experts are dropped by the alignment (grouped) or skipped (slot schedule):
+they cost nothing, and a token whose experts are all remote gets a zero row.
 
 Merged K order: the decode yields eight operands per weight tile, set j holding the K offsets
 16*(c//2) + 2*j + c%2 (c = 0 .. BK/8-1). Concatenating them (set j in columns j*BK/8 ..) is free in
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from glm5_fp4 import nvfp4
 
 # Two 32-bit words = one 16-element scale block of one weight row (layout.py): word A holds K offsets 0..7
 # (byte j: k=j low nibble, k=4+j high nibble), word B offsets 8..15. Outputs $0..$7 are the fp16 pairs
@@ -202,16 +212,42 @@ def _merged_pos(i, NW: tl.constexpr):
     return ((i % 16) // 2) * NW + (i // 16) * 2 + i % 2
 
 
+# E2M1 rounding, from the one home of its midpoints and tie rule (glm5_fp4.nvfp4): magnitude code k is the
+# number of midpoints a value lies above (at a tie, above when the upper code is even).
+_MID = [tl.constexpr(m) for m in nvfp4._MIDPOINTS]
+_TIE_UP = [tl.constexpr(u) for u in nvfp4._TIE_GOES_UP]
+_VAL = [tl.constexpr(v) for v in nvfp4.E2M1_VALUES]
+_M0, _M1, _M2, _M3, _M4, _M5, _M6 = _MID
+_U0, _U1, _U2, _U3, _U4, _U5, _U6 = _TIE_UP
+_V1, _V2, _V3, _V4, _V5, _V6, _V7 = _VAL[1:]
+
+
+@triton.jit
+def _above(v, mid: tl.constexpr, tie_up: tl.constexpr):
+    if tie_up:
+        return v >= mid
+    else:
+        return v > mid
+
+
+@triton.jit
+def _e2m1_index(v):
+    """Non-negative fp32 -> E2M1 magnitude code 0..7 (nearest, ties to even, saturating at 6)."""
+    return (_above(v, _M0, _U0).to(tl.int32) + _above(v, _M1, _U1).to(tl.int32) + _above(v, _M2, _U2).to(tl.int32)
+            + _above(v, _M3, _U3).to(tl.int32) + _above(v, _M4, _U4).to(tl.int32)
+            + _above(v, _M5, _U5).to(tl.int32) + _above(v, _M6, _U6).to(tl.int32))
+
+
 @triton.jit
 def _e2m1_round(v):
     """Round non-negative fp32 to the nearest E2M1 magnitude, ties to the even code, saturating at 6."""
-    r = tl.where(v > 0.25, 0.5, 0.0)
-    r = tl.where(v >= 0.75, 1.0, r)
-    r = tl.where(v > 1.25, 1.5, r)
-    r = tl.where(v >= 1.75, 2.0, r)
-    r = tl.where(v > 2.5, 3.0, r)
-    r = tl.where(v >= 3.5, 4.0, r)
-    r = tl.where(v > 5.0, 6.0, r)
+    r = tl.where(_above(v, _M0, _U0), _V1, 0.0)
+    r = tl.where(_above(v, _M1, _U1), _V2, r)
+    r = tl.where(_above(v, _M2, _U2), _V3, r)
+    r = tl.where(_above(v, _M3, _U3), _V4, r)
+    r = tl.where(_above(v, _M4, _U4), _V5, r)
+    r = tl.where(_above(v, _M5, _U5), _V6, r)
+    r = tl.where(_above(v, _M6, _U6), _V7, r)
     return r
 
 
@@ -286,18 +322,29 @@ def _x_operand(xt, g, W4A4: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _expert_rows(pid_e, ids_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, SLOT_MODE: tl.constexpr):
-    """(expert, row count, first row) of this program's work: one routing slot, or one active expert."""
-    if SLOT_MODE:
-        e = tl.load(ids_ptr + pid_e).to(tl.int32)
-        count = 1
-        start = pid_e
-    else:
-        n_active = tl.load(num_active_ptr)
-        live = pid_e < n_active
-        e = tl.load(active_ptr + pid_e, mask=live, other=0)
-        count = tl.where(live, tl.load(counts_ptr + e), 0)
-        start = tl.load(offsets_ptr + e)
+def _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP: tl.constexpr):
+    """(local expert, rows) of one routing slot: rows is 0 for a slot whose expert lives on another rank."""
+    e = tl.load(ids_ptr + slot).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(emap_ptr + e)
+    count = tl.where(e >= 0, 1, 0)
+    return tl.maximum(e, 0), count
+
+
+# The work list: one int32 quadruple per block, (expert, first sorted row, row count, unused).
+BLOCK_FIELDS = tl.constexpr(4)
+
+
+@triton.jit
+def _block_rows(pid_b, blk_ptr, num_blocks_ptr):
+    """(expert, row count, first sorted row) of work-list block ``pid_b``; 0 rows past the list's end."""
+    n = tl.load(num_blocks_ptr)
+    # past the end: read block 0 (always written when the list is non-empty, and the workspace is zeroed at
+    # creation otherwise) and run no rows
+    p = blk_ptr + tl.where(pid_b < n, pid_b, 0) * BLOCK_FIELDS
+    e = tl.load(p)
+    start = tl.load(p + 1)
+    count = tl.where(pid_b < n, tl.load(p + 2), 0)
     return e, count, start
 
 
@@ -316,11 +363,10 @@ def moe_gemm1_kernel(
     part_ptr,
     part_stride,
     ids_ptr,
+    emap_ptr,
     slots_ptr,
-    counts_ptr,
-    offsets_ptr,
-    active_ptr,
-    num_active_ptr,
+    blk_ptr,
+    num_blocks_ptr,
     TOPK,
     H: tl.constexpr,
     I: tl.constexpr,
@@ -334,6 +380,7 @@ def moe_gemm1_kernel(
     SPLIT_K: tl.constexpr = 1,
     MERGED: tl.constexpr = True,
     DIAG: tl.constexpr = 0,
+    HAS_MAP: tl.constexpr = False,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
 
@@ -349,16 +396,21 @@ def moe_gemm1_kernel(
     ``DIAG=1`` (benchmarks only, wrong results) skips the decode: the words go straight to fp16 MMA
     operands, so the time difference to ``DIAG=0`` is the cost of decoding.
 
-    Rows are sorted slot positions (grouped) or slot ids (slot mode). ``w_ptr`` is the packed weight as
-    int32 words.
+    Grid: slot mode (N tile, slot, K range); grouped (work-list block, N tile), blocks fastest so that the
+    blocks of one expert, which share weight tiles, run side by side. Rows are sorted slot positions
+    (grouped) or slot ids (slot mode). ``w_ptr`` is the packed weight as int32 words.
     """
     tl.static_assert(not (X_PREP and W4A4), "prepared activations are W4A16 only")
     NW: tl.constexpr = BK // 8
     K_PER: tl.constexpr = H // SPLIT_K
-    pid_n = tl.program_id(0)
-    pid_e = tl.program_id(1)
+    if SLOT_MODE:
+        pid_n = tl.program_id(0)
+        start = tl.program_id(1)
+        e, count = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
+    else:
+        pid_n = tl.program_id(1)
+        e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
     k_begin = tl.program_id(2) * K_PER
-    e, count, start = _expert_rows(pid_e, ids_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, SLOT_MODE)
     e64 = e.to(tl.int64)
 
     offs_i = pid_n * BN + tl.arange(0, BN)
@@ -438,10 +490,8 @@ def moe_gemm2_grouped_kernel(
     topk_w_ptr,
     ws_ptr,
     slots_ptr,
-    counts_ptr,
-    offsets_ptr,
-    active_ptr,
-    num_active_ptr,
+    blk_ptr,
+    num_blocks_ptr,
     TOPK,
     H: tl.constexpr,
     I: tl.constexpr,
@@ -452,11 +502,11 @@ def moe_gemm2_grouped_kernel(
     USE_ASM: tl.constexpr,
     MERGED: tl.constexpr = True,
 ):
-    """ws[token, n] += router_weight * (act W_down^T)[row, n] for one expert's rows over 1/N_SPLIT of H."""
+    """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
+    time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest."""
     NW: tl.constexpr = I // 8
-    pid_s = tl.program_id(0)
-    pid_e = tl.program_id(1)
-    e, count, start = _expert_rows(pid_e, slots_ptr, counts_ptr, offsets_ptr, active_ptr, num_active_ptr, False)
+    pid_s = tl.program_id(1)
+    e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
     e64 = e.to(tl.int64)
     alpha = tl.load(alpha_ptr + e)
     if W4A4:
@@ -504,6 +554,7 @@ def moe_gemm2_slot_kernel(
     o_scale_ptr,
     topk_w_ptr,
     ids_ptr,
+    emap_ptr,
     out_ptr,
     stride_ot,
     TOPK: tl.constexpr,
@@ -514,8 +565,10 @@ def moe_gemm2_slot_kernel(
     W4A4: tl.constexpr,
     USE_ASM: tl.constexpr,
     MERGED: tl.constexpr = True,
+    HAS_MAP: tl.constexpr = False,
 ):
-    """out[token, n] = sum over the token's k slots of weight * (act[slot] W_down[e]^T)[n], written once."""
+    """out[token, n] = sum over the token's local slots of weight * (act[slot] W_down[e]^T)[n], written once
+    (slots of remote experts are skipped: their act rows were never computed)."""
     BM: tl.constexpr = 16  # the MMA's smallest token side; only column 0 is real
     NW: tl.constexpr = I // 8
     pid_s = tl.program_id(0)
@@ -530,18 +583,23 @@ def moe_gemm2_slot_kernel(
     n_begin = pid_s * n_per
     for n0 in range(n_begin, n_begin + n_per, BN):
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for j in range(TOPK):
+        # unrolled: the k experts' independent weight loads can all be in flight at once (at T=1 this kernel
+        # is latency-bound: one token, a few programs, k dependent load-decode-MMA rounds otherwise)
+        for j in tl.static_range(TOPK):
             slot = tok * TOPK + j
-            e64 = tl.load(ids_ptr + slot).to(tl.int64)
-            alpha = tl.load(alpha_ptr + e64) * tl.load(topk_w_ptr + slot)
+            e32, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
+            e64 = e32.to(tl.int64)
+            # a remote slot's act row is garbage: zero its weight and mask its load (no NaN * 0)
+            alpha = tl.load(alpha_ptr + e64) * tl.where(local > 0, tl.load(topk_w_ptr + slot), 0.0)
             if W4A4:
                 alpha = alpha * tl.load(o_scale_ptr + e64)
+            use = cols < local  # column 0 of a local slot (local is 0 or 1)
             if MERGED:
                 a = tl.load(act_ptr + slot.to(tl.int64) * I + offs_k[:, None] + cols[None, :] * 0,
-                            mask=first[None, :], other=0.0)
+                            mask=use[None, :], other=0.0)
             else:
                 ap = act_ptr + slot.to(tl.int64) * I + offs_w[:, None] + cols[None, :] * 0
-                a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, first[None, :], NW)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, use[None, :], NW)
             w_off = e64 * (H * (I // 8)) + (n0 + offs_bn[:, None]) * (I // 8) + offs_w[None, :]
             s_off = e64 * (H * (I // 16)) + (n0 + offs_bn[:, None]) * (I // 16) + offs_ks[None, :]
             d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(tl.load(w_ptr + w_off), tl.load(s_ptr + s_off), BN, I, USE_ASM)
@@ -561,41 +619,46 @@ def moe_splitk_reduce_kernel(
     part_stride,
     act_ptr,
     ids_ptr,
+    emap_ptr,
     o_gscale_ptr,
     I: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     W4A4: tl.constexpr,
+    HAS_MAP: tl.constexpr = False,
 ):
     """act[slot] = silu(gate) * up from GEMM1's split-K partial sums (added in split order, so the result
     does not depend on which split finished first), stored like GEMM1's own epilogue would (merged order,
     W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program."""
     slot = tl.program_id(0).to(tl.int64)
+    # a remote slot (expert map): GEMM1 wrote no partial sums and GEMM2 skips it; write nothing
+    e, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
     offs_i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = offs_i < local * I  # local is 0 or 1
     pp = part_ptr + slot * (2 * I) + offs_i
-    gate = tl.load(pp)
-    up = tl.load(pp + I)
+    gate = tl.load(pp, mask=live, other=0.0)
+    up = tl.load(pp + I, mask=live, other=0.0)
     for sk in tl.static_range(1, SPLIT_K):
-        gate += tl.load(pp + sk * part_stride)
-        up += tl.load(pp + (sk * part_stride + I))
+        gate += tl.load(pp + sk * part_stride, mask=live, other=0.0)
+        up += tl.load(pp + (sk * part_stride + I), mask=live, other=0.0)
     act = tl.reshape(gate / (1.0 + tl.exp(-gate)) * up, (BLOCK, 1))
     if W4A4:
-        e = tl.load(ids_ptr + slot)
         act = _fake_quant_rows(act, tl.load(o_gscale_ptr + e), BLOCK, 1)
     pos = _merged_pos(offs_i, I // 8)
-    tl.store(act_ptr + slot * I + pos, tl.reshape(act, (BLOCK,)).to(tl.float16))
+    tl.store(act_ptr + slot * I + pos, tl.reshape(act, (BLOCK,)).to(tl.float16), mask=live)
 
 
 @triton.jit
 def moe_align_kernel(
     ids_ptr,
     num_slots,
+    emap_ptr,
     counts_ptr,
     offsets_ptr,
     cursor_ptr,
     slots_ptr,
-    active_ptr,
-    num_active_ptr,
+    blk_ptr,
+    num_blocks_ptr,
     ws_ptr,
     ws_numel,
     x_ptr,
@@ -605,12 +668,15 @@ def moe_align_kernel(
     E_POW2: tl.constexpr,
     BLOCK: tl.constexpr,
     ZBLOCK: tl.constexpr,
+    BM: tl.constexpr = 16,
     H: tl.constexpr = 128,
     BK: tl.constexpr = 128,
     PREP_X: tl.constexpr = False,
+    HAS_MAP: tl.constexpr = False,
 ):
-    """Program 0: per-expert counts, offsets, active-expert list, slots grouped by expert.
+    """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks.
 
+    With ``HAS_MAP`` the ids are global and ``emap_ptr`` maps them to local experts (-1: remote, dropped).
     Programs 1..: zero the fp32 combine workspace (GEMM2 adds into it) and, with ``PREP_X``, write the
     activations as fp16 in GEMM1's merged K order (tiles of BK) to ``xq_ptr`` [T, H].
     """
@@ -624,6 +690,9 @@ def moe_align_kernel(
             offs = s0 + tl.arange(0, BLOCK)
             m = offs < num_slots
             ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+            if HAS_MAP:
+                ids = tl.load(emap_ptr + ids, mask=m, other=-1)
+                m = m & (ids >= 0)
             tl.atomic_add(counts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
         tl.debug_barrier()
         # Read the counts back through the atomic unit: plain loads could see a stale L1 line.
@@ -632,15 +701,24 @@ def moe_align_kernel(
         excl = tl.cumsum(counts, 0) - counts
         tl.store(offsets_ptr + offs_e, excl, mask=emask)
         tl.store(cursor_ptr + offs_e, excl, mask=emask)
-        live = counts > 0
-        pos = tl.cumsum(live.to(tl.int32), 0) - 1
-        tl.store(active_ptr + pos, offs_e, mask=live)
-        tl.store(num_active_ptr, tl.sum(live.to(tl.int32), 0))
+        nblk = (counts + (BM - 1)) // BM
+        first_blk = tl.cumsum(nblk, 0) - nblk
+        tl.store(num_blocks_ptr, tl.sum(nblk, 0))
+        # Block j of every expert at once: as many passes as the busiest expert has blocks.
+        for j in range(0, tl.max(nblk, 0)):
+            mj = emask & (j < nblk)
+            b = (first_blk + j) * BLOCK_FIELDS
+            tl.store(blk_ptr + b, offs_e, mask=mj)
+            tl.store(blk_ptr + b + 1, excl + j * BM, mask=mj)
+            tl.store(blk_ptr + b + 2, tl.minimum(counts - j * BM, BM), mask=mj)
         tl.debug_barrier()
         for s0 in range(0, num_slots, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)
             m = offs < num_slots
             ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+            if HAS_MAP:
+                ids = tl.load(emap_ptr + ids, mask=m, other=-1)
+                m = m & (ids >= 0)
             dst = tl.atomic_add(cursor_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
             tl.store(slots_ptr + dst, offs, mask=m)
     else:

@@ -23,7 +23,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer cases and a shorter benchmark (about a minute)")
     p.add_argument("--no-bench", action="store_true", help="correctness only")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
-    p.add_argument("--bench-script", help="path to benchmarks/moe_kernel.py (default: the source checkout's)")
 
 
 def no_gpu_message() -> str | None:
@@ -63,14 +62,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r['shape']} T={r['tokens']} {r['mode']} ({r.get('ids_dtype')}): {state} {extra}", flush=True)
 
     def bench_progress(r):
-        if "error" in r:
-            print(f"  bench TP{r['tp']} T={r['tokens']}: error {r['error']}", flush=True)
-        else:
-            print(f"  bench TP{r['tp']} T={r['tokens']}: {r['us']:.1f} us, {r['pct_copy_bw']:.0f}% of copy BW", flush=True)
+        print(f"  bench {r['message']}", flush=True)
 
     correctness = checks.run_all(args.quick, info, progress=case_progress)
     kernels = checks.observed_kernels()
-    bench_result = None if args.no_bench else bench.run(info, args.quick, args.bench_script, progress=bench_progress)
+    bench_result = None if args.no_bench else bench.run(info, args.quick, progress=bench_progress)
     result = {
         "schema": 1,
         "meta": {

@@ -59,10 +59,12 @@ class Build:
     instructions: Instructions
     compile_s: float
     ptxas_log: str = ""
+    ptx: str = field(default="", repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("ptxas_log")
+        d.pop("ptx")
         return d
 
 
@@ -125,8 +127,10 @@ def specialize(launch, cc: int) -> Specialized:
     kwargs = dict(launch.kwargs)
     # what JITFunction.run adds before binding
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    # (knobs JITFunction.run passes on in this Triton version; 3.6, the H200 image's, has fewer than 3.9)
+    for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, knob):
+            kwargs[knob] = getattr(knobs.compilation, knob)
     bound, spec, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
     return Specialized(fn, target, signature, constexprs, attrs, options)
@@ -270,4 +274,5 @@ def compile_specialized(sp: Specialized) -> Build:
         instructions=scan_ptx(kernel.asm["ptx"]),
         compile_s=elapsed,
         ptxas_log=log,
+        ptx=kernel.asm["ptx"],
     )

@@ -3,15 +3,14 @@
 Nothing here restates the kernels' argument lists or the tile configurations: the configurations come
 from :mod:`glm5_fp4.kernels.configs` (the per-arch candidate lists the sweep explores, plus the picker's
 defaults and what :func:`~glm5_fp4.kernels.configs.plan` selects for each batch size), and the launches are
-*recorded* by running :func:`glm5_fp4.kernels.moe.fused_moe_triton` on meta tensors with its Triton
-kernels swapped for recorders. So when the kernel author adds an argument, a constexpr or a config, the
-compile matrix follows without an edit here.
+what :func:`glm5_fp4.kernels.launch.launches` returns for a call built on meta tensors: the launcher is
+data, so the compile matrix sees exactly what would run. When the kernel author adds an argument, a
+constexpr or a config, the compile matrix follows without an edit here.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -70,18 +69,7 @@ class Selection:
         return self.plan.schedule == "native"
 
 
-@dataclass
-class Launch:
-    """One recorded ``kernel[grid](*args, **kwargs)`` call."""
-
-    fn: object  # triton JITFunction
-    grid: tuple
-    args: tuple
-    kwargs: dict = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return self.fn.__name__
+from glm5_fp4.kernels.launch import Launch  # noqa: E402  (re-exported: the compile matrix's unit)
 
 
 def _unique(items):
@@ -137,73 +125,21 @@ def native_selections(arch: str, shape: ShapeClass, modes, tokens) -> list[Selec
     """The native FP4-MMA path (W4A4 only, opt-in with GLM5_FP4_NATIVE_FP4=1) where configs.py has one."""
     from glm5_fp4.kernels import configs as C
 
-    g1s, g2s = getattr(C, "NATIVE_GEMM1", {}), getattr(C, "NATIVE_GEMM2", {})
-    if arch not in g1s or "w4a4" not in modes:
+    if arch not in C.NATIVE_GEMM1 or "w4a4" not in modes:
         return []
-    p = C.Plan("native", g1s[arch], g2s[arch], 0)  # the launcher picks the split itself
+    dims = (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate)
     return [
-        Selection(arch, shape, "w4a4", p, t, ("align", "gemm1", "gemm2"), f"picked (native FP4 path) T={t}")
+        Selection(arch, shape, "w4a4", C.native_plan(arch, t, *dims), t, ("align", "gemm1", "gemm2"),
+                  f"picked (native FP4 path) T={t}")
         for t in tokens if t > 1  # the native path has no slot schedule; T=1 exercises nothing new
     ]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Recording launches
+# The launches of a selection, on meta tensors
 # ---------------------------------------------------------------------------------------------------------
-class _Recorder:
-    def __init__(self, fn, sink: list[Launch]):
-        self.fn, self.sink = fn, sink
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.sink.append(Launch(self.fn, tuple(grid) if isinstance(grid, (tuple, list)) else (grid,), args, kwargs))
-
-        return launch
-
-
-def _kernel_modules() -> list:
-    """Every module of glm5_fp4.kernels (each may define Triton kernels the launcher calls)."""
-    import importlib
-    import pkgutil
-
-    import glm5_fp4.kernels as pkg
-
-    return [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
-
-
-@contextlib.contextmanager
-def _recording(sink: list[Launch], arch: str):
-    """Swap every Triton kernel of glm5_fp4.kernels for a recorder and make the launcher see ``arch``
-    (meta tensors have no GPU to ask); everything is restored on exit."""
-    from triton.runtime.jit import JITFunction
-
-    from glm5_fp4.kernels import configs as C
-    from glm5_fp4.kernels import moe as M
-
-    swapped = [(mod, n, v) for mod in _kernel_modules() for n, v in vars(mod).items() if isinstance(v, JITFunction)]
-    workspaces, retired = dict(M._WORKSPACES), list(M._RETIRED)
-    arch_fn = getattr(M, "_arch", None)
-    try:
-        for mod, n, v in swapped:
-            setattr(mod, n, _Recorder(v, sink))
-        if arch_fn is not None:
-            M._arch = lambda device: (arch, C.SM_COUNT_GUESS.get(arch, 132))
-        yield
-    finally:
-        for mod, n, v in swapped:
-            setattr(mod, n, v)
-        if arch_fn is not None:
-            M._arch = arch_fn
-        # meta-device workspaces are of no use to anyone: leave the launcher's caches as they were
-        M._WORKSPACES.clear()
-        M._WORKSPACES.update(workspaces)
-        M._RETIRED[:] = retired
-
-
 def meta_prepared(shape: ShapeClass, layout: str = "split"):
     """Prepared experts of ``shape`` on the meta device (shapes and dtypes only, no memory)."""
-    import dataclasses
-
     from glm5_fp4.kernels.layout import PreparedExperts
 
     e, h, i = shape.num_experts, shape.hidden, shape.intermediate
@@ -220,26 +156,20 @@ def meta_prepared(shape: ShapeClass, layout: str = "split"):
         w2=u8(e, h, i // 2), w2_scale=u8(e, h, i // 16), w2_alpha=f32(),
         a13_scale=f32(), a2_scale=f32(), a13_gscale=f32(), a2_gscale=f32(),
     )
-    if any(f.name == "layout" for f in dataclasses.fields(PreparedExperts)):
-        kw["layout"] = layout
-    return PreparedExperts(**kw)
+    return PreparedExperts(**kw, layout=layout)
 
 
 def record(sel: Selection) -> list[Launch]:
-    """The kernel launches :func:`fused_moe_triton` makes for ``sel`` (nothing runs)."""
-    from glm5_fp4.kernels.moe import fused_moe_triton
+    """The kernel launches the backend makes for ``sel`` (nothing runs, nothing is allocated)."""
+    from glm5_fp4.kernels.launch import MoECall, launches
+    from glm5_fp4.kernels.moe import Workspace
 
     shape = sel.shape
-    x = torch.empty(sel.tokens, shape.hidden, dtype=X_DTYPE, device="meta")
-    tw = torch.empty(sel.tokens, shape.top_k, dtype=torch.float32, device="meta")
-    ids = torch.empty(sel.tokens, shape.top_k, dtype=IDS_DTYPE, device="meta")
-    sink: list[Launch] = []
-    with _recording(sink, sel.arch):
-        if sel.native:
-            prepared = meta_prepared(shape, layout="checkpoint")
-            fused_moe_triton(x, tw, ids, prepared, sel.mode, stages=sel.stages)
-        else:
-            fused_moe_triton(
-                x, tw, ids, meta_prepared(shape), sel.mode, plan=sel.plan, use_asm=sel.use_asm, stages=sel.stages
-            )
-    return sink
+    meta = torch.device("meta")
+    x = torch.empty(sel.tokens, shape.hidden, dtype=X_DTYPE, device=meta)
+    tw = torch.empty(sel.tokens, shape.top_k, dtype=torch.float32, device=meta)
+    ids = torch.empty(sel.tokens, shape.top_k, dtype=IDS_DTYPE, device=meta)
+    prepared = meta_prepared(shape, layout="checkpoint" if sel.native else "split")
+    ws = Workspace(meta, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sel.tokens)
+    call = MoECall(x, tw, ids, prepared, sel.mode, torch.empty_like(x), ws, use_asm=sel.use_asm)
+    return launches(sel.plan, call, sel.stages)

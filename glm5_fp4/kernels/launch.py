@@ -1,0 +1,305 @@
+"""The fused MoE's kernel launches as data: :func:`launches` decides, :func:`run` launches.
+
+``launches(plan, call)`` is a pure function of a launch plan (:class:`glm5_fp4.kernels.configs.Plan`) and
+one call's tensors (:class:`MoECall`): it returns the list of :class:`Launch` records (kernel, grid,
+arguments) and touches nothing, so the same list can be launched on a GPU, run by Triton's interpreter,
+or compiled ahead of time for another architecture (``glm5-fp4 compile-matrix`` builds calls on meta
+tensors and compiles exactly what would run). Grids come from static bounds (tokens, experts, tile sizes),
+never from routing, so a CUDA graph captured for a batch size replays the same launches.
+
+Per schedule:
+
+* ``slot``: [split-K GEMM1 + reduce | GEMM1], GEMM2-with-combine (2-3 launches, no workspace zeroing).
+* ``grouped``: align (+ zero + activation conversion), GEMM1 over the work list, GEMM2 over the work list
+  (atomics into the fp32 workspace), finalize (4 launches).
+* ``native`` (SM100/SM120 FP4 MMA, unverified): align, native GEMM1, native GEMM2, finalize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.kernels import configs as cfgs
+from glm5_fp4.kernels.layout import PreparedExperts
+
+STAGES = ("align", "gemm1", "gemm2")
+# Elements per program of the zeroing / conversion part of the align kernel and of the finalize kernel.
+ZBLOCK = 4096
+FBLOCK = 4096
+
+
+@dataclass
+class Launch:
+    """One ``fn[grid](*args, **kwargs)`` call; ``kwargs`` include the constexprs and launch options."""
+
+    fn: object  # triton JITFunction
+    grid: tuple
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    stage: str = ""  # which of STAGES it belongs to (benchmarks time stages alone)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def __call__(self) -> None:
+        self.fn[self.grid](*self.args, **self.kwargs)
+
+
+@dataclass
+class MoECall:
+    """Everything one layer call hands the kernels (tensors already contiguous / in the kernel dtypes)."""
+
+    x: torch.Tensor  # [T, H] bf16/fp16
+    topk_weights: torch.Tensor  # [T, k] float32
+    topk_ids: torch.Tensor  # [T, k] int32/int64, global expert ids
+    prepared: PreparedExperts  # the local experts
+    mode: str
+    out: torch.Tensor  # [T, H]
+    workspace: object  # glm5_fp4.kernels.moe.Workspace
+    expert_map: torch.Tensor | None = None  # [E_global] int32: local id or -1 (expert parallelism)
+    use_asm: bool = True
+    diag: int = 0  # benchmarks only: 1 skips the decode (wrong results)
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_ids.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens * self.top_k
+
+
+def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the work list's length: sum over experts of ceil(count / BM), counts summing to
+    ``num_slots`` over at most ``min(E, slots)`` experts."""
+    return min(num_slots, (num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _emap(call: MoECall):
+    # Kernels take a pointer either way; without a map the ids pointer stands in (never read: HAS_MAP=False).
+    return call.expert_map if call.expert_map is not None else call.topk_ids
+
+
+def _align(call: MoECall, block_m: int, prep_x: bool, bk: int) -> Launch:
+    from glm5_fp4.kernels import triton_moe as K
+
+    ws, prep = call.workspace, call.prepared
+    t, h = call.x.shape
+    num_slots = call.num_slots
+    # One program sorts the routing with enough threads to cover all slots in one or a few passes; the
+    # others zero the combine workspace (and convert x) in ZBLOCK pieces.
+    ablock = max(128, min(8192, _pow2(num_slots)))
+    e = prep.num_experts
+    return Launch(
+        K.moe_align_kernel,
+        (1 + -(-t * h // ZBLOCK),),
+        (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks, ws.num_blocks,
+         ws.combine, t * h, call.x, call.x.stride(0), ws.xq),
+        dict(E=e, E_POW2=_pow2(e), BLOCK=ablock, ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x,
+             HAS_MAP=call.expert_map is not None, num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16)),
+        stage="align",
+    )
+
+
+def _finalize(call: MoECall) -> Launch:
+    from glm5_fp4.kernels import triton_moe as K
+
+    t, h = call.x.shape
+    fblock = min(FBLOCK, _pow2(h))
+    return Launch(K.moe_finalize_kernel, (t, -(-h // fblock)), (call.workspace.combine, call.out, call.out.stride(0)),
+                  dict(H=h, BLOCK=fblock, num_warps=4), stage="gemm2")
+
+
+def _scales(call: MoECall):
+    p = call.prepared
+    if call.mode == "w4a4":
+        return p.a13_scale, p.a2_scale, p.a13_gscale, p.a2_gscale
+    a = p.w13_alpha  # unused pointers (W4A4=False); any float32 tensor will do
+    return a, a, a, a
+
+
+def _check(plan: cfgs.Plan, call: MoECall) -> None:
+    h, i = call.prepared.hidden_size, call.prepared.intermediate_size
+    g1, g2 = plan.gemm1, plan.gemm2
+    if i % g1.bn or h % g1.bk or h % g2.bn or (h // g2.bn) % max(plan.gemm2_n_split, 1):
+        raise Glm5Fp4Error(f"MoE tile plan {plan} does not divide H={h}, I={i}")
+    if plan.schedule == "slot" and plan.gemm1_split_k > 1:
+        ws = call.workspace
+        if plan.gemm1_split_k > cfgs.SPLIT_K_MAX or h % (plan.gemm1_split_k * g1.bk) or call.num_slots > ws.part_rows:
+            raise Glm5Fp4Error(
+                f"MoE plan {plan}: GEMM1 split-K {plan.gemm1_split_k} needs <= {cfgs.SPLIT_K_MAX} splits of whole "
+                f"{g1.bk}-wide K tiles of H={h}, and <= {cfgs.SPLIT_K_MAX_TOKENS} tokens"
+            )
+    if plan.schedule != "slot":
+        if call.workspace.block_capacity < max_blocks(call.num_slots, call.prepared.num_experts, g1.bm):
+            raise Glm5Fp4Error(f"workspace holds {call.workspace.block_capacity} work-list blocks, this call needs "
+                               f"{max_blocks(call.num_slots, call.prepared.num_experts, g1.bm)}")
+        if call.x.shape[0] * h >= 2**31:
+            raise Glm5Fp4Error(f"{call.x.shape[0]} tokens x hidden {h} exceed the align kernel's 32-bit indexing")
+
+
+def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
+    from glm5_fp4.kernels import triton_moe as K
+
+    p, ws = call.prepared, call.workspace
+    t, h = call.x.shape
+    k, i = call.top_k, p.intermediate_size
+    g1, g2 = plan.gemm1, plan.gemm2
+    w4a4 = call.mode == "w4a4"
+    a13, a2, g13, g2s = _scales(call)
+    split_k = plan.gemm1_split_k
+    num_slots = call.num_slots
+    has_map = call.expert_map is not None
+    emap = _emap(call)
+    out = [
+        Launch(
+            K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
+            (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
+             ws.act, ws.part, num_slots * 2 * i, call.topk_ids, emap, ws.slots, ws.blocks, ws.num_blocks, k),
+            dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
+                 X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=has_map,
+                 num_warps=g1.num_warps, num_stages=g1.num_stages),
+            stage="gemm1",
+        )
+    ]
+    if split_k > 1:
+        rblock = min(i, 256)
+        out.append(Launch(
+            K.moe_splitk_reduce_kernel, (num_slots, i // rblock),
+            (ws.part, num_slots * 2 * i, ws.act, call.topk_ids, emap, g2s),
+            dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, num_warps=4),
+            stage="gemm2",
+        ))
+    out.append(Launch(
+        K.moe_gemm2_slot_kernel, (plan.gemm2_n_split, t),
+        (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, call.topk_ids, emap,
+         call.out, call.out.stride(0)),
+        dict(TOPK=k, H=h, I=i, BN=g2.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
+             MERGED=g2.merged, HAS_MAP=has_map, num_warps=g2.num_warps, num_stages=g2.num_stages),
+        stage="gemm2",
+    ))
+    return out
+
+
+def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
+    from glm5_fp4.kernels import triton_moe as K
+
+    p, ws = call.prepared, call.workspace
+    t, h = call.x.shape
+    k, i, e = call.top_k, p.intermediate_size, p.num_experts
+    g1, g2 = plan.gemm1, plan.gemm2
+    w4a4 = call.mode == "w4a4"
+    a13, a2, g13, g2s = _scales(call)
+    prep_x = plan.prep_x and not w4a4
+    nblk = max_blocks(call.num_slots, e, g1.bm)
+    blocks = (ws.blocks, ws.num_blocks)
+    return [
+        _align(call, g1.bm, prep_x, g1.bk),
+        Launch(
+            K.moe_gemm1_kernel, (nblk, i // g1.bn, 1),
+            (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
+             ws.act, ws.part, 0, call.topk_ids, _emap(call), ws.slots, *blocks, k),
+            dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
+                 X_PREP=prep_x, SPLIT_K=1, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=False,
+                 num_warps=g1.num_warps, num_stages=g1.num_stages),
+            stage="gemm1",
+        ),
+        Launch(
+            K.moe_gemm2_grouped_kernel, (nblk, plan.gemm2_n_split),
+            (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
+             *blocks, k),
+            dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
+                 MERGED=g2.merged, num_warps=g2.num_warps, num_stages=g2.num_stages),
+            stage="gemm2",
+        ),
+        _finalize(call),
+    ]
+
+
+def _native_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
+    from glm5_fp4.kernels import native_fp4 as N
+
+    p, ws = call.prepared, call.workspace
+    t, h = call.x.shape
+    k, i, e = call.top_k, p.intermediate_size, p.num_experts
+    g1, g2 = plan.gemm1, plan.gemm2
+    act_q, act_s = ws.native_buffers(k, i)
+    nblk = max_blocks(call.num_slots, e, g1.bm)
+    blocks = (ws.blocks, ws.num_blocks)
+    return [
+        _align(call, g1.bm, False, g1.bk),
+        Launch(
+            N.moe_gemm1_native_kernel, (nblk, i // g1.bn),
+            (call.x, call.x.stride(0), p.w13, p.w13_scale, p.w13_alpha, p.a13_scale, p.a13_gscale, p.a2_gscale,
+             act_q, act_s, ws.slots, *blocks, k),
+            dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, num_warps=g1.num_warps, num_stages=g1.num_stages),
+            stage="gemm1",
+        ),
+        Launch(
+            N.moe_gemm2_native_kernel, (plan.gemm2_n_split, nblk),
+            (act_q, act_s, p.w2, p.w2_scale, p.w2_alpha, p.a2_scale, call.topk_weights, ws.combine, ws.slots,
+             *blocks, k),
+            dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, num_warps=g2.num_warps,
+                 num_stages=g2.num_stages),
+            stage="gemm2",
+        ),
+        _finalize(call),
+    ]
+
+
+def launches(plan: cfgs.Plan, call: MoECall, stages: tuple[str, ...] = STAGES) -> list[Launch]:
+    """The kernel launches of one layer call under ``plan``; ``stages`` (benchmarks) keeps a subset."""
+    if call.tokens == 0:
+        return []
+    if plan.schedule == "native":
+        if call.mode != "w4a4" or call.prepared.layout != "checkpoint":
+            raise Glm5Fp4Error(
+                "the native FP4-MMA path serves mode='w4a4' on experts prepared with layout='checkpoint' "
+                f"(got mode={call.mode!r}, layout={call.prepared.layout!r})"
+            )
+        if call.expert_map is not None:
+            raise Glm5Fp4Error("the native FP4-MMA path has no expert-parallel support yet")
+        out = _native_launches(plan, call)
+    else:
+        if call.prepared.layout != "split":
+            raise Glm5Fp4Error(
+                f"experts prepared with layout={call.prepared.layout!r} serve only the native FP4 path; "
+                "prepare with layout='split' for this plan"
+            )
+        _check(plan, call)
+        out = _slot_launches(plan, call) if plan.schedule == "slot" else _grouped_launches(plan, call)
+    return [launch for launch in out if launch.stage in stages]
+
+
+def run(todo: list[Launch]) -> None:
+    """Launch each record in order (on the current stream)."""
+    for launch in todo:
+        launch()
+
+
+def count(plan: cfgs.Plan) -> int:
+    """Kernel launches per layer call under ``plan``."""
+    if plan.schedule == "slot":
+        return 3 if plan.gemm1_split_k > 1 else 2
+    return 4
+
+
+def kernel_functions() -> dict:
+    """Every Triton kernel of the fused MoE by name (for reports of what was compiled)."""
+    from triton.runtime.jit import JITFunction
+
+    from glm5_fp4.kernels import native_fp4, triton_moe
+
+    return {n: f for mod in (triton_moe, native_fp4) for n, f in vars(mod).items() if isinstance(f, JITFunction)}

@@ -1,0 +1,171 @@
+"""The fused MoE's Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1), tiny shapes.
+
+Run by `make test` in its own process (the interpreter must be on before the kernels are decorated). fp16
+activations (the interpreter's bf16 tl.dot is broken, shared/reference/kernel-notes.md section 4) and the
+portable decode (the interpreter cannot run the inline PTX; tests/gpu checks that the PTX decode equals
+it). Covered: both schedules, several work-list blocks per hot expert, skewed routings, expert
+parallelism (remote slots, all-remote tokens, a rank without tokens), W4A16 and W4A4 against a float64
+reference, NaN-poisoned outputs, int32 ids, and the kernels' E4M3 / E2M1 rounding helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from glm5_fp4 import nvfp4
+from glm5_fp4.bench.routing import make_routing
+from glm5_fp4.kernels import configs as C
+from glm5_fp4.kernels import prepare_experts
+from glm5_fp4.kernels.moe import fused_moe_triton
+from glm5_fp4.kernels.native_fp4 import _quant_fp4
+from glm5_fp4.kernels.triton_moe import _decode_code, _round_e4m3
+from glm5_fp4.reference import moe_reference, random_experts
+from glm5_fp4.tolerances import moe_tolerance, rel_error
+
+E, H, I, K = 8, 128, 128, 2
+
+
+def _experts(gen, h=H):
+    ex = random_experts(E, h, I, generator=gen)
+    return ex, prepare_experts(ex)
+
+
+def _plan(t, schedule, h=H, bm=16, merged=True, **flags):
+    plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, 128, 4, 2, merged),
+                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged))
+    return dataclasses.replace(plan, **flags)
+
+
+def _run(gen, t, mode, schedule, routing="balanced", ids_dtype=torch.int64, expert_map=None, h=H, **plan_kw):
+    ex, prep = _experts(gen, h)
+    x = torch.randn(t, h, generator=gen).half()
+    w, ids = make_routing(routing, t, E if expert_map is None else expert_map.numel(), K, gen)
+    ids = ids.to(ids_dtype)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=_plan(t, schedule, h, **plan_kw), expert_map=expert_map)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64,
+                        expert_map=expert_map)
+    return out, ref
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("schedule,t", [("slot", 3), ("grouped", 40)])
+def test_schedules_match_reference(gen, schedule, t, mode):
+    out, ref = _run(gen, t, mode, schedule)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
+
+
+@pytest.mark.parametrize("routing", ["same_k", "one_hot", "zipf2"])
+def test_skewed_routing_spans_several_blocks(gen, routing):
+    """40 tokens, block 16: a hot expert owns three work-list blocks, the last one partial."""
+    out, ref = _run(gen, 40, "w4a16", "grouped", routing, ids_dtype=torch.int32)
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+@pytest.mark.parametrize("variant", [dict(merged=False), dict(prep_x=False), dict(bm=32)])
+def test_grouped_kernel_forms(gen, variant):
+    mode = "w4a16"
+    out, ref = _run(gen, 40, mode, "grouped", **variant)
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
+
+
+@pytest.mark.parametrize("mode,merged", [("w4a16", True), ("w4a4", False)])
+def test_slot_split_k(gen, mode, merged):
+    """Split-K needs two K tiles: H = 256."""
+    out, ref = _run(gen, 3, mode, "slot", h=256, merged=merged, gemm1_split_k=2)
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
+
+
+def _emap(global_e=16, local=(1, 3, 4, 6, 9, 11, 12, 15)):
+    m = torch.full((global_e,), -1, dtype=torch.int32)
+    m[list(local)] = torch.arange(len(local), dtype=torch.int32)
+    return m
+
+
+@pytest.mark.parametrize("schedule,t,split", [("grouped", 40, 1), ("slot", 3, 1), ("slot", 3, 2)])
+def test_expert_parallel_remote_slots(gen, schedule, t, split):
+    emap = _emap()
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(t, 256, generator=gen).half()
+    w, ids = make_routing("balanced", t, 16, K, gen)
+    ids[0] = torch.tensor([0, 2])  # both experts remote: the row must be exactly zero
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=_plan(t, schedule, 256, gemm1_split_k=split),
+                     expert_map=emap)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+@pytest.mark.parametrize("schedule,t", [("grouped", 24), ("slot", 2)])
+def test_expert_parallel_rank_without_tokens(gen, schedule, t):
+    emap = _emap()
+    _, prep = _experts(gen)
+    x = torch.randn(t, H, generator=gen).half()
+    ids = torch.tensor([[0, 2]] * t)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, torch.rand(t, K, generator=gen), ids, prep, "w4a16", out=out, plan=_plan(t, schedule),
+                     expert_map=emap)
+    assert (out == 0).all()
+
+
+# -- rounding helpers ---------------------------------------------------------------------------------
+
+@triton.jit
+def _e4m3_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, _round_e4m3(tl.load(x_ptr + o, mask=o < n)), mask=o < n)
+
+
+@triton.jit
+def _decode_kernel(c_ptr, y_ptr):
+    o = tl.arange(0, 16)
+    tl.store(y_ptr + o, _decode_code(tl.load(c_ptr + o)).to(tl.float32))
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, g, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)[:, None]
+    c = tl.arange(0, C)[None, :]
+    q, s = _quant_fp4(tl.load(x_ptr + r * C + c), g, R, C)
+    tl.store(q_ptr + r * (C // 2) + tl.arange(0, C // 2)[None, :], q)
+    tl.store(s_ptr + r * (C // 16) + tl.arange(0, C // 16)[None, :], s.to(tl.uint8, bitcast=True))
+
+
+def test_kernel_e4m3_rounding_matches_torch(gen):
+    grid = torch.arange(0, 256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                      torch.rand(4000, generator=gen) * 500, torch.rand(1000, generator=gen) * 0.03])
+    y = torch.empty_like(vals)
+    _e4m3_kernel[(triton.cdiv(vals.numel(), 1024),)](vals, y, vals.numel(), BLOCK=1024)
+    assert torch.equal(y, vals.clamp(max=448).to(torch.float8_e4m3fn).float())
+
+
+def test_portable_decode_is_exact():
+    codes = torch.arange(16, dtype=torch.int32)
+    y = torch.empty(16)
+    _decode_kernel[(1,)](codes, y)
+    assert torch.equal(y * 64, nvfp4.e2m1_decode(codes.to(torch.uint8)))
+
+
+def test_native_path_activation_quantizer_matches_nvfp4(gen):
+    """native_fp4._quant_fp4 (the FP4-MMA path's in-kernel quantizer): codes and scales equal
+    glm5_fp4.nvfp4.quantize_activation's, ties and saturation included."""
+    r, c = 16, 64
+    x = torch.randn(r, c, generator=gen) * 3
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, -0.25, -0.75, -2.5, 0.0, 1.0, 2.0, 4.0])
+    g = 448 * 6 / float(x.abs().max())
+    q = torch.empty(r, c // 2, dtype=torch.uint8)
+    s = torch.empty(r, c // 16, dtype=torch.uint8)
+    _quant_kernel[(1,)](x, q, s, g, R=r, C=c)
+    codes, scales = nvfp4.quantize_activation(x, g)
+    assert torch.equal(s.view(torch.float8_e4m3fn).float(), scales.float())
+    assert torch.equal(nvfp4.unpack_fp4(q), codes)
