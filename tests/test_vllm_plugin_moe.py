@@ -97,6 +97,22 @@ def test_fake_cuda_device_selects_triton_and_w4a4_on_sm120(fake_kernels):
     assert sel.backend.name == "triton" and mode == "w4a4"
 
 
+# (backend, mode) the adapter must decide on a CUDA GPU of each capability, for a checkpoint with input scales:
+# Ampere falls back to vLLM's own NVFP4 path (Marlin), Ada/Hopper run our kernel weight-only, Blackwell W4A4.
+DECISIONS = {80: (None, "w4a16"), 86: (None, "w4a16"), 89: ("triton", "w4a16"), 90: ("triton", "w4a16"),
+             100: ("triton", "w4a4"), 120: ("triton", "w4a4")}
+
+
+@pytest.mark.parametrize("capability", sorted(DECISIONS))
+def test_the_adapter_decision_per_gpu_capability(capability):
+    moe = fake_moe_config("cuda", hidden_dim=256, hidden_dim_unpadded=256, intermediate_size=128,
+                          intermediate_size_per_partition=128)  # a shape the real kernel tiles
+    sel, mode = moe_mod.choose(PluginSettings(), moe, True, torch.device("cuda"), capability)
+    assert (sel.backend.name if sel.backend else None, mode) == DECISIONS[capability], sel.reason
+    if sel.backend is None:
+        assert "sm_89" in sel.reason
+
+
 def test_fake_cuda_device_without_the_kernel_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setitem(sys.modules, "glm5_fp4.kernels", None)  # import fails as if the kernel were absent
     real = backends.importlib.util.find_spec
