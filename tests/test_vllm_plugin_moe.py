@@ -29,7 +29,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noq
 
 from glm5_fp4.engines.vllm import loading, moe as moe_mod  # noqa: E402
 from glm5_fp4.engines.vllm.config import Glm5NvFp4Config  # noqa: E402
-from glm5_fp4.engines.vllm.settings import PluginSettings  # noqa: E402
+from glm5_fp4.settings import PluginSettings  # noqa: E402
 
 E, H, I, K = 8, 128, 64, 2
 NVFP4_FLAT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": []}
@@ -66,7 +66,6 @@ def moe_log():
 @pytest.fixture
 def fake_kernels(monkeypatch):
     module = types.ModuleType("glm5_fp4.kernels")
-    module.supports = lambda device, shape, dtype, mode: (True, "")
     module.prepare_experts = lambda experts: None
     monkeypatch.setitem(sys.modules, "glm5_fp4.kernels", module)
     real = backends.importlib.util.find_spec
@@ -75,26 +74,9 @@ def fake_kernels(monkeypatch):
 
 # -- choice of backend and mode -------------------------------------------------------------------
 
-@pytest.mark.parametrize("requested,device,scales,cap,expected", [
-    ("auto", "cpu", True, None, "w4a16"),        # no FP4 tensor cores: weight-only, as vLLM does
-    ("auto", "cuda", True, 90, "w4a16"),         # Hopper
-    ("auto", "cuda", True, 120, "w4a4"),         # RTX PRO 6000 (SM120)
-    ("auto", "cuda", False, 120, "w4a16"),       # W4A16_NVFP4 checkpoint: no activation scales
-    ("w4a16", "cuda", True, 100, "w4a16"),
-    ("w4a4", "cpu", True, None, "w4a4"),         # emulation on request
-])
-def test_mode_resolution(requested, device, scales, cap, expected):
-    assert moe_mod.resolve_mode(requested, torch.device(device), scales, cap) == expected
-
-
-def test_w4a4_on_a_weight_only_checkpoint_is_refused():
-    with pytest.raises(Glm5Fp4Error, match="W4A16_NVFP4"):
-        moe_mod.resolve_mode("w4a4", torch.device("cpu"), False, None)
-
-
 def test_fake_cuda_device_selects_triton_and_w4a4_on_sm120(fake_kernels):
-    sel, mode = moe_mod.choose(PluginSettings(), fake_moe_config("cuda"), True, torch.device("cuda"), 120)
-    assert sel.backend.name == "triton" and mode == "w4a4"
+    sel = moe_mod.choose(PluginSettings(), fake_moe_config("cuda"), True, torch.device("cuda"), 120)
+    assert sel.backend.name == "triton" and sel.mode == "w4a4"
 
 
 # (backend, mode) the adapter must decide on a CUDA GPU of each capability, for a checkpoint with input scales:
@@ -107,8 +89,8 @@ DECISIONS = {80: (None, "w4a16"), 86: (None, "w4a16"), 89: ("triton", "w4a16"), 
 def test_the_adapter_decision_per_gpu_capability(capability):
     moe = fake_moe_config("cuda", hidden_dim=256, hidden_dim_unpadded=256, intermediate_size=128,
                           intermediate_size_per_partition=128)  # a shape the real kernel tiles
-    sel, mode = moe_mod.choose(PluginSettings(), moe, True, torch.device("cuda"), capability)
-    assert (sel.backend.name if sel.backend else None, mode) == DECISIONS[capability], sel.reason
+    sel = moe_mod.choose(PluginSettings(), moe, True, torch.device("cuda"), capability)
+    assert (sel.backend.name if sel.backend else None, sel.mode) == DECISIONS[capability], sel.reason
     if sel.backend is None:
         assert "sm_89" in sel.reason
 
@@ -117,15 +99,15 @@ def test_fake_cuda_device_without_the_kernel_falls_back_with_a_reason(monkeypatc
     monkeypatch.setitem(sys.modules, "glm5_fp4.kernels", None)  # import fails as if the kernel were absent
     real = backends.importlib.util.find_spec
     monkeypatch.setattr(backends.importlib.util, "find_spec", lambda n, *a: object() if n == "triton" else real(n, *a))
-    sel, _ = moe_mod.choose(PluginSettings(), fake_moe_config("cuda"), True, torch.device("cuda"), 120)
+    sel = moe_mod.choose(PluginSettings(), fake_moe_config("cuda"), True, torch.device("cuda"), 120)
     assert sel.backend is None and "triton: glm5_fp4.kernels cannot be imported" in sel.reason
 
 
 def test_lora_and_expert_parallel_layers_are_not_ours():
-    sel, _ = moe_mod.choose(PluginSettings(), fake_moe_config(is_lora_enabled=True), True, torch.device("cpu"), None)
+    sel = moe_mod.choose(PluginSettings(), fake_moe_config(is_lora_enabled=True), True, torch.device("cpu"), None)
     assert sel.backend is None and "LoRA" in sel.reason
     ep = fake_moe_config(moe_parallel_config=SimpleNamespace(use_ep=True, tp_size=1))
-    sel, _ = moe_mod.choose(PluginSettings(), ep, True, torch.device("cpu"), None)
+    sel = moe_mod.choose(PluginSettings(), ep, True, torch.device("cpu"), None)
     assert sel.backend is None and "expert parallelism" in sel.reason
 
 
@@ -288,6 +270,12 @@ def test_triton_backend_through_the_method_on_a_fake_cuda_layer(monkeypatch):
     method = moe_mod.Glm5ModelOptNvFp4FusedMoE(Glm5NvFp4Config.from_config(NVFP4_FLAT), moe_config)
     assert method.glm5_backend.name == "triton"
     method.process_weights_after_loading(layer)
-    assert layer.w13_weight.numel() == 0  # the kernel holds its own repacked copy; vLLM's is freed
+    # Every checkpoint parameter is freed unless the prepared experts still read it (on CPU tensors the kernel
+    # package computes from the checkpoint-layout source; on a GPU it holds only its repacked copy).
+    used = backends._storages(method._prepared)
+    for name in backends.CHECKPOINT_PARAMS:
+        t = getattr(layer, name)
+        assert t.numel() == 0 or t.untyped_storage().data_ptr() in used, name
+    assert layer.w13_weight_scale_2.numel() == 0  # [E, 2] -> the gate's column, copied
     got = method.apply(layer, x, w, ids, None, None)
     assert _rel(got, moe_reference(x, w, ids, ex, mode="w4a16")) < 1e-2
