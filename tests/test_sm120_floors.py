@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from glm5_fp4.hardware import get_gpu
-from glm5_fp4.kernels import configs as C
 from glm5_fp4.sm120.floors import expected_padded_columns, floors, mma_flops
 from glm5_fp4.spec import Glm5Spec
 
@@ -20,6 +19,15 @@ def _simulated_padded_columns(tokens, e, k, bm, trials=400, seed=0):
         ids = torch.rand(tokens, e, generator=g).topk(k, dim=1).indices  # k distinct experts, uniform
         counts = torch.bincount(ids.flatten(), minlength=e).double()
         total += (torch.ceil(counts / bm) * bm).sum().item()
+    return total / trials
+
+
+def _simulated_active_experts(tokens, e, k, trials=400, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    total = 0
+    for _ in range(trials):
+        ids = torch.rand(tokens, e, generator=g).topk(k, dim=1).indices
+        total += ids.unique().numel()
     return total / trials
 
 
@@ -56,9 +64,16 @@ def test_floors_on_rtx_pro_6000():
         assert r.compute_floor_us >= r.useful_gflop * 1e9 / (gpu.peak_tflops("bf16") * 1e12) * 1e6 - 1e-9
         assert r.bound_us == max(r.bandwidth_floor_us, r.compute_floor_us)
         assert r.fp4_mma_floor_us >= r.useful_gflop * 1e9 / (gpu.peak_tflops("nvfp4") * 1e12) * 1e6 - 1e-9
-    # the picker's plan is what configs.plan returns for this GPU's SM count
-    p = C.plan("sm120", 256, 256, 8, h, i, sm_count=gpu.sm_count)
-    assert by_t[256].gemm1["bm"] == p.gemm1.bm and by_t[256].gemm2_n_split == p.gemm2_n_split
+    # T=256 runs the grouped schedule: its compute floor counts each expert's tokens padded to the row's own bm,
+    # and GEMM1 launches one program per (N tile, expert with tokens); both against simulated routing
+    row = by_t[256]
+    assert row.schedule == "grouped"
+    bm1, bm2 = row.gemm1["bm"], row.gemm2["bm"]
+    cols1, cols2 = _simulated_padded_columns(256, 256, 8, bm1), _simulated_padded_columns(256, 256, 8, bm2)
+    mma = 2.0 * cols1 * 2 * i * h + 2.0 * cols2 * h * i
+    assert row.compute_floor_us == pytest.approx(mma / (gpu.peak_tflops("bf16") * 1e12) * 1e6, rel=0.02)
+    assert row.programs_gemm1 == pytest.approx((i // row.gemm1["bn"]) * _simulated_active_experts(256, 256, 8),
+                                               rel=0.01)
 
 
 def test_mma_flops_grouped_pads_per_expert():
