@@ -64,6 +64,8 @@ def test_report_without_benchmark_or_table_entry():
     res["verdict"] = report.verdict(res)
     text = report.markdown(res)
     assert "Not run (--no-bench)" in text and "no entry" in text
+    # the heading names the shape selftest.bench times: GLM-5's routed experts (config.json values)
+    assert "GLM-5 experts E=256, H=6144, top-8" in text
 
 
 def test_benchmark_script_has_what_the_selftest_calls():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -22,9 +23,9 @@ def git_sha(path: str | Path | None = None) -> str | None:
         return None
 
 
-def _versions() -> dict:
+def _versions(packages: tuple[str, ...] = ()) -> dict:
     out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "vllm", "sglang"):
+    for name in ("torch", "triton", "vllm", "sglang", *packages):
         try:
             mod = __import__(name)
             out[name] = getattr(mod, "__version__", "?")
@@ -58,17 +59,20 @@ def _driver() -> str | None:
         return None
 
 
-def result_metadata(**extra) -> dict:
-    """``{"date", "git_sha", "host", "gpus", "gpu", "driver", "versions", ...extra}`` for a result file."""
+def result_metadata(packages: tuple[str, ...] = (), **extra) -> dict:
+    """``{"date", "git_sha", "host", "platform", "cpus", "gpus", "gpu", "driver", "versions", ...extra}`` for a
+    result file; ``packages``: more distributions whose versions the result depends on (e.g. aiohttp)."""
     gpus = _gpus()
     meta = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
         "host": platform.node(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
         "gpus": gpus,
         "gpu": gpus[0]["name"] if gpus else None,
         "driver": _driver() if gpus else None,
-        "versions": _versions(),
+        "versions": _versions(tuple(packages)),
     }
     meta.update(extra)
     return meta

@@ -24,6 +24,14 @@ def _cfg(d: dict | None) -> str:
     return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d)
 
 
+def _experts_shape() -> str:
+    """The MoE shape the benchmark runs (selftest.bench times Glm5Spec()'s experts)."""
+    from glm5_fp4.spec import Glm5Spec
+
+    spec = Glm5Spec()
+    return (f"{spec.name} experts E={spec.n_routed_experts}, H={spec.hidden_size}, top-{spec.num_experts_per_tok}")
+
+
 def markdown(result: dict) -> str:
     env, meta = result["env"], result["meta"]
     corr = result.get("correctness") or {"cases": [], "passed": 0, "failed": 0, "tolerance": None}
@@ -91,7 +99,7 @@ def markdown(result: dict) -> str:
     elif isinstance(kernels, dict):
         lines += ["", f"Kernel resources unavailable: {kernels.get('error')}"]
     bench = result.get("benchmark")
-    lines += ["", "## Benchmark (CUDA-graph replays, GLM-5 experts E=256, H=6144, top-8)", ""]
+    lines += ["", f"## Benchmark (CUDA-graph replays, {_experts_shape()})", ""]
     if not bench:
         lines.append("Not run (--no-bench).")
     elif bench.get("status") == "error":
