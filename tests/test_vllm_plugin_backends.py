@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from glm5_fp4 import backends, nvfp4, settings
+from glm5_fp4 import backends, settings
 from glm5_fp4.engines.vllm import compat, serve
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.reference import moe_reference, random_experts, route
@@ -169,8 +169,9 @@ def test_w4a4_mode_really_quantizes_activations():
     dq = backends.get("dequant")
     a4 = dq.forward(x, w, ids, dq.prepare(experts, "w4a4", torch.float32), "w4a4")
     a16 = moe_reference(x, w, ids, experts, mode="w4a16")
-    # NVFP4 activations carry a few percent of error; a path that skipped them would be ~0 here.
-    assert _rel(a4, a16) > 1e-2
+    # NVFP4 activations carry tens of percent of error on these layers (~40 %); a path that skipped them would
+    # be within the W4A16 tolerance of the weight-only output.
+    assert _rel(a4, a16) > 10 * moe_tolerance("w4a4", torch.float32)
 
 
 def test_w4a4_without_input_scales_is_refused():
@@ -181,11 +182,31 @@ def test_w4a4_without_input_scales_is_refused():
             backends.get(name).prepare(experts, "w4a4", torch.float32)
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1 magnitudes of codes 0..7; bit 3 is the sign
+
+
+def _decode_by_hand(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """One expert's matrix from its bytes, element by element: two codes per byte, the even index in the low
+    nibble, value = E2M1 x E4M3 block scale (per 16; exact in float32) x the FP32 global scale (float32 product)."""
+    rows, half = packed.shape
+    scaled = torch.empty(rows, 2 * half, dtype=torch.float32)
+    block = scale.float().tolist()
+    for r, row in enumerate(packed.tolist()):
+        for j, byte in enumerate(row):
+            for k, code in ((2 * j, byte & 0xF), (2 * j + 1, byte >> 4)):
+                scaled[r, k] = (-1.0 if code & 8 else 1.0) * E2M1[code & 7] * block[r][k // 16]
+    return scaled * global_scale.float()
+
+
 def test_dequantized_experts_are_the_checkpoint_values():
     experts, *_ = _layer(4)
     dense = backends.dequantize_experts(experts, torch.bfloat16)
-    expect = nvfp4.dequantize(experts.w2, experts.w2_scale, experts.w2_global, torch.bfloat16)
-    assert dense.w2.dtype == torch.bfloat16 and torch.equal(dense.w2, expect)
+    assert dense.w13.dtype == dense.w2.dtype == torch.bfloat16
+    for e in (0, experts.num_experts - 1):  # a mixed-up expert index would show in one of them
+        for got, packed, scale, gs in ((dense.w13[e], experts.w13[e], experts.w13_scale[e], experts.w13_global[e]),
+                                       (dense.w2[e], experts.w2[e], experts.w2_scale[e], experts.w2_global[e])):
+            expect = _decode_by_hand(packed, scale, gs).to(torch.bfloat16)
+            assert torch.equal(got, expect), e
 
 
 def test_triton_backend_calls_the_kernel_package_as_documented():
@@ -196,7 +217,7 @@ def test_triton_backend_calls_the_kernel_package_as_documented():
     tri.reserve(prepared, 2, 16)
     got = tri.forward(x.to(torch.bfloat16), w, ids.to(torch.int32), prepared, "w4a16")
     ref = moe_reference(x.to(torch.bfloat16), w, ids, experts, mode="w4a16")
-    assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2
+    assert got.dtype == torch.bfloat16 and _rel(got, ref) < moe_tolerance("w4a16", torch.bfloat16)
 
 
 def test_the_kernels_own_shape_rules_reach_the_reason():

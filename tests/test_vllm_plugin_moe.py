@@ -21,6 +21,7 @@ from glm5_fp4 import backends  # noqa: E402
 from glm5_fp4.engines import vllm_plugin  # noqa: E402
 from glm5_fp4.errors import Glm5Fp4Error  # noqa: E402
 from glm5_fp4.reference import moe_reference, random_experts, route  # noqa: E402
+from glm5_fp4.tolerances import moe_tolerance  # noqa: E402
 
 vllm_plugin.register()
 
@@ -160,11 +161,11 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-# Stated tolerance for W4A4 emulation inside vLLM vs the float32 reference MoE in W4A4 mode: 1 % relative L2.
-# The plugin computes in float32 from exact FP4 weights (as Blackwell's FP4 MMA does), so the only
+# W4A4 emulation inside vLLM vs the float32 reference MoE in W4A4 mode (glm5_fp4/tolerances.py says why the bound
+# is what it is). The plugin computes in float32 from exact FP4 weights (as Blackwell's FP4 MMA does), so the only
 # difference is the layer output being rounded to the model dtype (BF16): measured 0.16-0.17 %.
 # For scale, W4A4 and W4A16 outputs of these layers differ by ~40 %.
-W4A4_TOLERANCE = 1e-2
+W4A4_TOLERANCE = moe_tolerance("w4a4", torch.bfloat16)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -278,4 +279,4 @@ def test_triton_backend_through_the_method_on_a_fake_cuda_layer(monkeypatch):
         assert t.numel() == 0 or t.untyped_storage().data_ptr() in used, name
     assert layer.w13_weight_scale_2.numel() == 0  # [E, 2] -> the gate's column, copied
     got = method.apply(layer, x, w, ids, None, None)
-    assert _rel(got, moe_reference(x, w, ids, ex, mode="w4a16")) < 1e-2
+    assert _rel(got, moe_reference(x, w, ids, ex, mode="w4a16")) < moe_tolerance("w4a16", torch.bfloat16)
