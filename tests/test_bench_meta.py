@@ -41,3 +41,12 @@ def test_result_metadata_records_the_run_and_the_callers_fields():
     assert m["git_sha"] is None or len(m["git_sha"].removesuffix("-dirty")) == 40
     assert m["cpus"] >= 1 and m["host"]
     assert m["gpu"] == (m["gpus"][0]["name"] if m["gpus"] else None)
+
+
+def test_write_result_writes_both_files(tmp_path):
+    import json
+    from pathlib import Path
+
+    js, md = meta.write_result(tmp_path / "new" / "dir", "run", {"path": Path("/x"), "n": 1}, "# run\n")
+    assert json.loads(js.read_text()) == {"path": "/x", "n": 1} and md.read_text() == "# run\n"
+    assert (js.name, md.name) == ("run.json", "run.md")

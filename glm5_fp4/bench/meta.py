@@ -1,8 +1,10 @@
-"""The metadata block every committed benchmark result carries: machine, versions, date and git SHA."""
+"""The metadata block every committed benchmark result carries (machine, versions, date and git SHA), and how a
+result is written (JSON with everything, markdown next to it)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import subprocess
@@ -76,3 +78,13 @@ def result_metadata(packages: tuple[str, ...] = (), **extra) -> dict:
     }
     meta.update(extra)
     return meta
+
+
+def write_result(out_dir: str | Path, stem: str, result: dict, markdown: str) -> tuple[Path, Path]:
+    """``out_dir/stem.json`` (everything; unknown types as strings) and ``out_dir/stem.md``; returns both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md.write_text(markdown)
+    return js, md

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -138,8 +137,6 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js, md = out_dir / "selftest.json", out_dir / "selftest.md"
-    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    md.write_text(markdown(result))
-    return js, md
+    from glm5_fp4.bench.meta import write_result
+
+    return write_result(out_dir, "selftest", result, markdown(result))

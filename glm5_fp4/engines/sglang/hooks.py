@@ -8,7 +8,7 @@ Each is an AROUND hook registered with ``HookRegistry`` (SGLang's own plugin mec
    What: when the backend is ``glm5_fp4`` and the original refuses the platform, set the attributes the
    original sets, without its platform check.
    Why: the original raises "Current platform does not support NVFP4" unless the GPU is Blackwell or the runner
-   is Marlin; our backend also runs W4A16 on Hopper/Ampere (Triton) and on CPU tensors (reference, dequant).
+   is Marlin; our backend also runs W4A16 on Hopper/Ada (Triton, SM89+) and on CPU tensors (reference, dequant).
    How: call the original; only on that ValueError, set ``quant_config``, ``_lora_marlin``,
    ``enable_flashinfer_trtllm_moe``, ``use_flashinfer_trtllm_weight_layout``, ``_cache_permute_indices``
    (a test compares this set with what the original sets on a Blackwell-like platform).
