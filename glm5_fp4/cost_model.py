@@ -22,6 +22,7 @@ lm_head                   other_gemm   last stage, split by vocabulary
 MLA core                  attention    the latent of min(context, index_topk) selected tokens per sequence, new rows
 DSA indexer scan          attention    every cached FP8 index key per sequence, new keys
 all-reduce                allreduce    2 per layer (+ the embedding's on the first stage), ring model
+all-to-all                allreduce    DP attention + EP: dispatch and combine to each token's experts' GPUs
 PP send/recv              allreduce    hidden + residual per stage boundary
 ========================  ===========  ============================================================================
 
@@ -29,9 +30,10 @@ A compute component's floor is ``max(bytes / bandwidth, FLOPs / dense peak of it
 is the sum of its components' (each runs as its own kernels). The step is ``PP x the slowest stage``.
 
 Group sizes: every part of a layer is split over its own group (:class:`Layout`: heads over ``attn_tp``, sequences
-over ``attn_dp``, expert intermediates over ``moe_tp``, experts over ``ep``). Tensor and pipeline parallelism are
-modelled today; data-parallel attention with expert parallelism (issue 17) adds ``attn_dp``/``ep`` > 1 and an
-all-to-all component without changing the others.
+over ``attn_dp``, shared experts / dense MLPs / vocabulary over ``mlp_tp``, expert intermediates over ``moe_tp``,
+experts over ``ep``). Modelled layouts: TP x PP; TP with expert parallelism (``tp8ep8``: attention TP, 32 whole
+experts per GPU, partial sums all-reduced as under TP); data-parallel attention with expert parallelism
+(``dp8ep8``: each GPU its own sequences and whole attention, tokens travel to their experts' GPUs by all-to-all).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.hardware import GpuSpec
 from glm5_fp4.nvfp4 import BYTES_PER_ELEMENT as NVFP4_BYTES
-from glm5_fp4.spec import BF16_BYTES, FP8_BYTES, KV_KINDS, Glm5Spec
+from glm5_fp4.spec import BF16_BYTES, FP8_BYTES, FP8_CACHE_SCALE_BLOCK, KV_KINDS, Glm5Spec, expected_distinct_groups
 
 # Profiler categories the model covers (other / memcpy: norms, activations, routing, sampling are not modelled).
 CATEGORIES = ("expert_gemm", "attention", "other_gemm", "allreduce")
@@ -52,35 +54,53 @@ ACT_BYTES = BF16_BYTES  # activations between kernels
 
 @dataclass(frozen=True)
 class Layout:
-    """How the model is spread over GPUs."""
+    """How the model is spread over GPUs: ``tp`` GPUs per pipeline stage (the world of one stage), ``pp`` stages;
+    of a stage's GPUs, ``dp`` run attention data-parallel (1 or all of them) and ``ep`` split the experts."""
 
     tp: int = 1
     pp: int = 1
+    dp: int = 1
+    ep: int = 1
 
-    # The group each part of a layer is split over (TP splits all of them the same way).
+    # The group each part of a layer is split over.
     @property
     def attn_tp(self) -> int:
-        return self.tp
+        """Attention heads (and the vocabulary) are split over this many GPUs."""
+        return self.tp // self.dp
 
     @property
     def attn_dp(self) -> int:
-        return 1
+        """Sequences are split over this many GPUs (each holds and reads only its own sequences' KV)."""
+        return self.dp
+
+    @property
+    def mlp_tp(self) -> int:
+        """Shared experts and dense MLPs run on the attention's tokens, split like its heads."""
+        return self.attn_tp
 
     @property
     def moe_tp(self) -> int:
-        return self.tp
-
-    @property
-    def ep(self) -> int:
-        return 1
+        """Each routed expert's intermediate dim is split over this many GPUs (1: whole experts)."""
+        return self.tp // self.ep
 
     @property
     def name(self) -> str:
-        return f"TP{self.tp}" + (f"+PP{self.pp}" if self.pp > 1 else "")
+        head = f"DP{self.dp}+EP{self.ep}" if self.dp > 1 else f"TP{self.tp}" + (f"+EP{self.ep}" if self.ep > 1 else "")
+        return head + (f"+PP{self.pp}" if self.pp > 1 else "")
 
     def validate(self, spec: Glm5Spec) -> None:
-        if self.tp < 1 or self.pp < 1:
-            raise Glm5Fp4Error(f"layout {self.name}: tp and pp must be >= 1")
+        if min(self.tp, self.pp, self.dp, self.ep) < 1:
+            raise Glm5Fp4Error(f"layout {self.name}: tp, pp, dp and ep must be >= 1")
+        if self.dp not in (1, self.tp):
+            raise Glm5Fp4Error(f"layout {self.name}: data-parallel attention is modelled over all {self.tp} GPUs of a "
+                               f"stage (dp=1 or dp={self.tp}), not dp={self.dp}")
+        if self.dp > 1 and self.ep != self.tp:
+            raise Glm5Fp4Error(f"layout {self.name}: data-parallel attention is modelled with expert parallelism over "
+                               f"the same {self.tp} GPUs (ep={self.tp}); MoE tensor parallelism behind DP attention "
+                               "(all-gather / reduce-scatter) is not")
+        if self.tp % self.ep or spec.n_routed_experts % self.ep:
+            raise Glm5Fp4Error(f"layout {self.name}: ep={self.ep} must divide tp={self.tp} and the "
+                               f"{spec.n_routed_experts} experts")
         if spec.num_attention_heads % self.attn_tp:
             raise Glm5Fp4Error(f"tensor_parallel={self.tp} does not divide the {spec.num_attention_heads} attention heads")
         if self.pp > spec.num_layers:
@@ -95,6 +115,7 @@ class Precisions:
     attention: str = "bf16"  # attention and indexer projections
     kv: str = "fp8"  # latent KV row kind (spec.KV_KINDS)
     expert_math: str | None = None  # None: the storage dtype where the GPU has that tensor-core path, else bf16
+    dispatch: str = "bf16"  # all-to-all dispatch of hidden states (fp8: E4M3 + an FP32 scale per 128, as DeepEP)
 
     def validate(self) -> None:
         for name in ("experts", "attention"):
@@ -102,6 +123,14 @@ class Precisions:
                 raise Glm5Fp4Error(f"{name} weights must be one of {sorted(WEIGHT_BYTES)}, got {getattr(self, name)!r}")
         if self.kv not in KV_KINDS:
             raise Glm5Fp4Error(f"KV cache kind must be one of {', '.join(KV_KINDS)}, got {self.kv!r}")
+        if self.dispatch not in ("bf16", "fp8"):
+            raise Glm5Fp4Error(f"all-to-all dispatch dtype must be bf16 or fp8, got {self.dispatch!r}")
+
+    def dispatch_bytes(self, hidden: int) -> float:
+        """Bytes of one token's hidden state as dispatched."""
+        if self.dispatch == "fp8":
+            return hidden * FP8_BYTES + math.ceil(hidden / FP8_CACHE_SCALE_BLOCK) * 4
+        return hidden * ACT_BYTES
 
 
 @dataclass(frozen=True)
@@ -224,7 +253,8 @@ class StepCost:
     batch: int
     context: int
     tokens_per_seq: int
-    micro_batch: int  # sequences per micro-batch (PP keeps ``pp`` of them in flight)
+    micro_batch: int  # sequences per micro-batch on one GPU (PP keeps ``pp`` in flight; DP splits them)
+    expert_skew: float
     expert_math: str
     efficiency: float
     interconnect: Interconnect
@@ -286,20 +316,26 @@ def math_dtype(storage: str, gpu: GpuSpec) -> str:
 
 
 def routed_experts(spec: Glm5Spec, tokens: float, layout: Layout, weight_bytes: float = NVFP4_BYTES,
-                   expert_math: str | None = None) -> Component:
-    """The routed experts of ONE MoE layer for ``tokens`` tokens on one GPU (the kernel floors use this too)."""
+                   expert_math: str | None = None, skew: float = 0.0) -> Component:
+    """The routed experts of ONE MoE layer on one GPU, for ``tokens`` tokens routed through its expert group (the
+    kernel floors use this too). With expert parallelism the GPU holds ``E / ep`` experts; ``skew``: its share of the
+    token-slots over the mean - 1 (a hot GPU: the step waits for the hottest)."""
     e_local = spec.n_routed_experts / layout.ep
-    touched = spec.expected_experts_touched(tokens) / layout.ep
+    load = tokens * (1.0 + skew) if layout.ep > 1 else tokens  # without EP a hot expert is on every GPU
+    touched = min(e_local, spec.expected_experts_touched(load) / layout.ep)
     per_expert = spec.expert_params / layout.moe_tp
+    # x read and the output written once per token this GPU sees (with DP attention: the ones dispatched to it)
+    seen = load * (expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep) / layout.ep
+                   if layout.attn_dp > 1 else 1.0)
     return Component(
         "routed experts", "expert_gemm", weights=e_local * per_expert * weight_bytes,
-        bytes=touched * per_expert * weight_bytes + 2 * tokens * spec.hidden_size * ACT_BYTES,
-        flops=2.0 * tokens * spec.num_experts_per_tok * per_expert / layout.ep, compute_dtype=expert_math,
+        bytes=touched * per_expert * weight_bytes + 2 * seen * spec.hidden_size * ACT_BYTES,
+        flops=2.0 * load * spec.num_experts_per_tok * per_expert / layout.ep, compute_dtype=expert_math,
         note=f"{touched:.1f} of {e_local:g} experts touched per layer")
 
 
-def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, expert_math: str, index: int, lo: int,
-           hi: int, b: int, t: int, context: int) -> StageCost:
+def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, expert_math: str, skew: float, index: int,
+           lo: int, hi: int, b: int, t: int, context: int) -> StageCost:
     n = hi - lo
     n_moe = sum(spec.is_moe_layer(layer) for layer in range(lo, hi))
     n_dense = n - n_moe
@@ -312,17 +348,17 @@ def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, exper
     comps: list[Component] = []
 
     # -- MoE and MLP GEMMs
-    one = routed_experts(spec, t, layout, we, expert_math)
+    one = routed_experts(spec, t * layout.attn_dp, layout, we, expert_math, skew)
     comps.append(Component(one.name, one.category, weights=n_moe * one.weights, bytes=n_moe * one.bytes,
                            flops=n_moe * one.flops, compute_dtype=expert_math, note=one.note))
-    i_tp = spec.moe_intermediate_size / layout.moe_tp
-    shared = spec.n_shared_experts * spec.expert_params / layout.moe_tp
+    i_tp = spec.moe_intermediate_size / layout.mlp_tp
+    shared = spec.n_shared_experts * spec.expert_params / layout.mlp_tp
     comps.append(Component("shared experts", "other_gemm", weights=n_moe * shared * we,
                            bytes=n_moe * (shared * we + t * spec.n_shared_experts * (2 * h + 3 * i_tp) * act),
                            flops=n_moe * 2.0 * t * shared, compute_dtype=expert_math))
-    dense = spec.dense_mlp_params / layout.moe_tp
+    dense = spec.dense_mlp_params / layout.mlp_tp
     comps.append(Component("dense MLPs", "other_gemm", weights=n_dense * dense * we,
-                           bytes=n_dense * (dense * we + t * (2 * h + 3 * spec.intermediate_size / layout.moe_tp) * act),
+                           bytes=n_dense * (dense * we + t * (2 * h + 3 * spec.intermediate_size / layout.mlp_tp) * act),
                            flops=n_dense * 2.0 * t * dense, compute_dtype=expert_math))
     router = spec.n_routed_experts * h
     comps.append(Component("router", "other_gemm", weights=n_moe * router * BF16_BYTES,
@@ -358,18 +394,26 @@ def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, exper
             flops=n * 2.0 * t * context * spec.index_n_heads * spec.index_head_dim, compute_dtype=math_dtype("fp8", gpu),
             note="every cached index key of every sequence, on every rank"))
     if last:
-        head = spec.lm_head_params / layout.attn_tp
+        head = spec.lm_head_params / layout.mlp_tp
         comps.append(Component("lm_head", "other_gemm", weights=head * BF16_BYTES,
-                               bytes=head * BF16_BYTES + t * (h + spec.vocab_size / layout.attn_tp) * act,
+                               bytes=head * BF16_BYTES + t * (h + spec.vocab_size / layout.mlp_tp) * act,
                                flops=2.0 * t * head, compute_dtype="bf16"))
     if first:
-        comps.append(Component("embedding", None, weights=spec.embedding_params / layout.attn_tp * BF16_BYTES))
+        comps.append(Component("embedding", None, weights=spec.embedding_params / layout.mlp_tp * BF16_BYTES))
 
     # -- communication
     tp = layout.attn_tp
     calls = (2 * n + (1 if first else 0)) if tp > 1 else 0  # + the vocab-parallel embedding's all-reduce
     comps.append(Component("all-reduce", "allreduce", bytes=calls * 2 * (tp - 1) / tp * t * h * act, calls=calls,
-                           note=f"{calls} of {t * h * act / 1e6:.2f} MB" if calls else "none (TP1)"))
+                           note=f"{calls} of {t * h * act / 1e6:.2f} MB" if calls else f"none ({layout.name})"))
+    if layout.attn_dp > 1:
+        # each token goes to the distinct GPUs of its k experts (the local one over no link) and comes back in BF16;
+        # the hottest GPU receives (1 + skew) x the mean
+        remote = expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep) \
+            * (layout.ep - 1) / layout.ep
+        per_layer = t * remote * (prec.dispatch_bytes(h) + h * act) * (1.0 + skew)
+        comps.append(Component("all-to-all", "allreduce", bytes=n_moe * per_layer, calls=2 * n_moe,
+                               note=f"dispatch + combine, {remote:.2f} remote GPUs per token"))
     if not last:
         comps.append(Component("PP send/recv", "allreduce", bytes=2 * t * h * act, calls=1,
                                note="hidden + residual to the next stage"))
@@ -387,8 +431,8 @@ def _cost(c: Component, gpu: GpuSpec, eff: float, net: Interconnect) -> None:
             c.seconds = 0.0
         elif not net.known:
             c.seconds = None
-        elif c.name == "PP send/recv":
-            c.seconds = net.allreduce_latency_us * 1e-6 + c.bytes / (net.p2p_gbs * 1e9)
+        elif c.name in ("PP send/recv", "all-to-all"):  # point to point: each GPU's own link
+            c.seconds = c.calls * net.allreduce_latency_us * 1e-6 + c.bytes / (net.p2p_gbs * 1e9)
         else:
             c.seconds = c.calls * net.allreduce_latency_us * 1e-6 + c.bytes / (net.allreduce_gbs * 1e9)
         return
@@ -401,26 +445,29 @@ def _cost(c: Component, gpu: GpuSpec, eff: float, net: Interconnect) -> None:
 
 def decode_step(spec: Glm5Spec, gpu: GpuSpec, layout: Layout, batch: int, context: int,
                 precisions: Precisions = Precisions(), tokens_per_seq: int = 1, efficiency: float = 1.0,
-                interconnect: Interconnect | None = None) -> StepCost:
-    """The cost of one decode step of ``batch`` sequences at ``context`` cached tokens each."""
+                interconnect: Interconnect | None = None, expert_skew: float = 0.0) -> StepCost:
+    """The cost of one decode step of ``batch`` sequences at ``context`` cached tokens each. ``expert_skew``: how
+    much more than the mean the hottest expert-parallel GPU receives (0: uniform routing)."""
     layout.validate(spec)
     precisions.validate()
     if batch < 1 or context < 0 or tokens_per_seq < 1:
         raise Glm5Fp4Error(f"batch ({batch}) and tokens_per_seq ({tokens_per_seq}) must be >= 1, context ({context}) >= 0")
     if not 0 < efficiency <= 1:
         raise Glm5Fp4Error(f"efficiency {efficiency} must be in (0, 1]")
+    if expert_skew < 0:
+        raise Glm5Fp4Error(f"expert skew {expert_skew} must be >= 0")
     net = interconnect or Interconnect.of(gpu)
     expert_math = precisions.expert_math or math_dtype(precisions.experts, gpu)
     if gpu.peak_tflops(expert_math) is None or gpu.peak_tflops("bf16") is None:
         raise Glm5Fp4Error(f"{gpu.name} has no dense {expert_math}/bf16 peak in the hardware table")
     b = math.ceil(batch / layout.pp / layout.attn_dp)  # sequences per micro-batch on one GPU
-    stages = [_stage(spec, layout, precisions, gpu, expert_math, i, lo, hi, b, b * tokens_per_seq, context)
+    stages = [_stage(spec, layout, precisions, gpu, expert_math, expert_skew, i, lo, hi, b, b * tokens_per_seq, context)
               for i, (lo, hi) in enumerate(pp_partition(spec.num_layers, layout.pp))]
     for st in stages:
         for c in st.components:
             _cost(c, gpu, efficiency, net)
-    return StepCost(spec, gpu, layout, precisions, batch, context, tokens_per_seq, b, expert_math, efficiency, net,
-                    stages)
+    return StepCost(spec, gpu, layout, precisions, batch, context, tokens_per_seq, b, expert_skew, expert_math,
+                    efficiency, net, stages)
 
 
 def assumptions(cost: StepCost) -> list[str]:
@@ -441,8 +488,7 @@ def assumptions(cost: StepCost) -> list[str]:
         + (": 4-bit code + E4M3 scale per 16" if prec.experts == "nvfp4" else "")
         + f"); attention and DSA indexer projections {prec.attention.upper()}; router, embedding, lm_head BF16; "
         "norms ignored",
-        f"{lay.name}: experts split along the intermediate dim; q_a/kv_a projections and the DSA indexer replicated "
-        "on every TP rank, q_b/kv_b/o split by heads; embedding and lm_head split by vocabulary",
+        _layout_assumption(spec, lay, cost),
         (f"PP: layers split as vLLM does ({', '.join(f'{lo}-{hi - 1}' for lo, hi in pp_partition(spec.num_layers, lay.pp))}); "
          f"{lay.pp} micro-batches of {b} sequences; step = PP x slowest stage" if lay.pp > 1
          else f"one micro-batch of {b} sequences"),
@@ -459,17 +505,52 @@ def assumptions(cost: StepCost) -> list[str]:
         "shared experts as separate NVFP4 linears (other GEMM), as vLLM runs them outside the MoE kernel and our "
         "SGLang profiles with --disable-shared-experts-fusion",
         f"KV cache ({prec.kv}): {kv_note} {spec.kv_row_bytes(prec.kv):.0f} B/layer + DSA indexer key "
-        f"{spec.indexer_row_bytes():.0f} B/layer (FP8 + FP32 scale per 128); latent replicated on every TP rank",
+        f"{spec.indexer_row_bytes():.0f} B/layer (FP8 + FP32 scale per 128); "
+        + ("each GPU holds only its own sequences' (DP attention)" if lay.attn_dp > 1
+           else "latent replicated on every TP rank"),
         f"attention reads the latent of min(context, index_topk) = {selected} selected tokens and the indexer keys "
         f"of all {cost.context} tokens per sequence (every sequence at context {cost.context})",
         (f"all-reduce: 2 per layer + 1 for the embedding (first stage), b x hidden BF16 = {ar_size / 1e6:.2f} MB, alpha "
          f"{net.allreduce_latency_us:g} us + 2(n-1)/n x bytes / {net.allreduce_gbs:g} GB/s bus bandwidth ({net.source}), "
          "not overlapped with compute" if lay.tp > 1 and net.known else
          "all-reduce: no latency/bus-bandwidth figures for this GPU (no floor)" if lay.tp > 1 else "no all-reduce (TP1)"),
+        *_a2a_assumption(spec, lay, cost),
         (f"PP hop: hidden + residual BF16 ({2 * ar_size / 1e6:.2f} MB) per stage boundary, alpha "
          f"{net.allreduce_latency_us:g} us + bytes / {net.p2p_gbs:g} GB/s P2P" if lay.pp > 1 and net.known
          else "no PP hop (PP1)" if lay.pp == 1 else "PP hop: no P2P figures for this GPU (no floor)"),
         "kernels run back to back at their roofline time: no launch gaps, no overlap; norms, activations, routing "
         "and sampling not modelled",
     ]
+    return out
+
+
+def _layout_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> str:
+    e_local = spec.n_routed_experts // lay.ep
+    experts = (f"{e_local} whole experts per GPU (EP{lay.ep})" if lay.moe_tp == 1 else
+               f"{e_local} experts per GPU split {lay.moe_tp} ways along the intermediate dim" if lay.ep > 1 else
+               "experts split along the intermediate dim")
+    if lay.attn_dp > 1:
+        return (f"{lay.name}: attention data-parallel: each GPU holds the whole attention and DSA indexer and runs its "
+                f"own {cost.micro_batch} sequences; shared expert, dense MLPs, embedding and lm_head whole on every GPU "
+                f"(SGLang --enable-dp-attention --enable-dp-lm-head); {experts}")
+    return (f"{lay.name}: {experts}; q_a/kv_a projections and the DSA indexer replicated on every TP rank, q_b/kv_b/o "
+            "split by heads; shared expert and dense MLPs split like the heads; embedding and lm_head split by vocabulary"
+            + ("; routed partial sums all-reduced as under TP" if lay.ep > 1 else ""))
+
+
+def _a2a_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> list[str]:
+    out = []
+    if lay.ep > 1:
+        out.append(f"expert load: the hottest EP GPU gets {1 + cost.expert_skew:g}x the mean token-slots "
+                   f"(--expert-skew {cost.expert_skew:g}; 0 = uniform routing) and the step waits for it")
+    if lay.attn_dp > 1:
+        d = expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, lay.ep)
+        net = cost.interconnect
+        out.append(
+            f"all-to-all: per token, dispatch to the distinct GPUs of its {spec.num_experts_per_tok} experts "
+            f"({d:.2f} of {lay.ep} expected, {d * (lay.ep - 1) / lay.ep:.2f} remote) as "
+            f"{cost.precisions.dispatch.upper()} ({cost.precisions.dispatch_bytes(spec.hidden_size):,.0f} B), "
+            f"combine back as BF16 ({spec.hidden_size * ACT_BYTES:,.0f} B); 2 per MoE layer, alpha "
+            f"{net.allreduce_latency_us:g} us each + bytes received by the hottest GPU / {net.p2p_gbs:g} GB/s P2P "
+            "(each GPU's PCIe link, both directions at once), not overlapped with compute")
     return out

@@ -32,6 +32,16 @@ def expected_distinct_experts(tokens: float, num_experts: int, top_k: int) -> fl
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
+def expected_distinct_groups(num_experts: int, top_k: int, groups: int) -> float:
+    """Expected distinct groups (e.g. expert-parallel GPUs, ``num_experts / groups`` experts each) one token's
+    ``top_k`` distinct experts fall in: G(1 - C(E - E/G, k) / C(E, k))."""
+    per_group = num_experts // groups
+    miss = 1.0
+    for i in range(top_k):  # probability that none of the k draws (without replacement) lands in one group
+        miss *= (num_experts - per_group - i) / (num_experts - i)
+    return groups * (1.0 - miss)
+
+
 @dataclass(frozen=True)
 class Glm5Spec:
     """Dimensions of a GLM-5 (glm_moe_dsa) model; defaults are GLM-5's own config.json values."""

@@ -120,3 +120,80 @@ def test_plan_and_the_breakdown_print_the_same_assumptions(tmp_path):
 def test_bad_inputs_are_named(layout, batch, needle):
     with pytest.raises(Glm5Fp4Error, match=needle):
         cost_model.decode_step(Glm5Spec(), RTX, layout, batch, 1024)
+
+
+# -- data-parallel attention + expert parallelism (issue 17) --------------------------------------------------
+
+def _simulated_distinct_gpus(e, k, gpus, trials=4000, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.rand(trials, e, generator=g).topk(k, dim=1).indices // (e // gpus)
+    return sum(len(set(row)) for row in picks.tolist()) / trials
+
+
+def test_distinct_destination_gpus_per_token_match_simulated_routing():
+    from glm5_fp4.spec import expected_distinct_groups
+
+    assert expected_distinct_groups(E, K, 8) == pytest.approx(_simulated_distinct_gpus(E, K, 8), rel=0.01)
+    assert expected_distinct_groups(E, K, 1) == pytest.approx(1.0)
+    assert expected_distinct_groups(E, K, E) == pytest.approx(K)  # one expert per GPU: k GPUs
+
+
+def _dp8(batch=512, context=2048, skew=0.0):
+    return cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8, dp=8, ep=8), batch, context,
+                                  expert_skew=skew)
+
+
+def test_dp_attention_reads_only_its_own_sequences_and_holds_whole_attention():
+    b, ctx, heads = 512 // 8, 2048, 64
+    st = _dp8(512, ctx).stages[0]
+    assert _dp8().micro_batch == b and _dp8().kv_tokens_per_gpu == b * ctx  # no KV replication
+    mla = st.component("MLA core")
+    assert mla.bytes == pytest.approx(LAYERS * (b * 2048 * 656 + b * 656 + b * heads * (512 + 64 + 512) * 2), rel=1e-12)
+    attention = Glm5Spec().attention_params  # every projection whole on every GPU, BF16
+    assert st.component("attention projections").weights == pytest.approx(LAYERS * attention * 2, rel=1e-12)
+    assert st.component("all-reduce").calls == 0  # attention TP1: nothing to reduce
+
+
+def test_expert_parallel_gpus_hold_whole_experts_and_tokens_travel_by_all_to_all():
+    cost = _dp8()
+    st = cost.stages[0]
+    routed = st.component("routed experts")
+    assert routed.weights == pytest.approx(MOE * (E // 8) * 3 * H * I * NVFP4, rel=1e-12)  # 32 whole experts
+    assert routed.flops == pytest.approx(MOE * 2 * 512 * K / 8 * 3 * H * I, rel=1e-12)  # a balanced eighth of the slots
+    remote = _simulated_distinct_gpus(E, K, 8) * 7 / 8
+    a2a = st.component("all-to-all")
+    assert a2a.calls == 2 * MOE
+    # each GPU's 64 tokens to their remote GPUs in BF16, and back in BF16
+    assert a2a.bytes == pytest.approx(MOE * 64 * remote * (H * 2 + H * 2), rel=0.01)
+    assert a2a.seconds == pytest.approx(2 * MOE * 24e-6 + a2a.bytes / 55e9, rel=1e-12)
+    fp8 = cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8, dp=8, ep=8), 512, 2048,
+                                 cost_model.Precisions(dispatch="fp8")).stages[0].component("all-to-all")
+    assert fp8.bytes == pytest.approx(a2a.bytes * (H + H / 128 * 4 + 2 * H) / (4 * H), rel=1e-12)
+
+
+def test_a_hot_expert_parallel_gpu_sets_the_pace_and_tp_does_not_care():
+    even, hot = _dp8(), _dp8(skew=0.5)
+    assert hot.stages[0].component("routed experts").flops == pytest.approx(
+        1.5 * even.stages[0].component("routed experts").flops)
+    assert hot.stages[0].component("all-to-all").bytes == pytest.approx(1.5 * even.stages[0].component("all-to-all").bytes)
+    tp8 = [cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8), 512, 2048, expert_skew=s) for s in (0, 0.5)]
+    assert tp8[0].step_s == tp8[1].step_s  # every TP rank holds a slice of the hot expert
+
+
+@pytest.mark.parametrize("layout,needle", [(cost_model.Layout(8, dp=4, ep=8), "dp=1 or dp=8"),
+                                           (cost_model.Layout(8, dp=8, ep=1), "ep=8"),
+                                           (cost_model.Layout(8, ep=3), "must divide")])
+def test_layouts_the_model_does_not_cover_are_refused(layout, needle):
+    with pytest.raises(Glm5Fp4Error, match=needle):
+        cost_model.decode_step(Glm5Spec(), RTX, layout, 64, 1024)
+
+
+def test_plan_shows_dp_attention_with_ep_next_to_tp8():
+    data = _plan_json("--layouts", "tp8,tp8ep8,dp8ep8", "--concurrency", "512", "--context", "1024",
+                      "--expert-skew", "0.2")
+    assert list(data["layouts"]) == ["TP8", "TP8+EP8", "DP8+EP8"]
+    dp = data["layouts"]["DP8+EP8"]
+    assert (dp["dp"], dp["ep"], dp["kv_tokens_needed"]) == (8, 8, 64 * 1024)
+    assert dp["components_ms"]["all-to-all"] > 0 and dp["allreduce_calls_per_step"] == 0
+    assert any("all-to-all" in a for a in dp["assumptions"]) and any("1.2x" in a for a in dp["assumptions"])
+    assert data["layouts"]["TP8"]["components_ms"].get("all-to-all") is None

@@ -1,4 +1,4 @@
-"""Memory per GPU and the predicted decode step of a launch layout (TP x PP) of GLM-5.
+"""Memory per GPU and the predicted decode step of a launch layout of GLM-5 (TP x PP, TP + EP, DP attention + EP).
 
 The step is :func:`glm5_fp4.cost_model.decode_step` (the same model the profiler's ceilings use: bytes, FLOPs and
 floor time per component, grouped by the profiler's categories); this module adds what a launch needs on top: the
@@ -45,6 +45,10 @@ class PlanInputs:
     expert_math: str | None = None  # nvfp4 (W4A4) | bf16 (W4A16); None: nvfp4 where the GPU has FP4 MMA
     allreduce_gbs: float | None = None
     allreduce_latency_us: float | None = None
+    dp: int = 1  # data-parallel attention over the stage's GPUs (1 or tp)
+    ep: int = 1  # expert parallelism over the stage's GPUs
+    expert_skew: float = 0.0  # the hottest EP GPU's token-slots over the mean, - 1
+    dispatch: str = "bf16"  # all-to-all dispatch precision (DP attention + EP)
 
 
 @dataclass
@@ -151,13 +155,15 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
         raise Glm5Fp4Error(f"the hardware table has no all-reduce numbers for {gpu.name}; pass --allreduce-gbs "
                            "and --allreduce-latency-us")
     kv_kind = resolve_kv(inputs.engine, inputs.kv_cache_dtype)
-    precisions = cost_model.Precisions(kv=kv_kind, expert_math=inputs.expert_math)
-    cost = cost_model.decode_step(spec, gpu, cost_model.Layout(tp, pp), inputs.concurrency, inputs.context,
-                                  precisions, efficiency=inputs.efficiency, interconnect=net)
+    precisions = cost_model.Precisions(kv=kv_kind, expert_math=inputs.expert_math, dispatch=inputs.dispatch)
+    cost = cost_model.decode_step(spec, gpu, cost_model.Layout(tp, pp, inputs.dp, inputs.ep), inputs.concurrency,
+                                  inputs.context, precisions, efficiency=inputs.efficiency, interconnect=net,
+                                  expert_skew=inputs.expert_skew)
     usable = gpu.memory_gb * GIB * inputs.mem_util - inputs.reserve_gib * GIB
     assumptions = cost_model.assumptions(cost) + [
         f"KV cache: {inputs.engine} kv_cache_dtype={inputs.kv_cache_dtype} -> {kv_kind}; each stage holds its "
-        f"layers' KV of all {inputs.concurrency} sequences",
+        f"layers' KV of " + (f"its GPU's {cost.micro_batch * pp} sequences" if inputs.dp > 1
+                             else f"all {inputs.concurrency} sequences"),
         f"memory: {inputs.mem_util:.2f} x {gpu.memory_gb:g} GiB minus {inputs.reserve_gib:g} GiB runtime reserve "
         f"(activations, CUDA graphs, NCCL buffers) = {usable / 1e9:.2f} GB usable; KV gets what weights leave",
     ]

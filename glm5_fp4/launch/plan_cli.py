@@ -1,9 +1,11 @@
 """`glm5-fp4 plan`: memory per GPU and a roofline decode step time for a launch profile, layouts side by side.
 
     glm5-fp4 plan --profile launch/tp8.yaml [--gpu rtx-pro-6000-ws] [--concurrency 512] [--context 2048]
-                  [--layouts tp8,tp4pp2] [--config DIR/config.json] [--json]
+                  [--layouts tp8,tp4pp2,tp8ep8,dp8ep8] [--expert-skew 0.2] [--config DIR/config.json] [--json]
 
-By default the profile's own layout is shown next to TP8 and TP4+PP2. Every assumption is printed under the
+Layouts: ``tpN`` (tensor parallel), ``tpNppM`` (+ pipeline stages), ``tpNepN`` (attention TP, experts split whole
+over the GPUs), ``dpNepN`` (data-parallel attention: each GPU its own sequences and KV, experts split whole, tokens
+dispatched by all-to-all). By default the profile's own layout is shown next to TP8 and TP4+PP2. Every assumption is printed under the
 numbers; the formulas are in glm5_fp4/cost_model.py (the model `profile analyze` uses for its ceilings).
 """
 
@@ -36,16 +38,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's KV-cache dtype (default: the profile's, else auto = FP8 DSA row)")
     parser.add_argument("--expert-math", choices=("nvfp4", "bf16"), default=None,
                         help="roof for expert GEMMs: nvfp4 (W4A4) or bf16 (W4A16); default nvfp4 where the GPU has it")
+    parser.add_argument("--expert-skew", type=float, default=0.0,
+                        help="expert parallelism: the hottest GPU's token-slots over the mean, minus 1 (default 0)")
+    parser.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="all-to-all dispatch precision for DP-attention + EP layouts (combine is BF16)")
     parser.add_argument("--allreduce-gbs", type=float, default=None, help="all-reduce bus bandwidth override (GB/s)")
     parser.add_argument("--allreduce-latency-us", type=float, default=None, help="all-reduce latency override (us)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"\s*tp(\d+)(?:\s*[+x]?\s*pp(\d+))?\s*", text.lower())
-    if not m or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < 1):
-        raise Glm5Fp4Error(f"--layouts: {text!r} is not a layout like tp8 or tp4pp2")
-    return int(m.group(1)), int(m.group(2) or 1)
+LAYOUT = re.compile(r"\s*(tp|dp)(\d+)(?:\s*[+x]?\s*ep(\d+))?(?:\s*[+x]?\s*pp(\d+))?\s*")
+
+
+def parse_layout(text: str) -> tuple[int, int, int, int]:
+    """``tp8`` / ``tp4pp2`` / ``tp8ep8`` / ``dp8ep8`` -> (GPUs per stage, stages, dp, ep)."""
+    m = LAYOUT.fullmatch(text.lower())
+    n = [int(g) if g else None for g in m.groups()[1:]] if m else []
+    if not m or any(v is not None and v < 1 for v in n):
+        raise Glm5Fp4Error(f"--layouts: {text!r} is not a layout like tp8, tp4pp2, tp8ep8 or dp8ep8")
+    gpus, ep, pp = n[0], n[1] or 1, n[2] or 1
+    return gpus, pp, gpus if m.group(1) == "dp" else 1, ep
 
 
 WEIGHT_ONLY_BACKENDS = ("marlin", "humming", "experimental_sgl_marlin")
@@ -82,14 +94,15 @@ def build_plans(args: argparse.Namespace):
     if args.layouts:
         layouts = [parse_layout(t) for t in args.layouts.split(",") if t.strip()]
     else:
-        layouts = [(profile.tensor_parallel, profile.pipeline_parallel)] if profile else []
+        layouts = [(profile.tensor_parallel, profile.pipeline_parallel, 1, 1)] if profile else []
         layouts += [parse_layout(t) for t in DEFAULT_LAYOUTS]
     layouts = list(dict.fromkeys(layouts))
     expert_math = args.expert_math or (_weight_only_math(profile) if profile else None)
     plans = [make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
                                              args.reserve_gib, args.efficiency, expert_math,
-                                             args.allreduce_gbs, args.allreduce_latency_us))
-             for tp, pp in layouts]
+                                             args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
+                                             args.expert_skew, args.dispatch_dtype))
+             for tp, pp, dp, ep in layouts]
     return plans, spec_origin, profile
 
 
@@ -97,7 +110,7 @@ CATEGORY_LABELS = {
     "expert_gemm": "expert GEMM (routed)",
     "attention": "attention (MLA + DSA indexer)",
     "other_gemm": "other GEMM (projections, shared expert, dense MLP, router, lm_head)",
-    "allreduce": "all-reduce + PP send/recv",
+    "allreduce": "communication (all-reduce, all-to-all, PP send/recv)",
 }
 
 
@@ -178,7 +191,8 @@ def to_json(plans, spec_origin: str) -> dict:
     out = {"model": spec_origin, "gpu": plans[0].gpu.name, "layouts": {}}
     for p in plans:
         out["layouts"][p.layout] = {
-            "tp": p.inputs.tp, "pp": p.inputs.pp, "concurrency": p.inputs.concurrency, "context": p.inputs.context,
+            "tp": p.inputs.tp, "pp": p.inputs.pp, "dp": p.inputs.dp, "ep": p.inputs.ep,
+            "concurrency": p.inputs.concurrency, "context": p.inputs.context, "expert_skew": p.inputs.expert_skew,
             "micro_batch": p.micro_batch, "kv_kind": p.kv_kind,
             "weights_bytes_per_gpu": p.heaviest.weights, "weights_total_bytes": p.heaviest.weights_total,
             "usable_bytes": p.usable_bytes, "kv_bytes_per_token_per_gpu": p.heaviest.kv_bytes_per_token,
