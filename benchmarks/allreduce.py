@@ -8,14 +8,13 @@ busBW = algBW x 2(n-1)/n).
 
     python benchmarks/allreduce.py --out benchmarks/results/allreduce_h200.json
 
-No engine imports; torch only. Runs on the lent H200 machines (NVLink) — the RTX PRO 6000 figures (PCIe)
-come from the hardware table, not from this script.
+No engine imports; torch and the glm5_fp4 package (GLM-5's hidden size, the result metadata). Runs on the lent
+H200 machines (NVLink) — the RTX PRO 6000 figures (PCIe) come from the hardware table, not from this script.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import socket
@@ -26,7 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-HIDDEN = 6144
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from glm5_fp4.bench.meta import result_metadata  # noqa: E402
+from glm5_fp4.spec import GLM5  # noqa: E402
+
+HIDDEN = GLM5.hidden_size  # each decode all-reduce carries batch x hidden BF16 values
 BATCHES = (1, 8, 32, 64, 128, 256, 512)
 EXTRA_BYTES = (4 * 1024, 64 * 1024, 16 * 1024**2, 64 * 1024**2)
 
@@ -102,9 +106,7 @@ def main() -> int:
     sizes = sorted({b * HIDDEN * 2 for b in BATCHES} | set(EXTRA_BYTES))
     worlds = sorted({w for w in (2, 4, 8) if w <= n} | {n})
     result = {
-        "benchmark": "allreduce", "gpu": torch.cuda.get_device_name(0), "gpus_visible": n,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        **result_metadata(benchmark="allreduce", gpus_visible=n, nccl=".".join(map(str, torch.cuda.nccl.version()))),
         "method": f"median of 7 CUDA-graph replays of {args.iters} back-to-back all-reduces (bf16, sum)",
         "hidden_size": HIDDEN, "runs": {},
     }

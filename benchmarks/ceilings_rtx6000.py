@@ -1,7 +1,8 @@
 """Which ceiling binds GLM-5 decode on 8x RTX PRO 6000 (TP8) at concurrency 1..512: the numbers behind write-up 01.
 
-For each concurrency it takes one TP8 rank's decode step from `glm5_fp4.launch.plan` (bytes and FLOPs per
-stage: routed experts, attention + DSA indexer, other) and divides by each roof of the hardware table:
+For each concurrency it takes one TP8 rank's decode step from the cost model `plan` and `profile analyze` share
+(`glm5_fp4.cost_model`: bytes and FLOPs per component: routed experts, attention + DSA indexer, other GEMMs)
+and divides by each roof of the hardware table:
 memory bandwidth, NVFP4 sparse (the "4 PFLOPS" headline), NVFP4 dense, FP8 dense and BF16 dense. The
 ceiling that binds is the largest time. Derived from the hardware table, not measured on an RTX PRO 6000.
 
@@ -10,15 +11,15 @@ ceiling that binds is the largest time. Derived from the hardware table, not mea
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from glm5_fp4 import cost_model  # noqa: E402
+from glm5_fp4.bench.meta import result_metadata  # noqa: E402
 from glm5_fp4.hardware import get_gpu  # noqa: E402
-from glm5_fp4.launch.plan import PlanInputs, make_plan  # noqa: E402
 from glm5_fp4.spec import GLM5  # noqa: E402
 
 GPU = "rtx-pro-6000-ws"
@@ -31,18 +32,19 @@ def rows() -> list[dict]:
     gpu = get_gpu(GPU)
     out = []
     for c in CONCURRENCY:
-        plan = make_plan(GLM5, gpu, PlanInputs(tp=8, pp=1, concurrency=c, context=CONTEXT))
-        s = plan.bottleneck
-        nbytes = s.expert.bytes + s.attention.bytes + s.other.bytes
-        flops = s.expert.flops + s.attention.flops + s.other.flops
+        step = cost_model.decode_step(GLM5, gpu, cost_model.Layout(tp=8), c, CONTEXT)
+        s = step.bottleneck
+        compute = [s.category(cat) for cat in ("expert_gemm", "attention", "other_gemm")]
+        nbytes, flops = sum(cat.bytes for cat in compute), sum(cat.flops for cat in compute)
+        expert = s.category("expert_gemm")
         row = {
             "concurrency": c,
             "bytes_per_gpu_gb": nbytes / 1e9,
             "tflop_per_gpu": flops / 1e12,
             "arithmetic_intensity_flop_per_byte": flops / nbytes,
-            "expert_intensity_flop_per_byte": s.expert.flops / s.expert.bytes,
+            "expert_intensity_flop_per_byte": expert.flops / expert.bytes,
             "memory_ms": nbytes / gpu.bandwidth_bytes_per_s * 1e3,
-            "allreduce_ms": s.allreduce_s * 1e3,
+            "allreduce_ms": s.category("allreduce").seconds * 1e3,
         }
         for dtype, sparse in ROOFS:
             key = f"{dtype}_{'sparse' if sparse else 'dense'}_ms"
@@ -86,10 +88,11 @@ def plot(data: list[dict], path: str) -> None:
 def main() -> int:
     data = rows()
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    step = cost_model.decode_step(GLM5, get_gpu(GPU), cost_model.Layout(tp=8), CONCURRENCY[-1], CONTEXT)
     result = {
-        "benchmark": "ceilings", "gpu": GPU, "layout": "TP8", "context": CONTEXT,
-        "date": dt.date.today().isoformat(),
-        "source": "derived: glm5_fp4.launch.plan bytes/FLOPs per step x glm5_fp4/data/hardware.yaml peaks (not measured)",
+        **result_metadata(benchmark="ceilings", target_gpu=GPU, layout="TP8", context=CONTEXT),
+        "source": "derived: glm5_fp4.cost_model bytes/FLOPs per step x glm5_fp4/data/hardware.yaml peaks (not measured)",
+        "assumptions": cost_model.assumptions(step),
         "rows": data,
     }
     with open(os.path.join(out_dir, "ceilings_rtx_pro_6000.json"), "w") as f:

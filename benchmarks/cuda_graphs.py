@@ -20,7 +20,6 @@ beyond L2, so every layer still streams its weights from HBM).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from glm5_fp4.kernels import fused_moe, prepare_experts, reserve_workspace  # noqa: E402
 from glm5_fp4.reference import NvFp4Experts, route  # noqa: E402
+from glm5_fp4.bench.meta import result_metadata  # noqa: E402
 from glm5_fp4.spec import GLM5  # noqa: E402
 from moe_kernel import event_time_us  # noqa: E402  (benchmarks/moe_kernel.py: the same CUDA-event timing)
 
@@ -182,7 +182,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     rows = []
     for b in (int(v) for v in args.batches.split(",")):
@@ -193,9 +192,7 @@ def main() -> int:
               f"saved by full graph {r['saved_by_full_us'] / 1000:.2f} ms", flush=True)
         torch.cuda.empty_cache()
     result = {
-        "benchmark": "cuda_graphs", "gpu": torch.cuda.get_device_name(0),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "triton": triton.__version__, "tp_shard": TP,
+        **result_metadata(benchmark="cuda_graphs", tp_shard=TP),
         "method": f"median of {args.steps} steps timed with CUDA events; launches counted with torch.profiler (eager)",
         "rows": rows,
     }

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import gzip
 import io
 import json
@@ -44,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from glm5_fp4.bench.meta import result_metadata  # noqa: E402
 from glm5_fp4.kernels import fused_moe  # noqa: E402
 from glm5_fp4.profiling.layer_timers import LayerTimer, NullTimer  # noqa: E402
 from glm5_fp4.reference import route  # noqa: E402
@@ -430,15 +430,7 @@ def main(argv=None) -> int:
     traces = Path(tempfile.mkdtemp(prefix="glm5fp4-traces-"))
     device = torch.device("cuda", 0)
     began = time.monotonic()
-    result = {
-        "benchmark": "gpu_layer_timers",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0),
-        "gpus": torch.cuda.device_count(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
-    result["triton"] = triton.__version__
+    result = result_metadata(benchmark="gpu_layer_timers", cuda=torch.version.cuda)
     ok = True
     stats_timer = None
     try:

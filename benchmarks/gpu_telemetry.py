@@ -39,6 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from glm5_fp4.bench.meta import result_metadata  # noqa: E402
+
 ENERGY_TOLERANCE = 0.05
 POWER_RATIO = 1.5
 CLOCK_CHANGE = 0.05  # the SM clock must move by more than this against both idle phases
@@ -591,6 +593,7 @@ def _analyse(args: argparse.Namespace, out: Path, measured: dict) -> dict:
     if costs is not None:
         costs["projection"] = _projection(costs, args.interval)
     return {
+        "meta": result_metadata(benchmark="gpu_telemetry"),  # apart: "gpus" and "driver" here are NVML's
         "ok": all(checks.values()),
         "checks": checks,
         "fake": bool(args.fake),

@@ -22,7 +22,6 @@ Writes benchmarks/results/loadtest_client.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -39,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from glm5_fp4.bench.meta import result_metadata  # noqa: E402
 from glm5_fp4.loadtest.fake_server import spawn_fake_server  # noqa: E402
 
 CLIENT_CPU, SERVER_CPU = 0, 1
@@ -249,18 +249,6 @@ def run_vllm(itl_ms: float, ttft_ms: float, output_len: int, concurrency: int, n
     }
 
 
-def _versions() -> dict:
-    import aiohttp
-
-    out = {"python": platform.python_version(), "aiohttp": aiohttp.__version__, "numpy": np.__version__}
-    for mod in ("uvloop", "vllm", "glm5_fp4"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            out[mod] = None
-    return out
-
-
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--vllm-child":
         return _vllm_child(sys.argv[2:])
@@ -279,11 +267,8 @@ def main() -> int:
 
     steal0, t_begin = _steal_ticks(), time.time()
     report: dict = {
-        "benchmark": "loadtest_client",
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": _cpu_model(), "cpus": os.cpu_count(),
-                    "hostname": platform.node()},
-        "versions": _versions(),
+        **result_metadata(packages=("aiohttp", "numpy", "uvloop", "glm5_fp4"), benchmark="loadtest_client",
+                          processor=_cpu_model()),
         "setup": {"concurrency": args.concurrency, "num_prompts": args.num_prompts, "output_len": args.output_len,
                   "ttft_ms": args.ttft_ms, "tokens_per_chunk": 1, "client_cpu": CLIENT_CPU,
                   "server_cpu": SERVER_CPU},

@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from glm5_fp4.bench.meta import result_metadata  # noqa: E402
 from glm5_fp4.telemetry import TelemetrySampler  # noqa: E402
 from glm5_fp4.telemetry.fake_nvml import FakeNvml  # noqa: E402
 
@@ -213,7 +214,8 @@ def main() -> int:
     scenarios.append(fake_scenario("auto", args.gpus, "auto", max(args.seconds, 20.0), *cost))
     before_ms = CALLS_PER_GPU_TICK_BEFORE * args.call_cost_us / 1e3
     result = {
-        "gpus": args.gpus,
+        **result_metadata(benchmark="telemetry_overhead"),
+        "gpus_modelled": args.gpus,
         "interval_s": args.interval,
         "scenarios": scenarios,
         "before": {

@@ -11,27 +11,26 @@ benchmarks/results/trace_analysis.json (trace_analysis_stdlib_json.json with --s
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gzip
 import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from glm5_fp4.bench.meta import result_metadata
 from glm5_fp4.profiling.breakdown import analyze_path
 from glm5_fp4.profiling.synthetic import make_decode_traces
 from glm5_fp4.profiling import traces as traces_module
+from glm5_fp4.spec import GLM5
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def synthesise(out: Path, ranks: int, mb: float, steps: int) -> dict:
     """Write `ranks` traces of about `mb` MB each; returns sizes."""
-    layers = 78
+    layers = GLM5.num_layers
     kernels_per_step = layers * 12 + 4
     files, _ = make_decode_traces(
         n_ranks=ranks, n_steps=steps, layers=layers, graph="breakable", slow_rank=ranks - 1, target_bytes=int(mb * 1e6), seed=1
@@ -90,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
     result = {
-        "benchmark": "trace_analysis",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count()},
+        **result_metadata(packages=("orjson",), benchmark="trace_analysis"),
         "json_parser": "orjson" if traces_module._orjson is not None else "json (stdlib)",
         "ranks": args.ranks,
         "uncompressed_mb_per_rank": args.mb,

@@ -1,8 +1,14 @@
 """Which of our NVFP4 MoE implementations serves a layer: a small registry engine adapters ask.
 
-Engine adapters (vLLM, SGLang) never import kernels directly. They describe the layer (device, shapes,
-activation dtype, mode) and :func:`select` answers with a :class:`Backend` or with the reason none fits,
-which the adapter logs before falling back to the engine's own NVFP4 path.
+Engine adapters (vLLM, SGLang) never import kernels directly, and hold no rule of their own: they describe
+the layer (device, shapes, activation dtype, whether the checkpoint has activation scales) and
+
+* :func:`choose` resolves the mode (:func:`resolve_mode`) and answers with a :class:`Selection`: a
+  :class:`Backend`, or the reason none fits, which the adapter logs before falling back to the engine's own
+  NVFP4 path;
+* after loading, :func:`prepare_layer` is the one call that turns the layer's ModelOpt parameters into what the
+  backend runs (:func:`experts_from_layer`), reserves its buffers and frees the parameters it does not share
+  (:func:`release_unshared`).
 
 Backends:
 
@@ -24,19 +30,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from glm5_fp4 import nvfp4
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.kernels import capability as kernel_capability
 from glm5_fp4.reference import MODES, NvFp4Experts, moe_reference
+from glm5_fp4.settings import PluginSettings
 
 AUTO = "auto"
-# Environment variables every engine adapter honours (an engine's own config, where it has one, wins).
-ENV_BACKEND = "GLM5_FP4_BACKEND"
-ENV_MODE = "GLM5_FP4_MODE"
 MODE_CHOICES = (AUTO, *MODES)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -56,13 +61,15 @@ class MoEShape:
 
 
 Support = tuple[bool, str]
+# A CUDA compute capability: 120, (12, 0) or None when unknown (glm5_fp4.kernels.capability.as_pair reads all).
+Capability = int | tuple[int, int] | None
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
     summary: str
-    supports_fn: Callable[[torch.device, MoEShape, torch.dtype, str, int | None], Support]
+    supports_fn: Callable[[torch.device, MoEShape, torch.dtype, str, Capability], Support]
     prepare_fn: Callable[[NvFp4Experts, str, torch.dtype], Any]
     forward_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, str], torch.Tensor]
     # True when, in W4A16 mode, an engine may run the prepared dense weights with its own unquantized MoE kernel.
@@ -71,10 +78,10 @@ class Backend:
     reserve_fn: Callable[[Any, int, int], None] | None = None
 
     def supports(self, device: torch.device | str, shape: MoEShape, dtype: torch.dtype, mode: str = "w4a16",
-                 capability: int | None = None) -> Support:
+                 capability: Capability = None) -> Support:
         """``(ok, reason)``; the reason says what rules the layer out (empty when ok).
 
-        ``capability``: CUDA compute capability as an int (120 for SM120) when the caller knows it.
+        ``capability``: the GPU's CUDA compute capability (120 or (12, 0) for SM120) when the caller knows it.
         """
         if mode not in MODES:
             return False, f"unknown mode {mode!r} (choose one of {', '.join(MODES)})"
@@ -116,18 +123,15 @@ def _kernels():
     return importlib.import_module("glm5_fp4.kernels")
 
 
-# The kernel's tile configs cover sm80 (Ampere) and newer.
-TRITON_MIN_CAPABILITY = 80
-
-
 def _triton_supports(device: torch.device, shape: MoEShape, dtype: torch.dtype, mode: str,
-                     capability: int | None) -> Support:
+                     capability: Capability) -> Support:
     if device.type != "cuda":
         return False, f"the Triton kernel needs a CUDA device (this layer is on {device.type})"
     if torch.version.hip:
         return False, "the Triton kernel is written and tested for NVIDIA GPUs only (this is ROCm)"
-    if capability is not None and capability < TRITON_MIN_CAPABILITY:
-        return False, f"the Triton kernel needs compute capability >= {TRITON_MIN_CAPABILITY}, this GPU has {capability}"
+    ok, reason = kernel_capability.supports(device, capability=capability)  # the kernels' own GPU rule (SM89+)
+    if not ok:
+        return False, reason
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed"
     try:
@@ -137,11 +141,6 @@ def _triton_supports(device: torch.device, shape: MoEShape, dtype: torch.dtype, 
     ok, reason = _kernel_accepts_shape(kernels, shape)
     if not ok:
         return False, f"the Triton kernel does not support this layer: {reason}"
-    check = getattr(kernels, "supports", None)
-    if check is not None:
-        ok, reason = check(device=device, shape=shape, dtype=dtype, mode=mode)
-        if not ok:
-            return False, f"the Triton kernel does not support this layer: {reason}"
     return True, ""
 
 
@@ -200,7 +199,7 @@ class DenseExperts:
 
 
 def _dequant_supports(device: torch.device, shape: MoEShape, dtype: torch.dtype, mode: str,
-                      capability: int | None) -> Support:
+                      capability: Capability) -> Support:
     if device.type == "cuda":
         return False, ("dequant is the CPU path: on GPUs it would quadruple expert memory and is not "
                        "CUDA-graph safe")
@@ -239,7 +238,7 @@ def dense_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
 # -- reference ------------------------------------------------------------------------------------
 
 def _reference_supports(device: torch.device, shape: MoEShape, dtype: torch.dtype, mode: str,
-                        capability: int | None) -> Support:
+                        capability: Capability) -> Support:
     return True, ""
 
 
@@ -293,6 +292,7 @@ class Selection:
     requested: str
     backend: Backend | None
     reason: str  # why nothing was selected (empty when a backend was)
+    mode: str = ""  # the layer's activation mode (set by choose)
 
     @property
     def ok(self) -> bool:
@@ -300,7 +300,7 @@ class Selection:
 
 
 def select(name: str, device: torch.device | str, shape: MoEShape, dtype: torch.dtype, mode: str = "w4a16",
-           capability: int | None = None) -> Selection:
+           capability: Capability = None) -> Selection:
     """Pick the backend for one layer: the named one if it supports the layer, for ``auto`` the first that does."""
     candidates = auto_order(device) if name == AUTO else (get(name).name,)
     reasons = []
@@ -310,3 +310,125 @@ def select(name: str, device: torch.device | str, shape: MoEShape, dtype: torch.
             return Selection(name, get(candidate), "")
         reasons.append(f"{candidate}: {reason}")
     return Selection(name, None, "; ".join(reasons))
+
+
+# -- what an engine adapter calls -------------------------------------------------------------------
+
+def resolve_mode(requested: str, device: torch.device | str, has_activation_scales: bool,
+                 capability: Capability = None, where: str = "this layer") -> str:
+    """The activation mode of a layer: explicit modes as asked; ``auto`` = W4A4 only on a CUDA GPU with FP4
+    tensor cores (:func:`glm5_fp4.kernels.capability.has_fp4_mma`) and a checkpoint with activation scales."""
+    if requested not in MODE_CHOICES:
+        raise Glm5Fp4Error(f"{where}: unknown mode {requested!r} (choose one of {', '.join(MODE_CHOICES)})")
+    if requested == "w4a4":
+        if not has_activation_scales:
+            raise Glm5Fp4Error(f"{where}: mode w4a4 needs the checkpoint's activation input scales, but this is a "
+                               "W4A16_NVFP4 (weight-only) checkpoint; use mode w4a16 or auto")
+        return "w4a4"
+    if requested in MODES:
+        return requested
+    fp4_cores = torch.device(device).type == "cuda" and kernel_capability.has_fp4_mma(capability)
+    return "w4a4" if has_activation_scales and fp4_cores else "w4a16"
+
+
+def choose(settings: PluginSettings, device: torch.device | str, shape: MoEShape, dtype: torch.dtype,
+           has_activation_scales: bool, capability: Capability = None, refuse: str = "",
+           where: str = "this layer") -> Selection:
+    """Mode and backend for one MoE layer, as the user's settings ask. ``refuse``: a reason the engine knows
+    rules our backends out (e.g. LoRA); ``capability`` None on a CUDA device: asked from torch."""
+    device = torch.device(device)
+    if capability is None:
+        capability = kernel_capability.device_capability(device)
+    mode = resolve_mode(settings.mode, device, has_activation_scales, capability, where)
+    if refuse:
+        return Selection(settings.backend, None, refuse, mode)
+    return replace(select(settings.backend, device, shape, dtype, mode, capability), mode=mode)
+
+
+# Parameter names of ModelOpt NVFP4 experts in both engines (vLLM ModelOptNvFp4FusedMoE, SGLang
+# ModelOptNvFp4FusedMoEMethod register the same): [E, 2I, H/2] u8 codes, [E, 2I, H/16] E4M3 block scales,
+# per-expert FP32 global scales ([E, 2] for gate and up) and static activation scales.
+SCALE_PARAMS = ("w13_weight_scale", "w2_weight_scale", "w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale",
+                "w2_input_scale")
+CHECKPOINT_PARAMS = ("w13_weight", "w2_weight", *SCALE_PARAMS)
+
+
+def experts_from_layer(layer: torch.nn.Module, mode: str, where: str = "experts",
+                       warn: Callable[[str], None] | None = None) -> NvFp4Experts:
+    """The layer's ModelOpt NVFP4 parameters as validated :class:`NvFp4Experts` (views, no copies); activation
+    scales only in ``w4a4`` mode. SGLang sizes input scales for all global experts: the local ones are first."""
+    gs13 = layer.w13_weight_scale_2.data
+    if gs13.dim() == 2:
+        if gs13.shape[1] == 2 and not torch.equal(gs13[:, 0], gs13[:, 1]) and warn is not None:
+            warn(f"glm5_fp4: gate and up weight_scale_2 differ in {where}; using the gate's for both, as vLLM and "
+                 "SGLang's Marlin path do (accuracy may suffer)")
+        gs13 = gs13[:, 0]
+    n_local = layer.w13_weight.shape[0]
+    a13 = a2 = None
+    if mode == "w4a4":
+        # ModelOpt calibrates gate and up inputs separately; both see the same tensor, the max covers both.
+        a13 = layer.w13_input_scale.data.float().reshape(layer.w13_input_scale.shape[0], -1).amax(dim=1)
+        a13 = a13[:n_local].contiguous()
+        a2 = layer.w2_input_scale.data.float().reshape(-1)[:n_local].contiguous()
+    experts = NvFp4Experts(
+        w13=layer.w13_weight.data, w13_scale=layer.w13_weight_scale.data, w13_global=gs13.contiguous(),
+        w2=layer.w2_weight.data, w2_scale=layer.w2_weight_scale.data,
+        w2_global=layer.w2_weight_scale_2.data.reshape(-1).contiguous(), a13_scale=a13, a2_scale=a2)
+    experts.validate(where)
+    return experts
+
+
+def _storages(obj: Any, seen: set[int] | None = None) -> set[int]:
+    """Data pointers of every non-empty tensor reachable from ``obj`` (attributes, containers)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return set()
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {obj.untyped_storage().data_ptr()} if obj.numel() else set()
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple, set)):
+        items = obj
+    else:
+        items = vars(obj).values() if hasattr(obj, "__dict__") else ()
+    out: set[int] = set()
+    for item in items:
+        out |= _storages(item, seen)
+    return out
+
+
+def _empty_parameter(layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    setattr(layer, name, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def release_unshared(layer: torch.nn.Module, names: tuple[str, ...], prepared: Any,
+                     replace_fn: Callable[[torch.nn.Module, str, torch.Tensor], None] = _empty_parameter) -> list[str]:
+    """Replace by empty tensors the parameters ``names`` whose memory ``prepared`` does not use (the backend
+    keeps its own copy); ``replace_fn(layer, name, tensor)`` is the engine's way to swap a parameter. Returns
+    the names freed."""
+    keep = _storages(prepared)
+    freed = []
+    for name in names:
+        param = getattr(layer, name, None)
+        if isinstance(param, torch.Tensor) and param.numel() and param.untyped_storage().data_ptr() not in keep:
+            replace_fn(layer, name, torch.empty(0, dtype=param.dtype, device=param.device))
+            freed.append(name)
+    return freed
+
+
+def prepare_layer(selection: Selection, layer: torch.nn.Module, dtype: torch.dtype, top_k: int, max_tokens: int,
+                  where: str = "experts", replace_fn: Callable[[torch.nn.Module, str, torch.Tensor], None] = _empty_parameter,
+                  warn: Callable[[str], None] | None = None) -> Any:
+    """After loading, the one call: the layer's experts in the selected backend's form, its buffers reserved for
+    ``max_tokens`` (before any CUDA-graph capture), the checkpoint-layout parameters it does not share freed."""
+    if selection.backend is None:
+        raise Glm5Fp4Error(f"{where}: no backend was selected ({selection.reason})")
+    experts = experts_from_layer(layer, selection.mode, where, warn)
+    # W4A4 emulation keeps float32 weights: FP4 MMA multiplies exact FP4 values and accumulates in float32, so
+    # rounding the weights to BF16 would add an error the hardware does not have.
+    prepared = selection.backend.prepare(experts, selection.mode,
+                                         torch.float32 if selection.mode == "w4a4" else dtype)
+    selection.backend.reserve(prepared, top_k, max_tokens)
+    release_unshared(layer, CHECKPOINT_PARAMS, prepared, replace_fn)
+    return prepared

@@ -9,6 +9,7 @@ token, KV-cache bytes per token, distinct experts touched per decode step.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -17,6 +18,28 @@ from glm5_fp4.nvfp4 import BYTES_PER_ELEMENT as NVFP4_BYTES_PER_PARAM
 
 BF16_BYTES = 2.0
 FP8_BYTES = 1.0
+# Latent KV-cache row kinds the engines store for MLA + DSA models (bytes per token per layer: Glm5Spec.kv_row_bytes).
+KV_KINDS = ("fp8", "bf16", "nvfp4_ds_mla")
+# vLLM's `nvfp4_ds_mla` row (mla_attention.py state_content_bytes; SM100 FlashMLA only): not derived from dims.
+NVFP4_DS_MLA_ROW_BYTES = 352.0
+# FP8 caches keep one FP32 scale per this many values (vLLM fp8_ds_mla and the DSA indexer cache; SGLang's DSA pool).
+FP8_CACHE_SCALE_BLOCK = 128
+
+
+def expected_distinct_experts(tokens: float, num_experts: int, top_k: int) -> float:
+    """Expected distinct experts ``tokens`` tokens route to, each choosing ``top_k`` of ``num_experts`` uniformly:
+    E(1-(1-k/E)^T) (an expert misses one token's choice with probability exactly 1 - k/E)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def expected_distinct_groups(num_experts: int, top_k: int, groups: int) -> float:
+    """Expected distinct groups (e.g. expert-parallel GPUs, ``num_experts / groups`` experts each) one token's
+    ``top_k`` distinct experts fall in: G(1 - C(E - E/G, k) / C(E, k))."""
+    per_group = num_experts // groups
+    miss = 1.0
+    for i in range(top_k):  # probability that none of the k draws (without replacement) lands in one group
+        miss *= (num_experts - per_group - i) / (num_experts - i)
+    return groups * (1.0 - miss)
 
 
 @dataclass(frozen=True)
@@ -222,26 +245,50 @@ class Glm5Spec:
             mlp = self.dense_mlp_params * expert_bytes_per_param
         return (attn + mlp) / tp
 
-    def kv_bytes_per_token(self, kv_dtype_bytes: float = BF16_BYTES, include_indexer: bool = True) -> float:
-        """KV-cache bytes per token over all layers: the MLA latent (kv_lora + rope), plus the FP8 indexer key
-        (index_head_dim bytes + a 4-byte scale) when the model has DSA. Under TP every rank holds all of it."""
-        latent = (self.kv_lora_rank + self.qk_rope_head_dim) * kv_dtype_bytes
-        indexer = (self.index_head_dim * FP8_BYTES + 4) if (include_indexer and self.index_topk is not None) else 0
-        return self.num_layers * (latent + indexer)
+    def kv_row_bytes(self, kind: str = "bf16") -> float:
+        """Latent KV bytes per token per layer as the engines store ``kind`` (one of :data:`KV_KINDS`).
+
+        ``fp8`` is the scaled DSA row of vLLM's ``fp8_ds_mla`` and SGLang's DSA FP8 pool: kv_lora in FP8 + one
+        FP32 scale per 128 values + the rope part kept in BF16 (512 + 16 + 128 = 656 B for GLM-5, not 576).
+        """
+        if kind == "fp8":
+            return (self.kv_lora_rank * FP8_BYTES + self.kv_lora_rank // FP8_CACHE_SCALE_BLOCK * 4
+                    + self.qk_rope_head_dim * BF16_BYTES)
+        if kind == "bf16":
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * BF16_BYTES
+        if kind == "nvfp4_ds_mla":
+            return NVFP4_DS_MLA_ROW_BYTES
+        raise Glm5Fp4Error(f"unknown KV-cache row kind {kind!r}; known: {', '.join(KV_KINDS)}")
+
+    def indexer_row_bytes(self) -> float:
+        """DSA indexer key cache per token per layer: FP8 keys plus one FP32 scale per 128 (0 without DSA)."""
+        if self.index_topk is None:
+            return 0.0
+        return self.index_head_dim * FP8_BYTES + math.ceil(self.index_head_dim / FP8_CACHE_SCALE_BLOCK) * 4
+
+    def kv_bytes_per_token(self, kind: str = "bf16", include_indexer: bool = True) -> float:
+        """KV-cache bytes per token over all layers: the latent row of ``kind`` plus the indexer key (when the
+        model has DSA). Under TP every rank holds all of it."""
+        return self.num_layers * (self.kv_row_bytes(kind) + (self.indexer_row_bytes() if include_indexer else 0.0))
 
     # -- decode-step quantities ---------------------------------------------------------------------
-    def expected_experts_touched(self, tokens: int) -> float:
+    def expected_experts_touched(self, tokens: float) -> float:
         """Expected distinct routed experts per MoE layer for ``tokens`` independent tokens: E(1-(1-k/E)^T)."""
-        e, k = self.n_routed_experts, self.num_experts_per_tok
-        return e * (1.0 - (1.0 - k / e) ** tokens)
+        return expected_distinct_experts(tokens, self.n_routed_experts, self.num_experts_per_tok)
+
+    def selected_tokens(self, context: int) -> int:
+        """Cached tokens each query attends to: DSA selects min(context, index_topk); dense MLA all of them."""
+        return min(context, self.index_topk) if self.index_topk is not None else context
+
+    def mla_flops_per_token_layer(self, context: int, heads: float | None = None) -> float:
+        """Attention score/value FLOPs of one query token in one layer (MLA absorbed form: each head dots a
+        (kv_lora + rope)-wide query with each selected latent and mixes kv_lora-wide values)."""
+        heads = self.num_attention_heads if heads is None else heads
+        return 2.0 * heads * self.selected_tokens(context) * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
 
     def decode_flops_per_token(self, context: int = 0) -> float:
-        """2 x active parameters plus attention score/value FLOPs over ``context`` tokens (MLA absorbed form:
-        each head dots a (kv_lora + rope)-wide query with each cached latent and mixes kv_lora-wide values)."""
-        attn_ctx = self.index_topk if self.index_topk is not None else context
-        attn_ctx = min(context, attn_ctx) if attn_ctx is not None else context
-        per_layer = 2 * self.num_attention_heads * attn_ctx * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
-        return 2.0 * self.active_params_per_token + self.num_layers * per_layer
+        """2 x active parameters plus the attention score/value FLOPs over ``context`` cached tokens."""
+        return 2.0 * self.active_params_per_token + self.num_layers * self.mla_flops_per_token_layer(context)
 
     def summary(self) -> dict:
         return {

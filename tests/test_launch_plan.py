@@ -15,7 +15,8 @@ import pytest
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.hardware import get_gpu
-from glm5_fp4.launch.plan import PlanInputs, make_plan, pp_partition
+from glm5_fp4.cost_model import CATEGORIES, pp_partition
+from glm5_fp4.launch.plan import PlanInputs, make_plan
 from glm5_fp4.spec import Glm5Spec
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
@@ -33,45 +34,60 @@ def touched(b):
     return E * (1 - (1 - K / E) ** b)
 
 
+def x_in_out(tokens):
+    """The MoE layer's BF16 input read and output written once (any MoE kernel's minimum traffic)."""
+    return 2 * tokens * H * 2
+
+
 def test_tp8_c512_routed_expert_floor_matches_hand_value():
     p = plan(8, 1)
     routed_bytes = MOE_LAYERS * E * EXPERT_PARAMS * NVFP4 / 8  # every expert is touched at c512
     assert routed_bytes == pytest.approx(50.96e9, rel=1e-3)  # the "~51 GB per GPU per step"
-    assert p.routed_expert_bytes_per_step == pytest.approx(routed_bytes, rel=1e-4)
-    assert routed_bytes / BW == pytest.approx(0.02844, rel=1e-3)  # "floor ~28 ms at 1.79 TB/s"
-    assert p.per_step("expert") == pytest.approx(routed_bytes / BW, rel=1e-3)
-    assert p.bottleneck.expert.bound == "memory"  # AI ~ 2*16/0.5625 = 57 FLOP/B << ridge ~1124
+    assert p.heaviest.weights["routed experts"] == pytest.approx(routed_bytes, rel=1e-9)
+    step_bytes = routed_bytes * touched(512) / E + MOE_LAYERS * x_in_out(512)
+    assert p.routed_expert_bytes_per_step == pytest.approx(step_bytes, rel=1e-9)
+    assert step_bytes / BW == pytest.approx(0.0290, rel=1e-2)  # "floor ~28 ms at 1.79 TB/s" + activations
+    assert p.per_step("expert_gemm") == pytest.approx(step_bytes / BW, rel=1e-9)
+    assert p.bottleneck.category("expert_gemm").bound == "memory"  # AI ~ 2*16/0.5625 = 57 FLOP/B << ridge ~1124
 
 
 def test_tp4pp2_streams_each_stage_once_per_micro_batch():
     p = plan(4, 2)
     assert p.micro_batch == 256
     # stage 1 (layers 39..77) is all MoE; each GPU holds a quarter of each expert and reads it per micro-batch
-    per_micro_batch = 39 * touched(256) * EXPERT_PARAMS * NVFP4 / 4
-    assert p.routed_expert_bytes_per_step == pytest.approx(2 * per_micro_batch, rel=1e-6)
-    assert p.per_step("expert") == pytest.approx(2 * per_micro_batch / BW, rel=1e-3)
+    assert p.bottleneck.index == 1 and p.bottleneck.moe_layers == 39
+    per_micro_batch = 39 * (touched(256) * EXPERT_PARAMS * NVFP4 / 4 + x_in_out(256))
+    assert p.routed_expert_bytes_per_step == pytest.approx(2 * per_micro_batch, rel=1e-9)
+    assert p.per_step("expert_gemm") == pytest.approx(2 * per_micro_batch / BW, rel=1e-9)
 
 
 def test_allreduce_latency_bandwidth_model():
     msg = 512 * H * 2
     one = 24e-6 + 2 * 7 / 8 * msg / 38e9
-    assert plan(8, 1).per_step("allreduce_s") == pytest.approx(2 * LAYERS * one, rel=1e-6)
+    # 2 per layer and the vocab-parallel embedding's
+    assert plan(8, 1).per_step("allreduce") == pytest.approx((2 * LAYERS + 1) * one, rel=1e-9)
     msg2 = 256 * H * 2
     one2 = 24e-6 + 2 * 3 / 4 * msg2 / 38e9
-    # bottleneck stage: 39 layers, 2 all-reduces each, once per micro-batch (2 per step)
-    assert plan(4, 2).per_step("allreduce_s") == pytest.approx(2 * 2 * 39 * one2, rel=1e-6)
-    assert plan(1, 1, c=8).per_step("allreduce_s") == 0.0
+    # bottleneck stage (the last: no embedding, no hop): 39 layers, 2 all-reduces each, once per micro-batch
+    assert plan(4, 2).per_step("allreduce") == pytest.approx(2 * 2 * 39 * one2, rel=1e-9)
+    first = plan(4, 2).stages[0]
+    hop = 24e-6 + 2 * msg2 / 55e9  # hidden + residual over P2P
+    assert first.category("allreduce").seconds == pytest.approx((2 * 39 + 1) * one2 + hop, rel=1e-9)
+    assert plan(1, 1, c=8).per_step("allreduce") == 0.0
 
 
 def test_memory_per_gpu_and_fit():
     tp8 = plan(8, 1)
-    w = tp8.heaviest.weights_bytes
-    assert w["routed experts (NVFP4)"] == pytest.approx(MOE_LAYERS * E * EXPERT_PARAMS * NVFP4 / 8, rel=1e-9)
-    # attention: q_a (H x 2048) and kv_a (H x 576) and the indexer replicated, the rest split 8 ways, BF16
+    w = tp8.heaviest.weights
+    assert w["routed experts"] == pytest.approx(MOE_LAYERS * E * EXPERT_PARAMS * NVFP4 / 8, rel=1e-9)
+    # attention: q_a (H x 2048) and kv_a (H x 576) replicated, the rest split 8 ways, BF16
     replicated = H * 2048 + H * 576
     split = 2048 * 64 * 256 + 512 * 64 * (192 + 256) + 64 * 256 * H
+    assert w["attention projections"] == pytest.approx(LAYERS * (replicated + split / 8) * 2, rel=1e-9)
+    # the DSA indexer (wq_b, wk, weights_proj) is replicated: vLLM builds it with ReplicatedLinear
     indexer = 2048 * 32 * 128 + H * 128 + H * 32
-    assert w["attention + DSA indexer (BF16)"] == pytest.approx(LAYERS * (replicated + split / 8 + indexer) * 2, rel=1e-9)
+    assert w["DSA indexer projections"] == pytest.approx(LAYERS * indexer * 2, rel=1e-9)
+    assert w["shared experts"] == pytest.approx(MOE_LAYERS * EXPERT_PARAMS * NVFP4 / 8, rel=1e-9)
     # public figure: ~56-57 GB of weights per GPU at TP8 (hardware/glm5 notes); ours is within that neighbourhood
     assert 52e9 < tp8.heaviest.weights_total < 62e9
     assert tp8.weights_fit()
@@ -98,11 +114,14 @@ def test_kv_cache_bytes_and_capacity():
 
 def test_attention_kv_read_grows_with_context():
     short, long = plan(8, 1, ctx=1024), plan(8, 1, ctx=2048)
-    assert long.bottleneck.kv_read_bytes == pytest.approx(2 * short.bottleneck.kv_read_bytes)
+    assert long.kv_read_bytes_per_step == pytest.approx(2 * short.kv_read_bytes_per_step)
     # beyond index_topk only the indexer keys keep growing (DSA selects 2048 tokens)
     a, b = plan(8, 1, ctx=4096), plan(8, 1, ctx=8192)
     per_token_ctx = 512 * LAYERS * 132
-    assert b.bottleneck.kv_read_bytes - a.bottleneck.kv_read_bytes == pytest.approx(4096 * per_token_ctx)
+    assert b.kv_read_bytes_per_step - a.kv_read_bytes_per_step == pytest.approx(4096 * per_token_ctx)
+    # the attention category streams those reads (plus the new rows and the queries)
+    grown = b.bottleneck.category("attention").bytes - a.bottleneck.category("attention").bytes
+    assert grown == pytest.approx(4096 * per_token_ctx)
 
 
 def test_pp_partition_matches_vllm():
@@ -114,11 +133,11 @@ def test_pp_partition_matches_vllm():
 
 def test_step_time_is_the_sum_of_parts_and_tokens_per_s():
     p = plan(8, 1)
-    parts = sum(p.per_step(a) for a in ("expert", "attention", "allreduce_s", "hop_s", "other"))
+    parts = sum(p.per_step(cat) for cat in CATEGORIES)
     assert p.step_s == pytest.approx(parts)
     assert p.tokens_per_s == pytest.approx(512 / p.step_s)
     pp = plan(4, 2)
-    assert pp.step_s == pytest.approx(2 * max(s.time_s for s in pp.stages))
+    assert pp.step_s == pytest.approx(2 * max(s.seconds for s in pp.stages))
 
 
 def test_every_assumption_is_stated():
@@ -133,7 +152,7 @@ def test_gpu_without_interconnect_numbers_needs_flags():
         make_plan(Glm5Spec(), get_gpu("h200"), PlanInputs(8, 1, 512, 2048))
     h200 = make_plan(Glm5Spec(), get_gpu("h200"), PlanInputs(8, 1, 512, 2048, allreduce_gbs=360,
                                                               allreduce_latency_us=10))
-    assert "bf16" in h200.assumptions[5]  # no FP4 tensor cores: W4A16 roof
+    assert any("expert GEMMs on the bf16 roof" in a for a in h200.assumptions)  # no FP4 tensor cores: W4A16
 
 
 def test_plan_cli_side_by_side_and_json():
@@ -154,7 +173,8 @@ def test_plan_cli_side_by_side_and_json():
     assert list(data["layouts"]) == ["TP8"]
     tp8 = data["layouts"]["TP8"]
     assert tp8["concurrency"] == 64 and tp8["context"] == 4096
-    assert tp8["routed_expert_bytes_per_step"] == pytest.approx(MOE_LAYERS * touched(64) * EXPERT_PARAMS * NVFP4 / 8)
+    assert tp8["routed_expert_bytes_per_step"] == pytest.approx(
+        MOE_LAYERS * (touched(64) * EXPERT_PARAMS * NVFP4 / 8 + x_in_out(64)))
 
 
 def test_plan_cli_rejects_bad_layout(capsys):

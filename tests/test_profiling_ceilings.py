@@ -21,22 +21,22 @@ def _measured(value_us: float) -> dict:
 
 @pytest.mark.parametrize("batch,tp", [(1, 8), (64, 8), (512, 8), (512, 4)])
 def test_expert_bytes_and_flops(batch, tp):
+    """expert_gemm is the routed experts (the shared expert runs as separate linears: other_gemm)."""
     w = step_work(Glm5Spec(), StepShape(batch=batch, context=1024, tp=tp), get_gpu("rtx-pro-6000-ws"))["expert_gemm"]
-    touched = E * (1 - (1 - K / E) ** batch) + SHARED
+    touched = E * (1 - (1 - K / E) ** batch)
     weights = MOE * touched * 3 * H * I * NVFP4 / tp
-    acts = MOE * batch * (K + SHARED) * (2 * H + 3 * I / tp) * 2
+    acts = MOE * 2 * batch * H * 2  # x read and the output written once per layer
     assert w.bytes == pytest.approx(weights + acts, rel=1e-9)
-    assert w.flops == pytest.approx(MOE * 2 * batch * (K + SHARED) * 3 * H * I / tp, rel=1e-9)
+    assert w.flops == pytest.approx(MOE * 2 * batch * K * 3 * H * I / tp, rel=1e-9)
 
 
 def test_all_experts_stream_at_512_and_intensity_matches_the_reference_estimate():
     w = step_work(Glm5Spec(), StepShape(batch=512, context=0, tp=8), get_gpu("h200"))["expert_gemm"]
-    all_experts = MOE * (E + SHARED) * 3 * H * I * NVFP4 / 8
+    all_experts = MOE * E * 3 * H * I * NVFP4 / 8
     assert w.bytes > all_experts * 0.999  # every expert is touched
-    # profiling-and-loadtest.md §6.2: AI ≈ 2 * (B*k/E) / 0.5625 ≈ 57 FLOP/B (routed experts, weights only);
-    # with the shared expert: 2 * B * (k+1) / ((E+1) * 0.5625)
-    assert w.flops / all_experts == pytest.approx(2 * 512 * (K + SHARED) / ((E + SHARED) * NVFP4), rel=1e-9)
-    assert 45 < w.intensity < 70  # activations in and out lower it a little
+    # profiling-and-loadtest.md §6.2: AI ≈ 2 * (B*k/E) / 0.5625 ≈ 57 FLOP/B (routed experts, weights only)
+    assert w.flops / all_experts == pytest.approx(2 * 512 * K / (E * NVFP4), rel=1e-9)
+    assert 45 < w.intensity < 57  # activations in and out lower it a little
 
 
 def test_bound_is_memory_at_decode_and_compute_at_huge_batches():

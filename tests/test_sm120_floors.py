@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from glm5_fp4.hardware import get_gpu
-from glm5_fp4.kernels import configs as C
 from glm5_fp4.sm120.floors import expected_padded_columns, floors, mma_flops
 from glm5_fp4.spec import Glm5Spec
 
@@ -21,6 +20,13 @@ def _simulated_padded_columns(tokens, e, k, bm, trials=400, seed=0):
         counts = torch.bincount(ids.flatten(), minlength=e).double()
         total += (torch.ceil(counts / bm) * bm).sum().item()
     return total / trials
+
+
+def _simulated_counts(tokens, e, k, trials=200, seed=1):
+    """Tokens per expert, [trials, e], under uniform routing of ``tokens`` tokens to ``k`` distinct experts."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(trials, tokens, e, generator=g).topk(k, dim=2).indices
+    return torch.stack([torch.bincount(t.flatten(), minlength=e) for t in ids]).double()
 
 
 @pytest.mark.parametrize("tokens,bm", [(16, 16), (64, 16), (256, 32), (512, 64)])
@@ -56,9 +62,16 @@ def test_floors_on_rtx_pro_6000():
         assert r.compute_floor_us >= r.useful_gflop * 1e9 / (gpu.peak_tflops("bf16") * 1e12) * 1e6 - 1e-9
         assert r.bound_us == max(r.bandwidth_floor_us, r.compute_floor_us)
         assert r.fp4_mma_floor_us >= r.useful_gflop * 1e9 / (gpu.peak_tflops("nvfp4") * 1e12) * 1e6 - 1e-9
-    # the picker's plan is what configs.plan returns for this GPU's SM count
-    p = C.plan("sm120", 256, 256, 8, h, i, sm_count=gpu.sm_count)
-    assert by_t[256].gemm1["bm"] == p.gemm1.bm and by_t[256].gemm2_n_split == p.gemm2_n_split
+    # T=256 runs the grouped schedule: its compute floor counts each expert's tokens padded to the row's own bm,
+    # and GEMM1 launches one program per (N tile, expert with tokens); both against simulated routing
+    row = by_t[256]
+    assert row.schedule == "grouped"
+    counts = _simulated_counts(256, 256, 8)
+    cols1, cols2 = ((torch.ceil(counts / bm) * bm).sum(1).mean().item() for bm in (row.gemm1["bm"], row.gemm2["bm"]))
+    mma = 2.0 * cols1 * 2 * i * h + 2.0 * cols2 * h * i
+    assert row.compute_floor_us == pytest.approx(mma / (gpu.peak_tflops("bf16") * 1e12) * 1e6, rel=0.02)
+    active = (counts > 0).sum(1).double().mean().item()
+    assert row.programs_gemm1 == pytest.approx((i // row.gemm1["bn"]) * active, rel=0.01)
 
 
 def test_mma_flops_grouped_pads_per_expert():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.hardware import get_gpu, list_gpus, load_gpus
+from glm5_fp4.hardware import arch_limits, get_gpu, list_gpus, load_gpus, sm_count_guess, smem_limit
 from glm5_fp4.spec import GLM5, Glm5Spec
 
 
@@ -88,3 +88,36 @@ def test_user_gpu_yaml(tmp_path, monkeypatch):
                    "    peaks_tflops: {}\n    source: s\n")
     with pytest.raises(Glm5Fp4Error, match="broken.*sm_count"):
         load_gpus(str(bad))
+
+
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability": opt-in shared memory per block
+CUDA_GUIDE_SMEM_KB = {"sm80": 163, "sm90": 227, "sm100": 227, "sm120": 99}
+
+
+@pytest.mark.parametrize("arch", sorted(CUDA_GUIDE_SMEM_KB))
+def test_arch_limits(arch):
+    assert smem_limit(arch) == CUDA_GUIDE_SMEM_KB[arch] * 1024
+    assert smem_limit(arch.replace("sm", "sm_")) == smem_limit(arch.upper()) == smem_limit(arch)
+    assert arch_limits(arch).source
+    # the SM-count guess is a real GPU of that architecture where the table has one
+    table = [g for g in map(get_gpu, list_gpus()) if g.arch.replace("_", "") == arch]
+    if table:
+        assert sm_count_guess(arch) in {g.sm_count for g in table}
+        assert {g.smem_per_block_bytes for g in table} == {smem_limit(arch)}  # GPUs take their arch's
+    with pytest.raises(Glm5Fp4Error, match="unknown GPU architecture 'sm75'"):
+        arch_limits("sm75")
+
+
+def test_user_file_adds_an_arch_its_gpus_inherit(tmp_path, monkeypatch):
+    gpu = ("gpus:\n  ada:\n    display_name: Ada\n    arch: {arch}\n    compute_capability: [8, 9]\n"
+           "    sm_count: 128\n    memory_gb: 48\n    mem_bandwidth_gbs: 960\n    peaks_tflops: {{}}\n    source: s\n")
+    f = tmp_path / "gpus.yaml"
+    f.write_text("archs:\n  sm89:\n    smem_per_block_optin_bytes: 101376\n    sm_count_guess: 128\n    source: guide\n"
+                 + gpu.format(arch="sm_89"))
+    assert load_gpus(str(f))["ada"].smem_per_block_bytes == 101376
+    monkeypatch.setenv("GLM5_FP4_HARDWARE", str(f))
+    assert sm_count_guess("sm89") == 128 and smem_limit("sm120") == 99 * 1024  # built-ins stay
+    orphan = tmp_path / "orphan.yaml"
+    orphan.write_text(gpu.format(arch="sm_75"))  # an arch the table does not know, no figure of its own
+    with pytest.raises(Glm5Fp4Error, match="ada.*smem_per_block_bytes"):
+        load_gpus(str(orphan))

@@ -1,8 +1,11 @@
-"""The metadata block every committed benchmark result carries: machine, versions, date and git SHA."""
+"""The metadata block every committed benchmark result carries (machine, versions, date and git SHA), and how a
+result is written (JSON with everything, markdown next to it)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -22,9 +25,9 @@ def git_sha(path: str | Path | None = None) -> str | None:
         return None
 
 
-def _versions() -> dict:
+def _versions(packages: tuple[str, ...] = ()) -> dict:
     out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "vllm", "sglang"):
+    for name in ("torch", "triton", "vllm", "sglang", *packages):
         try:
             mod = __import__(name)
             out[name] = getattr(mod, "__version__", "?")
@@ -58,17 +61,30 @@ def _driver() -> str | None:
         return None
 
 
-def result_metadata(**extra) -> dict:
-    """``{"date", "git_sha", "host", "gpus", "gpu", "driver", "versions", ...extra}`` for a result file."""
+def result_metadata(packages: tuple[str, ...] = (), **extra) -> dict:
+    """``{"date", "git_sha", "host", "platform", "cpus", "gpus", "gpu", "driver", "versions", ...extra}`` for a
+    result file; ``packages``: more distributions whose versions the result depends on (e.g. aiohttp)."""
     gpus = _gpus()
     meta = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
         "host": platform.node(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
         "gpus": gpus,
         "gpu": gpus[0]["name"] if gpus else None,
         "driver": _driver() if gpus else None,
-        "versions": _versions(),
+        "versions": _versions(tuple(packages)),
     }
     meta.update(extra)
     return meta
+
+
+def write_result(out_dir: str | Path, stem: str, result: dict, markdown: str) -> tuple[Path, Path]:
+    """``out_dir/stem.json`` (everything; unknown types as strings) and ``out_dir/stem.md``; returns both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md.write_text(markdown)
+    return js, md

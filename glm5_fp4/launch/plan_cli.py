@@ -1,10 +1,12 @@
 """`glm5-fp4 plan`: memory per GPU and a roofline decode step time for a launch profile, layouts side by side.
 
     glm5-fp4 plan --profile launch/tp8.yaml [--gpu rtx-pro-6000-ws] [--concurrency 512] [--context 2048]
-                  [--layouts tp8,tp4pp2] [--config DIR/config.json] [--json]
+                  [--layouts tp8,tp4pp2,tp8ep8,dp8ep8] [--expert-skew 0.2] [--config DIR/config.json] [--json]
 
-By default the profile's own layout is shown next to TP8 and TP4+PP2. Every assumption is printed under the
-numbers; the formulas are in glm5_fp4/launch/plan.py.
+Layouts: ``tpN`` (tensor parallel), ``tpNppM`` (+ pipeline stages), ``tpNepN`` (attention TP, experts split whole
+over the GPUs), ``dpNepN`` (data-parallel attention: each GPU its own sequences and KV, experts split whole, tokens
+dispatched by all-to-all). By default the profile's own layout is shown next to TP8 and TP4+PP2. Every assumption is printed under the
+numbers; the formulas are in glm5_fp4/cost_model.py (the model `profile analyze` uses for its ceilings).
 """
 
 from __future__ import annotations
@@ -32,18 +34,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve-gib", type=float, default=2.0,
                         help="GiB kept for activations, CUDA graphs and NCCL buffers")
     parser.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak bandwidth/FLOPS reached")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="the engine's KV-cache dtype (default: the profile's, else auto = FP8 DSA row)")
     parser.add_argument("--expert-math", choices=("nvfp4", "bf16"), default=None,
                         help="roof for expert GEMMs: nvfp4 (W4A4) or bf16 (W4A16); default nvfp4 where the GPU has it")
+    parser.add_argument("--expert-skew", type=float, default=0.0,
+                        help="expert parallelism: the hottest GPU's token-slots over the mean, minus 1 (default 0)")
+    parser.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="all-to-all dispatch precision for DP-attention + EP layouts (combine is BF16)")
     parser.add_argument("--allreduce-gbs", type=float, default=None, help="all-reduce bus bandwidth override (GB/s)")
     parser.add_argument("--allreduce-latency-us", type=float, default=None, help="all-reduce latency override (us)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"\s*tp(\d+)(?:\s*[+x]?\s*pp(\d+))?\s*", text.lower())
-    if not m or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < 1):
-        raise Glm5Fp4Error(f"--layouts: {text!r} is not a layout like tp8 or tp4pp2")
-    return int(m.group(1)), int(m.group(2) or 1)
+LAYOUT = re.compile(r"\s*(tp|dp)(\d+)(?:\s*[+x]?\s*ep(\d+))?(?:\s*[+x]?\s*pp(\d+))?\s*")
+
+
+def parse_layout(text: str) -> tuple[int, int, int, int]:
+    """``tp8`` / ``tp4pp2`` / ``tp8ep8`` / ``dp8ep8`` -> (GPUs per stage, stages, dp, ep)."""
+    m = LAYOUT.fullmatch(text.lower())
+    n = [int(g) if g else None for g in m.groups()[1:]] if m else []
+    if not m or any(v is not None and v < 1 for v in n):
+        raise Glm5Fp4Error(f"--layouts: {text!r} is not a layout like tp8, tp4pp2, tp8ep8 or dp8ep8")
+    gpus, ep, pp = n[0], n[1] or 1, n[2] or 1
+    return gpus, pp, gpus if m.group(1) == "dp" else 1, ep
 
 
 WEIGHT_ONLY_BACKENDS = ("marlin", "humming", "experimental_sgl_marlin")
@@ -75,49 +89,71 @@ def build_plans(args: argparse.Namespace):
     spec, spec_origin = _spec_for(profile, args.config)
     gpu = get_gpu(args.gpu)
     engine = profile.engine if profile else "vllm"
-    kv = profile.kv_cache_dtype if profile else "auto"
+    kv = args.kv_cache_dtype or (profile.kv_cache_dtype if profile else "auto")
     concurrency = args.concurrency or (profile.max_concurrency if profile else 512)
     if args.layouts:
         layouts = [parse_layout(t) for t in args.layouts.split(",") if t.strip()]
     else:
-        layouts = [(profile.tensor_parallel, profile.pipeline_parallel)] if profile else []
+        layouts = [(profile.tensor_parallel, profile.pipeline_parallel, 1, 1)] if profile else []
         layouts += [parse_layout(t) for t in DEFAULT_LAYOUTS]
     layouts = list(dict.fromkeys(layouts))
     expert_math = args.expert_math or (_weight_only_math(profile) if profile else None)
     plans = [make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
                                              args.reserve_gib, args.efficiency, expert_math,
-                                             args.allreduce_gbs, args.allreduce_latency_us))
-             for tp, pp in layouts]
+                                             args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
+                                             args.expert_skew, args.dispatch_dtype))
+             for tp, pp, dp, ep in layouts]
     return plans, spec_origin, profile
 
 
+CATEGORY_LABELS = {
+    "expert_gemm": "expert GEMM (routed)",
+    "attention": "attention (MLA + DSA indexer)",
+    "other_gemm": "other GEMM (projections, shared expert, dense MLP, router, lm_head)",
+    "allreduce": "communication (all-reduce, all-to-all, PP send/recv)",
+}
+
+
+def _names(plans, pick) -> list[str]:
+    """Component names in model order, across every plan (stages differ: lm_head only on the last)."""
+    return list(dict.fromkeys(c.name for p in plans for s in p.stages for c in s.components if pick(c)))
+
+
 def _rows(plans) -> list[tuple[str, list[str]]]:
+    from glm5_fp4.cost_model import CATEGORIES
+
     gb = 1e9
     rows: list[tuple[str, list[str]]] = [("Memory per GPU (GB = 1e9 B; heaviest stage)", [])]
-    for cat in plans[0].stages[0].weights_bytes:
-        rows.append((f"  {cat}", [f"{p.heaviest.weights_bytes[cat] / gb:.2f}" for p in plans]))
+    for name in _names(plans, lambda c: c.weights):
+        rows.append((f"  {name}", [f"{p.heaviest.weights.get(name, 0.0) / gb:.2f}" for p in plans]))
     rows += [
         ("  weights total", [f"{p.heaviest.weights_total / gb:.2f}" for p in plans]),
         ("  usable for weights + KV", [f"{p.usable_bytes / gb:.2f}" for p in plans]),
         ("  KV bytes / token / GPU", [f"{p.heaviest.kv_bytes_per_token:,.0f}" for p in plans]),
         ("  KV capacity (tokens)", [f"{p.kv_capacity_tokens():,}" for p in plans]),
-        (f"  KV needed: concurrency x context", [f"{p.kv_tokens_needed:,}" for p in plans]),
+        ("  KV needed: concurrency x context", [f"{p.kv_tokens_needed:,}" for p in plans]),
         (f"  sequences that fit at context {plans[0].inputs.context}", [f"{p.max_sequences():,}" for p in plans]),
         ("  fits (weights and KV)", ["yes" if p.fits() else ("NO: KV" if p.weights_fit() else "NO: weights")
                                      for p in plans]),
         (f"Decode step at concurrency {plans[0].inputs.concurrency} (ms; bottleneck stage x PP)", []),
-        ("  expert GEMM (routed)", [f"{p.per_step('expert') * 1e3:.2f} {p.bottleneck.expert.bound[:3]}"
-                                     for p in plans]),
-        ("    routed-expert bytes / GPU / step (GB)", [f"{p.routed_expert_bytes_per_step / gb:.2f}" for p in plans]),
-        ("  attention (MLA + DSA indexer)", [f"{p.per_step('attention') * 1e3:.2f} {p.bottleneck.attention.bound[:3]}"
-                                              for p in plans]),
-        ("    latent KV + indexer keys read / GPU / step (GB)",
-         [f"{p.inputs.pp * p.bottleneck.kv_read_bytes / gb:.2f}" for p in plans]),
-        ("  all-reduce", [f"{p.per_step('allreduce_s') * 1e3:.2f}" for p in plans]),
-        ("    calls per step x time per call (us)",
-         [f"{p.inputs.pp * p.bottleneck.allreduce_calls} x {p.allreduce_one_s * 1e6:.0f}" for p in plans]),
-        ("  PP send/recv (bottleneck stage)", [f"{p.per_step('hop_s') * 1e3:.2f}" for p in plans]),
-        ("  other (shared expert, dense MLP, router, lm_head)", [f"{p.per_step('other') * 1e3:.2f}" for p in plans]),
+    ]
+    for cat in CATEGORIES:
+        rows.append((f"  {CATEGORY_LABELS[cat]}", [f"{p.per_step(cat) * 1e3:.2f} {p.bottleneck.category(cat).bound[:3]}"
+                                                    if cat != "allreduce" else f"{p.per_step(cat) * 1e3:.2f}"
+                                                    for p in plans]))
+        for name in _names(plans, lambda c, cat=cat: c.category == cat):
+            rows.append((f"    {name}", [f"{p.component_per_step(name) * 1e3:.2f}" for p in plans]))
+        if cat == "expert_gemm":
+            rows.append(("    routed-expert bytes / GPU / step (GB)",
+                         [f"{p.routed_expert_bytes_per_step / gb:.2f}" for p in plans]))
+        elif cat == "attention":
+            rows.append(("    latent KV + indexer keys read / GPU / step (GB)",
+                         [f"{p.kv_read_bytes_per_step / gb:.2f}" for p in plans]))
+        elif cat == "allreduce":
+            rows.append(("    all-reduce calls per step x time per call (us)",
+                         [f"{p.component_per_step('all-reduce', 'calls'):.0f} x {p.allreduce_one_s * 1e6:.0f}"
+                          for p in plans]))
+    rows += [
         ("  step time (TPOT floor)", [f"{p.step_s * 1e3:.2f}" for p in plans]),
         ("  output tokens/s (ceiling)", [f"{p.tokens_per_s:,.0f}" for p in plans]),
     ]
@@ -150,21 +186,25 @@ def render(plans, spec_origin: str, profile, profile_path: str | None) -> str:
 
 
 def to_json(plans, spec_origin: str) -> dict:
+    from glm5_fp4.cost_model import CATEGORIES
+
     out = {"model": spec_origin, "gpu": plans[0].gpu.name, "layouts": {}}
     for p in plans:
         out["layouts"][p.layout] = {
-            "tp": p.inputs.tp, "pp": p.inputs.pp, "concurrency": p.inputs.concurrency, "context": p.inputs.context,
-            "micro_batch": p.micro_batch,
-            "weights_bytes_per_gpu": p.heaviest.weights_bytes, "weights_total_bytes": p.heaviest.weights_total,
+            "tp": p.inputs.tp, "pp": p.inputs.pp, "dp": p.inputs.dp, "ep": p.inputs.ep,
+            "concurrency": p.inputs.concurrency, "context": p.inputs.context, "expert_skew": p.inputs.expert_skew,
+            "micro_batch": p.micro_batch, "kv_kind": p.kv_kind,
+            "weights_bytes_per_gpu": p.heaviest.weights, "weights_total_bytes": p.heaviest.weights_total,
             "usable_bytes": p.usable_bytes, "kv_bytes_per_token_per_gpu": p.heaviest.kv_bytes_per_token,
             "kv_capacity_tokens": p.kv_capacity_tokens(), "kv_tokens_needed": p.kv_tokens_needed,
             "weights_fit": p.weights_fit(), "fits": p.fits(),
-            "step_ms": {"expert_gemm": p.per_step("expert") * 1e3, "attention": p.per_step("attention") * 1e3,
-                        "allreduce": p.per_step("allreduce_s") * 1e3, "pp_hop": p.per_step("hop_s") * 1e3,
-                        "other": p.per_step("other") * 1e3, "total": p.step_s * 1e3},
+            # per profiler category (the categories `profile analyze` measures), bottleneck stage x PP
+            "step_ms": {**{cat: p.per_step(cat) * 1e3 for cat in CATEGORIES}, "total": p.step_s * 1e3},
+            "components_ms": {c.name: p.component_per_step(c.name) * 1e3 for c in p.bottleneck.components
+                              if c.category},
             "routed_expert_bytes_per_step": p.routed_expert_bytes_per_step,
-            "kv_read_bytes_per_step": p.inputs.pp * p.bottleneck.kv_read_bytes,
-            "allreduce_calls_per_step": p.inputs.pp * p.bottleneck.allreduce_calls,
+            "kv_read_bytes_per_step": p.kv_read_bytes_per_step,
+            "allreduce_calls_per_step": p.component_per_step("all-reduce", "calls"),
             "tokens_per_s": p.tokens_per_s,
             "assumptions": p.assumptions,
         }

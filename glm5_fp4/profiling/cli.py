@@ -66,7 +66,9 @@ def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     h.add_argument("--config", help="model config.json (default: GLM-5)")
     h.add_argument("--expert-dtype", choices=["nvfp4", "fp8", "bf16"], default="nvfp4")
     h.add_argument("--attention-dtype", choices=["nvfp4", "fp8", "bf16"], default="bf16")
-    h.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    # choices checked by StepShape.validate against glm5_fp4.spec.KV_KINDS (importing spec here would import torch)
+    h.add_argument("--kv-dtype", default="bf16",
+                   help="latent KV row: fp8 (the scaled DSA row of vLLM fp8_ds_mla and SGLang), bf16 or nvfp4_ds_mla")
 
 
 def _ceilings(breakdown, args) -> dict | None:
@@ -98,7 +100,9 @@ def _ceilings(breakdown, args) -> dict | None:
     summed = {c: v["mean"] for c, v in across["summed_us"].items()}
     exposed = {c: v["mean"] for c, v in across["exposed_us"].items()}
     # the work of an all-reduce is what the hardware can speed up; waiting is another rank's slowness
-    return ceilings(spec, shape, gpu, summed, exposed, across["step_time_us"]["mean"])
+    result = ceilings(spec, shape, gpu, summed, exposed, across["step_time_us"]["mean"])
+    breakdown.notes.extend(f"ceilings assume: {a}" for a in result["assumptions"])
+    return result
 
 
 def analyze(path: str, args) -> dict[str, Path]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -22,6 +21,21 @@ def _cfg(d: dict | None) -> str:
     if not d:
         return "—"
     return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d)
+
+
+def _tolerance(tol) -> str:
+    """One bound, or one per mode (``{"w4a16": 4e-3, "w4a4": 1e-2}``)."""
+    if isinstance(tol, dict):
+        return ", ".join(f"{v:g} in {k.upper()}" for k, v in tol.items())
+    return "—" if tol is None else f"{tol:g}"
+
+
+def _experts_shape() -> str:
+    """The MoE shape the benchmark runs (selftest.bench times Glm5Spec()'s experts)."""
+    from glm5_fp4.spec import Glm5Spec
+
+    spec = Glm5Spec()
+    return (f"{spec.name} experts E={spec.n_routed_experts}, H={spec.hidden_size}, top-{spec.num_experts_per_tok}")
 
 
 def markdown(result: dict) -> str:
@@ -55,8 +69,7 @@ def markdown(result: dict) -> str:
     lines += [f"| {k} | {v} |" for k, v in items]
     lines += [
         "",
-        "## Correctness (fused MoE vs float64 reference; relative error under each case's tolerance, from "
-        "glm5_fp4.tolerances)",
+        f"## Correctness (fused MoE vs float64 reference, relative error < {_tolerance(corr['tolerance'])})",
         "",
         "| shape | T | routing | mode | ids | schedule | gemm1 | gemm2 (split) | rel err | tolerance | finite | result |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -92,7 +105,7 @@ def markdown(result: dict) -> str:
     elif isinstance(kernels, dict):
         lines += ["", f"Kernel resources unavailable: {kernels.get('error')}"]
     bench = result.get("benchmark")
-    lines += ["", "## Benchmark (CUDA-graph replays, GLM-5 experts H=6144, top-8)", ""]
+    lines += ["", f"## Benchmark (CUDA-graph replays, {_experts_shape()})", ""]
     if not bench:
         lines.append("Not run (--no-bench).")
     elif bench.get("status") == "error":
@@ -128,8 +141,6 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js, md = out_dir / "selftest.json", out_dir / "selftest.md"
-    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    md.write_text(markdown(result))
-    return js, md
+    from glm5_fp4.bench.meta import write_result
+
+    return write_result(out_dir, "selftest", result, markdown(result))

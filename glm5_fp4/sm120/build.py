@@ -60,11 +60,12 @@ class Build:
     compile_s: float
     ptxas_log: str = ""
     ptx: str = field(default="", repr=False)
+    cubin: bytes = field(default=b"", repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.pop("ptxas_log")
-        d.pop("ptx")
+        for raw in ("ptxas_log", "ptx", "cubin"):
+            d.pop(raw)
         return d
 
 
@@ -275,4 +276,5 @@ def compile_specialized(sp: Specialized) -> Build:
         compile_s=elapsed,
         ptxas_log=log,
         ptx=kernel.asm["ptx"],
+        cubin=kernel.asm.get("cubin", b""),
     )

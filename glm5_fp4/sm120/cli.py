@@ -9,7 +9,6 @@ floors on an RTX PRO 6000.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -63,13 +62,10 @@ def floors_section(gpu_name: str, alt_name: str | None) -> dict:
 
 
 def write(result: dict, out: Path) -> tuple[Path, Path]:
+    from glm5_fp4.bench.meta import write_result
     from glm5_fp4.sm120.report import markdown
 
-    out.mkdir(parents=True, exist_ok=True)
-    js, md = out / "compile_matrix.json", out / "compile_matrix.md"
-    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    md.write_text(markdown(result))
-    return js, md
+    return write_result(out, "compile_matrix", result, markdown(result))
 
 
 def run(args: argparse.Namespace) -> int:

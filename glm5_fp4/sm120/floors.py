@@ -1,9 +1,10 @@
 """What to expect before running: the floors the fused MoE kernels face on a GPU, per decode shape.
 
 * **bandwidth floor** = bytes the layer must move / the GPU's memory bandwidth: NVFP4 weights of the
-  experts the routing touches (expected count ``E(1-(1-k/E)^T)``, :meth:`Glm5Spec.expected_experts_touched`)
-  plus reading the hidden states and writing the output - the same byte count as
-  ``benchmarks/moe_kernel.py``, so measured rows and these floors compare directly.
+  experts the routing touches (expected count ``E(1-(1-k/E)^T)``, :func:`glm5_fp4.spec.expected_distinct_experts`)
+  plus reading the hidden states and writing the output: the routed-expert component of the decode-step cost
+  model (:func:`glm5_fp4.cost_model.routed_experts`), the same byte count as ``benchmarks/moe_kernel.py``, so
+  measured rows, these floors, ``plan`` and the profiler's ceilings compare directly.
 * **compute floor** = MMA work the selected plan issues / the GPU's dense 16-bit tensor peak. The kernels
   decode NVFP4 to fp16 and run 16-bit MMAs with tokens on the MMA's N side, padded to the plan's ``bm``
   per expert (slot schedule: every routing slot is its own ``bm`` block), so the floor counts the padded
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from glm5_fp4 import nvfp4
+from glm5_fp4.cost_model import Layout, routed_experts
 from glm5_fp4.hardware import GpuSpec
 from glm5_fp4.spec import Glm5Spec
 
@@ -112,8 +113,8 @@ def floors(
         i = spec.moe_intermediate_size // tp
         for t in tokens:
             touched = spec.expected_experts_touched(t)
-            need = touched * nvfp4.nvfp4_bytes(3 * i * h) + 2 * t * h * 2
-            useful = 2.0 * t * k * 3 * i * h
+            layer = routed_experts(spec, t, Layout(tp=tp))
+            need, useful = layer.bytes, layer.flops
             p = C.plan(arch, t, e, k, h, i, sm_count=gpu.sm_count)
             mma = mma_flops(t, e, k, h, i, p.schedule, p.gemm1.bm, p.gemm2.bm)
             bw_us = need / gpu.bandwidth_bytes_per_s * 1e6

@@ -54,8 +54,10 @@ def inputs(t, e, h, k, dtype=torch.bfloat16, routing="balanced", global_e=None):
 
 
 def reference(x, w, ids, ex, mode, expert_map=None):
-    """float64 evaluation of the same NVFP4 codes (no final rounding)."""
-    return moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64,
+    """The same NVFP4 codes evaluated in float64 (float32 for prefill-sized batches, where float64 GEMMs
+    would dominate the suite's time; its 1e-6 rounding is far under every tolerance), no final rounding."""
+    dtype = torch.float64 if x.shape[0] <= 1024 else torch.float32
+    return moe_reference(x.to(dtype), w.to(dtype), ids.long(), ex, mode=mode, compute_dtype=dtype,
                          expert_map=expert_map)
 
 
@@ -86,7 +88,7 @@ def test_balanced_matches_reference(shape, t, mode):
 
 
 @pytest.mark.parametrize("routing", SKEWED)
-@pytest.mark.parametrize("t", [16, 512, 1024, 4096, 8192])
+@pytest.mark.parametrize("t", [16, 512, 1024, 8192])
 def test_skewed_routings_match_reference(routing, t):
     """Hot experts with many token blocks each: the work list must cover every block exactly once."""
     x, w, ids = inputs(t, GLM_TP8["e"], GLM_TP8["h"], GLM_TP8["k"], routing=routing)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from glm5_fp4.reference import moe_reference, random_experts, route
+from glm5_fp4.tolerances import moe_tolerance, rel_error
 
 E, H, I, K, T = 8, 64, 32, 2, 24
 
@@ -76,6 +77,7 @@ def make_layer(experts, seed=0):
 
     method = ModelOptNvFp4FusedMoEMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16,
                                                            exclude_modules=[]))
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size  # noqa: N806
     layer = torch.nn.Module()
     layer.num_local_experts = layer.num_experts = E
     layer._mega_moe_nvfp4 = False  # FusedMoE attribute the original apply() reads
@@ -145,8 +147,7 @@ def test_hooked_apply_equals_reference(published, monkeypatch, backend, mode):
     if backend == "reference":
         torch.testing.assert_close(out.hidden_states, ref, rtol=0, atol=0)
     else:  # dequant keeps BF16 weights: one BF16 rounding of each dequantized weight
-        err = (out.hidden_states.float() - ref.float()).norm() / ref.float().norm()
-        assert err < 1e-2
+        assert rel_error(out.hidden_states, ref) < moe_tolerance(info.mode, torch.bfloat16)
     # the checkpoint-layout copies the reference does not need are freed; the reference keeps its views
     assert (layer.w13_weight.numel() == 0) == (info.backend.name != "reference")
 
@@ -216,6 +217,26 @@ def test_bf16_draft_layers_get_a_clear_error(published):
     core = make_runner_core(make_layer(inputs(5)[0])[0].moe_runner_config)
     with pytest.raises(Glm5Fp4Error, match="speculative-moe-runner-backend"):
         core.run_from_dispatch(None, object(), core.config)
+
+
+# (backend, mode) on a CUDA GPU of each capability, for a checkpoint with input scales: our kernel needs SM89+
+# (FP8 hardware conversion), FP4 tensor cores (auto = W4A4) start at SM100. SGLang has no fallback once
+# --moe-runner-backend glm5_fp4 is chosen, so Ampere gets the reason as one clear error.
+DECISIONS = {80: (None, "w4a16"), 86: (None, "w4a16"), 89: ("triton", "w4a16"), 90: ("triton", "w4a16"),
+             100: ("triton", "w4a4"), 120: ("triton", "w4a4")}
+
+
+@pytest.mark.parametrize("capability", sorted(DECISIONS))
+def test_the_adapter_decision_per_gpu_capability(published, capability):
+    from glm5_fp4.engines.sglang.hooks import choose
+    from glm5_fp4.settings import PluginSettings
+
+    g = torch.Generator().manual_seed(7)
+    method, layer = make_layer(random_experts(E, 256, 128, generator=g))  # a shape the real kernel tiles
+    sel = choose(method, layer, PluginSettings(), torch.device("cuda"), capability)
+    assert (sel.backend.name if sel.backend else None, sel.mode) == DECISIONS[capability], sel.reason
+    if sel.backend is None:
+        assert "sm_89" in sel.reason and f"sm_{capability}" in sel.reason
 
 
 def test_gpu_only_paths_are_not_silently_taken(published):

@@ -8,7 +8,7 @@ Each is an AROUND hook registered with ``HookRegistry`` (SGLang's own plugin mec
    What: when the backend is ``glm5_fp4`` and the original refuses the platform, set the attributes the
    original sets, without its platform check.
    Why: the original raises "Current platform does not support NVFP4" unless the GPU is Blackwell or the runner
-   is Marlin; our backend also runs W4A16 on Hopper/Ampere (Triton) and on CPU tensors (reference, dequant).
+   is Marlin; our backend also runs W4A16 on Hopper/Ada (Triton, SM89+) and on CPU tensors (reference, dequant).
    How: call the original; only on that ValueError, set ``quant_config``, ``_lora_marlin``,
    ``enable_flashinfer_trtllm_moe``, ``use_flashinfer_trtllm_weight_layout``, ``_cache_permute_indices``
    (a test compares this set with what the original sets on a Blackwell-like platform).
@@ -16,10 +16,10 @@ Each is an AROUND hook registered with ``HookRegistry`` (SGLang's own plugin mec
    Remove when: the check asks the registered runner whether it supports the platform.
 
 2. ``process_weights_after_loading``
-   What: for ``glm5_fp4``, builds :class:`glm5_fp4.reference.NvFp4Experts` from the raw ModelOpt tensors,
-   lets :func:`glm5_fp4.backends.select` pick our backend (``GLM5_FP4_BACKEND``, ``GLM5_FP4_MODE``), prepares
-   it, frees the checkpoint-layout copies the backend no longer reads, and stores a ``Glm5Fp4QuantInfo`` on
-   the layer.
+   What: for ``glm5_fp4``, lets :func:`glm5_fp4.backends.choose` pick our backend and mode (``GLM5_FP4_BACKEND``,
+   ``GLM5_FP4_MODE``), hands the raw ModelOpt tensors to :func:`glm5_fp4.backends.prepare_layer` (which also
+   frees the checkpoint-layout copies the backend no longer reads), and stores a ``Glm5Fp4QuantInfo`` on the
+   layer.
    Why: for an unknown backend the original falls into its generic CUTLASS branch, which swizzles the block
    scales *in place of* ``w13_weight_scale``/``w2_weight_scale`` and computes alphas we do not use; our
    backends want the linear ModelOpt layout (``[gate; up]`` rows, linear E4M3 scales) and their own repacking.
@@ -43,20 +43,14 @@ import logging
 
 import torch
 
-from glm5_fp4 import backends
+from glm5_fp4 import backends, settings
 from glm5_fp4.engines.sglang import NAME
 from glm5_fp4.engines.sglang.runner import Glm5Fp4QuantInfo
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.reference import NvFp4Experts
 
 logger = logging.getLogger("sglang.glm5_fp4")
 TARGET = "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod"
 PLATFORM_REFUSAL = "does not support NVFP4"
-# Blackwell (SM100+) has FP4 tensor cores; "auto" mode quantizes activations there when the checkpoint has scales.
-FP4_TENSOR_CORE_MIN_CAPABILITY = 100
-DEFAULT_RESERVE_TOKENS = 8192
-_CHECKPOINT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_weight_scale_2",
-                      "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")
 _warned: set[str] = set()
 
 
@@ -107,68 +101,8 @@ def around_init(original, self, quant_config, *args, **kwargs):
 
 # -- 2. process_weights_after_loading ---------------------------------------------------------------------
 
-def resolve_mode(requested: str, device: torch.device, has_activation_scales: bool) -> str:
-    if requested == "w4a4":
-        if not has_activation_scales:
-            raise Glm5Fp4Error("GLM5_FP4_MODE=w4a4 needs activation input scales; this is a W4A16 NVFP4 checkpoint")
-        return "w4a4"
-    if requested == "w4a16":
-        return "w4a16"
-    capability = _capability(device)
-    fp4_cores = capability is not None and capability >= FP4_TENSOR_CORE_MIN_CAPABILITY
-    return "w4a4" if has_activation_scales and fp4_cores else "w4a16"
-
-
-def _capability(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
-
-
-def experts_from_layer(layer, w4a4: bool, where: str = "experts") -> NvFp4Experts:
-    """The layer's ModelOpt NVFP4 tensors as :class:`NvFp4Experts` (views, no copies)."""
-    gs13 = layer.w13_weight_scale_2.data
-    if gs13.dim() == 2:
-        if gs13.shape[1] == 2 and not torch.equal(gs13[:, 0], gs13[:, 1]):
-            _warn_once(f"glm5_fp4: gate and up weight_scale_2 differ in {where}; using the gate's for both, as "
-                       "SGLang's Marlin path and vLLM do (accuracy may suffer)")
-        gs13 = gs13[:, 0]
-    n_local = layer.w13_weight.shape[0]
-    a13 = a2 = None
-    if w4a4:
-        # ModelOpt calibrates gate and up inputs separately; both see the same tensor, the max covers both.
-        a13 = layer.w13_input_scale.data.float().reshape(layer.w13_input_scale.shape[0], -1).amax(dim=1)[:n_local]
-        a2 = layer.w2_input_scale.data.float().reshape(-1)[:n_local]
-    experts = NvFp4Experts(
-        w13=layer.w13_weight.data, w13_scale=layer.w13_weight_scale.data, w13_global=gs13.contiguous(),
-        w2=layer.w2_weight.data, w2_scale=layer.w2_weight_scale.data,
-        w2_global=layer.w2_weight_scale_2.data.reshape(-1).contiguous(),
-        a13_scale=a13.contiguous() if a13 is not None else None, a2_scale=a2.contiguous() if a2 is not None else None)
-    experts.validate(where)
-    return experts
-
-
-def _storages(obj, seen=None) -> set[int]:
-    """Data pointers of every tensor reachable from ``obj`` (dataclass/attributes/containers)."""
-    seen = set() if seen is None else seen
-    out: set[int] = set()
-    if id(obj) in seen:
-        return out
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        if obj.numel():
-            out.add(obj.untyped_storage().data_ptr())
-    elif isinstance(obj, (list, tuple, set)):
-        for item in obj:
-            out |= _storages(item, seen)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            out |= _storages(item, seen)
-    elif hasattr(obj, "__dict__"):
-        for item in vars(obj).values():
-            out |= _storages(item, seen)
-    return out
+def _where(cfg) -> str:
+    return f"layer {cfg.layer_id} experts" if cfg.layer_id is not None else "experts"
 
 
 def _max_tokens() -> int:
@@ -177,51 +111,47 @@ def _max_tokens() -> int:
         from sglang.srt.runtime_context import get_server_args
 
         args = get_server_args()
-        sizes = [getattr(args, n, None) for n in ("chunked_prefill_size", "max_prefill_tokens",
-                                                  "cuda_graph_max_bs_decode", "max_running_requests")]
-        sizes = [s for s in sizes if isinstance(s, int) and s > 0]
-        return max(sizes) if sizes else DEFAULT_RESERVE_TOKENS
     except Exception:  # noqa: BLE001 - no server context (tests, offline use)
-        return DEFAULT_RESERVE_TOKENS
+        return settings.reserve_tokens()
+    return settings.reserve_tokens(*(getattr(args, n, None) for n in (
+        "chunked_prefill_size", "max_prefill_tokens", "cuda_graph_max_bs_decode", "max_running_requests")))
+
+
+def choose(method, layer, plugin: settings.PluginSettings, device: torch.device | None = None,
+           capability=None) -> backends.Selection:
+    """Backend and mode for this layer; device and capability default to where the layer's weights are."""
+    cfg = getattr(method, "moe_runner_config", None) or layer.moe_runner_config
+    n_local, two_i, h_half = layer.w13_weight.shape
+    shape = backends.MoEShape(num_experts=n_local, hidden_size=h_half * 2, intermediate_size=two_i // 2,
+                              top_k=cfg.top_k or 0, activation=cfg.activation, gated=cfg.is_gated,
+                              expert_parallel=(getattr(layer, "moe_ep_size", 1) or 1) > 1)
+    has_scales = not getattr(method.quant_config, "is_w4a16", False)
+    return backends.choose(plugin, device or layer.w13_weight.device, shape, _dtype(cfg, layer), has_scales,
+                           capability, where=_where(cfg))
+
+
+def _dtype(cfg, layer) -> torch.dtype:
+    return cfg.params_dtype or getattr(layer, "params_dtype", None) or torch.bfloat16
 
 
 def process_for_glm5(method, layer) -> Glm5Fp4QuantInfo:
     """Our replacement for the original ``process_weights_after_loading`` (see the module docstring)."""
-    from glm5_fp4.engines.vllm.settings import from_sources  # importable without vLLM: reads GLM5_FP4_* env
-
-    settings = from_sources(None)
     cfg = getattr(method, "moe_runner_config", None) or layer.moe_runner_config
-    where = f"layer {cfg.layer_id} experts" if cfg.layer_id is not None else "experts"
-    has_scales = not getattr(method.quant_config, "is_w4a16", False)
-    device = layer.w13_weight.device
-    mode = resolve_mode(settings.mode, device, has_scales)
-    ep = getattr(layer, "moe_ep_size", 1) or 1
-    n_local, two_i, h_half = layer.w13_weight.shape
-    shape = backends.MoEShape(num_experts=n_local, hidden_size=h_half * 2, intermediate_size=two_i // 2,
-                              top_k=cfg.top_k or 0, activation=cfg.activation, gated=cfg.is_gated,
-                              expert_parallel=ep > 1)
-    dtype = cfg.params_dtype or getattr(layer, "params_dtype", None) or torch.bfloat16
-    selection = backends.select(settings.backend, device, shape, dtype, mode, _capability(device))
+    where = _where(cfg)
+    plugin = settings.from_sources(None)  # SGLang has no plugin config: GLM5_FP4_BACKEND, GLM5_FP4_MODE
+    selection = choose(method, layer, plugin)
     if selection.backend is None:
         raise Glm5Fp4Error(f"--moe-runner-backend {NAME}: no glm5-fp4 backend can serve {where} "
-                           f"({settings.describe()}): {selection.reason}")
-    experts = experts_from_layer(layer, mode == "w4a4", where)
-    # W4A4 emulation keeps float32 weights: FP4 MMA multiplies exact FP4 values and accumulates in float32.
-    prepared = selection.backend.prepare(experts, mode, torch.float32 if mode == "w4a4" else dtype)
-    selection.backend.reserve(prepared, cfg.top_k or 1, _max_tokens())
-    keep = _storages(prepared)
-    for name in _CHECKPOINT_PARAMS:
-        param = getattr(layer, name, None)
-        if isinstance(param, torch.Tensor) and param.numel() and param.untyped_storage().data_ptr() not in keep:
-            setattr(layer, name, torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device),
-                                                    requires_grad=False))
+                           f"({plugin.describe()}): {selection.reason}")
+    prepared = backends.prepare_layer(selection, layer, _dtype(cfg, layer), cfg.top_k or 1, _max_tokens(), where,
+                                      warn=_warn_once)
     # create_weights already made swizzled copies of the block scales for the CUTLASS branch; we never read them.
     layer.w13_blockscale_swizzled = None
     layer.w2_blockscale_swizzled = None
-    info = Glm5Fp4QuantInfo(selection.backend, prepared, mode, where)
+    info = Glm5Fp4QuantInfo(selection.backend, prepared, selection.mode, where)
     layer._glm5_fp4 = info
-    logger.info("glm5_fp4: %s run on backend %s in %s mode (%s)", where, selection.backend.name, mode,
-                settings.describe())
+    logger.info("glm5_fp4: %s run on backend %s in %s mode (%s)", where, selection.backend.name, selection.mode,
+                plugin.describe())
     return info
 
 
@@ -250,4 +180,4 @@ HOOKS = {
     "apply": around_apply,
 }
 
-__all__ = ["HOOKS", "TARGET", "experts_from_layer", "process_for_glm5", "resolve_mode"]
+__all__ = ["HOOKS", "TARGET", "choose", "process_for_glm5"]

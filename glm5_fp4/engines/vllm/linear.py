@@ -20,10 +20,9 @@ from vllm.model_executor.layers.quantization.modelopt import ModelOptLinearMetho
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
-from glm5_fp4 import nvfp4
+from glm5_fp4 import backends, nvfp4
 from glm5_fp4.engines.vllm import settings as plugin_settings
 from glm5_fp4.engines.vllm.loading import checked_linear_loader
-from glm5_fp4.errors import Glm5Fp4Error
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -34,16 +33,6 @@ def _model_dtype() -> torch.dtype:
     config = get_current_vllm_config_or_none()
     model_config = getattr(config, "model_config", None)
     return model_config.dtype if model_config is not None else torch.bfloat16
-
-
-def linear_mode(requested: str, has_input_scale: bool, where: str) -> str:
-    """W4A16 unless W4A4 was asked for (on CPU ``auto`` means W4A16: no FP4 tensor cores)."""
-    if requested == "w4a4":
-        if not has_input_scale:
-            raise Glm5Fp4Error(f"{where}: mode w4a4 needs the checkpoint's input_scale, and this layer has none "
-                               "(a W4A16_NVFP4 checkpoint); use mode w4a16")
-        return "w4a4"
-    return "w4a16"
 
 
 class Glm5CpuNvFp4LinearKernel(NvFp4LinearKernel):
@@ -67,8 +56,9 @@ class Glm5CpuNvFp4LinearKernel(NvFp4LinearKernel):
         self.mode = "w4a16"
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        has_input_scale = hasattr(layer, "input_global_scale")
-        self.mode = linear_mode(plugin_settings.current().mode, has_input_scale, getattr(layer, "prefix", None) or "linear")
+        # A CPU kernel: ``auto`` resolves to W4A16 (no FP4 tensor cores).
+        self.mode = backends.resolve_mode(plugin_settings.current().mode, "cpu", hasattr(layer, "input_global_scale"),
+                                          where=getattr(layer, "prefix", None) or "linear")
         dense = nvfp4.dequantize(layer.weight.data, layer.weight_scale.data, layer.weight_global_scale.data,
                                  dtype=self._dtype)
         replace_parameter(layer, "weight", dense)

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
-from glm5_fp4 import backends
+from glm5_fp4 import backends, settings as common_settings
 from glm5_fp4.engines.vllm import settings as plugin_settings
 from glm5_fp4.engines.vllm.loading import checked_expert_loader
 from glm5_fp4.errors import Glm5Fp4Error
@@ -35,10 +35,6 @@ from glm5_fp4.reference import NvFp4Experts
 
 logger = init_logger(f"vllm.{__name__}")
 _LOGGED: set[tuple] = set()
-# Blackwell (SM100/103/110/120/121) and later have FP4 tensor cores; "auto" mode quantizes activations there.
-FP4_TENSOR_CORE_MIN_CAPABILITY = 100
-_SCALE_PARAMS = ("w13_weight_scale", "w2_weight_scale", "w13_weight_scale_2", "w2_weight_scale_2",
-                 "w13_input_scale", "w2_input_scale")
 
 
 def _log_once(level: str, msg: str, *args) -> None:
@@ -48,17 +44,8 @@ def _log_once(level: str, msg: str, *args) -> None:
         getattr(logger, level)(msg, *args)
 
 
-def resolve_mode(requested: str, device: torch.device, has_activation_scales: bool, capability: int | None) -> str:
-    """The activation mode for a layer: explicit modes as asked, ``auto`` = W4A4 only where FP4 tensor cores are."""
-    if requested == "w4a4":
-        if not has_activation_scales:
-            raise Glm5Fp4Error("mode w4a4 needs activation input scales, but this is a W4A16_NVFP4 (weight-only) "
-                               "checkpoint; use mode w4a16 or auto")
-        return "w4a4"
-    if requested == "w4a16":
-        return "w4a16"
-    fp4_cores = device.type == "cuda" and capability is not None and capability >= FP4_TENSOR_CORE_MIN_CAPABILITY
-    return "w4a4" if has_activation_scales and fp4_cores else "w4a16"
+def _warn_once(msg: str) -> None:
+    _log_once("warning", "%s", msg)
 
 
 def moe_shape(moe: FusedMoEConfig) -> backends.MoEShape:
@@ -75,12 +62,10 @@ def moe_shape(moe: FusedMoEConfig) -> backends.MoEShape:
 
 
 def choose(settings: plugin_settings.PluginSettings, moe: FusedMoEConfig, has_activation_scales: bool,
-           device: torch.device, capability: int | None) -> tuple[backends.Selection, str]:
-    """(backend selection, mode) for one MoE layer; a selection without a backend carries the reason."""
-    mode = resolve_mode(settings.mode, device, has_activation_scales, capability)
-    if getattr(moe, "is_lora_enabled", False):
-        return backends.Selection(settings.backend, None, "LoRA on MoE layers is not supported"), mode
-    return backends.select(settings.backend, device, moe_shape(moe), moe.in_dtype, mode, capability), mode
+           device: torch.device, capability: int | None) -> backends.Selection:
+    """Backend and mode for one MoE layer; a selection without a backend carries the reason."""
+    lora = "LoRA on MoE layers is not supported" if getattr(moe, "is_lora_enabled", False) else ""
+    return backends.choose(settings, device, moe_shape(moe), moe.in_dtype, has_activation_scales, capability, lora)
 
 
 def _device_capability() -> int | None:
@@ -93,13 +78,7 @@ def _max_batched_tokens() -> int:
 
     config = get_current_vllm_config_or_none()
     scheduler = getattr(config, "scheduler_config", None)
-    return int(getattr(scheduler, "max_num_batched_tokens", None) or 8192)
-
-
-def _shares_storage(prepared: object, tensor: torch.Tensor) -> bool:
-    ptr = tensor.untyped_storage().data_ptr()
-    fields = vars(prepared).values() if hasattr(prepared, "__dict__") else ()
-    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in fields)
+    return common_settings.reserve_tokens(getattr(scheduler, "max_num_batched_tokens", None))
 
 
 class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
@@ -109,9 +88,10 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         settings = plugin_settings.current()
         device = torch.device(moe_config.device or current_platform.device_type)
         has_scales = quant_config.quant_method == "NVFP4"
-        selection, mode = choose(settings, moe_config, has_scales, device, _device_capability())
+        selection = choose(settings, moe_config, has_scales, device, _device_capability())
+        self.glm5_selection = selection
         self.glm5_backend: backends.Backend | None = selection.backend
-        self.glm5_mode = mode
+        self.glm5_mode = mode = selection.mode
         if selection.backend is None:
             _log_once("warning", "glm5_fp4: MoE backend %r cannot serve these layers: %s; falling back to vLLM's own "
                       "NVFP4 MoE backend selection", settings.backend, selection.reason)
@@ -173,34 +153,13 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
             return super().process_weights_after_loading(layer)
         self._check_loaded(layer)
         where = getattr(layer, "layer_name", "experts")
-        gs13 = layer.w13_weight_scale_2.data
-        if gs13.shape[1] == 2 and not torch.equal(gs13[:, 0], gs13[:, 1]):
-            _log_once("warning", "glm5_fp4: gate and up weight_scale_2 differ in %s; using the gate's for both as "
-                      "vLLM does (accuracy may suffer)", where)
-        w4a4 = self.glm5_mode == "w4a4"
-        experts = NvFp4Experts(
-            w13=layer.w13_weight.data, w13_scale=layer.w13_weight_scale.data, w13_global=gs13[:, 0].contiguous(),
-            w2=layer.w2_weight.data, w2_scale=layer.w2_weight_scale.data,
-            w2_global=layer.w2_weight_scale_2.data.contiguous(),
-            # ModelOpt calibrates gate and up inputs separately; both see the same tensor, the max covers both.
-            a13_scale=layer.w13_input_scale.data.amax(dim=1).contiguous() if w4a4 else None,
-            a2_scale=layer.w2_input_scale.data.contiguous() if w4a4 else None,
-        )
-        experts.validate(where)
         if self._dense_method is not None:
-            self._to_engine_dense(layer, experts)
+            self._to_engine_dense(layer, backends.experts_from_layer(layer, self.glm5_mode, where, _warn_once))
             return
-        # W4A4 emulation keeps dequantized weights in float32: Blackwell's FP4 MMA multiplies exact FP4 values and
-        # accumulates in float32, so rounding weights to BF16 would add an error the hardware does not have.
-        dtype = torch.float32 if w4a4 else self.moe.in_dtype
-        self._prepared = self.glm5_backend.prepare(experts, self.glm5_mode, dtype)
-        for name in ("w13_weight", "w2_weight", *_SCALE_PARAMS):
-            if not _shares_storage(self._prepared, getattr(layer, name)):
-                replace_parameter(layer, name, torch.empty(0, dtype=getattr(layer, name).dtype,
-                                                           device=getattr(layer, name).device))
-        backend, prepared, mode = self.glm5_backend, self._prepared, self.glm5_mode
-        # Buffers for the largest batch now: never allocated inside CUDA-graph capture.
-        backend.reserve(prepared, self.moe.experts_per_token, _max_batched_tokens())
+        self._prepared = prepared = backends.prepare_layer(
+            self.glm5_selection, layer, self.moe.in_dtype, self.moe.experts_per_token, _max_batched_tokens(), where,
+            replace_parameter, _warn_once)
+        backend, mode = self.glm5_backend, self.glm5_mode
         self._routed = lambda x, w, ids: backend.forward(x, w, ids, prepared, mode)
         if not current_platform.is_cuda_alike():
             from glm5_fp4.engines.vllm import ops
@@ -214,7 +173,7 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         dense = backends.dequantize_experts(experts, self.moe.in_dtype)
         replace_parameter(layer, "w13_weight", dense.w13)
         replace_parameter(layer, "w2_weight", dense.w2)
-        for name in _SCALE_PARAMS:
+        for name in backends.SCALE_PARAMS:
             delattr(layer, name)
         self._dense_method.process_weights_after_loading(layer)
         self.moe_kernel = self._dense_method.moe_kernel

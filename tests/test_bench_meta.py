@@ -1,0 +1,52 @@
+"""The result-metadata block every committed benchmark result carries (git SHA, date, machine, versions)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import subprocess
+
+import pytest
+
+from glm5_fp4.bench import meta
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_git_sha_names_the_commit_and_marks_a_dirty_tree(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    _git(tmp_path, "add", "f.txt")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = _git(tmp_path, "log", "-1", "--format=%H")
+    assert meta.git_sha(tmp_path) == head
+    (tmp_path / "untracked.txt").write_text("x\n")  # untracked files do not make the result irreproducible
+    assert meta.git_sha(tmp_path) == head
+    (tmp_path / "f.txt").write_text("b\n")
+    assert meta.git_sha(tmp_path) == head + "-dirty"
+    outside = tmp_path.parent / f"{tmp_path.name}-not-a-repo"
+    outside.mkdir()
+    assert meta.git_sha(outside) is None
+
+
+def test_result_metadata_records_the_run_and_the_callers_fields():
+    m = meta.result_metadata(packages=("pytest",), benchmark="x", context=2048)
+    assert m["benchmark"] == "x" and m["context"] == 2048
+    assert m["versions"]["pytest"] == pytest.__version__ and "python" in m["versions"]
+    assert dt.datetime.fromisoformat(m["date"]).tzinfo is not None
+    assert m["git_sha"] is None or len(m["git_sha"].removesuffix("-dirty")) == 40
+    assert m["cpus"] >= 1 and m["host"]
+    assert m["gpu"] == (m["gpus"][0]["name"] if m["gpus"] else None)
+
+
+def test_write_result_writes_both_files(tmp_path):
+    import json
+    from pathlib import Path
+
+    js, md = meta.write_result(tmp_path / "new" / "dir", "run", {"path": Path("/x"), "n": 1}, "# run\n")
+    assert json.loads(js.read_text()) == {"path": "/x", "n": 1} and md.read_text() == "# run\n"
+    assert (js.name, md.name) == ("run.json", "run.md")

@@ -1,0 +1,199 @@
+"""One cost model of a decode step: `glm5-fp4 plan` and `glm5-fp4 profile analyze` give the same floors."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm5_fp4 import cost_model
+from glm5_fp4.cli import main
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.hardware import get_gpu
+from glm5_fp4.spec import Glm5Spec, expected_distinct_experts
+
+# GLM-5 config.json values, restated so the tests do not read them back from the code under test
+H, I, E, K, LAYERS, MOE = 6144, 2048, 256, 8, 78, 75
+NVFP4 = 0.5 + 1 / 16
+RTX = get_gpu("rtx-pro-6000-ws")
+TRACES = Path(__file__).resolve().parent / "fixtures" / "profiling" / "traces" / "tp2" / "graph"
+
+
+def _plan_json(*args: str) -> dict:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["plan", "--json", *args]) == 0
+    return json.loads(out.getvalue())
+
+
+def _ceilings(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "analysis"
+    with redirect_stdout(io.StringIO()):
+        assert main(["profile", "analyze", str(TRACES), "--out", str(out), "--no-png", "--jobs", "1", *args]) == 0
+    return json.loads((out / "breakdown.json").read_text())["ceilings"]
+
+
+@pytest.mark.parametrize("tp,batch,context,kv", [(8, 512, 2048, "fp8"), (8, 16, 8192, "bf16"), (4, 64, 1024, "fp8")])
+def test_plan_and_profile_analyze_give_the_same_floors(tmp_path, tp, batch, context, kv):
+    gpu = "rtx-pro-6000-ws"
+    plan = _plan_json("--gpu", gpu, "--layouts", f"tp{tp}", "--concurrency", str(batch), "--context", str(context),
+                      "--kv-cache-dtype", {"fp8": "fp8", "bf16": "bfloat16"}[kv])
+    (layout,) = plan["layouts"].values()
+    ceilings = _ceilings(tmp_path, "--gpu", gpu, "--batch", str(batch), "--context", str(context), "--tp", str(tp),
+                         "--pp", "1", "--kv-dtype", kv)
+    assert set(ceilings["categories"]) <= set(layout["step_ms"])
+    for category, row in ceilings["categories"].items():
+        assert layout["step_ms"][category] * 1e3 == pytest.approx(row["floor_us"], rel=1e-9), category
+    assert layout["step_ms"]["total"] * 1e3 == pytest.approx(ceilings["step_floor_us"], rel=1e-9)
+
+
+# -- the model's facts, each against an independent derivation ----------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 64, 300])
+def test_touched_experts_formula_matches_simulated_routing(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    trials = 300
+    distinct = sum(torch.rand(tokens, E, generator=g).topk(K, dim=1).indices.unique().numel() for _ in range(trials))
+    assert expected_distinct_experts(tokens, E, K) == pytest.approx(distinct / trials, rel=0.01)
+    assert Glm5Spec().expected_experts_touched(tokens) == expected_distinct_experts(tokens, E, K)
+
+
+def test_fp8_kv_row_is_the_scaled_dsa_row():
+    # vLLM flashmla_sparse.py: 512 float8_e4m3 NoPE values, 4 float32 scales (one per 128), 64 bfloat16 RoPE values
+    assert Glm5Spec().kv_row_bytes("fp8") == 512 + 4 * 4 + 64 * 2 == 656
+    assert Glm5Spec().kv_row_bytes("bf16") == (512 + 64) * 2
+    assert Glm5Spec().indexer_row_bytes() == 128 + 4
+    b, ctx = 32, 4096
+    cost = cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8), b, ctx, cost_model.Precisions(kv="fp8"))
+    mla = cost.stages[0].component("MLA core")
+    # per layer: 2048 selected 656-byte rows per sequence, one new row per token, q in / out BF16 (8 heads per GPU)
+    assert mla.bytes == pytest.approx(LAYERS * (b * 2048 * 656 + b * 656 + b * 8 * (512 + 64 + 512) * 2), rel=1e-12)
+
+
+def test_each_component_sits_in_the_category_its_kernels_are_traced_in():
+    cost = cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8), 1, 1024)
+    st = cost.stages[0]
+    # one token touches exactly its 8 routed experts; the shared expert is not in expert_gemm
+    assert st.category("expert_gemm").bytes == pytest.approx(MOE * (8 * 3 * H * I / 8 * NVFP4 + 2 * H * 2), rel=1e-12)
+    other = {c.name for c in st.category("other_gemm").components}
+    assert {"shared experts", "attention projections", "DSA indexer projections", "router", "lm_head"} <= other
+    assert {c.name for c in st.category("attention").components} == {"MLA core", "DSA indexer scan"}
+    assert st.component("embedding").category is None and st.component("embedding").seconds == 0.0
+
+
+def test_pipeline_ceilings_average_the_stages_and_keep_the_pipeline_step(tmp_path):
+    from glm5_fp4.profiling.ceilings import StepShape, ceilings
+
+    spec = Glm5Spec()
+    shape = StepShape(batch=64, context=2048, tp=4, pp=2, kv_dtype="fp8")
+    c = ceilings(spec, shape, RTX, {}, {}, 1.0)
+    cost = cost_model.decode_step(spec, RTX, cost_model.Layout(4, 2), 64, 2048, cost_model.Precisions(kv="fp8"))
+    for cat, row in c["categories"].items():
+        stages = [st.category(cat).seconds for st in cost.stages]
+        assert row["floor_us"] == pytest.approx(2 * sum(stages) / 2 * 1e6, rel=1e-12), cat
+    assert c["pipeline_step_floor_us"] == pytest.approx(2 * max(st.seconds for st in cost.stages) * 1e6)
+    assert c["step_floor_us"] <= c["pipeline_step_floor_us"]
+
+
+def test_plan_and_the_breakdown_print_the_same_assumptions(tmp_path):
+    text = io.StringIO()
+    with redirect_stdout(text):
+        assert main(["plan", "--layouts", "tp8", "--concurrency", "32", "--context", "4096", "--kv-cache-dtype", "fp8"]) == 0
+    out = tmp_path / "analysis"
+    with redirect_stdout(io.StringIO()):
+        assert main(["profile", "analyze", str(TRACES), "--out", str(out), "--no-png", "--jobs", "1", "--gpu",
+                     "rtx-pro-6000-ws", "--batch", "32", "--context", "4096", "--tp", "8", "--kv-dtype", "fp8"]) == 0
+    md = (out / "breakdown.md").read_text()
+    cost = cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8), 32, 4096)
+    for line in cost_model.assumptions(cost):
+        assert line in text.getvalue() and f"ceilings assume: {line}" in md, line
+
+
+@pytest.mark.parametrize("layout,batch,needle", [(cost_model.Layout(3), 8, "does not divide"),
+                                                 (cost_model.Layout(8, 79), 8, "exceeds"),
+                                                 (cost_model.Layout(8), 0, "batch")])
+def test_bad_inputs_are_named(layout, batch, needle):
+    with pytest.raises(Glm5Fp4Error, match=needle):
+        cost_model.decode_step(Glm5Spec(), RTX, layout, batch, 1024)
+
+
+# -- data-parallel attention + expert parallelism (issue 17) --------------------------------------------------
+
+def _simulated_distinct_gpus(e, k, gpus, trials=4000, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.rand(trials, e, generator=g).topk(k, dim=1).indices // (e // gpus)
+    return sum(len(set(row)) for row in picks.tolist()) / trials
+
+
+def test_distinct_destination_gpus_per_token_match_simulated_routing():
+    from glm5_fp4.spec import expected_distinct_groups
+
+    assert expected_distinct_groups(E, K, 8) == pytest.approx(_simulated_distinct_gpus(E, K, 8), rel=0.01)
+    assert expected_distinct_groups(E, K, 1) == pytest.approx(1.0)
+    assert expected_distinct_groups(E, K, E) == pytest.approx(K)  # one expert per GPU: k GPUs
+
+
+def _dp8(batch=512, context=2048, skew=0.0):
+    return cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8, dp=8, ep=8), batch, context,
+                                  expert_skew=skew)
+
+
+def test_dp_attention_reads_only_its_own_sequences_and_holds_whole_attention():
+    b, ctx, heads = 512 // 8, 2048, 64
+    st = _dp8(512, ctx).stages[0]
+    assert _dp8().micro_batch == b and _dp8().kv_tokens_per_gpu == b * ctx  # no KV replication
+    mla = st.component("MLA core")
+    assert mla.bytes == pytest.approx(LAYERS * (b * 2048 * 656 + b * 656 + b * heads * (512 + 64 + 512) * 2), rel=1e-12)
+    attention = Glm5Spec().attention_params  # every projection whole on every GPU, BF16
+    assert st.component("attention projections").weights == pytest.approx(LAYERS * attention * 2, rel=1e-12)
+    assert st.component("all-reduce").calls == 0  # attention TP1: nothing to reduce
+
+
+def test_expert_parallel_gpus_hold_whole_experts_and_tokens_travel_by_all_to_all():
+    cost = _dp8()
+    st = cost.stages[0]
+    routed = st.component("routed experts")
+    assert routed.weights == pytest.approx(MOE * (E // 8) * 3 * H * I * NVFP4, rel=1e-12)  # 32 whole experts
+    assert routed.flops == pytest.approx(MOE * 2 * 512 * K / 8 * 3 * H * I, rel=1e-12)  # a balanced eighth of the slots
+    remote = _simulated_distinct_gpus(E, K, 8) * 7 / 8
+    a2a = st.component("all-to-all")
+    assert a2a.calls == 2 * MOE
+    # each GPU's 64 tokens to their remote GPUs in BF16, and back in BF16
+    assert a2a.bytes == pytest.approx(MOE * 64 * remote * (H * 2 + H * 2), rel=0.01)
+    assert a2a.seconds == pytest.approx(2 * MOE * 24e-6 + a2a.bytes / 55e9, rel=1e-12)
+    fp8 = cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8, dp=8, ep=8), 512, 2048,
+                                 cost_model.Precisions(dispatch="fp8")).stages[0].component("all-to-all")
+    assert fp8.bytes == pytest.approx(a2a.bytes * (H + H / 128 * 4 + 2 * H) / (4 * H), rel=1e-12)
+
+
+def test_a_hot_expert_parallel_gpu_sets_the_pace_and_tp_does_not_care():
+    even, hot = _dp8(), _dp8(skew=0.5)
+    assert hot.stages[0].component("routed experts").flops == pytest.approx(
+        1.5 * even.stages[0].component("routed experts").flops)
+    assert hot.stages[0].component("all-to-all").bytes == pytest.approx(1.5 * even.stages[0].component("all-to-all").bytes)
+    tp8 = [cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8), 512, 2048, expert_skew=s) for s in (0, 0.5)]
+    assert tp8[0].step_s == tp8[1].step_s  # every TP rank holds a slice of the hot expert
+
+
+@pytest.mark.parametrize("layout,needle", [(cost_model.Layout(8, dp=4, ep=8), "dp=1 or dp=8"),
+                                           (cost_model.Layout(8, dp=8, ep=1), "ep=8"),
+                                           (cost_model.Layout(8, ep=3), "must divide")])
+def test_layouts_the_model_does_not_cover_are_refused(layout, needle):
+    with pytest.raises(Glm5Fp4Error, match=needle):
+        cost_model.decode_step(Glm5Spec(), RTX, layout, 64, 1024)
+
+
+def test_plan_shows_dp_attention_with_ep_next_to_tp8():
+    data = _plan_json("--layouts", "tp8,tp8ep8,dp8ep8", "--concurrency", "512", "--context", "1024",
+                      "--expert-skew", "0.2")
+    assert list(data["layouts"]) == ["TP8", "TP8+EP8", "DP8+EP8"]
+    dp = data["layouts"]["DP8+EP8"]
+    assert (dp["dp"], dp["ep"], dp["kv_tokens_needed"]) == (8, 8, 64 * 1024)
+    assert dp["components_ms"]["all-to-all"] > 0 and dp["allreduce_calls_per_step"] == 0
+    assert any("all-to-all" in a for a in dp["assumptions"]) and any("1.2x" in a for a in dp["assumptions"])
+    assert data["layouts"]["TP8"]["components_ms"].get("all-to-all") is None
