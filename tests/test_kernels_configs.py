@@ -10,13 +10,13 @@ SM120_LIMIT = 101_376  # 99 KB opt-in maximum per block on RTX PRO 6000 / RTX 50
 
 
 def test_sm120_limit_is_the_documented_one():
-    assert C.SMEM_LIMIT["sm120"] == SM120_LIMIT
+    assert C.smem_limit("sm120") == SM120_LIMIT
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120"])
 def test_every_config_fits_shared_memory(arch):
     g1s, g2s = C.all_configs(arch)
-    limit = C.SMEM_LIMIT[arch]
+    limit = C.smem_limit(arch)
     for cfg in g1s:
         assert C.gemm1_smem_bytes(cfg) <= limit, (arch, cfg, C.gemm1_smem_bytes(cfg))
     for cfg in g2s:
@@ -84,4 +84,4 @@ def test_native_fp4_kernels_lower_to_the_fp4_block_scaled_mma(cc, arch, marker):
     assert len(builds) == 2
     for k in builds:
         assert marker in k.ptx, k.kernel
-        assert k.shared_bytes <= C.SMEM_LIMIT[arch]
+        assert k.shared_bytes <= C.smem_limit(arch)

@@ -18,8 +18,20 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-# Shared memory one block may use (opt-in maximum), bytes.
-SMEM_LIMIT = {"sm80": 166_912, "sm90": 232_448, "sm100": 232_448, "sm120": 101_376}
+from glm5_fp4.spec import expected_distinct_experts
+
+def smem_limit(arch: str) -> int:
+    """Shared memory one block may use (opt-in maximum), bytes: the hardware table's per-arch limit."""
+    from glm5_fp4.hardware import smem_limit as limit  # (lazy: the launch path never needs the table)
+
+    return limit(arch)
+
+
+def sm_count_guess(arch: str) -> int:
+    """SMs to plan for when the caller does not know the GPU (compile-time plans, the interpreter)."""
+    from glm5_fp4.hardware import sm_count_guess as guess
+
+    return guess(arch)
 
 
 @dataclass(frozen=True)
@@ -226,12 +238,8 @@ _DEFAULT_GEMM2 = {
 _DEFAULT_GEMM2["sm100"] = _DEFAULT_GEMM2["sm90"]
 _DEFAULT_GEMM2["sm80"] = _DEFAULT_GEMM2["sm120"]
 
-SM_COUNT_GUESS = {"sm90": 132, "sm100": 148, "sm120": 188, "sm80": 108}
-
-
-def expected_active_experts(tokens: int, num_experts: int, top_k: int) -> float:
-    """Experts receiving at least one token under uniform random routing: E (1 - (1 - k/E)^T)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+# Experts receiving at least one token under uniform random routing (the one home of the formula: spec.py).
+expected_active_experts = expected_distinct_experts
 
 
 # (largest mean tokens per active expert, bm): a block should hold most of an expert's tokens (the maximum
@@ -285,7 +293,7 @@ def plan(
     gemm2: Gemm2Config | None = None,
 ) -> Plan:
     """The launch plan for one call shape; explicit ``schedule``/``gemm1``/``gemm2`` override the defaults."""
-    sm_count = sm_count or SM_COUNT_GUESS.get(arch, 132)
+    sm_count = sm_count or sm_count_guess(arch)
     if schedule is None:
         schedule = "slot" if tokens <= SLOT_MAX_TOKENS.get(arch, 4) else "grouped"
     bm = 16 if schedule == "slot" else pick_bm(tokens, num_experts, top_k)
@@ -315,7 +323,7 @@ def plan(
 def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
                 sm_count: int | None = None) -> Plan:
     """The native FP4-MMA path's plan (SM100/SM120 W4A4, unverified): fixed tiles, GEMM2 split to fill the GPU."""
-    sm_count = sm_count or SM_COUNT_GUESS.get(arch, 132)
+    sm_count = sm_count or sm_count_guess(arch)
     g1, g2 = NATIVE_GEMM1[arch], NATIVE_GEMM2[arch]
     active = min(expected_active_experts(tokens, num_experts, top_k), tokens * top_k)
     return Plan("native", g1, g2, pick_n_split(hidden // g2.bn, active, sm_count), prep_x=False)

@@ -126,7 +126,7 @@ def reserve_workspace(prepared: PreparedExperts, top_k: int, max_tokens: int) ->
 def device_arch(device: torch.device) -> tuple[str, int]:
     """(arch, SM count) the plan is made for; CPU tensors (interpreter runs) get any consistent answer."""
     if device.type != "cuda":
-        return "sm90", cfgs.SM_COUNT_GUESS["sm90"]
+        return "sm90", 132  # any consistent plan: the interpreter has no SMs (an H200's count)
     props = torch.cuda.get_device_properties(device)
     return cfgs.arch_of((props.major, props.minor)), props.multi_processor_count
 
