@@ -11,8 +11,9 @@ import pytest
 from glm5_fp4.cli import main
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.profiling.capture import CaptureConfig, capture
-from glm5_fp4.profiling.synthetic import make_decode_traces
 from glm5_fp4.profiling.traces import write_trace
+
+from profiling_synthetic import make_decode_traces
 
 
 @pytest.fixture(scope="module")

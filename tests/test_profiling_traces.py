@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.profiling.synthetic import make_decode_traces
 from glm5_fp4.profiling.traces import load_rank_traces, load_trace, parse_trace_name, write_trace
+
+from profiling_synthetic import make_decode_traces
 
 
 def _kernel(name, ts, dur, corr=1, stream=7):

@@ -1,6 +1,7 @@
 """Synthetic multi-rank Kineto traces of a decode loop, with the ground truth that produced them.
 
-Used by the tests and by ``benchmarks/trace_analysis.py``. The ranks run in lock step: a collective kernel
+A test double (it lives under tests/, not in the package): used by the profiling tests and by
+``benchmarks/trace_analysis.py``. The ranks run in lock step: a collective kernel
 starts on each rank when that rank gets there and ends on every rank when the last one has arrived plus the
 collective's own work, so the true wait of every rank is known. Options add what real traces have: CUDA
 graph replays (full or broken at attention, with no CPU op names), ProfilerStep annotations, clock offsets
