@@ -2,7 +2,8 @@
 
 Only what the breakdown needs is kept, as numpy columns: GPU kernels / memcpy / memset records (name, start,
 duration, stream, correlation id), the correlation ids of CUDA-graph launches, launch times of runtime calls
-(to map kernels onto CPU ``ProfilerStep#`` annotations) and step annotations. A trace without GPU records
+(to map kernels onto CPU-side annotations) and the annotations (``ProfilerStep#``, vLLM's step ranges and the
+user's own ``record_function`` ranges, CPU side and their GPU projections) from which steps are found. A trace without GPU records
 falls back to CPU mode: its ``cpu_op`` events stand in for kernels, so a CPU run gets the same report.
 
 The rank comes from the file name (vLLM ``..._dp0_pp0_tp3_..._rank3.<ts>.pt.trace.json.gz``, SGLang
@@ -44,6 +45,11 @@ _ANNOTATION_CATS = {"user_annotation", "gpu_user_annotation", "cpu_op"}
 STEP_PREFIX = "ProfilerStep#"
 # vLLM's model runner annotates every forward as e.g. `execute_context_0(0)_generation_4(4)`.
 VLLM_STEP_RE = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)$")
+
+
+def is_engine_step(name: str) -> bool:
+    """A step range written by the profiler (``ProfilerStep#N``) or the engine (vLLM's execute annotation)."""
+    return name.startswith(STEP_PREFIX) or VLLM_STEP_RE.match(name) is not None
 
 _VLLM_NAME = re.compile(r"dp(\d+)_pp(\d+)_tp(\d+)(?:_dcp\d+)?(?:_ep\d+)?_rank(\d+)")
 _SGLANG_NAME = re.compile(r"-TP-(\d+)(?:-DP-(\d+))?(?:-PP-(\d+))?(?:-EP-(\d+))?(?:-(EXTEND|DECODE))?")
@@ -98,8 +104,10 @@ class RankTrace:
     graph_corrs: np.ndarray
     launch_corr: np.ndarray
     launch_ts: np.ndarray
-    step_marks_gpu: list[tuple[float, float, str]]
-    step_marks_cpu: list[tuple[float, float, str]]
+    # annotations as (start, end, name), time-sorted: user_annotation (CPU side; also ProfilerStep# cpu_ops) and
+    # gpu_user_annotation (Kineto's projection of a CPU range onto the GPU: from its first kernel to its last)
+    annotations_gpu: list[tuple[float, float, str]]
+    annotations_cpu: list[tuple[float, float, str]]
     origin_ns: int
     distributed: dict | None = None
     n_events: int = 0
@@ -211,11 +219,11 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                     if "GraphLaunch" in ev.get("name", ""):
                         graph_corrs.append(int(corr))
             elif cat in _ANNOTATION_CATS:
-                name = ev.get("name", "")
-                if name.startswith(STEP_PREFIX) or VLLM_STEP_RE.match(name):
+                name = str(ev.get("name", ""))
+                if cat != "cpu_op" or is_engine_step(name):
                     mark = (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), name)
                     (marks_gpu if cat == "gpu_user_annotation" else marks_cpu).append(mark)
-                elif cat == "cpu_op" and want_cpu and ev.get("ph") == "X":
+                elif want_cpu and ev.get("ph") == "X":
                     cpu_rows.append(
                         (intern(str(name)), float(ev["ts"]), float(ev.get("dur", 0.0)), int(ev.get("tid", 0) or 0), -1, KIND_CPU_OP)
                     )
@@ -276,8 +284,8 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         graph_corrs=np.unique(np.array(graph_corrs, dtype=np.int64)),
         launch_corr=launch[:, 0].astype(np.int64),
         launch_ts=launch[:, 1] - t0,
-        step_marks_gpu=shift(marks_gpu),
-        step_marks_cpu=shift(marks_cpu),
+        annotations_gpu=shift(marks_gpu),
+        annotations_cpu=shift(marks_cpu),
         origin_ns=origin_ns,
         distributed=dist,
         n_events=len(events),
@@ -376,7 +384,7 @@ def load_rank_traces(
 
 
 def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> tuple[int, int]:
-    """Copy a trace keeping only what the analysis reads (GPU records, launch calls, step annotations and the
+    """Copy a trace keeping only what the analysis reads (GPU records, launch calls, annotations and the
     header), e.g. to commit a small test fixture. Returns (events kept, events in the source)."""
     src = Path(src)
     data = _parse_json(_read_bytes(src), src)
@@ -387,7 +395,6 @@ def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> 
     kept = [
         e for e in events
         if isinstance(e, dict) and (e.get("cat") in keep_cats or e.get("ph") == "M")
-        and (e.get("cat") not in ("user_annotation", "gpu_user_annotation") or str(e.get("name", "")).startswith(STEP_PREFIX))
     ]
     write_trace({**data, "traceEvents": kept}, dst)
     return len(kept), len(events)
