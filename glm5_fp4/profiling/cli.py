@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,11 +116,12 @@ def analyze(path: str, args) -> dict[str, Path]:
     if args.step_annotation is not None and (args.step_gap_us is not None or args.steps_by not in ("auto", "annotation")):
         raise Glm5Fp4Error("--step-annotation chooses annotation ranges as steps: do not combine it with "
                            "--step-gap-us or another --steps-by")
+    out = Path(args.out) if args.out else (Path(path) if Path(path).is_dir() else Path(path).parent) / "breakdown"
+    output_dir(out, create=False)  # before reading gigabytes of traces
     method = "gap" if args.step_gap_us is not None else args.steps_by
     breakdown = analyze_path(path, args.taxonomy, method, args.step_gap_us, args.mode, args.stage, args.jobs,
                              step_annotation=args.step_annotation)
     breakdown.ceilings = _ceilings(breakdown, args)
-    out = Path(args.out) if args.out else (Path(path) if Path(path).is_dir() else Path(path).parent) / "breakdown"
     paths = write_reports(breakdown, out, png=not args.no_png)
     _print_summary(breakdown)
     for kind, p in paths.items():
@@ -151,6 +153,8 @@ def _print_summary(b) -> None:
     unknown = sum(len(r.unknown_kernels) for r in b.ranks)
     if unknown:
         print(f"{unknown} unknown kernel name(s) (listed in the markdown report)")
+    for note in b.notes:
+        print(f"note: {note}")
 
 
 def run(args) -> int:
@@ -180,9 +184,9 @@ def run(args) -> int:
     if args.action == "trim":
         from glm5_fp4.profiling.traces import find_trace_files, trim_trace
 
-        dst = Path(args.dst)
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in find_trace_files(args.src):
+        files = find_trace_files(args.src)
+        dst = output_dir(args.dst, "DST")
+        for f in files:
             kept, total = trim_trace(f, dst / f.name, keep_cpu_ops=args.keep_cpu_ops)
             print(f"{f.name}: kept {kept} of {total} events -> {(dst / f.name).stat().st_size / 1e3:.0f} kB")
         return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from glm5_fp4.outputs import output_dir
 from glm5_fp4.profiling.breakdown import Breakdown
 from glm5_fp4.profiling.steps import HINT
 from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT
@@ -261,8 +262,7 @@ def plot_roofline(c: dict, path: Path) -> Path:
 
 
 def write_reports(b: Breakdown, out: str | Path, png: bool = True) -> dict[str, Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out)
     paths = {"json": out / "breakdown.json", "markdown": out / "breakdown.md"}
     paths["json"].write_text(json.dumps(b.to_dict(), indent=1) + "\n")
     paths["markdown"].write_text(markdown(b))

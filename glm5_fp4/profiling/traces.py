@@ -142,16 +142,20 @@ def _read_bytes(path: Path) -> bytes:
     return raw
 
 
+class NotATrace(Glm5Fp4Error):
+    """Valid JSON that is not a Kineto/Chrome trace (a report, a config, notes next to the traces)."""
+
+
 def _parse_json(raw: bytes, path: Path) -> dict:
     try:
         data = _orjson.loads(raw) if _orjson is not None else json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         # json.JSONDecodeError and orjson.JSONDecodeError are both ValueErrors
         raise Glm5Fp4Error(f"{path}: corrupt or truncated trace JSON ({str(exc)[:200]})") from None
-    if isinstance(data, list):  # the bare-array Chrome trace form
+    if isinstance(data, list) and all(isinstance(e, dict) for e in data[:100]):  # the bare-array Chrome trace form
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise Glm5Fp4Error(f"{path}: not a Kineto/Chrome trace (no 'traceEvents' list)")
+        raise NotATrace(f"{path}: not a Kineto/Chrome trace (no 'traceEvents' list)")
     return data
 
 
@@ -323,12 +327,27 @@ def _select_stage(files: list[Path], stage: str | None, notes: list[str]) -> lis
     return chosen
 
 
-def _load_all(files: list[Path], mode: str, jobs: int | None) -> list[RankTrace]:
+def _load_or_skip(path: Path, mode: str) -> RankTrace | None:
+    """The trace, or None for a JSON file that is not one (a directory of traces also holds other files)."""
+    try:
+        return load_trace(path, mode=mode)
+    except NotATrace:
+        return None
+
+
+def _load_all(files: list[Path], mode: str, jobs: int | None, notes: list[str]) -> list[RankTrace]:
     jobs = min(jobs or os.cpu_count() or 1, len(files), MAX_JOBS)
     if jobs <= 1:
-        return [load_trace(p, mode=mode) for p in files]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(load_trace, files, [mode] * len(files)))
+        loaded = [_load_or_skip(p, mode) for p in files]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            loaded = list(pool.map(_load_or_skip, files, [mode] * len(files)))
+    skipped = [p.name for p, t in zip(files, loaded) if t is None]
+    if len(skipped) == len(files):
+        raise Glm5Fp4Error(f"{files[0].parent}: no trace among its JSON files ({', '.join(skipped)} have no 'traceEvents')")
+    if skipped:
+        notes.append(f"skipped {len(skipped)} JSON file(s) that are not traces: {', '.join(skipped)}")
+    return [t for t in loaded if t is not None]
 
 
 def load_rank_traces(
@@ -346,7 +365,7 @@ def load_rank_traces(
         files = [p for p in files if p not in frontend]
     files = _select_stage(files, stage, notes)
 
-    traces = _load_all(files, mode, jobs)
+    traces = _load_all(files, mode, jobs, notes) if len(files) > 1 or Path(path).is_dir() else [load_trace(files[0], mode)]
     modes = {t.mode for t in traces}
     if len(modes) > 1:
         cpu_files = [t.path.name for t in traces if t.mode == "cpu"]
