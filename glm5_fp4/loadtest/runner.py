@@ -35,8 +35,12 @@ from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest import client as _client
 from glm5_fp4.loadtest.client import RequestRecord, TokenCounter
 from glm5_fp4.loadtest.metrics import METRICS, compute_metrics, finalize_request
-from glm5_fp4.loadtest.prompts import HfTokenizer, Prompt, ServerTokenizer, build_prompts
+from glm5_fp4.loadtest.prompts import HfTokenizer, Prompt, ServerTokenizer, Tokenizer, build_prompts
 from glm5_fp4.loadtest.report import ProgressBar, print_summary, write_results
+
+
+MAX_SERVER_TOKENIZE = 50_000  # distinct chunk texts counted through the server's /tokenize after a run
+COUNT_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -161,7 +165,7 @@ class _Run:
         self.client_cpu_s: float | None = None
         self.t_start: float | None = None
 
-    async def prepare(self, session: Any) -> tuple[str, list[Prompt], str]:
+    async def prepare(self, session: Any) -> tuple[str, list[Prompt], Tokenizer]:
         cfg = self.cfg
         model = cfg.model or await _client.get_first_model(session, self.base)
         tok = (HfTokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer
@@ -169,7 +173,7 @@ class _Run:
         prompts = await build_prompts(tok, int(cfg.num_prompts), cfg.input_len, cfg.output_len,
                                       endpoint=cfg.endpoint, range_ratio=cfg.range_ratio, seed=cfg.seed,
                                       token_ids=cfg.prompt_format == "ids")
-        return model, prompts, tok.name
+        return model, prompts, tok
 
     def _body(self, model: str, p: Prompt, output_len: int) -> bytes:
         c = self.cfg
@@ -287,6 +291,24 @@ class _Run:
         return duration, abort
 
 
+async def _chunk_text_tokens(tok: Tokenizer, recs: list[RequestRecord]) -> tuple[dict[str, int] | None, str | None]:
+    """Token count of every distinct chunk text of the streams that did not carry running usage, with the
+    run's own tokenizer (after the run: nothing on the hot path); (None, why) if they cannot be counted."""
+    texts = sorted({t for r in recs if r.chunk_times and not r.running_usage for t in r.chunk_texts})
+    if not texts:
+        return None, None
+    if isinstance(tok, ServerTokenizer) and len(texts) > MAX_SERVER_TOKENIZE:
+        return None, (f"{len(texts)} distinct chunk texts are too many to count through {tok.name}; pass --tokenizer "
+                      "DIR to count them locally")
+    try:
+        async with asyncio.timeout(COUNT_TIMEOUT_S):
+            await tok.encode(texts[:1])  # one probe, so a dead server fails once, not once per text
+            ids = await tok.encode(texts)
+    except (Glm5Fp4Error, TimeoutError) as exc:
+        return None, f"chunk texts could not be counted with {tok.name} ({exc or 'timed out'})"
+    return {t: len(i) for t, i in zip(texts, ids)}, None
+
+
 def _result_path(cfg: LoadTestConfig, model: str, date: str) -> Path | None:
     if not cfg.result_dir:
         return None
@@ -303,7 +325,7 @@ async def _run_async(cfg: LoadTestConfig) -> tuple[dict[str, Any], list[dict[str
     session = _client.make_session(cfg.concurrency, request_timeout_s=cfg.request_timeout_s,
                                    read_timeout_s=cfg.read_timeout_s, api_key=api_key)
     async with session:
-        model, prompts, tokenizer_id = await run.prepare(session)
+        model, prompts, tokenizer = await run.prepare(session)
         warm = await run.warmup(session, model, prompts)
         recs = [RequestRecord(i, p.prompt_len, p.output_len) for i, p in enumerate(prompts)]
         now = _dt.datetime.now()
@@ -335,7 +357,8 @@ async def _run_async(cfg: LoadTestConfig) -> tuple[dict[str, Any], list[dict[str
         if run.t_start is not None:  # rows' start_s count from the start of the measured phase
             t0_unix += run.t_start - t0
             t0 = run.t_start
-        rows = [finalize_request(r, t0, t0_unix) for r in recs]
+        text_tokens, count_note = await _chunk_text_tokens(tokenizer, recs)
+        rows = [finalize_request(r, t0, t0_unix, text_tokens) for r in recs]
         metrics = compute_metrics(rows, duration, percentiles=cfg.percentiles, selected=cfg.percentile_metrics,
                                   goodput=cfg.goodput or None)
         first_errors: dict[str, str] = {}
@@ -348,7 +371,7 @@ async def _run_async(cfg: LoadTestConfig) -> tuple[dict[str, Any], list[dict[str
             "backend": "openai-chat" if cfg.endpoint == "chat" else "openai",
             "label": cfg.label,
             "model_id": model,
-            "tokenizer_id": tokenizer_id,
+            "tokenizer_id": tokenizer.name,
             "num_prompts": len(prompts),
             **{k: v for k, v in cfg.metadata.items()},
             "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
@@ -359,6 +382,8 @@ async def _run_async(cfg: LoadTestConfig) -> tuple[dict[str, Any], list[dict[str
             "abort_reason": abort,
             "first_errors": first_errors,
         }
+        if count_note:
+            result["token_count_note"] = count_note
         if run.client_cpu_s is not None and duration > 0:
             # One asyncio process is one core: near 1.0 the client, not the server, sets the pace.
             result["client_cpu_util"] = run.client_cpu_s / duration
