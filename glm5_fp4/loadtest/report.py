@@ -128,7 +128,8 @@ def counting_notes(result: dict[str, Any]) -> list[str]:
 def markdown_summary(result: dict[str, Any]) -> str:
     lines = [f"### Load test {result.get('label') or ''}".rstrip(), "", describe_run(result) + f" ({result.get('date')})", ""]
     if result.get("partial"):
-        lines += [f"**Partial result:** {result.get('abort_reason')}", ""]
+        verdict = "Run failed" if result.get("run_failed") else "Partial result"
+        lines += [f"**{verdict}:** {result.get('failure_reason') or result.get('abort_reason')}", ""]
     lines += ["| Metric | Value |", "|---|---|"]
     for key, label, fmt in THROUGHPUT_ROWS:
         if key in result:
@@ -183,7 +184,8 @@ def print_summary(result: dict[str, Any], console: Any = None) -> None:
             et.add_row(k, str(v), (result.get("first_errors") or {}).get(k, "")[:100])
         console.print(et)
     if result.get("partial"):
-        console.print(f"[bold yellow]partial result:[/] {result.get('abort_reason')}")
+        verdict = "[bold red]run failed:[/]" if result.get("run_failed") else "[bold yellow]partial result:[/]"
+        console.print(f"{verdict} {result.get('failure_reason') or result.get('abort_reason')}")
 
 
 class ProgressBar:
