@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped
+from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped, spawn
 from glm5_fp4.launch.commands import EngineCommand, build_command
 from glm5_fp4.launch.profile import load_profile
 
@@ -54,23 +54,18 @@ class EngineProcess(ServerProcess):
 
 
 def start(command: EngineCommand, log_path: str | os.PathLike):
-    """Start ``command``; returns a handle with ``wait_healthy()``, ``stop()``, ``process`` and ``log_path``."""
+    """Start ``command`` (through :func:`glm5_fp4.server_process.spawn`); returns a handle with
+    ``wait_healthy()``, ``stop()``, ``process`` and ``log_path``."""
     log = Path(log_path)
-    log.parent.mkdir(parents=True, exist_ok=True)
     if command.engine == "vllm":
         from glm5_fp4.engines.vllm.serve import launch_vllm
 
         return launch_vllm(**command.launcher_kwargs, log_path=log)
-    with log.open("ab") as f:
-        f.write(f"# {command.shell()}\n".encode())
-        f.flush()
-        try:
-            process = subprocess.Popen(command.argv, stdout=f, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **command.env}, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
-        except FileNotFoundError:
-            raise Glm5Fp4Error(f"{command.program[0]!r} not found: install SGLang 0.5.23 in this environment "
-                               "(pip install 'glm5-fp4[sglang]')") from None
+    try:
+        process = spawn(command.argv, {**os.environ, **command.env}, log, command.shell())
+    except FileNotFoundError:
+        raise Glm5Fp4Error(f"{command.program[0]!r} not found: install SGLang 0.5.23 in this environment "
+                           "(pip install 'glm5-fp4[sglang]')") from None
     return EngineProcess(command, process, log)
 
 
