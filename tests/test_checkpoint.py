@@ -151,6 +151,8 @@ def test_inspect_summary(ckpts, capsys):
     assert "NVFP4" in capsys.readouterr().out
     with pytest.raises(Glm5Fp4Error, match="not an NVFP4 checkpoint"):
         inspect_checkpoint(ckpts["glm5_bf16"], require_nvfp4=True)
+    for kind in ("glm5_bf16", "glm5_dense", "glm4moe"):  # complete: every tensor the config implies is there
+        inspect_checkpoint(ckpts[kind], require_nvfp4=kind != "glm5_bf16")
 
 
 def _rewrite_tensor(path, name, new):
