@@ -14,6 +14,7 @@ arguments. ``dequantized=True`` writes the BF16 twin: each NVFP4 weight replaced
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from glm5_fp4.checkpoint.configs import build_config, dense_attention_view
 from glm5_fp4.checkpoint.layout import TensorSpec, exclude_modules, model_tensors
 from glm5_fp4.checkpoint.tokenizer import save_tokenizer
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import output_dir
 
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.42.0 (layout); written by glm5-fp4"}
 SHARD_BYTES = 2 * 1024**3
@@ -140,16 +142,27 @@ def make_checkpoint(
     """Write a tiny (or any-size) random checkpoint; returns its directory.
 
     ``dense_attention`` writes the dense-attention view of a glm5 checkpoint (same tensors, config without the
-    DSA indexer) — what vLLM's CPU backend serves.
+    DSA indexer) — what vLLM's CPU backend serves. Every argument is checked before anything is written, and a
+    failure while writing removes the directories this call created, so bad input leaves nothing behind.
     """
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    out = output_dir(out_dir, create=False)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise Glm5Fp4Error(f"{out}: directory exists and is not empty (pass --overwrite to replace its files)")
     if dense_attention and arch != "glm5":
         raise Glm5Fp4Error("--dense-attention applies to --arch glm5 only")
-    out.mkdir(parents=True, exist_ok=True)
-
     cfg = build_config(arch, sizes)
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
+    output_dir(out)
+    try:
+        _write(out, cfg, seed, dequantized, dense_attention)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool) -> None:
     eos = save_tokenizer(out, cfg["vocab_size"], seed)
     cfg["eos_token_id"] = cfg["pad_token_id"] = eos
     excluded = exclude_modules(cfg)
@@ -170,4 +183,3 @@ def make_checkpoint(
     specs = model_tensors(cfg)
     n_out = sum(4 if s.quantized and not dequantized else 1 for s in specs)
     write_safetensors(generate_tensors(cfg, seed, dequantized, specs), out, total=n_out)
-    return out
