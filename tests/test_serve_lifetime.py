@@ -77,7 +77,8 @@ def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, int]:
         if line.startswith("ready after"):
             break
     if pid is None or not lines[-1].startswith("ready after"):
-        proc.kill()
+        proc.terminate()  # not SIGKILL: that is what is under test, and would leave the server behind
+        proc.wait(30)
         pytest.fail("serve did not print the server PID and become ready:\n" + "".join(lines))
     return proc, pid
 
