@@ -381,7 +381,7 @@ def analyze_if_possible(trace_dir: Path) -> dict:
             continue
         out[str(sub.relative_to(trace_dir))] = {
             f"rank{r.rank}": {
-                "steps": r.n_steps, "method": r.step_method, "median_step_us": round(r.median_step["time_us"], 1),
+                "steps": r.n_steps, "method": r.step_method, "median_step_us": round(r.median_step["time_us"], 1) if r.median_step else None,
                 "allreduce_kernels": r.allreduce["kernels"], "allreduce_wait_us": round(r.allreduce["wait_us"], 1),
                 "summed_us": {k: round(v, 1) for k, v in r.summed_us.items()},
                 "unknown": [u.name[:80] for u in r.unknown_kernels][:10],

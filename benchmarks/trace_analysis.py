@@ -20,10 +20,13 @@ import time
 from pathlib import Path
 
 from glm5_fp4.bench.meta import result_metadata
-from glm5_fp4.profiling.breakdown import analyze_path
-from glm5_fp4.profiling.synthetic import make_decode_traces
 from glm5_fp4.profiling import traces as traces_module
+from glm5_fp4.profiling.breakdown import analyze_path
 from glm5_fp4.spec import GLM5
+
+# The trace generator is a test double: it lives with the tests, not in the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from profiling_synthetic import make_decode_traces  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -2,7 +2,7 @@
 
     glm5-fp4 serve --model DIR [--backend auto|triton|dequant|reference] [--mode auto|w4a16|w4a4]
                    [--quantization glm5_nvfp4|modelopt_fp4|none] [--stock] [--port 8000] [--host 127.0.0.1]
-                   [--log-file PATH] [--dry-run] [-- extra vLLM args]
+                   [--allow-remote] [--log-file PATH] [--dry-run] [-- extra vLLM args]
     glm5-fp4 serve --profile launch/tp8.yaml [--engine vllm|sglang] [--moe-backend NAME]
                    [--cuda-graphs piecewise|full|off] [--model ...] [--port ...] [--dry-run]   (launch/README.md)
 
@@ -15,9 +15,12 @@ after ``--``), or ``--stock --quantization none`` for a BF16 checkpoint with the
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from glm5_fp4.engines.vllm.serve import BACKENDS, MODES, QUANTIZATIONS
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loopback import check_bind_host, is_loopback
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not load the glm5_fp4 plugin at all (VLLM_PLUGINS='')")
     parser.add_argument("--port", type=int, default=None, help="default 8000 (or the profile's)")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1, loopback only, or the profile's)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow a --host (or profile host) other than loopback: the OpenAI API is then open to "
+                             "other machines; give it an API key (vLLM: -- --api-key KEY)")
     parser.add_argument("--log-file", default=None, help="server log (default ./glm5-fp4-vllm-PORT.log)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
@@ -61,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
         raise Glm5Fp4Error("--engine/--moe-backend/--cuda-graphs need --profile (e.g. --profile launch/cpu-demo.yaml)")
     args.port = 8000 if args.port is None else args.port
     args.host = args.host or "127.0.0.1"
+    if any(a == "--host" or a.startswith("--host=") for a in extra):
+        raise Glm5Fp4Error("pass --host to glm5-fp4 serve itself, not after --, so its bind check applies")
+    check_bind_host(args.host, args.allow_remote)
+    if not is_loopback(args.host) and "--api-key" not in extra and not os.environ.get("VLLM_API_KEY"):
+        print(f"warning: serving on {args.host} without an API key (add -- --api-key KEY)", file=sys.stderr)
     plugin = not args.stock
     spec = build_launch(args.model, args.port, args.backend, extra, host=args.host, quantization=args.quantization,
                         mode=args.mode, plugin=plugin)
@@ -85,4 +96,4 @@ def _serve_profile(args: argparse.Namespace, extra: list[str]) -> int:
                  "cuda_graphs": args.cuda_graphs, "host": args.host, "port": args.port,
                  "glm5_fp4": ours or None}
     return serve_profile(args.profile, overrides, dry_run=args.dry_run, log_file=args.log_file,
-                         timeout=args.timeout, extra_args=extra)
+                         timeout=args.timeout, extra_args=extra, allow_remote=args.allow_remote)

@@ -1,21 +1,65 @@
-"""A server process started by glm5-fp4 (vLLM or SGLang): health polling, error extraction, clean stop.
+"""A server process started by glm5-fp4 (vLLM or SGLang): start, health polling, error extraction, clean stop.
 
-The process leads its own process group (``start_new_session=True``), so a stop reaps the engine's helper
-processes (engine core, workers, TP ranks) too.
+:func:`spawn` is the one way a server is started. The process leads its own process group
+(``start_new_session=True``), so a stop reaps the engine's helper processes (engine core, workers, TP ranks)
+too; and it never outlives the command that started it: the kernel sends it SIGTERM when its parent dies
+(``PR_SET_PDEATHSIG``, set between fork and exec), whatever kills the parent (SIGKILL, the OOM killer, an
+SSH drop), and the engine then shuts its own helpers down as on any SIGTERM. A parent that is merely told
+to stop (Ctrl-C, SIGTERM, SIGHUP) stops the server itself, first with SIGINT (:meth:`ServerProcess.stop`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec hook asking the kernel for SIGTERM when the parent dies (Linux); None elsewhere.
+
+    libc is looked up here, in the parent: the hook runs in the forked child before exec and does only the
+    prctl call and a getppid check (the parent may have died before the call: then there is no one to
+    serve). The death signal follows the *thread* that forked: spawn from the main thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return hook
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, header: str) -> subprocess.Popen:
+    """Start a server: output appended to ``log_path`` after a ``# header`` line, its own process group, and
+    dying with this process (see the module docstring). Raises FileNotFoundError if the program is missing."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as f:
+        f.write(f"# {header}\n".encode())
+        f.flush()
+        return subprocess.Popen(list(argv), stdout=f, stderr=subprocess.STDOUT, env=dict(env),
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
 
 
 def error_from_log(log_path: Path) -> str:
@@ -98,19 +142,23 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def install_stop_signals() -> None:
-    """Make Ctrl-C and SIGTERM raise KeyboardInterrupt, so a foreground `serve` always stops its server.
+    """Make Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt, so a foreground `serve` always stops its server.
 
     SIGINT is re-armed explicitly: a process started in the background by a non-interactive shell inherits
-    SIGINT as ignored, and Python then never raises KeyboardInterrupt. SIGTERM (a supervisor, CI, `kill`)
-    stops the server like Ctrl-C.
+    SIGINT as ignored, and Python then never raises KeyboardInterrupt. SIGTERM (a supervisor, CI, `kill`) and
+    SIGHUP (the terminal or SSH session went away) stop the server like Ctrl-C.
     """
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, _raise_interrupt)
 
 
 def serve_until_stopped(handle: ServerProcess, timeout: float, url: str) -> int:
     """Wait for /health, then run until the server exits or the user stops it; always stops the server."""
-    print(f"log: {handle.log_path}", flush=True)
+    pid = handle.process.pid
+    print(f"{handle.name} server PID {pid} (process group {pid}; it stops when this command ends), "
+          f"log: {handle.log_path}", flush=True)
     try:
         took = handle.wait_healthy(timeout)
         print(f"ready after {took:.0f} s: {url} (Ctrl-C stops the server)", flush=True)

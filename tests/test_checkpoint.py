@@ -151,6 +151,8 @@ def test_inspect_summary(ckpts, capsys):
     assert "NVFP4" in capsys.readouterr().out
     with pytest.raises(Glm5Fp4Error, match="not an NVFP4 checkpoint"):
         inspect_checkpoint(ckpts["glm5_bf16"], require_nvfp4=True)
+    for kind in ("glm5_bf16", "glm5_dense", "glm4moe"):  # complete: every tensor the config implies is there
+        inspect_checkpoint(ckpts[kind], require_nvfp4=kind != "glm5_bf16")
 
 
 def _rewrite_tensor(path, name, new):
@@ -214,3 +216,42 @@ def test_sharded_output(tmp_path):
     for f in files:
         loaded.update(load_file(str(out / f)))
     assert set(loaded) == set(index["weight_map"])
+
+
+@pytest.mark.parametrize("size,needle", [("hidden=12", "unknown size field 'hidden'"),
+                                         ("hidden_size=12", "multiples of 32"),
+                                         ("n_routed_experts=x", "expected FIELD=INTEGER")])
+def test_make_checkpoint_bad_size_leaves_nothing_behind(tmp_path, capsys, size, needle):
+    out = tmp_path / "new" / "ck"
+    assert main(["make-checkpoint", "--out", str(out), "--size", size]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_make_checkpoint_out_that_cannot_be_a_directory(tmp_path, capsys, where):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    out = existing if where == "file" else existing / "ck"
+    assert main(["make-checkpoint", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert str(existing) in err and "not a directory" in err and "Traceback" not in err
+    assert existing.read_text() == "keep me"
+
+
+def test_make_checkpoint_that_fails_while_writing_removes_what_it_wrote(tmp_path, monkeypatch):
+    from glm5_fp4.checkpoint import make as mk
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mk, "write_safetensors", broken)
+    with pytest.raises(OSError):
+        make_checkpoint(tmp_path / "ck", "glm4moe", sizes=SMALL)
+    assert not (tmp_path / "ck").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    with pytest.raises(OSError):
+        make_checkpoint(tmp_path / "mine", "glm4moe", sizes=SMALL, overwrite=True)
+    assert (tmp_path / "mine" / "keep.txt").exists()  # a directory it did not create is not removed

@@ -91,10 +91,47 @@ def test_repeat_runs_use_run_to_run_spread(tmp_path) -> None:
 
 def test_single_runs_without_request_files_get_no_verdict(tmp_path) -> None:
     a = _summary(tmp_path / "a.json", output_throughput=100.0)
-    b = _summary(tmp_path / "b.json", output_throughput=90.0, max_concurrency=16)
+    b = _summary(tmp_path / "b.json", output_throughput=90.0)
     _, tables, md = compare_files([a, b])
     assert _by_key(tables[0])["output_throughput"].verdict == "no noise estimate"
-    assert "Workloads differ: max_concurrency: 8 vs 16" in md
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(max_concurrency=16), "workloads differ: max_concurrency: 8 vs 16"),
+    (dict(metadata={"endpoint": "completions", "input_len": 1024, "output_len": 64}), "input_len: 128 vs 1024"),
+    (dict(failed=3, completed=97), "failed requests differ: 0 vs 3"),
+    (dict(run_failed=True, failure_reason="the run stopped early (run timeout)", abort_reason="run timeout"),
+     "stopped early (run timeout)"),
+])
+def test_runs_that_are_not_comparable_get_no_verdicts(tmp_path, capsys, change, needle) -> None:
+    a = _summary(tmp_path / "a.json", output_throughput=100.0, mean_tpot_ms=20.0)
+    b = _summary(tmp_path / "b.json", **{"output_throughput": 50.0, "mean_tpot_ms": 40.0, **change})
+    _, tables, md = compare_files([a, b])
+    assert {r.verdict for r in tables[0]} == {"not comparable"}  # every row, counts included
+    assert _by_key(tables[0])["output_throughput"].delta == pytest.approx(-50.0)  # the numbers are still shown
+    assert needle in md and "Not comparable" in md.splitlines()[2]
+    assert "Significant:" not in md
+    assert cli_main(["compare", a, b]) == 1
+    out = capsys.readouterr()
+    assert needle in out.err and "better" not in out.out and "worse" not in out.out
+
+
+def test_column_labels_are_short_and_unique(tmp_path, capsys) -> None:
+    stem = "c512-GLM-5-NVFP4-tp8-mtp-20261201"
+    a = _summary(tmp_path / f"{stem}-101010.json", output_throughput=100.0)
+    b = _summary(tmp_path / f"{stem}-101532.json", output_throughput=90.0)
+    groups, _, md = compare_files([a, b])
+    labels = [g.label for g in groups]
+    assert labels == ["101010", "101532"]
+    assert f"`{a}`" in md  # the legend names the files
+    assert cli_main(["compare", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "101010" in out and "101532" in out
+    for d in ("x", "y"):
+        (tmp_path / d).mkdir()
+    same = compare_files([_summary(tmp_path / "x" / "run.json", output_throughput=1.0, label="demo"),
+                          _summary(tmp_path / "y" / "run.json", output_throughput=2.0, label="demo")])[0]
+    assert len({g.label for g in same}) == 2 and all(len(g.label) <= 20 for g in same)
 
 
 def test_compare_input_errors(tmp_path) -> None:

@@ -102,17 +102,17 @@ def test_peak_rates_follow_vllm_buckets() -> None:
     assert res["max_concurrent_requests"] == 1
 
 
-def test_stream_without_running_usage_counts_chunks_like_vllm() -> None:
+def test_stream_without_running_usage_spreads_the_final_count_over_its_chunks() -> None:
     rec = RequestRecord(0, 5, 6)
     rec.status, rec.start = "ok", 0.0
     rec.chunk_times, rec.chunk_tokens = [0.1, 0.2, 0.35], [1, 1, 1]
     rec.output_tokens = 6  # final usage says 6 although only 3 chunks came
     rec.running_usage = False
-    row = finalize_request(rec, 0.0, 0.0)
-    assert row["token_count_source"] == "chunks"
+    row = finalize_request(rec, 0.0, 0.0)  # no tokenizer counts: 2 tokens per chunk
+    assert row["token_count_source"] == "spread"
     assert row["output_tokens"] == 6
     assert row["tpot_ms"] == pytest.approx((350 - 100) / 5)
-    assert row["itl_ms"] == pytest.approx([100.0, 150.0])
+    assert row["itl_ms"] == pytest.approx([0.0, 50.0, 50.0, 75.0, 75.0])
 
 
 def test_empty_and_failed_runs_do_not_crash() -> None:

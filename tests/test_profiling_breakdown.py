@@ -3,8 +3,9 @@
 import pytest
 
 from glm5_fp4.profiling.breakdown import analyze_path
-from glm5_fp4.profiling.synthetic import MOE_GEMM1, UNKNOWN, make_decode_traces
 from glm5_fp4.profiling.traces import write_trace
+
+from profiling_synthetic import MOE_GEMM1, UNKNOWN, make_decode_traces
 
 
 def _write(tmp_path, files):

@@ -11,8 +11,9 @@ import pytest
 from glm5_fp4.cli import main
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.profiling.capture import CaptureConfig, capture
-from glm5_fp4.profiling.synthetic import make_decode_traces
 from glm5_fp4.profiling.traces import write_trace
+
+from profiling_synthetic import make_decode_traces
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,46 @@ def test_corrupt_trace_is_one_error_line_naming_the_file(tmp_path, capsys):
     assert main(["profile", "analyze", str(tmp_path), "--jobs", "1"]) == 1
     err = capsys.readouterr().err
     assert bad.name in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("naming", ["plain", "vllm"])
+def test_analyze_skips_non_trace_json_including_its_own_output(tmp_path, capsys, naming):
+    """--out DIR puts breakdown.json next to the traces; a second run (and any stray JSON) must not abort."""
+    files, _ = make_decode_traces(n_ranks=2, n_steps=4, layers=2, graph="full", naming=naming)
+    for name, trace in files:
+        write_trace(trace, tmp_path / name)
+    (tmp_path / "run-notes.json").write_text(json.dumps({"who": "me", "batch": 8}))
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    assert main(["profile", "analyze", str(tmp_path), "--out", str(tmp_path), "--no-png", "--jobs", "1"]) == 0
+    first = json.loads((tmp_path / "breakdown.json").read_text())
+    assert main(["profile", "analyze", str(tmp_path), "--out", str(tmp_path), "--no-png", "--jobs", "1"]) == 0
+    again = json.loads((tmp_path / "breakdown.json").read_text())
+    assert [r["file"] for r in again["ranks"]] == [r["file"] for r in first["ranks"]] == sorted(n for n, _ in files)
+    assert again["ranks"][0]["summed_us"] == first["ranks"][0]["summed_us"]
+    out = capsys.readouterr().out
+    if naming == "plain":  # trace-named files (vLLM's *.pt.trace.json.gz) are picked without reading the rest
+        skipped = [n for n in again["notes"] if n.startswith("skipped")]
+        assert len(skipped) == 1 and all(f in skipped[0] for f in ("breakdown.json", "run-notes.json", "list.json"))
+        assert "skipped" in out
+
+
+def test_analyze_directory_of_only_non_trace_json_is_one_error(tmp_path, capsys):
+    (tmp_path / "breakdown.json").write_text(json.dumps({"ranks": []}))
+    assert main(["profile", "analyze", str(tmp_path), "--jobs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "no trace" in err and "breakdown.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_analyze_out_that_cannot_be_a_directory_is_one_clear_error(trace_dir, tmp_path, capsys, where):
+    existing = tmp_path / "report.md"
+    existing.write_text("keep me")
+    out = existing if where == "file" else existing / "sub"
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--no-png", "--jobs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert str(existing) in err and "not a directory" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert existing.read_text() == "keep me"
 
 
 def test_cpu_run_is_labelled_cpu(tmp_path):

@@ -1,7 +1,13 @@
 """Validate an NVFP4 checkpoint (real or tiny) from its config and safetensors headers, and summarise it.
 
-Only headers are read, so a 440 GB checkpoint is inspected in seconds. The first problem found raises one
-:class:`Glm5Fp4Error` naming the file, the tensor and what was expected.
+Only headers are read, so a 440 GB checkpoint is inspected in seconds. The files are the ones
+``model.safetensors.index.json`` names (each must exist and hold what the index says), else every
+``*.safetensors``. Every tensor the config implies (``checkpoint.layout``: embeddings, every layer's norms,
+attention, router and MLP or experts, the shared experts, the final norm, lm_head) must be there: the
+quantized linears as NVFP4 (U8 codes, F8_E4M3 block scales, F32 global scale; an F32 input scale is
+optional) unless excluded, the rest in a float dtype, all with the config's shapes. Missing tensors are
+reported together, by component and layer; otherwise the first problem raises one :class:`Glm5Fp4Error`
+naming the file, the tensor and what was expected.
 """
 
 from __future__ import annotations
@@ -117,14 +123,105 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def read_tensor_index(ckpt: Path) -> dict[str, TensorInfo]:
-    files = sorted(ckpt.glob("*.safetensors"))
-    if not files:
-        raise Glm5Fp4Error(f"{ckpt}: no *.safetensors files")
-    tensors: dict[str, TensorInfo] = {}
-    for f in files:
-        tensors.update(read_safetensors_header(f))
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def read_tensor_index(ckpt: Path, notes: list[str] | None = None) -> dict[str, TensorInfo]:
+    """Every tensor's header, from the files the index names (else all ``*.safetensors``)."""
+    index_path = ckpt / INDEX_FILE
+    if not index_path.is_file():
+        files = sorted(ckpt.glob("*.safetensors"))
+        if not files:
+            raise Glm5Fp4Error(f"{ckpt}: no *.safetensors files")
+        tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            tensors.update(read_safetensors_header(f))
+        return tensors
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise Glm5Fp4Error(f"{index_path}: not a safetensors index (no 'weight_map' object)") from None
+    headers = {}
+    for fname in sorted(set(weight_map.values())):
+        if not (ckpt / fname).is_file():
+            n = sum(1 for v in weight_map.values() if v == fname)
+            raise Glm5Fp4Error(f"{ckpt}: {INDEX_FILE} names {fname}, which is missing ({n} tensors)")
+        headers[fname] = read_safetensors_header(ckpt / fname)
+    tensors = {}
+    for name, fname in weight_map.items():
+        info = headers[fname].get(name)
+        if info is None:
+            raise Glm5Fp4Error(f"{ckpt}: {INDEX_FILE} puts tensor {name} in {fname}, which does not hold it")
+        tensors[name] = info
+    stray = sorted(p.name for p in ckpt.glob("*.safetensors") if p.name not in headers)
+    if stray and notes is not None:
+        notes.append(f"not in {INDEX_FILE}, so not read: {', '.join(stray)}")
     return tensors
+
+
+def _component(name: str) -> str:
+    for needle, what in ((".self_attn.", "attention"), ("layernorm", "norms"), (".mlp.gate.", "router"),
+                         (".mlp.shared_experts.", "shared experts"), (".mlp.experts.", "routed experts"),
+                         (".mlp.", "dense MLP"), ("embed_tokens", "embeddings"), ("lm_head", "lm_head")):
+        if needle in name:
+            return what
+    return "norms" if name.endswith("norm.weight") else "other"
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v != start else f"{v}")
+            start = None
+    return ", ".join(out)
+
+
+def expected_tensors(config: dict, nvfp4: bool, excluded: list[str]) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """name -> (allowed dtypes, shape) of every tensor the config implies; input scales are optional."""
+    from glm5_fp4.checkpoint.layout import model_tensors
+
+    out = {}
+    for spec in model_tensors(config):
+        base = spec.name.removesuffix(".weight")
+        if spec.quantized and nvfp4 and not _excluded(base, excluded):
+            rows, cols = spec.shape
+            out[spec.name] = (("U8",), (rows, cols // 2))
+            out[f"{base}.weight_scale"] = (("F8_E4M3",), (rows, cols // BLOCK_SIZE))
+            out[f"{base}.weight_scale_2"] = (("F32",), ())
+        else:
+            out[spec.name] = (FLOAT_DTYPES, spec.shape)
+    return out
+
+
+def _check_complete(ckpt: Path, cfg_path: Path, config: dict, tensors: dict[str, TensorInfo], nvfp4: bool,
+                    excluded: list[str]) -> None:
+    try:
+        expected = expected_tensors(config, nvfp4, excluded)
+    except KeyError as exc:
+        raise Glm5Fp4Error(f"{cfg_path}: field {exc} missing: it says which tensors the checkpoint holds") from None
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        parts = Counter(_component(n) for n in missing)
+        layers = sorted({int(m[1]) for n in missing if (m := re.match(r"model\.layers\.(\d+)\.", n))})
+        where = f"; layers {_ranges(layers)}" if layers else ""
+        raise Glm5Fp4Error(
+            f"{ckpt}: missing {len(missing):,} of {len(expected):,} tensors the config implies "
+            f"({', '.join(f'{what} {n:,}' for what, n in parts.most_common())}{where}), "
+            f"e.g. {', '.join(missing[:4])}")
+    for name, (dtypes, shape) in expected.items():
+        info = tensors[name]
+        if info.dtype not in dtypes or info.shape != shape:
+            want = dtypes[0] if len(dtypes) == 1 else (info.dtype if info.dtype in dtypes else
+                                                      f"a float ({'/'.join(dtypes)})")
+            raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, "
+                               f"expected {want} {list(shape)}")
 
 
 def read_quant_config(ckpt: Path, config: dict) -> tuple[str | None, int | None, list[str]]:
@@ -167,6 +264,28 @@ def _check(info: TensorInfo | None, name: str, dtype: str, shape: tuple[int, ...
         )
 
 
+_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_dir(model: str | Path, where: str = "--model") -> Path | None:
+    """What a server is about to load, checked before it starts: a local directory must be a checkpoint
+    (config.json and weights). A Hugging Face id (namespace/name, nothing of that name here) is left to the
+    engine: returns None for it, else the directory."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise Glm5Fp4Error(f"{where} {text}: is a file, not a checkpoint directory")
+        if not (path / "config.json").is_file():
+            raise Glm5Fp4Error(f"{where} {text}: no config.json, so not a Hugging Face checkpoint directory")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise Glm5Fp4Error(f"{where} {text}: no weights (*.safetensors) next to config.json")
+        return path
+    if _HF_REPO_ID.match(text):
+        return None
+    raise Glm5Fp4Error(f"{where} {text}: no such directory (a Hugging Face model id has the form namespace/name)")
+
+
 def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> CheckpointReport:
     ckpt = Path(path)
     cfg_path = ckpt / "config.json"
@@ -186,7 +305,9 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
         raise Glm5Fp4Error(f"{ckpt}: NVFP4 group_size {group_size}, expected {BLOCK_SIZE}")
     nvfp4 = (quant_algo or "").upper() == "NVFP4"
 
-    tensors = read_tensor_index(ckpt)
+    notes: list[str] = []
+    tensors = read_tensor_index(ckpt, notes)
+    _check_complete(ckpt, cfg_path, config, tensors, nvfp4, excluded)
     layers = config["num_hidden_layers"]
     first_dense = config.get("first_k_dense_replace", 0)
     moe_layers = [i for i in range(layers) if i >= first_dense]
@@ -230,6 +351,7 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
         path=ckpt, architecture=(config.get("architectures") or ["?"])[0], model_type=config.get("model_type", "?"),
         num_layers=layers, moe_layers=moe_layers, routed_experts=n_experts, quant_algo=quant_algo,
         group_size=group_size, quantized_linears=quantized, bytes_by_dtype=dict(by_dtype), tensors=len(tensors),
+        notes=notes,
     )
     if config.get("model_type") == "deepseek_v3" and config.get("architectures") == ["GlmMoeDsaForCausalLM"]:
         report.notes.append("dense-attention view of GLM-5: the DSA indexer is not used (exact up to index_topk tokens)")

@@ -14,8 +14,8 @@ arguments. ``dequantized=True`` writes the BF16 twin: each NVFP4 weight replaced
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,103 +24,16 @@ from tqdm import tqdm
 
 from glm5_fp4 import nvfp4
 from glm5_fp4.checkpoint.configs import build_config, dense_attention_view
+from glm5_fp4.checkpoint.layout import TensorSpec, exclude_modules, model_tensors
 from glm5_fp4.checkpoint.tokenizer import save_tokenizer
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import output_dir
 
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.42.0 (layout); written by glm5-fp4"}
 SHARD_BYTES = 2 * 1024**3
 # Static activation scales (amax / (6*448)) for the random model: RMS-normed inputs and SwiGLU products of
 # unit-variance projections stay well inside these amax values, so W4A4 emulation does not saturate.
 _INPUT_AMAX = {"gate_proj": 8.0, "up_proj": 8.0, "down_proj": 12.0}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    kind: str  # "linear" (random, fan-in scaled), "norm" (ones), "bias" (small), "embed"
-    quantized: bool = False
-
-
-def _attention_tensors(cfg: dict, p: str) -> list[TensorSpec]:
-    h, n = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg["model_type"] == "glm_moe_dsa":
-        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-        out = [
-            TensorSpec(f"{p}.self_attn.q_a_proj.weight", (cfg["q_lora_rank"], h), "linear"),
-            TensorSpec(f"{p}.self_attn.q_a_layernorm.weight", (cfg["q_lora_rank"],), "norm"),
-            TensorSpec(f"{p}.self_attn.q_b_proj.weight", (n * qk, cfg["q_lora_rank"]), "linear"),
-            TensorSpec(f"{p}.self_attn.kv_a_proj_with_mqa.weight", (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], h), "linear"),
-            TensorSpec(f"{p}.self_attn.kv_a_layernorm.weight", (cfg["kv_lora_rank"],), "norm"),
-            TensorSpec(f"{p}.self_attn.kv_b_proj.weight", (n * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]), "linear"),
-            TensorSpec(f"{p}.self_attn.o_proj.weight", (h, n * cfg["v_head_dim"]), "linear"),
-        ]
-        d, ih = cfg["index_head_dim"], cfg["index_n_heads"]
-        out += [
-            TensorSpec(f"{p}.self_attn.indexer.wq_b.weight", (ih * d, cfg["q_lora_rank"]), "linear"),
-            TensorSpec(f"{p}.self_attn.indexer.wk.weight", (d, h), "linear"),
-            TensorSpec(f"{p}.self_attn.indexer.k_norm.weight", (d,), "norm"),
-            TensorSpec(f"{p}.self_attn.indexer.k_norm.bias", (d,), "bias"),
-            TensorSpec(f"{p}.self_attn.indexer.weights_proj.weight", (ih, h), "linear"),
-        ]
-        return out
-    hd, kvh = cfg["head_dim"], cfg["num_key_value_heads"]
-    return [
-        TensorSpec(f"{p}.self_attn.q_proj.weight", (n * hd, h), "linear"),
-        TensorSpec(f"{p}.self_attn.k_proj.weight", (kvh * hd, h), "linear"),
-        TensorSpec(f"{p}.self_attn.v_proj.weight", (kvh * hd, h), "linear"),
-        TensorSpec(f"{p}.self_attn.o_proj.weight", (h, n * hd), "linear"),
-    ]
-
-
-def _mlp_tensors(prefix: str, hidden: int, inter: int) -> list[TensorSpec]:
-    return [
-        TensorSpec(f"{prefix}.gate_proj.weight", (inter, hidden), "linear", True),
-        TensorSpec(f"{prefix}.up_proj.weight", (inter, hidden), "linear", True),
-        TensorSpec(f"{prefix}.down_proj.weight", (hidden, inter), "linear", True),
-    ]
-
-
-def layer_tensors(cfg: dict, layer: int) -> list[TensorSpec]:
-    """Every tensor of decoder layer ``layer`` with the names nvidia/GLM-5-NVFP4 uses (before quantization)."""
-    p = f"model.layers.{layer}"
-    h = cfg["hidden_size"]
-    out = [TensorSpec(f"{p}.input_layernorm.weight", (h,), "norm"),
-           TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "norm")]
-    out += _attention_tensors(cfg, p)
-    if layer < cfg["first_k_dense_replace"]:
-        out += _mlp_tensors(f"{p}.mlp", h, cfg["intermediate_size"])
-    else:
-        e, i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-        out += [TensorSpec(f"{p}.mlp.gate.weight", (e, h), "linear"),
-                TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias")]
-        for j in range(e):
-            out += _mlp_tensors(f"{p}.mlp.experts.{j}", h, i)
-        if cfg["n_shared_experts"]:
-            out += _mlp_tensors(f"{p}.mlp.shared_experts", h, i * cfg["n_shared_experts"])
-    return out
-
-
-def model_tensors(cfg: dict) -> list[TensorSpec]:
-    h, v = cfg["hidden_size"], cfg["vocab_size"]
-    out = [TensorSpec("model.embed_tokens.weight", (v, h), "embed")]
-    for layer in range(cfg["num_hidden_layers"]):
-        out += layer_tensors(cfg, layer)
-    out += [TensorSpec("model.norm.weight", (h,), "norm"), TensorSpec("lm_head.weight", (v, h), "linear")]
-    return out
-
-
-def exclude_modules(cfg: dict) -> list[str]:
-    """ModelOpt's exclude list for this config: lm_head and all attention (with the indexer), as NVIDIA's."""
-    out = ["lm_head"]
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}.self_attn"
-        if cfg["model_type"] == "glm_moe_dsa":
-            out += [f"{p}.{m}" for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
-            out.append(f"{p}.indexer*")
-        else:
-            out += [f"{p}.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    return sorted(out)
 
 
 def _draw(spec: TensorSpec, seed: int) -> torch.Tensor:
@@ -229,16 +142,27 @@ def make_checkpoint(
     """Write a tiny (or any-size) random checkpoint; returns its directory.
 
     ``dense_attention`` writes the dense-attention view of a glm5 checkpoint (same tensors, config without the
-    DSA indexer) — what vLLM's CPU backend serves.
+    DSA indexer) — what vLLM's CPU backend serves. Every argument is checked before anything is written, and a
+    failure while writing removes the directories this call created, so bad input leaves nothing behind.
     """
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    out = output_dir(out_dir, create=False)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise Glm5Fp4Error(f"{out}: directory exists and is not empty (pass --overwrite to replace its files)")
     if dense_attention and arch != "glm5":
         raise Glm5Fp4Error("--dense-attention applies to --arch glm5 only")
-    out.mkdir(parents=True, exist_ok=True)
-
     cfg = build_config(arch, sizes)
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
+    output_dir(out)
+    try:
+        _write(out, cfg, seed, dequantized, dense_attention)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool) -> None:
     eos = save_tokenizer(out, cfg["vocab_size"], seed)
     cfg["eos_token_id"] = cfg["pad_token_id"] = eos
     excluded = exclude_modules(cfg)
@@ -259,4 +183,3 @@ def make_checkpoint(
     specs = model_tensors(cfg)
     n_out = sum(4 if s.quantized and not dequantized else 1 for s in specs)
     write_safetensors(generate_tensors(cfg, seed, dequantized, specs), out, total=n_out)
-    return out

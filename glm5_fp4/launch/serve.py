@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped
+from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped, spawn
 from glm5_fp4.launch.commands import EngineCommand, build_command
 from glm5_fp4.launch.profile import load_profile
+from glm5_fp4.loopback import check_bind_host
 
 # serve flag -> profile field; the flags `glm5-fp4 serve --profile` accepts as overrides
 OVERRIDE_FLAGS = {
@@ -54,42 +55,42 @@ class EngineProcess(ServerProcess):
 
 
 def start(command: EngineCommand, log_path: str | os.PathLike):
-    """Start ``command``; returns a handle with ``wait_healthy()``, ``stop()``, ``process`` and ``log_path``."""
+    """Start ``command`` (through :func:`glm5_fp4.server_process.spawn`); returns a handle with
+    ``wait_healthy()``, ``stop()``, ``process`` and ``log_path``."""
     log = Path(log_path)
-    log.parent.mkdir(parents=True, exist_ok=True)
     if command.engine == "vllm":
         from glm5_fp4.engines.vllm.serve import launch_vllm
 
         return launch_vllm(**command.launcher_kwargs, log_path=log)
-    with log.open("ab") as f:
-        f.write(f"# {command.shell()}\n".encode())
-        f.flush()
-        try:
-            process = subprocess.Popen(command.argv, stdout=f, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **command.env}, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
-        except FileNotFoundError:
-            raise Glm5Fp4Error(f"{command.program[0]!r} not found: install SGLang 0.5.23 in this environment "
-                               "(pip install 'glm5-fp4[sglang]')") from None
+    try:
+        process = spawn(command.argv, {**os.environ, **command.env}, log, command.shell())
+    except FileNotFoundError:
+        raise Glm5Fp4Error(f"{command.program[0]!r} not found: install SGLang 0.5.23 in this environment "
+                           "(pip install 'glm5-fp4[sglang]')") from None
     return EngineProcess(command, process, log)
 
 
 def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, log_file: str | None = None,
-                  timeout: float = 900.0, extra_args: list[str] | None = None) -> int:
+                  timeout: float = 900.0, extra_args: list[str] | None = None, allow_remote: bool = False) -> int:
     """`glm5-fp4 serve --profile FILE [...]`: print the command; unless ``dry_run``, run it until Ctrl-C.
 
     ``overrides`` maps profile fields to command-line values (None = not given); ``extra_args`` (after ``--``)
-    are appended to the profile's own.
+    are appended to the profile's own. A host other than loopback needs ``allow_remote``.
     """
     profile = load_profile(profile_path, overrides, OVERRIDE_FLAGS)
     if extra_args:
         profile = profile.model_copy(update={"extra_args": [*profile.engine_extra_args(), *extra_args]})
+    check_bind_host(profile.host, allow_remote, "--host" if overrides.get("host") else f"host in {profile_path}:")
     command = build_command(profile, origin=str(profile_path))
     print(f"# {profile_path}: {profile.engine} {profile.layout}, cuda_graphs={profile.cuda_graphs}, "
           f"moe_backend={profile.moe_backend}", flush=True)
     print(describe(command), flush=True)
     if dry_run:
         return 0
+    from glm5_fp4.checkpoint.inspect import check_model_dir  # imports torch: only when about to launch
+
+    where = "--model" if overrides.get("model") else f"model in {profile_path}:"
+    check_model_dir(profile.model, where)  # before the engine starts, not seconds into its own start-up
     log = log_file or f"glm5-fp4-{profile.engine}-{profile.effective_port}.log"
     install_stop_signals()
     return serve_until_stopped(start(command, log), timeout, f"{command.base_url}/v1")

@@ -12,14 +12,15 @@ What matters at 512 streams and tens of thousands of SSE chunks per second:
 Token accounting: with `stream_options.continuous_usage_stats` every chunk carries the running
 `usage.completion_tokens`, so a chunk's token count is the change in it (several tokens per chunk
 under MTP / speculative decoding). Chunks that add no token (chat's role chunk, a bare
-finish_reason chunk) are not token arrivals. Servers without running usage fall back to vLLM's
-rule: every chunk with `choices` is one arrival of one token.
+finish_reason chunk) are not token arrivals. The extension is vLLM's: many servers send usage only
+with the last chunk, or never. Without usage a chunk with text is a token arrival, counted as one
+token here (the live progress count) and recounted after the run from its text
+(metrics.chunk_token_counts), so the text of every arrival is kept.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import json.scanner
 import time
@@ -30,9 +31,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loopback import is_loopback
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
 READ_BUFSIZE = 4 * 1024 * 1024
 
 
@@ -41,16 +42,8 @@ def check_loopback(url: str, allow_remote: bool) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise Glm5Fp4Error(f"--url {url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8000")
-    if allow_remote:
+    if allow_remote or is_loopback(parts.hostname):
         return
-    host = parts.hostname
-    if host.lower() in _LOOPBACK_NAMES:
-        return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass
     raise Glm5Fp4Error(
         f"--url {url!r} is not a loopback address; load tests target 127.0.0.1/::1/localhost by default. "
         "Pass --allow-remote to load a remote server you are allowed to load."
@@ -76,10 +69,12 @@ class RequestRecord:
     start: float = 0.0  # perf_counter when the request was sent
     end: float = 0.0  # perf_counter when the request finished (ok or not)
     chunk_times: list[float] = field(default_factory=list)  # arrival of each token-carrying chunk
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens each of those chunks carried
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each carried (usage delta, else 1)
+    chunk_texts: list[str] = field(default_factory=list)  # the text each carried
+    usage_chunks: int = 0  # how many of them carried a running usage.completion_tokens
     output_tokens: int | None = None  # the server's final usage.completion_tokens
     server_prompt_tokens: int | None = None
-    running_usage: bool = False  # the server sent usage on token chunks (continuous_usage_stats)
+    running_usage: bool = False  # every token chunk carried usage (continuous_usage_stats honoured)
     got_done: bool = False
     response_id: str | None = None
     finish_reason: str | None = None
@@ -231,21 +226,28 @@ class _SSEState:
         choices = obj.get("choices")
         usage = obj.get("usage")
         if choices:
+            first = choices[0]
+            text = first.get("text")
+            if text is None:  # chat: the delta's content (a reasoning model streams its reasoning first)
+                delta = first.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content") or ""
             ct = usage.get("completion_tokens") if usage else None
             if ct is not None:
                 n = ct - self.prev_tokens
                 self.prev_tokens = ct
-                rec.running_usage = True
             else:
-                n = 1
-                self.prev_tokens += 1
+                n = 1 if text else 0
+                self.prev_tokens += n
             if n > 0:
                 rec.chunk_times.append(t)
                 rec.chunk_tokens.append(n)
+                rec.chunk_texts.append(text)
+                if ct is not None:
+                    rec.usage_chunks += 1
                 if self.counter is not None:
                     self.counter.tokens += n
                     self.counter.chunks += 1
-            fr = choices[0].get("finish_reason")
+            fr = first.get("finish_reason")
             if fr:
                 rec.finish_reason = fr
         elif "error" in obj:
@@ -254,8 +256,8 @@ class _SSEState:
             raise _StreamError("server_error_event", f"server sent an error event: {msg}")
         if usage:
             rec.server_prompt_tokens = usage.get("prompt_tokens", rec.server_prompt_tokens)
-            if not choices:
-                rec.output_tokens = usage.get("completion_tokens")
+            # the latest count is the total so far: the usage-only chunk, or usage sent with the last token
+            rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
         if rec.response_id is None:
             rec.response_id = obj.get("id")
 
@@ -365,6 +367,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes, 
     finally:
         if content is not None:
             _SSE_STATES.pop(id(content), None)
+        rec.running_usage = bool(rec.chunk_times) and rec.usage_chunks == len(rec.chunk_times)
     rec.end = perf()
     if counter is not None:
         if rec.status == "ok":

@@ -15,12 +15,18 @@ Whether a difference is real:
   (approximate, and marked so);
 - with neither, the difference is shown without a verdict.
 A difference whose interval contains 0 is reported as "within noise".
+
+Runs that are not comparable get no verdict at all (every row says "not comparable", the reasons
+head the table, the command exits 1): different workloads (model, concurrency, rate, prompt count,
+endpoint, lengths), different numbers of failed requests, or a run that stopped early or failed.
+Groups are labelled with short unique names (the parts of the file names that differ, else A, B, ...).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +48,8 @@ THROUGHPUT_KEYS = ("request_throughput", "request_goodput", "output_throughput",
 OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tokens_per_chunk")
 CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "num_prompts")
 CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format")
+NOT_COMPARABLE = "not comparable"
+MAX_LABEL = 20
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
 
@@ -90,8 +98,38 @@ def load_group(spec: str, label: str | None = None) -> Group:
         results.append(res)
         req = requests_path_for(p, res)
         rows.append(read_requests(req) if req.is_file() else rows_from_vllm_detailed(res))
-    name = label or results[0].get("label") or (paths[0].stem if len(paths) == 1 else f"{paths[0].stem} (+{len(paths) - 1})")
+    name = label or results[0].get("label") or paths[0].stem
     return Group(name, paths, results, rows)
+
+
+def _tokens(path: Path) -> list[str]:
+    return [t for t in re.split(r"[-_.]+", f"{path.parent.name}-{path.stem}") if t]
+
+
+def short_labels(groups: Sequence[Group], explicit: Sequence[bool]) -> None:
+    """Give each group a short label no other group has (in place): the given labels as they are, else the
+    part of its file name that differs from the others' (the common leading and trailing words dropped),
+    else A, B, C, ..."""
+    names = [g.label for g in groups]
+    if len(set(names)) == len(names) and all(len(n) <= MAX_LABEL for n in names):
+        return
+    toks = [_tokens(g.paths[0]) for g in groups]
+    lead = 0
+    while all(len(t) > lead + 1 for t in toks) and len({t[lead] for t in toks}) == 1:
+        lead += 1
+    trail = 0
+    while all(len(t) > lead + trail + 1 for t in toks) and len({t[-1 - trail] for t in toks}) == 1:
+        trail += 1
+    derived = ["-".join(t[lead:len(t) - trail]) for t in toks]
+    if len(set(derived)) < len(derived) or any(len(d) > MAX_LABEL for d in derived):
+        derived = [chr(ord("A") + i) if i < 26 else f"run{i + 1}" for i in range(len(groups))]
+    seen: set[str] = set()
+    for g, name, given, d in zip(groups, names, explicit, derived):
+        label = name if given else d
+        while label in seen:
+            label += "'"
+        seen.add(label)
+        g.label = label
 
 
 def rows_from_vllm_detailed(result: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -244,7 +282,36 @@ def _replicates_for(key: str, group: Group, run: int, boot: _Bootstrap | None) -
     return None
 
 
+def not_comparable(base: Group, other: Group) -> list[str]:
+    """Why better/worse verdicts between these groups would mislead (empty if they would not)."""
+    reasons = []
+    for g in (base, other):  # the repeats of one group must be runs of one workload too
+        for p, r in zip(g.paths[1:], g.results[1:]):
+            diffs = _config_diffs(g.results[0], r)
+            if diffs:
+                reasons.append(f"{g.label}: repeat {p.name} is another workload ({'; '.join(diffs)})")
+    diffs = config_differences(base, other)
+    if diffs:
+        reasons.append(f"workloads differ: {'; '.join(diffs)}")
+    fa = [r.get("failed") for r in base.results]
+    fb = [r.get("failed") for r in other.results]
+    if sorted(map(str, set(fa))) != sorted(map(str, set(fb))):
+        show = lambda v: str(v[0]) if len(set(v)) == 1 else "/".join(map(str, v))  # noqa: E731
+        reasons.append(f"failed requests differ: {show(fa)} vs {show(fb)}")
+    for g in (base, other):
+        for p, r in zip(g.paths, g.results):
+            if r.get("abort_reason"):
+                reasons.append(f"{g.label}: {p.name} stopped early ({r['abort_reason']})")
+            elif r.get("run_failed"):
+                reasons.append(f"{g.label}: {p.name} failed ({r.get('failure_reason')})")
+            elif not r.get("completed"):
+                reasons.append(f"{g.label}: {p.name} completed no request")
+    return reasons
+
+
 def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 0) -> list[Row]:
+    """Every metric of ``other`` against ``base``; verdict "not comparable" on every row if they are not."""
+    blocked = bool(not_comparable(base, other))
     rng = np.random.default_rng(seed)
     repeats = len(base.results) >= 2 and len(other.results) >= 2
     boots: dict[int, _Bootstrap | None] = {}
@@ -294,13 +361,16 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
             verdict = "changed"
         else:
             verdict = "better" if delta * direction > 0 else "worse"
-        rows.append(Row(key, a, b, delta, rel, ci, method, verdict))
+        rows.append(Row(key, a, b, delta, rel, ci, method, NOT_COMPARABLE if blocked else verdict))
     return rows
 
 
 def config_differences(base: Group, other: Group) -> list[str]:
+    return _config_diffs(base.results[0], other.results[0])
+
+
+def _config_diffs(ra: dict[str, Any], rb: dict[str, Any]) -> list[str]:
     diffs = []
-    ra, rb = base.results[0], other.results[0]
     for k in CONFIG_KEYS:
         if ra.get(k) != rb.get(k):
             diffs.append(f"{k}: {ra.get(k)} vs {rb.get(k)}")
@@ -334,13 +404,14 @@ def _ci(row: Row) -> str:
 def markdown_block(base: Group, other: Group, rows: list[Row]) -> str:
     """A block ready to paste into an improvement write-up."""
     lines = [f"### {other.label} vs {base.label}", ""]
-    lines.append(f"- Baseline **{base.label}**: {describe_run(base.results[0])} "
-                 f"({len(base.results)} run{'s' if len(base.results) > 1 else ''})")
-    lines.append(f"- Candidate **{other.label}**: {describe_run(other.results[0])} "
-                 f"({len(other.results)} run{'s' if len(other.results) > 1 else ''})")
-    diffs = config_differences(base, other)
-    if diffs:
-        lines.append(f"- Workloads differ: {'; '.join(diffs)}")
+    blocked = not_comparable(base, other)
+    if blocked:
+        lines.append(f"**Not comparable**, so no verdicts: {'; '.join(blocked)}.")
+        lines.append("")
+    for role, g in (("Baseline", base), ("Candidate", other)):
+        files = ", ".join(f"`{p}`" for p in g.paths)
+        lines.append(f"- {role} **{g.label}**: {describe_run(g.results[0])} "
+                     f"({len(g.results)} run{'s' if len(g.results) > 1 else ''}: {files})")
     methods = sorted({r.method for r in rows if r.method not in ("-", "none")})
     lines.append(f"- Noise estimate: {', '.join(methods) or 'none (no per-request files, single runs)'}; "
                  "95 % interval of the difference; `~` = Little's-law approximation")
@@ -368,15 +439,14 @@ def print_table(base: Group, other: Group, rows: list[Row], console: Any = None)
     for c, j in (("metric", "left"), (base.label, "right"), (other.label, "right"), ("Δ", "right"),
                  ("Δ%", "right"), ("95% CI of Δ", "right"), ("noise", "left"), ("verdict", "left")):
         t.add_column(c, justify=j)  # type: ignore[arg-type]
-    colour = {"better": "green", "worse": "red", "within noise": "dim"}
+    colour = {"better": "green", "worse": "red", "within noise": "dim", NOT_COMPARABLE: "yellow"}
     for r in rows:
         style = colour.get(r.verdict, "")
         t.add_row(r.key, _num(r.base), _num(r.other), _num(r.delta), _pct(r.rel), _ci(r), r.method,
                   f"[{style}]{r.verdict}[/]" if style else r.verdict)
     console.print(t)
-    diffs = config_differences(base, other)
-    if diffs:
-        console.print(f"[yellow]workloads differ:[/] {'; '.join(diffs)}")
+    for g in (base, other):
+        console.print(f"{g.label}: {', '.join(str(p) for p in g.paths)}", highlight=False)
 
 
 def compare_files(specs: Sequence[str], *, n_boot: int = 500, seed: int = 0,
@@ -384,6 +454,8 @@ def compare_files(specs: Sequence[str], *, n_boot: int = 500, seed: int = 0,
     if len(specs) < 2:
         raise Glm5Fp4Error("compare: give at least two result files (baseline first)")
     groups = [load_group(s, labels[i] if labels and i < len(labels) else None) for i, s in enumerate(specs)]
+    short_labels(groups, [bool(labels and i < len(labels)) or ("=" in s and not Path(s).exists())
+                          for i, s in enumerate(specs)])
     tables = [compare_groups(groups[0], g, n_boot=n_boot, seed=seed) for g in groups[1:]]
     md = "\n\n".join(markdown_block(groups[0], g, rows) for g, rows in zip(groups[1:], tables))
     return groups, tables, md

@@ -22,8 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from glm5_fp4.errors import Glm5Fp4Error
-    from glm5_fp4.loadtest.compare import compare_files, print_table
+    from glm5_fp4.loadtest.compare import compare_files, not_comparable, print_table
 
     if args.bootstrap < 50:
         raise Glm5Fp4Error(f"--bootstrap {args.bootstrap}: use at least 50 resamples")
@@ -37,4 +39,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(md + "\n")
         print(f"markdown: {args.out}")
-    return 0
+    blocked = [(g, not_comparable(groups[0], g)) for g in groups[1:]]
+    for g, reasons in blocked:
+        if reasons:
+            print(f"compare: {g.label} vs {groups[0].label} not comparable, no verdicts: {'; '.join(reasons)}",
+                  file=sys.stderr)
+    return 1 if any(reasons for _, reasons in blocked) else 0

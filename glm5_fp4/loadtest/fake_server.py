@@ -72,6 +72,10 @@ class FakeServerConfig:
     die_after_chunks: int = 0
     die_after_s: float = 0.0
     record_sends: bool = False
+    # "requested": usage as stream_options asks (continuous_usage_stats on every chunk, vLLM's extension);
+    # "last": only with the last token chunk, as many OpenAI-compatible servers do; "none": never
+    usage: str = "requested"
+    prompt_tokens_zero: bool = False  # report usage.prompt_tokens 0 (servers that do not count prompts)
     # Wake this long before each deadline and yield-spin to it: event-loop timers are only
     # millisecond-accurate (and uvloop's clock is cached), which would add ~1 ms of jitter.
     spin_us: float = 0.0
@@ -84,6 +88,8 @@ class FakeServerConfig:
             object.__setattr__(self, name, values)
         if any(int(k) < 1 for k in self.tokens_per_chunk):
             raise ValueError(f"fake server: tokens_per_chunk must be >= 1, got {self.tokens_per_chunk}")
+        if self.usage not in ("requested", "last", "none"):
+            raise ValueError(f"fake server: usage must be requested, last or none, got {self.usage!r}")
 
 
 def _hit(n: int, every: int) -> bool:
@@ -221,12 +227,14 @@ class FakeServer:
             return await self._non_streaming(body, chat, n, n_out, prompt_tokens, ttft)
 
         opts = body.get("stream_options") or {}
-        include_usage = bool(opts.get("include_usage"))
+        include_usage = bool(opts.get("include_usage")) and cfg.usage == "requested"
+        if cfg.prompt_tokens_zero:
+            prompt_tokens = 0
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)  # sends the headers now: chunks then go straight to the transport
         st = _Stream(self, n, chat, include_usage, include_usage and bool(opts.get("continuous_usage_stats")),
-                     n_out, prompt_tokens, t_arrival, t_arrival + ttft, request.transport)
+                     n_out, prompt_tokens, t_arrival, t_arrival + ttft, request.transport, cfg.usage == "last")
         self.active += 1
         try:
             self._schedule(st)
@@ -318,13 +326,13 @@ def _set_if_pending(fut: asyncio.Future) -> None:
 class _Stream:
     """One streaming response: its schedule position and how to write its next chunk."""
 
-    __slots__ = ("srv", "n", "chat", "include_usage", "continuous", "n_out", "prompt_tokens", "due", "done",
-                 "j", "transport", "finished", "closed", "head", "log")
+    __slots__ = ("srv", "n", "chat", "include_usage", "continuous", "usage_last", "n_out", "prompt_tokens", "due",
+                 "done", "j", "transport", "finished", "closed", "head", "log")
 
     def __init__(self, srv: FakeServer, n: int, chat: bool, include_usage: bool, continuous: bool, n_out: int,
-                 prompt_tokens: int, t_arrival: float, due: float, transport: Any):
+                 prompt_tokens: int, t_arrival: float, due: float, transport: Any, usage_last: bool = False):
         self.srv, self.n, self.chat = srv, n, chat
-        self.include_usage, self.continuous = include_usage, continuous
+        self.include_usage, self.continuous, self.usage_last = include_usage, continuous, usage_last
         self.n_out, self.prompt_tokens = n_out, prompt_tokens
         self.due, self.done, self.j = due, 0, 0
         self.transport = transport
@@ -390,7 +398,7 @@ class _Stream:
         else:
             payload = self.head + (f'"text":"{text}","logprobs":null,"finish_reason":{finish},'
                                    f'"stop_reason":null}}]').encode()
-        if self.continuous:
+        if self.continuous or (self.usage_last and last):
             payload += self._usage()
         payload += b"}\n\n"
         if last:
@@ -449,6 +457,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin-us", type=float, default=d.spin_us,
                    help="yield-spin this long before each send deadline (timer accuracy; 0 = plain sleeps)")
     p.add_argument("--record-sends", action="store_true", help="keep per-chunk send times (GET /fake/send_log)")
+    p.add_argument("--usage", choices=("requested", "last", "none"), default=d.usage,
+                   help="usage in the stream: as requested (continuous_usage_stats), only with the last token, never")
+    p.add_argument("--prompt-tokens-zero", action="store_true", help="report usage.prompt_tokens 0")
 
 
 def config_from_args(args: argparse.Namespace) -> FakeServerConfig:

@@ -9,10 +9,15 @@ Per request (successful ones only enter the aggregates, as in vLLM):
           the first chunk arrived together with the first token and count as gaps of 0, so the ITLs
           of a request always sum to E2EL - TTFT and number output_tokens - 1 (mean ITL ~ TPOT).
 - chunk ITL = the raw gaps between chunks (what vLLM reports as ITL), kept as `*_chunk_itl_ms`.
+Tokens per chunk (`token_count_source` per request, `token_count_method` per run): `usage` when every
+chunk carried the running usage (vLLM's continuous_usage_stats); else `tokenizer`, each chunk's text
+counted with the run's tokenizer (`tokenizer+usage` when those counts were scaled to the final usage);
+else `spread`, the final usage spread evenly over the chunks; else `chunks`, one token per chunk.
 Aggregates: mean/median/std (numpy, population std)/percentiles (numpy linear) in ms, keys
 `mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`, `p99_ttft_ms`, ...; throughputs divide by the
 measured duration; input tokens are the server's `usage.prompt_tokens` when it reports them (as
-vLLM does); goodput counts requests meeting every SLO (`<=`) per second, as vLLM does.
+vLLM does), else (none, or 0) the prompt lengths the client built, and `input_tokens_source` says which;
+goodput counts requests meeting every SLO (`<=`) per second, as vLLM does.
 """
 
 from __future__ import annotations
@@ -34,7 +39,49 @@ def _ms(x: float) -> float:
     return round(x * 1e3, 4)  # 0.1 us resolution keeps the JSONL small without losing anything real
 
 
-def finalize_request(rec: RequestRecord, t0: float, t0_unix: float) -> dict[str, Any]:
+def _scale_to(counts: list[int], total: int) -> list[int] | None:
+    """Integer counts, one at least each, summing to ``total``: the tokens beyond one per chunk shared in
+    proportion to each chunk's own beyond one (evenly if none has any), rounded cumulatively so the
+    remainder is spread out. None if ``total`` is below one token per chunk."""
+    n = len(counts)
+    if total < n:
+        return None
+    weights = [c - 1 for c in counts]
+    if not any(weights):
+        weights = [1] * n
+    share = (total - n) / sum(weights)
+    out, acc, given = [], 0.0, 0
+    for w in weights:
+        acc += w * share
+        now = math.floor(acc + 0.5)
+        out.append(1 + now - given)
+        given = now
+    return out
+
+
+def chunk_token_counts(rec: RequestRecord, text_tokens: dict[str, int] | None) -> tuple[list[int], str]:
+    """Tokens per chunk and how they were counted (see the module docstring); ``text_tokens`` maps a
+    chunk's text to its token count under the run's tokenizer, None when there is none."""
+    n = len(rec.chunk_times)
+    final = rec.output_tokens
+    if rec.running_usage:
+        return list(rec.chunk_tokens), "usage"
+    if text_tokens is not None and len(rec.chunk_texts) == n and all(t in text_tokens for t in rec.chunk_texts):
+        counts = [max(1, text_tokens[t]) for t in rec.chunk_texts]
+        if final is None or sum(counts) == final:
+            return counts, "tokenizer"
+        scaled = _scale_to(counts, final)
+        if scaled is not None:
+            return scaled, "tokenizer+usage"
+    if final is not None:
+        scaled = _scale_to([1] * n, final)
+        if scaled is not None:
+            return scaled, "spread"
+    return [1] * n, "chunks"
+
+
+def finalize_request(rec: RequestRecord, t0: float, t0_unix: float,
+                     text_tokens: dict[str, int] | None = None) -> dict[str, Any]:
     """One JSONL row: the request's outcome, token counts and every latency, in ms."""
     row: dict[str, Any] = {
         "index": rec.index,
@@ -49,9 +96,10 @@ def finalize_request(rec: RequestRecord, t0: float, t0_unix: float) -> dict[str,
         row["error_kind"] = rec.error_kind or "not_sent"
         row["error"] = rec.error or "never sent: the run stopped first"
         return row
-    times, toks = rec.chunk_times, rec.chunk_tokens
+    times = rec.chunk_times
+    toks, source = chunk_token_counts(rec, text_tokens) if times else ([], "none")
     streamed = sum(toks)
-    # The final usage is the authority on the count; a stream without usage counts chunks, as vLLM.
+    # The final usage is the authority on the count; without one, the counts of the chunks.
     output_tokens = rec.output_tokens if rec.output_tokens is not None else streamed
     row.update({
         "start_s": round(rec.start - t0, 6),
@@ -60,7 +108,7 @@ def finalize_request(rec: RequestRecord, t0: float, t0_unix: float) -> dict[str,
         "output_tokens": output_tokens,
         "streamed_tokens": streamed,
         "num_chunks": len(times),
-        "token_count_source": "usage" if rec.running_usage else "chunks",
+        "token_count_source": source,
         "response_id": rec.response_id,
         "finish_reason": rec.finish_reason,
     })
@@ -156,8 +204,16 @@ def compute_metrics(rows: list[dict[str, Any]], duration_s: float, *,
     ok = [r for r in rows if r["status"] == "ok"]
     failed = [r for r in rows if r["status"] != "ok"]
     dur = max(duration_s, 1e-9)
-    total_in = sum(int(r["server_prompt_tokens"] if r.get("server_prompt_tokens") is not None else r["prompt_len"])
-                   for r in ok)
+    # A server that reports no prompt count, or 0, has not counted: the client built the prompts to length.
+    counted = [r for r in ok if r.get("server_prompt_tokens")]
+    total_in = sum(int(r["server_prompt_tokens"] if r.get("server_prompt_tokens") else r["prompt_len"]) for r in ok)
+    zero = sum(1 for r in ok if r.get("server_prompt_tokens") == 0)
+    if len(counted) == len(ok):
+        input_source = "server usage.prompt_tokens"
+    else:
+        why = "reported prompt_tokens 0" if zero else "reported no prompt_tokens"
+        input_source = (f"the client's prompt lengths for {len(ok) - len(counted)} of {len(ok)} requests "
+                        f"(the server {why})")
     total_out = sum(int(r["output_tokens"]) for r in ok)
     ttfts = [r["ttft_ms"] for r in ok]
     e2els = [r["e2el_ms"] for r in ok]
@@ -169,6 +225,7 @@ def compute_metrics(rows: list[dict[str, Any]], duration_s: float, *,
         "completed": len(ok),
         "failed": len(failed),
         "total_input_tokens": total_in,
+        "input_tokens_source": input_source,
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / dur,
         "request_goodput": None,
@@ -195,7 +252,7 @@ def compute_metrics(rows: list[dict[str, Any]], duration_s: float, *,
     out["errors_by_kind"] = dict(Counter(r.get("error_kind") or "unknown" for r in failed))
     out["not_sent"] = sum(1 for r in failed if r["status"] == "not_sent")
     out["short_outputs"] = sum(1 for r in ok if r["output_tokens"] < r["requested_output_len"])
-    mismatched = [r for r in ok if r.get("server_prompt_tokens") is not None
-                  and r["server_prompt_tokens"] != r["prompt_len"]]
+    out["token_count_method"] = dict(Counter(r.get("token_count_source", "usage") for r in ok))
+    mismatched = [r for r in counted if r["server_prompt_tokens"] != r["prompt_len"]]
     out["prompt_len_mismatches"] = len(mismatched)
     return out

@@ -110,10 +110,26 @@ def describe_run(result: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def counting_notes(result: dict[str, Any]) -> list[str]:
+    """Where the token counts came from, when it is not the server's usage on every chunk."""
+    notes = []
+    source = result.get("input_tokens_source")
+    if source and not source.startswith("server"):
+        notes.append(f"Input tokens: {source}")
+    methods = result.get("token_count_method") or {}
+    if set(methods) - {"usage"}:
+        listed = ", ".join(f"{k} ({v})" for k, v in sorted(methods.items()))
+        notes.append(f"Tokens per chunk counted from: {listed} requests (no running usage from the server)")
+    if result.get("token_count_note"):
+        notes.append(f"Token counting: {result['token_count_note']}")
+    return notes
+
+
 def markdown_summary(result: dict[str, Any]) -> str:
     lines = [f"### Load test {result.get('label') or ''}".rstrip(), "", describe_run(result) + f" ({result.get('date')})", ""]
     if result.get("partial"):
-        lines += [f"**Partial result:** {result.get('abort_reason')}", ""]
+        verdict = "Run failed" if result.get("run_failed") else "Partial result"
+        lines += [f"**{verdict}:** {result.get('failure_reason') or result.get('abort_reason')}", ""]
     lines += ["| Metric | Value |", "|---|---|"]
     for key, label, fmt in THROUGHPUT_ROWS:
         if key in result:
@@ -125,6 +141,9 @@ def markdown_summary(result: dict[str, Any]) -> str:
         cells = [result.get(f"{s}_{m}_ms") for s in ("mean", "median", "std")]
         cells += [result.get(f"p{p}_{m}_ms") for p in pcts]
         lines.append(f"| {LATENCY_LABELS[m]} | " + " | ".join(_fmt(c, "{:.2f}") for c in cells) + " |")
+    notes = counting_notes(result)
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
     if result.get("errors_by_kind"):
         lines += ["", "| Failure | Requests |", "|---|---:|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(result["errors_by_kind"].items())]
@@ -154,6 +173,8 @@ def print_summary(result: dict[str, Any], console: Any = None) -> None:
         cells += [result.get(f"p{p}_{m}_ms") for p in pcts]
         lt.add_row(LATENCY_LABELS[m], *(_fmt(c, "{:.2f}") for c in cells))
     console.print(lt)
+    for note in counting_notes(result):
+        console.print(f"[yellow]note:[/] {note}")
     if result.get("errors_by_kind"):
         et = Table(title="Failures", show_header=True, header_style="bold red")
         et.add_column("kind")
@@ -163,7 +184,8 @@ def print_summary(result: dict[str, Any], console: Any = None) -> None:
             et.add_row(k, str(v), (result.get("first_errors") or {}).get(k, "")[:100])
         console.print(et)
     if result.get("partial"):
-        console.print(f"[bold yellow]partial result:[/] {result.get('abort_reason')}")
+        verdict = "[bold red]run failed:[/]" if result.get("run_failed") else "[bold yellow]partial result:[/]"
+        console.print(f"{verdict} {result.get('failure_reason') or result.get('abort_reason')}")
 
 
 class ProgressBar:

@@ -7,12 +7,20 @@ gamma, `burstiness`) process and the concurrency is an upper bound, as in `vllm 
 
 Every prompt ends up in the per-request file as ok or failed with a reason, including the ones a
 run timeout or a dead server kept from being sent, and results are written even when the run
-stops early (the summary then says `"partial": true` and why).
+stops early: on the run timeout, Ctrl-C or SIGTERM (CI, `timeout`). The summary says
+`"partial": true` whenever a request is missing from the figures (the run stopped early or requests
+failed), and `"run_failed": true`, with `failure_reason`, when it stopped early, nothing completed, or
+more than `max_failed_fraction` (default 0: any) of the requests failed; the CLI then exits 1.
+
+A stream that stops sending tokens is cut at the stall limit: `stall_timeout_s`, or by default
+max(STALL_MIN_S, STALL_FACTOR x the p99 gap between chunks seen so far in the run), so one hung
+stream cannot hold a run for the whole read timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -20,6 +28,8 @@ import gc
 import math
 import os
 import platform
+import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -35,8 +45,60 @@ from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest import client as _client
 from glm5_fp4.loadtest.client import RequestRecord, TokenCounter
 from glm5_fp4.loadtest.metrics import METRICS, compute_metrics, finalize_request
-from glm5_fp4.loadtest.prompts import HfTokenizer, Prompt, ServerTokenizer, build_prompts
+from glm5_fp4.loadtest.prompts import HfTokenizer, Prompt, ServerTokenizer, Tokenizer, build_prompts
 from glm5_fp4.loadtest.report import ProgressBar, print_summary, write_results
+
+
+MAX_SERVER_TOKENIZE = 50_000  # distinct chunk texts counted through the server's /tokenize after a run
+COUNT_TIMEOUT_S = 120.0
+# A stream is stalled after no token for max(STALL_MIN_S, STALL_FACTOR x p99 chunk gap): 50 x the p99
+# rides out an engine's own pauses (prefill bursts, preemption) at any decode speed; the floor keeps a
+# fast stream's stall limit from falling to where a scheduling hiccup would trip it.
+STALL_MIN_S = 10.0
+STALL_FACTOR = 50.0
+STALL_GAPS_KEPT = 20_000
+
+
+class StallWatch:
+    """The per-token stall limit, from the chunk gaps observed so far (or fixed: ``fixed_s``; 0 = off)."""
+
+    def __init__(self, fixed_s: float | None):
+        self.fixed = fixed_s
+        self.gaps: collections.deque[float] = collections.deque(maxlen=STALL_GAPS_KEPT)
+        self._seen: dict[int, int] = {}
+
+    def limit(self) -> float | None:
+        if self.fixed is not None:
+            return self.fixed or None
+        if not self.gaps:
+            return STALL_MIN_S
+        return max(STALL_MIN_S, STALL_FACTOR * float(np.percentile(np.fromiter(self.gaps, float), 99)))
+
+    def describe(self) -> str:
+        if self.fixed is not None:
+            return f"--stall-timeout {self.fixed:g} s"
+        p99 = float(np.percentile(np.fromiter(self.gaps, float), 99)) * 1e3 if self.gaps else 0.0
+        return f"max({STALL_MIN_S:g} s, {STALL_FACTOR:g} x p99 chunk gap {p99:.1f} ms); set with --stall-timeout"
+
+    def check(self, running: dict[int, tuple[RequestRecord, asyncio.Task]], now: float) -> list[int]:
+        """Fold in the new chunk gaps of the running streams; return the streams past the limit."""
+        for i, (rec, _) in running.items():
+            times, k = rec.chunk_times, self._seen.get(i, 0)
+            for j in range(max(k, 1), len(times)):
+                self.gaps.append(times[j] - times[j - 1])
+            self._seen[i] = len(times)
+        limit = self.limit()
+        if limit is None:
+            return []
+        return [i for i, (rec, _) in running.items() if rec.chunk_times and now - rec.chunk_times[-1] > limit]
+
+
+@dataclass
+class _Stop:
+    """Why the run was stopped from outside (a signal), shared with the handler."""
+
+    signal: str | None = None
+    task: asyncio.Task | None = None
 
 
 @dataclass
@@ -62,7 +124,9 @@ class LoadTestConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = 3600.0  # deadline for the measured phase; None/0: none
     request_timeout_s: float | None = None
-    read_timeout_s: float | None = 600.0  # max silence inside one stream
+    read_timeout_s: float | None = 600.0  # max silence inside one stream (before its first token too)
+    stall_timeout_s: float | None = None  # max gap between tokens; None: from the observed ITL; 0: off
+    max_failed_fraction: float = 0.0  # the run fails (exit 1) when more than this share of requests failed
     allow_remote: bool = False
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     percentile_metrics: tuple[str, ...] = METRICS
@@ -100,6 +164,10 @@ class LoadTestConfig:
             self.num_warmups = min(self.concurrency, 64)
         if self.timeout_s is not None and self.timeout_s <= 0:
             self.timeout_s = None
+        if self.stall_timeout_s is not None and self.stall_timeout_s < 0:
+            raise Glm5Fp4Error(f"--stall-timeout {self.stall_timeout_s} must be >= 0 (0 = off)")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise Glm5Fp4Error(f"--max-failed-fraction {self.max_failed_fraction} must be in [0, 1]")
         _client.check_loopback(self.url, self.allow_remote)
 
     @classmethod
@@ -160,8 +228,9 @@ class _Run:
         self.api_url = self.base + _client.ENDPOINT_PATHS[cfg.endpoint]
         self.client_cpu_s: float | None = None
         self.t_start: float | None = None
+        self.stall = StallWatch(cfg.stall_timeout_s)
 
-    async def prepare(self, session: Any) -> tuple[str, list[Prompt], str]:
+    async def prepare(self, session: Any) -> tuple[str, list[Prompt], Tokenizer]:
         cfg = self.cfg
         model = cfg.model or await _client.get_first_model(session, self.base)
         tok = (HfTokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer
@@ -169,7 +238,7 @@ class _Run:
         prompts = await build_prompts(tok, int(cfg.num_prompts), cfg.input_len, cfg.output_len,
                                       endpoint=cfg.endpoint, range_ratio=cfg.range_ratio, seed=cfg.seed,
                                       token_ids=cfg.prompt_format == "ids")
-        return model, prompts, tok.name
+        return model, prompts, tok
 
     def _body(self, model: str, p: Prompt, output_len: int) -> bytes:
         c = self.cfg
@@ -209,13 +278,33 @@ class _Run:
         bar = ProgressBar(len(recs), f"c={cfg.concurrency}", cfg.progress)
         offsets = _arrival_offsets(len(recs), cfg.request_rate, cfg.burstiness, np.random.default_rng(cfg.seed + 1))
         abort: str | None = None
+        running: dict[int, tuple[RequestRecord, asyncio.Task]] = {}
 
         async def one(i: int) -> None:
             counter.in_flight += 1
+            task = asyncio.ensure_future(_client.stream_request(session, self.api_url, bodies[i], recs[i], counter))
+            running[i] = (recs[i], task)
             try:
-                await _client.stream_request(session, self.api_url, bodies[i], recs[i], counter)
+                await task
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if recs[i].error_kind != "stalled" or (me is not None and me.cancelling()):
+                    raise
+                counter.failed += 1  # the watchdog cut this stream; the run goes on
             finally:
+                running.pop(i, None)
                 counter.in_flight -= 1
+
+        async def watchdog() -> None:
+            while True:
+                limit = self.stall.limit()
+                await asyncio.sleep(min(0.5, max(0.05, (limit or 0.5) / 5)))
+                now = time.perf_counter()
+                for i in self.stall.check(running, now):
+                    rec, task = running[i]
+                    rec.fail("stalled", f"no token for {now - rec.chunk_times[-1]:.1f} s after {sum(rec.chunk_tokens)} "
+                                        f"token(s) (stall limit {self.stall.limit():.1f} s: {self.stall.describe()})")
+                    task.cancel()
 
         async def closed_loop() -> None:
             it = iter(range(len(recs)))
@@ -252,6 +341,7 @@ class _Run:
                            time.perf_counter())
 
         tick = asyncio.create_task(ticker())
+        watch = asyncio.create_task(watchdog())
         # A full garbage collection over tens of thousands of live objects stalls the loop for
         # tens of ms, which would show up as ITL; collect before and after, not during.
         gc.collect()
@@ -272,6 +362,7 @@ class _Run:
             gc.enable()
             gc.unfreeze()
             tick.cancel()
+            watch.cancel()
             bar.update(counter.ok + counter.failed, counter.tokens, counter.in_flight, counter.failed,
                        time.perf_counter())
             bar.close()
@@ -287,6 +378,24 @@ class _Run:
         return duration, abort
 
 
+async def _chunk_text_tokens(tok: Tokenizer, recs: list[RequestRecord]) -> tuple[dict[str, int] | None, str | None]:
+    """Token count of every distinct chunk text of the streams that did not carry running usage, with the
+    run's own tokenizer (after the run: nothing on the hot path); (None, why) if they cannot be counted."""
+    texts = sorted({t for r in recs if r.chunk_times and not r.running_usage for t in r.chunk_texts})
+    if not texts:
+        return None, None
+    if isinstance(tok, ServerTokenizer) and len(texts) > MAX_SERVER_TOKENIZE:
+        return None, (f"{len(texts)} distinct chunk texts are too many to count through {tok.name}; pass --tokenizer "
+                      "DIR to count them locally")
+    try:
+        async with asyncio.timeout(COUNT_TIMEOUT_S):
+            await tok.encode(texts[:1])  # one probe, so a dead server fails once, not once per text
+            ids = await tok.encode(texts)
+    except (Glm5Fp4Error, TimeoutError) as exc:
+        return None, f"chunk texts could not be counted with {tok.name} ({exc or 'timed out'})"
+    return {t: len(i) for t, i in zip(texts, ids)}, None
+
+
 def _result_path(cfg: LoadTestConfig, model: str, date: str) -> Path | None:
     if not cfg.result_dir:
         return None
@@ -297,112 +406,178 @@ def _result_path(cfg: LoadTestConfig, model: str, date: str) -> Path | None:
     return Path(cfg.result_dir) / name
 
 
-async def _run_async(cfg: LoadTestConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _missing_dirs(d: Path) -> list[Path]:
+    """``d`` and its parents that do not exist yet, deepest first: what this run will have created."""
+    out = []
+    for p in (d, *d.parents):
+        if p.exists():
+            break
+        out.append(p)
+    return out
+
+
+def _remove_what_we_made(made: list[Path], telemetry_dir: Path | None) -> None:
+    """A run that wrote no result leaves nothing behind: its telemetry, then the directories it created."""
+    if telemetry_dir is not None:
+        shutil.rmtree(telemetry_dir, ignore_errors=True)
+    for d in made:
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only if empty
+
+
+def _verdict(result: dict[str, Any], cfg: LoadTestConfig, abort: str | None) -> None:
+    """partial / run_failed / failure_reason: a run that lost requests says so, in its flags and exit code."""
+    n, failed = result["num_prompts"], result["failed"]
+    reasons = []
+    if abort:
+        reasons.append(f"the run stopped early ({abort})")
+    if failed:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(result["errors_by_kind"].items()))
+        reasons.append(f"{failed} of {n} requests failed ({kinds})")
+    result["partial"] = bool(abort or failed)
+    result["run_failed"] = bool(abort) or result["completed"] == 0 or failed > cfg.max_failed_fraction * n
+    if failed and not result["run_failed"]:
+        reasons.append(f"within --max-failed-fraction {cfg.max_failed_fraction:g}")
+    result["failure_reason"] = "; ".join(reasons) or None
+
+
+async def _run_async(cfg: LoadTestConfig, stop: _Stop) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    stop.task = asyncio.current_task()
     run = _Run(cfg)
     api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
     session = _client.make_session(cfg.concurrency, request_timeout_s=cfg.request_timeout_s,
                                    read_timeout_s=cfg.read_timeout_s, api_key=api_key)
     async with session:
-        model, prompts, tokenizer_id = await run.prepare(session)
+        model, prompts, tokenizer = await run.prepare(session)
         warm = await run.warmup(session, model, prompts)
         recs = [RequestRecord(i, p.prompt_len, p.output_len) for i, p in enumerate(prompts)]
         now = _dt.datetime.now()
         date = now.strftime("%Y%m%d-%H%M%S")
         result_path = _result_path(cfg, model, date)
-        scratch = contextlib.ExitStack()
-        sampler = _telemetry_sampler(cfg, result_path.parent if result_path else None, scratch)
-        telemetry: dict[str, Any] | None = None
-        t0, t0_unix = time.perf_counter(), time.time()
-        abort: str | None = None
-        duration = 0.0
+        made = _missing_dirs(result_path.parent) if result_path else []
+        new_telemetry = result_path.parent / "telemetry" if result_path else None
+        if new_telemetry is not None and new_telemetry.exists():
+            new_telemetry = None  # an earlier run's: not ours to remove
         try:
-            with sampler if sampler is not None else contextlib.nullcontext():
-                t0, t0_unix = time.perf_counter(), time.time()
-                duration, abort = await run.measure(session, model, prompts, recs)
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            abort = "interrupted"
-            duration = time.perf_counter() - t0
-            for r in recs:
-                if r.status in ("running", "not_sent"):
-                    r.fail("cancelled" if r.status == "running" else "not_sent", "interrupted by the user")
-        finally:
-            if sampler is not None:
-                try:
-                    telemetry = sampler.summary()
-                except Exception as exc:  # noqa: BLE001
-                    telemetry = {"error": f"telemetry summary failed: {exc}"}
-            scratch.close()
-        if run.t_start is not None:  # rows' start_s count from the start of the measured phase
-            t0_unix += run.t_start - t0
-            t0 = run.t_start
-        rows = [finalize_request(r, t0, t0_unix) for r in recs]
-        metrics = compute_metrics(rows, duration, percentiles=cfg.percentiles, selected=cfg.percentile_metrics,
-                                  goodput=cfg.goodput or None)
-        first_errors: dict[str, str] = {}
-        for row in rows:
-            if row["status"] != "ok" and row["error_kind"] not in first_errors:
-                first_errors[row["error_kind"]] = row["error"] or ""
-        result: dict[str, Any] = {
-            "date": now.strftime("%Y%m%d-%H%M%S"),
-            "endpoint_type": "openai-chat" if cfg.endpoint == "chat" else "openai",
-            "backend": "openai-chat" if cfg.endpoint == "chat" else "openai",
-            "label": cfg.label,
-            "model_id": model,
-            "tokenizer_id": tokenizer_id,
-            "num_prompts": len(prompts),
-            **{k: v for k, v in cfg.metadata.items()},
-            "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
-            "burstiness": cfg.burstiness,
-            "max_concurrency": cfg.concurrency,
-            **metrics,
-            "partial": abort is not None,
-            "abort_reason": abort,
-            "first_errors": first_errors,
-        }
-        if run.client_cpu_s is not None and duration > 0:
-            # One asyncio process is one core: near 1.0 the client, not the server, sets the pace.
-            result["client_cpu_util"] = run.client_cpu_s / duration
-            if result["client_cpu_util"] > 0.8:
-                print(f"loadtest: warning: the client used {result['client_cpu_util']:.0%} of a core during the "
-                      "run; latencies may include client queueing", file=sys.stderr)
-        if cfg.num_gpus:
-            result["output_throughput_per_gpu"] = result["output_throughput"] / cfg.num_gpus
-        if telemetry is not None:
-            result["telemetry"] = telemetry
-        result["metadata"] = {
-            "tool": "glm5-fp4 loadtest",
-            "url": cfg.url,
-            "endpoint": cfg.endpoint,
-            "input_len": cfg.input_len,
-            "output_len": cfg.output_len,
-            "range_ratio": cfg.range_ratio,
-            "seed": cfg.seed,
-            "ignore_eos": cfg.ignore_eos,
-            "min_tokens": cfg.min_tokens,
-            "prompt_format": cfg.prompt_format,
-            "prompt_len_misses": sum(1 for p in prompts if p.mismatch),
-            "percentiles": list(cfg.percentiles),
-            "goodput_slo_ms": cfg.goodput or None,
-            "timeout_s": cfg.timeout_s,
-            "num_gpus": cfg.num_gpus,
-            "start_unix": t0_unix,
-            "start_perf_counter": t0,  # time.perf_counter() at start_s = 0 (CLOCK_MONOTONIC on Linux)
-            "client_cpu_s": run.client_cpu_s,
-            "host": socket.gethostname(),
-            "versions": _versions(),
-            "argv": sys.argv,
-            **warm,
-        }
-        if result_path is not None:
-            paths = write_results(result, rows, result_path)
-            result["result_file"] = str(paths["json"])
-        if cfg.print_summary:
-            print_summary(result)
-        return result, rows
+            return await _measure_and_report(cfg, run, session, model, prompts, tokenizer, warm, recs, now,
+                                             result_path, stop)
+        except BaseException:
+            _remove_what_we_made(made, new_telemetry)
+            raise
 
 
-def _run_coroutine(cfg: LoadTestConfig, coro: Any) -> Any:
-    """uvloop when available: its faster I/O path is what lets one core follow 512 streams."""
+async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, model: str, prompts: list[Prompt],
+                              tokenizer: Tokenizer, warm: dict[str, Any], recs: list[RequestRecord],
+                              now: _dt.datetime, result_path: Path | None,
+                              stop: _Stop) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    scratch = contextlib.ExitStack()
+    sampler = _telemetry_sampler(cfg, result_path.parent if result_path else None, scratch)
+    telemetry: dict[str, Any] | None = None
+    t0, t0_unix = time.perf_counter(), time.time()
+    abort: str | None = None
+    duration = 0.0
+    try:
+        with sampler if sampler is not None else contextlib.nullcontext():
+            t0, t0_unix = time.perf_counter(), time.time()
+            duration, abort = await run.measure(session, model, prompts, recs)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        abort = f"terminated by {stop.signal}" if stop.signal else "interrupted by the user (Ctrl-C)"
+        if stop.signal and stop.task is not None:
+            stop.task.uncancel()  # handled: the results are written below (Ctrl-C: asyncio.Runner does this)
+        duration = time.perf_counter() - t0
+        for r in recs:
+            if r.status in ("running", "not_sent"):
+                r.fail("cancelled" if r.status == "running" else "not_sent", abort)
+    finally:
+        if sampler is not None:
+            try:
+                telemetry = sampler.summary()
+            except Exception as exc:  # noqa: BLE001
+                telemetry = {"error": f"telemetry summary failed: {exc}"}
+        scratch.close()
+    if run.t_start is not None:  # rows' start_s count from the start of the measured phase
+        t0_unix += run.t_start - t0
+        t0 = run.t_start
+    text_tokens, count_note = await _chunk_text_tokens(tokenizer, recs)
+    rows = [finalize_request(r, t0, t0_unix, text_tokens) for r in recs]
+    metrics = compute_metrics(rows, duration, percentiles=cfg.percentiles, selected=cfg.percentile_metrics,
+                              goodput=cfg.goodput or None)
+    first_errors: dict[str, str] = {}
+    for row in rows:
+        if row["status"] != "ok" and row["error_kind"] not in first_errors:
+            first_errors[row["error_kind"]] = row["error"] or ""
+    result: dict[str, Any] = {
+        "date": now.strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai-chat" if cfg.endpoint == "chat" else "openai",
+        "backend": "openai-chat" if cfg.endpoint == "chat" else "openai",
+        "label": cfg.label,
+        "model_id": model,
+        "tokenizer_id": tokenizer.name,
+        "num_prompts": len(prompts),
+        **{k: v for k, v in cfg.metadata.items()},
+        "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+        "burstiness": cfg.burstiness,
+        "max_concurrency": cfg.concurrency,
+        **metrics,
+        "partial": abort is not None,
+        "run_failed": False,
+        "failure_reason": None,
+        "abort_reason": abort,
+        "stopped_by": stop.signal,
+        "stall_timeout_s": run.stall.limit(),
+        "first_errors": first_errors,
+    }
+    _verdict(result, cfg, abort)
+    if count_note:
+        result["token_count_note"] = count_note
+    if run.client_cpu_s is not None and duration > 0:
+        # One asyncio process is one core: near 1.0 the client, not the server, sets the pace.
+        result["client_cpu_util"] = run.client_cpu_s / duration
+        if result["client_cpu_util"] > 0.8:
+            print(f"loadtest: warning: the client used {result['client_cpu_util']:.0%} of a core during the "
+                  "run; latencies may include client queueing", file=sys.stderr)
+    if cfg.num_gpus:
+        result["output_throughput_per_gpu"] = result["output_throughput"] / cfg.num_gpus
+    if telemetry is not None:
+        result["telemetry"] = telemetry
+    result["metadata"] = {
+        "tool": "glm5-fp4 loadtest",
+        "url": cfg.url,
+        "endpoint": cfg.endpoint,
+        "input_len": cfg.input_len,
+        "output_len": cfg.output_len,
+        "range_ratio": cfg.range_ratio,
+        "seed": cfg.seed,
+        "ignore_eos": cfg.ignore_eos,
+        "min_tokens": cfg.min_tokens,
+        "prompt_format": cfg.prompt_format,
+        "prompt_len_misses": sum(1 for p in prompts if p.mismatch),
+        "percentiles": list(cfg.percentiles),
+        "goodput_slo_ms": cfg.goodput or None,
+        "timeout_s": cfg.timeout_s,
+        "num_gpus": cfg.num_gpus,
+        "start_unix": t0_unix,
+        "start_perf_counter": t0,  # time.perf_counter() at start_s = 0 (CLOCK_MONOTONIC on Linux)
+        "client_cpu_s": run.client_cpu_s,
+        "host": socket.gethostname(),
+        "versions": _versions(),
+        "argv": sys.argv,
+        **warm,
+    }
+    if result_path is not None:
+        paths = write_results(result, rows, result_path)
+        result["result_file"] = str(paths["json"])
+    if cfg.print_summary:
+        print_summary(result)
+    return result, rows
+
+
+def _run_coroutine(cfg: LoadTestConfig) -> Any:
+    """uvloop when available: its faster I/O path is what lets one core follow 512 streams.
+
+    SIGTERM (a CI job's timeout, `timeout`, a supervisor) stops the run like Ctrl-C: the measured phase ends,
+    the results are written and marked; before the measured phase there is nothing to write.
+    """
     factory = None
     if cfg.event_loop != "asyncio":
         try:
@@ -411,16 +586,36 @@ def _run_coroutine(cfg: LoadTestConfig, coro: Any) -> Any:
             factory = uvloop.new_event_loop
         except ImportError:
             if cfg.event_loop == "uvloop":
-                coro.close()
                 raise Glm5Fp4Error("--event-loop uvloop: uvloop is not installed") from None
+    stop = _Stop()
+
+    def on_sigterm() -> None:
+        stop.signal = "SIGTERM"
+        if stop.task is not None:
+            stop.task.cancel()
+
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
+        loop = runner.get_loop()
+        try:
+            loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+            handled = True
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            handled = False
+        try:
+            return runner.run(_run_async(cfg, stop))
+        except asyncio.CancelledError:
+            if stop.signal:
+                raise Glm5Fp4Error(f"terminated by {stop.signal} before the measured phase; nothing was written") from None
+            raise
+        finally:
+            if handled:
+                loop.remove_signal_handler(signal.SIGTERM)
 
 
 def run_loadtest_detailed(config: LoadTestConfig | Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Like run_loadtest, also returning the per-request rows."""
     cfg = config if isinstance(config, LoadTestConfig) else LoadTestConfig.from_mapping(config)
-    return _run_coroutine(cfg, _run_async(cfg))
+    return _run_coroutine(cfg)
 
 
 def run_loadtest(config: LoadTestConfig | Mapping[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,8 @@ def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
         fields = dict(base)
         fields.update(concurrency=int(level), result_filename=f"c{level}.json", print_summary=True)
         results.append(run_loadtest(LoadTestConfig(**fields)))
+        if results[-1].get("stopped_by"):  # SIGTERM: this level's results are written; run no more
+            break
     summary = [{k: v for k, v in r.items() if k not in _SUMMARY_DROP} for r in results]
     out: dict[str, Any] = {"results": results, "summary": summary, "files": {}}
     if result_dir:

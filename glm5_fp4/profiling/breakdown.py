@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.profiling.collectives import GroupMatch, match_group
 from glm5_fp4.profiling.intervals import covered_in_windows, exposed_by_priority, merge
-from glm5_fp4.profiling.steps import StepSplit, split_steps
+from glm5_fp4.profiling.steps import HINT, StepSplit, annotation_families, compile_step_annotation, line_up, split_steps
 from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT, UNKNOWN_LABEL, Taxonomy, load_taxonomy
 from glm5_fp4.profiling.traces import RankTrace, load_rank_traces
 
@@ -61,10 +62,11 @@ class RankBreakdown:
     idle_us: float
     step_method: str
     step_detail: str
+    steps_reliable: bool  # False: no method found trustworthy steps; per-step figures are withheld
     n_steps: int
     n_complete_steps: int
-    median_step: dict  # time_us, idle_us, n_kernels, summed_us{}, exposed_us{}
-    p90_step_time_us: float
+    median_step: dict | None  # time_us, idle_us, n_kernels, summed_us{}, exposed_us{}; None if not reliable
+    p90_step_time_us: float | None
     steps: list[StepRow]
     allreduce: dict  # kernels, matched, wait_us, work_us, clock_skew_us
     top_kernels: dict[str, list[KernelRow]]
@@ -183,13 +185,16 @@ def _analyze_rank(
         )
     complete = [steps[i] for i in split.complete]
     times = np.array([s.time_us for s in complete])
-    median_step = {
-        "time_us": float(np.median(times)),
-        "idle_us": float(np.median([s.idle_us for s in complete])),
-        "n_kernels": float(np.median([s.n_kernels for s in complete])),
-        "summed_us": _median_dict([s.summed_us for s in complete]),
-        "exposed_us": _median_dict([s.exposed_us for s in complete]),
-    }
+    median_step = p90 = None
+    if split.reliable:
+        median_step = {
+            "time_us": float(np.median(times)),
+            "idle_us": float(np.median([s.idle_us for s in complete])),
+            "n_kernels": float(np.median([s.n_kernels for s in complete])),
+            "summed_us": _median_dict([s.summed_us for s in complete]),
+            "exposed_us": _median_dict([s.exposed_us for s in complete]),
+        }
+        p90 = float(np.percentile(times, 90))
 
     everything = np.ones(trace.n_kernels, dtype=bool)
     rows = _kernel_rows(trace, codes, labels, categories, everything)
@@ -198,7 +203,7 @@ def _analyze_rank(
 
     window = float(full_we[0] - full_ws[0])
     notes = list(trace.notes) + list(split.notes)
-    if split.n_steps == 1 or len(complete) == 0 or all(s.partial for s in steps):
+    if split.reliable and (split.n_steps == 1 or all(s.partial for s in steps)):
         notes.append("no complete step found: per-step figures use the whole trace window")
     return RankBreakdown(
         rank=trace.rank,
@@ -216,10 +221,11 @@ def _analyze_rank(
         idle_us=float(max(window - tot_busy[0], 0.0)),
         step_method=split.method,
         step_detail=split.detail,
+        steps_reliable=split.reliable,
         n_steps=split.n_steps,
         n_complete_steps=int(len(split.complete)) if (~split.partial).any() else 0,
         median_step=median_step,
-        p90_step_time_us=float(np.percentile(times, 90)),
+        p90_step_time_us=p90,
         steps=steps,
         allreduce=ar_info,
         top_kernels=top,
@@ -261,15 +267,24 @@ def analyze_traces(
     step_gap_us: float | None = None,
     source: str = "",
     notes: list[str] | None = None,
+    step_annotation: str | None = None,
 ) -> Breakdown:
+    """``step_annotation``: a regex naming the annotation ranges that are steps (default: detected)."""
     taxonomy = taxonomy or load_taxonomy()
     categories = taxonomy.report_categories
     ar_code = categories.index("allreduce")
+    pattern = compile_step_annotation(step_annotation)
     codes, labels, splits = {}, {}, {}
     for t in traces:
         codes[t.rank], labels[t.rank] = _category_codes(t, taxonomy, categories)
-        splits[t.rank] = split_steps(t, step_method, step_gap_us)
+        splits[t.rank] = split_steps(t, step_method, step_gap_us, pattern)
+    if pattern is not None and not any(s.method == "annotation" for s in splits.values()):
+        seen = annotation_families(traces[0])
+        listed = ", ".join(f"{name} ({n}x)" for name, n in seen.most_common(12)) or "none"
+        raise Glm5Fp4Error(f"--step-annotation: no annotation matches '{pattern.pattern}' in any trace; "
+                           f"top-level annotations in {traces[0].path.name}: {listed}")
     wait, matches = _collectives(traces, codes, ar_code)
+    line_up_notes = line_up(traces, splits, matches)
 
     ranks = []
     for t in traces:
@@ -298,6 +313,7 @@ def analyze_traces(
     all_notes = list(notes or [])
     for m in matches:
         all_notes += m.notes
+    all_notes += line_up_notes
     return Breakdown(
         source=source,
         mode=traces[0].mode,
@@ -312,13 +328,19 @@ def analyze_traces(
 
 
 def _across_ranks(ranks: list[RankBreakdown], categories: list[str]) -> dict:
-    """Per-rank median-step figures summarised over ranks (mean, min, max) and the slowest rank."""
+    """Per-rank median-step figures summarised over ranks (mean, min, max) and the slowest rank; none unless
+    every rank's steps are reliable."""
     def stats(values: list[float]) -> dict[str, float]:
         a = np.array(values, dtype=float)
         return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
 
+    unreliable = [r.rank for r in ranks if not r.steps_reliable]
+    if unreliable:
+        return {"n_ranks": len(ranks), "steps_reliable": False, "unreliable_ranks": unreliable,
+                "hint": HINT, "step_time_us": None, "idle_us": None, "summed_us": None, "exposed_us": None}
     out = {
         "n_ranks": len(ranks),
+        "steps_reliable": True,
         "step_time_us": stats([r.median_step["time_us"] for r in ranks]),
         "idle_us": stats([r.median_step["idle_us"] for r in ranks]),
         "summed_us": {c: stats([r.median_step["summed_us"][c] for r in ranks]) for c in categories},
@@ -340,8 +362,11 @@ def analyze_path(
     mode: str = "auto",
     stage: str | None = None,
     jobs: int | None = None,
+    step_annotation: str | None = None,
 ) -> Breakdown:
     """Load every rank's trace under ``path`` and analyse them together."""
+    compile_step_annotation(step_annotation)  # a bad regex is reported before the traces are read
     traces, notes = load_rank_traces(path, mode=mode, stage=stage, jobs=jobs)
     taxonomy = load_taxonomy(taxonomy_path)
-    return analyze_traces(traces, taxonomy, step_method, step_gap_us, source=str(path), notes=notes)
+    return analyze_traces(traces, taxonomy, step_method, step_gap_us, source=str(path), notes=notes,
+                          step_annotation=step_annotation)

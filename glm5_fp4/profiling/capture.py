@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
-
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+from glm5_fp4.loopback import is_loopback
 
 
 @dataclass
@@ -55,7 +54,7 @@ def _check_url(url: str) -> str:
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise Glm5Fp4Error(f"--url {url!r}: expected http://HOST:PORT")
-    if parsed.hostname not in LOOPBACK:
+    if not is_loopback(parsed.hostname):
         raise Glm5Fp4Error(f"--url {url!r}: capture drives load against loopback servers only (127.0.0.1 / localhost)")
     return url.rstrip("/")
 

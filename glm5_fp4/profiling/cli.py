@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +50,10 @@ def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     p.add_argument("--out", default=None if positional else "profile-capture", help="output directory (default: PATH/breakdown)")
     g = p.add_argument_group("step detection and classification")
     g.add_argument("--steps-by", dest="steps_by", choices=["auto", "annotation", "graph", "gap", "whole"], default="auto",
-                   help="how decode steps are found (default: ProfilerStep annotations, else graph replays, else idle gaps)")
+                   help="how decode steps are found (default: step annotations, else graph replays, else idle gaps)")
+    g.add_argument("--step-annotation", metavar="REGEX",
+                   help="annotations (record_function ranges) whose names match REGEX are the steps, e.g. 'decode_step_\\d+' "
+                        "(default: ProfilerStep#/vLLM's ranges, else a repeating top-level annotation)")
     g.add_argument("--step-gap-us", type=float, help="idle gap that separates steps (implies --steps-by gap)")
     g.add_argument("--stage", help="SGLang per-stage traces: DECODE (default when both exist), EXTEND or all")
     g.add_argument("--taxonomy", help="kernel taxonomy YAML (default: the packaged glm5_fp4/data/taxonomy.yaml)")
@@ -78,6 +82,10 @@ def _ceilings(breakdown, args) -> dict | None:
 
     if args.batch is None:
         breakdown.notes.append("no ceilings: pass --batch (and --context) to compare with the hardware's peaks")
+        return None
+    if not breakdown.across_ranks["steps_reliable"]:
+        breakdown.notes.append("no ceilings: they compare one decode step with the peaks, and no reliable step "
+                               "boundaries were found")
         return None
     gpu_name = args.gpu
     if gpu_name is None:
@@ -109,10 +117,15 @@ def analyze(path: str, args) -> dict[str, Path]:
     from glm5_fp4.profiling.breakdown import analyze_path
     from glm5_fp4.profiling.report import write_reports
 
-    method = "gap" if args.step_gap_us is not None else args.steps_by
-    breakdown = analyze_path(path, args.taxonomy, method, args.step_gap_us, args.mode, args.stage, args.jobs)
-    breakdown.ceilings = _ceilings(breakdown, args)
+    if args.step_annotation is not None and (args.step_gap_us is not None or args.steps_by not in ("auto", "annotation")):
+        raise Glm5Fp4Error("--step-annotation chooses annotation ranges as steps: do not combine it with "
+                           "--step-gap-us or another --steps-by")
     out = Path(args.out) if args.out else (Path(path) if Path(path).is_dir() else Path(path).parent) / "breakdown"
+    output_dir(out, create=False)  # before reading gigabytes of traces
+    method = "gap" if args.step_gap_us is not None else args.steps_by
+    breakdown = analyze_path(path, args.taxonomy, method, args.step_gap_us, args.mode, args.stage, args.jobs,
+                             step_annotation=args.step_annotation)
+    breakdown.ceilings = _ceilings(breakdown, args)
     paths = write_reports(breakdown, out, png=not args.no_png)
     _print_summary(breakdown)
     for kind, p in paths.items():
@@ -125,15 +138,27 @@ def _print_summary(b) -> None:
 
     print(title(b))
     cats = b.categories
-    head = f"{'rank':>4} {'step us':>9} {'idle':>7} " + " ".join(f"{c:>14}" for c in cats)
-    print("median step, exposed time (us):")
-    print(head)
-    for r in b.ranks:
-        ms = r.median_step
-        print(f"{r.rank:>4} {ms['time_us']:>9.0f} {ms['idle_us']:>7.0f} " + " ".join(f"{ms['exposed_us'][c]:>14.0f}" for c in cats))
+    reliable = [r for r in b.ranks if r.steps_reliable]
+    if reliable:
+        print("median step, exposed time (us):")
+        print(f"{'rank':>4} {'step us':>9} {'idle':>7} " + " ".join(f"{c:>14}" for c in cats))
+        for r in reliable:
+            ms = r.median_step
+            print(f"{r.rank:>4} {ms['time_us']:>9.0f} {ms['idle_us']:>7.0f} " + " ".join(f"{ms['exposed_us'][c]:>14.0f}" for c in cats))
+    if len(reliable) < len(b.ranks):
+        from glm5_fp4.profiling.steps import HINT
+
+        bad = [r.rank for r in b.ranks if not r.steps_reliable]
+        print(f"no reliable step boundaries on rank(s) {bad}: per-step figures withheld; {HINT}")
+        print("whole trace, exposed time (us):")
+        print(f"{'rank':>4} {'window us':>11} {'idle':>9} " + " ".join(f"{c:>14}" for c in cats))
+        for r in b.ranks:
+            print(f"{r.rank:>4} {r.trace_window_us:>11.0f} {r.idle_us:>9.0f} " + " ".join(f"{r.exposed_us[c]:>14.0f}" for c in cats))
     unknown = sum(len(r.unknown_kernels) for r in b.ranks)
     if unknown:
         print(f"{unknown} unknown kernel name(s) (listed in the markdown report)")
+    for note in b.notes:
+        print(f"note: {note}")
 
 
 def run(args) -> int:
@@ -163,9 +188,9 @@ def run(args) -> int:
     if args.action == "trim":
         from glm5_fp4.profiling.traces import find_trace_files, trim_trace
 
-        dst = Path(args.dst)
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in find_trace_files(args.src):
+        files = find_trace_files(args.src)
+        dst = output_dir(args.dst, "DST")
+        for f in files:
             kept, total = trim_trace(f, dst / f.name, keep_cpu_ops=args.keep_cpu_ops)
             print(f"{f.name}: kept {kept} of {total} events -> {(dst / f.name).stat().st_size / 1e3:.0f} kB")
         return 0

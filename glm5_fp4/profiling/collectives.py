@@ -28,6 +28,7 @@ class RankCollectives:
     kernel_index: np.ndarray  # indices into the rank's kernel arrays, time order
     wait_us: np.ndarray  # per collective kernel
     matched: np.ndarray  # bool per collective kernel
+    instance: np.ndarray  # the collective's number, the same on every rank of the group (-1: not matched)
     clock_skew_us: float = 0.0  # how far this rank's clock runs ahead of the reference rank's, from end times
 
 
@@ -101,7 +102,8 @@ def match_group(
     group = GroupMatch(ranks=list(ranks), reference=ref, matched_instances=0, method="none")
     for r in ranks:
         n = starts[r].size
-        group.per_rank[r] = RankCollectives(r, kernel_index[r], np.zeros(n), np.zeros(n, dtype=bool))
+        group.per_rank[r] = RankCollectives(r, kernel_index[r], np.zeros(n), np.zeros(n, dtype=bool),
+                                            np.full(n, -1, dtype=np.int64))
     if len(ranks) < 2:
         group.notes.append("one rank in the group: all-reduce wait cannot be told from work")
         return group
@@ -147,6 +149,7 @@ def match_group(
         rc = group.per_rank[r]
         rc.wait_us[j] = np.clip(last_arrival - aligned_start[row], 0.0, dur)
         rc.matched[j] = True
+        rc.instance[j] = i
         rc.clock_skew_us = -residual
     group.matched_instances = int(i.size)
     group.method = " + ".join(sorted(methods)) or "reference"

@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import output_dir
 
 ENV_ENABLE = "GLM5_FP4_LAYER_TIMERS"
 ENV_OUT = "GLM5_FP4_LAYER_TIMERS_OUT"
@@ -335,7 +336,7 @@ class TimerStats:
         return path
 
     def write(self, out: Path, title: str = "Per-layer timers", png: bool = True) -> dict[str, Path]:
-        out.mkdir(parents=True, exist_ok=True)
+        out = output_dir(out)
         paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
         paths["json"].write_text(json.dumps({"steps": self.steps, "regions": self.summary()}, indent=1) + "\n")
         paths["markdown"].write_text(self.to_markdown(title))

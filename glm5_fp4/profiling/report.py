@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from glm5_fp4.outputs import output_dir
 from glm5_fp4.profiling.breakdown import Breakdown
+from glm5_fp4.profiling.steps import HINT
 from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT
 
 COLORS = {
@@ -54,26 +56,40 @@ def markdown(b: Breakdown) -> str:
     )
     lines.append("")
 
-    lines += ["## Median decode step per rank: exposed time (µs)", ""]
-    lines.append("| rank | steps (complete) | step time | p90 step | idle | " + " | ".join(cats) + " |")
-    lines.append("|---:|---:|---:|---:|---:|" + "---:|" * len(cats))
+    reliable = [r for r in b.ranks if r.steps_reliable]
+    if len(reliable) < len(b.ranks):
+        bad = ", ".join(f"{r.rank} ({r.step_method}: {r.step_detail})" for r in b.ranks if not r.steps_reliable)
+        lines += ["## Decode steps: no reliable step boundaries", "",
+                  f"No reliable step boundaries on rank(s) {bad}. Per-step figures are withheld for them (the "
+                  f"whole-trace figures below count every kernel); {HINT}.", ""]
+    if reliable:
+        lines += ["## Median decode step per rank: exposed time (µs)", ""]
+        lines.append("| rank | steps (complete) | step time | p90 step | idle | " + " | ".join(cats) + " |")
+        lines.append("|---:|---:|---:|---:|---:|" + "---:|" * len(cats))
+        for r in reliable:
+            ms = r.median_step
+            lines.append(
+                f"| {r.rank} | {r.n_steps} ({r.n_complete_steps}) | {_us(ms['time_us'])} | {_us(r.p90_step_time_us)} | {_us(ms['idle_us'])} | "
+                + " | ".join(_us(ms["exposed_us"][c]) for c in cats)
+                + " |"
+            )
+        lines += ["", "## Median decode step per rank: summed kernel time (µs)", ""]
+        lines.append("| rank | kernels/step | total | " + " | ".join(cats) + " |")
+        lines.append("|---:|---:|---:|" + "---:|" * len(cats))
+        for r in reliable:
+            ms = r.median_step
+            total = sum(ms["summed_us"].values())
+            lines.append(f"| {r.rank} | {ms['n_kernels']:.0f} | {_us(total)} | " + " | ".join(_us(ms["summed_us"][c]) for c in cats) + " |")
+        lines.append("")
+    lines += ["## Whole trace per rank: exposed time (µs), summed kernel time in brackets", ""]
+    lines.append("| rank | kernels | window | idle | " + " | ".join(cats) + " |")
+    lines.append("|---:|---:|---:|---:|" + "---:|" * len(cats))
     for r in b.ranks:
-        ms = r.median_step
-        lines.append(
-            f"| {r.rank} | {r.n_steps} ({r.n_complete_steps}) | {_us(ms['time_us'])} | {_us(r.p90_step_time_us)} | {_us(ms['idle_us'])} | "
-            + " | ".join(_us(ms["exposed_us"][c]) for c in cats)
-            + " |"
-        )
-    lines += ["", "## Median decode step per rank: summed kernel time (µs)", ""]
-    lines.append("| rank | kernels/step | total | " + " | ".join(cats) + " |")
-    lines.append("|---:|---:|---:|" + "---:|" * len(cats))
-    for r in b.ranks:
-        ms = r.median_step
-        total = sum(ms["summed_us"].values())
-        lines.append(f"| {r.rank} | {ms['n_kernels']:.0f} | {_us(total)} | " + " | ".join(_us(ms["summed_us"][c]) for c in cats) + " |")
+        lines.append(f"| {r.rank} | {r.n_kernels} | {_us(r.trace_window_us)} | {_us(r.idle_us)} | "
+                     + " | ".join(f"{_us(r.exposed_us[c])} ({_us(r.summed_us[c])})" for c in cats) + " |")
 
     a = b.across_ranks
-    if len(b.ranks) > 1:
+    if len(b.ranks) > 1 and a["steps_reliable"]:
         lines += ["", "## Across ranks (median step, µs): mean [min, max]", ""]
         lines.append("| quantity | exposed | summed |")
         lines.append("|---|---|---|")
@@ -125,7 +141,8 @@ def markdown(b: Breakdown) -> str:
 
     lines += ["", "## Step detection", ""]
     for r in b.ranks:
-        lines.append(f"- rank {r.rank} (`{r.file}`, rank from {r.rank_source}): {r.step_method}: {r.step_detail}")
+        trust = "" if r.steps_reliable else " (**not reliable**)"
+        lines.append(f"- rank {r.rank} (`{r.file}`, rank from {r.rank_source}): {r.step_method}{trust}: {r.step_detail}")
     notes = list(b.notes) + [f"rank {r.rank}: {n}" for r in b.ranks for n in r.notes]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
@@ -182,17 +199,19 @@ def plot_breakdown(b: Breakdown, path: Path) -> Path:
 
     cats = b.categories
     ranks = [f"rank {r.rank}" for r in b.ranks]
+    per_step = all(r.steps_reliable for r in b.ranks)
+    # without reliable steps, the whole trace: bars that are right rather than per-step bars that look right
+    figures = [r.median_step if per_step else {"idle_us": r.idle_us, "exposed_us": r.exposed_us, "summed_us": r.summed_us}
+               for r in b.ranks]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 * len(ranks) + 2.8), sharey=True)
     for ax, key, label in ((axes[0], "exposed_us", "exposed time + idle"), (axes[1], "summed_us", "summed kernel time")):
         left = [0.0] * len(ranks)
         parts = cats + (["idle"] if key == "exposed_us" else [])
         for c in parts:
-            vals = [
-                (r.median_step["idle_us"] if c == "idle" else r.median_step[key][c]) / 1000.0 for r in b.ranks
-            ]
+            vals = [(f["idle_us"] if c == "idle" else f[key][c]) / 1000.0 for f in figures]
             ax.barh(ranks, vals, left=left, color=COLORS.get(c, "#7f7f7f"), label=c)
             left = [x + v for x, v in zip(left, vals)]
-        ax.set_xlabel("ms per decode step (median)")
+        ax.set_xlabel("ms per decode step (median)" if per_step else "ms, whole trace (no reliable step boundaries)")
         ax.set_title(label)
         ax.invert_yaxis()
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
@@ -243,8 +262,7 @@ def plot_roofline(c: dict, path: Path) -> Path:
 
 
 def write_reports(b: Breakdown, out: str | Path, png: bool = True) -> dict[str, Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out)
     paths = {"json": out / "breakdown.json", "markdown": out / "breakdown.md"}
     paths["json"].write_text(json.dumps(b.to_dict(), indent=1) + "\n")
     paths["markdown"].write_text(markdown(b))

@@ -2,7 +2,8 @@
 
 Only what the breakdown needs is kept, as numpy columns: GPU kernels / memcpy / memset records (name, start,
 duration, stream, correlation id), the correlation ids of CUDA-graph launches, launch times of runtime calls
-(to map kernels onto CPU ``ProfilerStep#`` annotations) and step annotations. A trace without GPU records
+(to map kernels onto CPU-side annotations) and the annotations (``ProfilerStep#``, vLLM's step ranges and the
+user's own ``record_function`` ranges, CPU side and their GPU projections) from which steps are found. A trace without GPU records
 falls back to CPU mode: its ``cpu_op`` events stand in for kernels, so a CPU run gets the same report.
 
 The rank comes from the file name (vLLM ``..._dp0_pp0_tp3_..._rank3.<ts>.pt.trace.json.gz``, SGLang
@@ -44,6 +45,11 @@ _ANNOTATION_CATS = {"user_annotation", "gpu_user_annotation", "cpu_op"}
 STEP_PREFIX = "ProfilerStep#"
 # vLLM's model runner annotates every forward as e.g. `execute_context_0(0)_generation_4(4)`.
 VLLM_STEP_RE = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)$")
+
+
+def is_engine_step(name: str) -> bool:
+    """A step range written by the profiler (``ProfilerStep#N``) or the engine (vLLM's execute annotation)."""
+    return name.startswith(STEP_PREFIX) or VLLM_STEP_RE.match(name) is not None
 
 _VLLM_NAME = re.compile(r"dp(\d+)_pp(\d+)_tp(\d+)(?:_dcp\d+)?(?:_ep\d+)?_rank(\d+)")
 _SGLANG_NAME = re.compile(r"-TP-(\d+)(?:-DP-(\d+))?(?:-PP-(\d+))?(?:-EP-(\d+))?(?:-(EXTEND|DECODE))?")
@@ -98,8 +104,10 @@ class RankTrace:
     graph_corrs: np.ndarray
     launch_corr: np.ndarray
     launch_ts: np.ndarray
-    step_marks_gpu: list[tuple[float, float, str]]
-    step_marks_cpu: list[tuple[float, float, str]]
+    # annotations as (start, end, name), time-sorted: user_annotation (CPU side; also ProfilerStep# cpu_ops) and
+    # gpu_user_annotation (Kineto's projection of a CPU range onto the GPU: from its first kernel to its last)
+    annotations_gpu: list[tuple[float, float, str]]
+    annotations_cpu: list[tuple[float, float, str]]
     origin_ns: int
     distributed: dict | None = None
     n_events: int = 0
@@ -134,16 +142,20 @@ def _read_bytes(path: Path) -> bytes:
     return raw
 
 
+class NotATrace(Glm5Fp4Error):
+    """Valid JSON that is not a Kineto/Chrome trace (a report, a config, notes next to the traces)."""
+
+
 def _parse_json(raw: bytes, path: Path) -> dict:
     try:
         data = _orjson.loads(raw) if _orjson is not None else json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         # json.JSONDecodeError and orjson.JSONDecodeError are both ValueErrors
         raise Glm5Fp4Error(f"{path}: corrupt or truncated trace JSON ({str(exc)[:200]})") from None
-    if isinstance(data, list):  # the bare-array Chrome trace form
+    if isinstance(data, list) and all(isinstance(e, dict) for e in data[:100]):  # the bare-array Chrome trace form
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise Glm5Fp4Error(f"{path}: not a Kineto/Chrome trace (no 'traceEvents' list)")
+        raise NotATrace(f"{path}: not a Kineto/Chrome trace (no 'traceEvents' list)")
     return data
 
 
@@ -211,11 +223,11 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                     if "GraphLaunch" in ev.get("name", ""):
                         graph_corrs.append(int(corr))
             elif cat in _ANNOTATION_CATS:
-                name = ev.get("name", "")
-                if name.startswith(STEP_PREFIX) or VLLM_STEP_RE.match(name):
+                name = str(ev.get("name", ""))
+                if cat != "cpu_op" or is_engine_step(name):
                     mark = (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), name)
                     (marks_gpu if cat == "gpu_user_annotation" else marks_cpu).append(mark)
-                elif cat == "cpu_op" and want_cpu and ev.get("ph") == "X":
+                elif want_cpu and ev.get("ph") == "X":
                     cpu_rows.append(
                         (intern(str(name)), float(ev["ts"]), float(ev.get("dur", 0.0)), int(ev.get("tid", 0) or 0), -1, KIND_CPU_OP)
                     )
@@ -276,8 +288,8 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         graph_corrs=np.unique(np.array(graph_corrs, dtype=np.int64)),
         launch_corr=launch[:, 0].astype(np.int64),
         launch_ts=launch[:, 1] - t0,
-        step_marks_gpu=shift(marks_gpu),
-        step_marks_cpu=shift(marks_cpu),
+        annotations_gpu=shift(marks_gpu),
+        annotations_cpu=shift(marks_cpu),
         origin_ns=origin_ns,
         distributed=dist,
         n_events=len(events),
@@ -315,12 +327,27 @@ def _select_stage(files: list[Path], stage: str | None, notes: list[str]) -> lis
     return chosen
 
 
-def _load_all(files: list[Path], mode: str, jobs: int | None) -> list[RankTrace]:
+def _load_or_skip(path: Path, mode: str) -> RankTrace | None:
+    """The trace, or None for a JSON file that is not one (a directory of traces also holds other files)."""
+    try:
+        return load_trace(path, mode=mode)
+    except NotATrace:
+        return None
+
+
+def _load_all(files: list[Path], mode: str, jobs: int | None, notes: list[str]) -> list[RankTrace]:
     jobs = min(jobs or os.cpu_count() or 1, len(files), MAX_JOBS)
     if jobs <= 1:
-        return [load_trace(p, mode=mode) for p in files]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(load_trace, files, [mode] * len(files)))
+        loaded = [_load_or_skip(p, mode) for p in files]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            loaded = list(pool.map(_load_or_skip, files, [mode] * len(files)))
+    skipped = [p.name for p, t in zip(files, loaded) if t is None]
+    if len(skipped) == len(files):
+        raise Glm5Fp4Error(f"{files[0].parent}: no trace among its JSON files ({', '.join(skipped)} have no 'traceEvents')")
+    if skipped:
+        notes.append(f"skipped {len(skipped)} JSON file(s) that are not traces: {', '.join(skipped)}")
+    return [t for t in loaded if t is not None]
 
 
 def load_rank_traces(
@@ -338,7 +365,7 @@ def load_rank_traces(
         files = [p for p in files if p not in frontend]
     files = _select_stage(files, stage, notes)
 
-    traces = _load_all(files, mode, jobs)
+    traces = _load_all(files, mode, jobs, notes) if len(files) > 1 or Path(path).is_dir() else [load_trace(files[0], mode)]
     modes = {t.mode for t in traces}
     if len(modes) > 1:
         cpu_files = [t.path.name for t in traces if t.mode == "cpu"]
@@ -376,7 +403,7 @@ def load_rank_traces(
 
 
 def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> tuple[int, int]:
-    """Copy a trace keeping only what the analysis reads (GPU records, launch calls, step annotations and the
+    """Copy a trace keeping only what the analysis reads (GPU records, launch calls, annotations and the
     header), e.g. to commit a small test fixture. Returns (events kept, events in the source)."""
     src = Path(src)
     data = _parse_json(_read_bytes(src), src)
@@ -387,7 +414,6 @@ def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> 
     kept = [
         e for e in events
         if isinstance(e, dict) and (e.get("cat") in keep_cats or e.get("ph") == "M")
-        and (e.get("cat") not in ("user_annotation", "gpu_user_annotation") or str(e.get("name", "")).startswith(STEP_PREFIX))
     ]
     write_trace({**data, "traceEvents": kept}, dst)
     return len(kept), len(events)

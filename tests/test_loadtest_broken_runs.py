@@ -1,0 +1,123 @@
+"""A broken run says so: non-zero exit and partial/run_failed flags, stalled streams cut early, SIGTERM
+handled like Ctrl-C (results written), and no empty directories left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.cli import main as cli_main
+from glm5_fp4.loadtest import runner as runner_module
+from glm5_fp4.loadtest.fake_server import spawn_fake_server
+from glm5_fp4.loadtest.runner import LoadTestConfig, run_loadtest_detailed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _summary(result_dir: Path) -> dict:
+    (path,) = sorted(result_dir.glob("*.json"))
+    return json.loads(path.read_text())
+
+
+def _cli(url: str, result_dir: Path, *extra: str) -> int:
+    return cli_main(["loadtest", "--url", url, "--model", "fake-model", "--concurrency", "4", "--num-prompts", "16",
+                     "--input-len", "8", "--output-len", "20", "--num-warmups", "0", "--prompt-format", "ids",
+                     "--no-progress", "--no-telemetry", "--timeout", "30", "--result-dir", str(result_dir), *extra])
+
+
+def test_server_dying_mid_run_is_a_failed_run(tmp_path):
+    with spawn_fake_server("--ttft-ms", "20", "--itl-ms", "20", "--die-after-chunks", "60") as srv:
+        rc = _cli(srv.url, tmp_path)
+    s = _summary(tmp_path)
+    assert s["failed"] >= 8 and s["completed"] < 16
+    assert rc == 1
+    assert s["partial"] is True and s["run_failed"] is True
+    assert f"{s['failed']} of 16 requests failed" in s["failure_reason"]
+
+
+@pytest.mark.parametrize("threshold,want_rc", [(None, 1), ("0.2", 0)])
+def test_failed_requests_fail_the_run_above_the_threshold(tmp_path, threshold, want_rc):
+    extra = ("--max-failed-fraction", threshold) if threshold else ()
+    with spawn_fake_server("--ttft-ms", "5", "--itl-ms", "5", "--http-error-every", "8") as srv:  # 2 of 16 fail
+        rc = _cli(srv.url, tmp_path, *extra)
+    s = _summary(tmp_path)
+    assert s["failed"] == 2 and s["completed"] == 14
+    assert s["partial"] is True  # always: 2 requests are missing from the figures
+    assert s["run_failed"] is (want_rc == 1) and rc == want_rc
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "2 of 16 requests failed" in md
+
+
+def test_a_hung_stream_is_cut_at_the_stall_limit_from_the_observed_itl(tmp_path, monkeypatch):
+    """Hung streams (after 3 tokens) fail as `stalled` within about the limit, not after the read timeout."""
+    monkeypatch.setattr(runner_module, "STALL_MIN_S", 0.5)  # the floor; 50 x p99 ITL (10 ms) is below it
+    n = 12
+    with spawn_fake_server("--ttft-ms", "10", "--itl-ms", "10", "--hang-every", "4", "--fail-after-chunks", "3") as srv:
+        cfg = LoadTestConfig(url=srv.url, model="fake-model", concurrency=4, num_prompts=n, input_len=8,
+                             output_len=20, num_warmups=0, prompt_format="ids", timeout_s=20, progress=False,
+                             telemetry=False, result_dir=str(tmp_path))
+        t = time.monotonic()
+        res, rows = run_loadtest_detailed(cfg)
+        elapsed = time.monotonic() - t
+    assert elapsed < 5.0, elapsed
+    assert res["errors_by_kind"] == {"stalled": 3} and res["completed"] == n - 3
+    stalled = [r for r in rows if r["error_kind"] == "stalled"]
+    assert all(r["streamed_tokens"] == 3 and "no token for" in r["error"] for r in stalled)
+    assert res["run_failed"] is True
+    # the limit in force: the floor, or 50 x the p99 chunk gap when that is longer
+    assert 0.5 <= res["stall_timeout_s"] <= max(0.5, 1.2 * runner_module.STALL_FACTOR * res["p99_chunk_itl_ms"] / 1e3)
+    # the run's duration is not stretched by the hung streams to anything near the read timeout
+    assert res["duration"] < 5.0
+
+
+def test_stall_limit_follows_the_itl_and_can_be_set(monkeypatch):
+    watch = runner_module.StallWatch(None)
+    assert watch.limit() == runner_module.STALL_MIN_S  # nothing observed yet
+    watch.gaps.extend([0.4] * 100)
+    assert watch.limit() == pytest.approx(runner_module.STALL_FACTOR * 0.4)
+    assert runner_module.StallWatch(3.0).limit() == 3.0
+    assert runner_module.StallWatch(0.0).limit() is None  # off
+
+
+def _no_empty_dirs(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_dir() and not any(p.iterdir())]
+
+
+def test_sigterm_writes_partial_results_like_ctrl_c(tmp_path):
+    out = tmp_path / "results"
+    with spawn_fake_server("--ttft-ms", "20", "--itl-ms", "100") as srv:
+        cmd = [sys.executable, "-m", "glm5_fp4.cli", "loadtest", "--url", srv.url, "--model", "fake-model",
+               "--concurrency", "4", "--num-prompts", "16", "--input-len", "8", "--output-len", "100",
+               "--num-warmups", "0", "--prompt-format", "ids", "--no-progress", "--result-dir", str(out)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.5)  # streams are decoding (10 s each)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    s = _summary(out)
+    assert s["partial"] is True and "SIGTERM" in s["abort_reason"] and s["run_failed"] is True
+    rows = (out / s["requests_file"]).read_text().splitlines()
+    assert len(rows) == 16  # every request accounted for
+    assert _no_empty_dirs(out) == []
+    assert "Traceback" not in err
+
+
+def test_a_run_that_fails_before_measuring_leaves_no_directories(tmp_path):
+    out = tmp_path / "results"
+    with spawn_fake_server("--http-error-every", "1") as srv:  # every request fails: warm-ups too
+        rc = cli_main(["loadtest", "--url", srv.url, "--model", "fake-model", "--num-prompts", "4", "--input-len", "8",
+                       "--output-len", "4", "--num-warmups", "2", "--prompt-format", "ids", "--no-progress",
+                       "--result-dir", str(out)])
+    assert rc == 1 and not out.exists()

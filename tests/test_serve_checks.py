@@ -1,0 +1,108 @@
+"""`serve` refuses, before anything starts: a bind address other than loopback without --allow-remote, and a
+--model that is not a checkpoint directory (or a Hugging Face id)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from glm5_fp4.checkpoint.inspect import check_model_dir
+from glm5_fp4.checkpoint.make import make_checkpoint
+from glm5_fp4.cli import main as cli_main
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loopback import is_loopback
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", arch="glm4moe", sizes={"num_hidden_layers": 2})
+
+
+@pytest.mark.parametrize("host,ok", [("127.0.0.1", True), ("127.0.0.2", True), ("localhost", True), ("::1", True),
+                                     ("[::1]", True), ("0.0.0.0", False), ("::", False), ("192.168.1.7", False),
+                                     ("example.com", False)])
+def test_loopback_rule(host, ok):
+    assert is_loopback(host) is ok
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3"])
+def test_a_non_loopback_host_needs_allow_remote(ckpt, capsys, host):
+    assert cli_main(["serve", "--model", str(ckpt), "--host", host, "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert f"--host {host}" in err and "--allow-remote" in err and "--api-key" in err
+    assert len(err.strip().splitlines()) == 1
+    assert cli_main(["serve", "--model", str(ckpt), "--host", host, "--allow-remote", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"--host {host}" in out.out and "without an API key" in out.err
+    assert cli_main(["serve", "--model", str(ckpt), "--host", host, "--allow-remote", "--dry-run", "--",
+                     "--api-key", "k"]) == 0
+    assert "without an API key" not in capsys.readouterr().err
+
+
+def test_host_after_the_double_dash_cannot_dodge_the_check(ckpt, capsys):
+    assert cli_main(["serve", "--model", str(ckpt), "--dry-run", "--", "--host", "0.0.0.0"]) == 1
+    assert "not after --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("via", ["profile", "flag"])
+def test_a_profile_host_needs_allow_remote_too(tmp_path, capsys, via):
+    profile = yaml.safe_load((ROOT / "launch" / "tp8.yaml").read_text())
+    if via == "profile":
+        profile["host"] = "0.0.0.0"
+    path = tmp_path / "open.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    extra = ["--host", "0.0.0.0"] if via == "flag" else []
+    assert cli_main(["serve", "--profile", str(path), *extra, "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "--allow-remote" in err and (str(path) in err if via == "profile" else "--host 0.0.0.0" in err)
+    assert cli_main(["serve", "--profile", str(path), *extra, "--allow-remote", "--dry-run"]) == 0
+
+
+def test_a_missing_model_directory_fails_before_launch(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "ckpt"
+    t = time.monotonic()
+    rc = cli_main(["serve", "--model", str(missing), "--log-file", str(tmp_path / "s.log"), "--timeout", "60"])
+    assert rc == 1 and time.monotonic() - t < 5  # no engine was started to find out
+    err = capsys.readouterr().err
+    assert str(missing) in err and "no such directory" in err and "Repo id" not in err
+    assert not (tmp_path / "s.log").exists()
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: d.mkdir(), "no config.json"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{}")), "no weights"),
+    (lambda d: d.write_text("x"), "is a file"),
+])
+def test_a_directory_that_is_not_a_checkpoint_fails_before_launch(tmp_path, capsys, make, needle):
+    d = tmp_path / "model"
+    make(d)
+    for quantization in ("glm5_nvfp4", "none"):
+        rc = cli_main(["serve", "--model", str(d), "--quantization", quantization, "--stock" if quantization == "none"
+                       else "--backend=auto", "--log-file", str(tmp_path / "s.log")])
+        assert rc == 1
+        assert needle in capsys.readouterr().err
+    assert not (tmp_path / "s.log").exists()
+
+
+def test_a_profile_model_that_does_not_exist_fails_before_launch(tmp_path, capsys):
+    profile = yaml.safe_load((ROOT / "launch" / "cpu-demo.yaml").read_text())
+    profile["model"] = str(tmp_path / "gone")
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    assert cli_main(["serve", "--profile", str(path), "--log-file", str(tmp_path / "s.log")]) == 1
+    err = capsys.readouterr().err
+    assert f"model in {path}" in err and "no such directory" in err
+    assert not (tmp_path / "s.log").exists()
+
+
+def test_model_check_accepts_checkpoints_and_hub_ids(ckpt):
+    assert check_model_dir(ckpt) == ckpt
+    assert check_model_dir("nvidia/GLM-5-NVFP4") is None  # left to the engine
+    for bad in ("out/demo/tiny-glm5-nvfp4", "./ckpt", "ckpt"):
+        with pytest.raises(Glm5Fp4Error, match="no such directory"):
+            check_model_dir(bad)

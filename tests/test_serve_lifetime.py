@@ -1,0 +1,117 @@
+"""`serve`'s server never outlives `serve`: SIGKILL, an SSH drop (SIGHUP) or SIGTERM of the wrapper ends it.
+
+The engine is a stand-in: an executable named `sglang` first on PATH that answers /health (what `serve
+--profile launch/tp8-sglang.yaml` starts), so the real launch path runs without an engine installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_ENGINE = """#!{python}
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie waiting for its reaper is dead
+
+
+def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sglang"
+    fake.write_text(FAKE_ENGINE.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "glm5_fp4.cli", "serve", "--profile", str(ROOT / "launch" / "tp8-sglang.yaml"),
+           "--port", str(_free_port()), "--log-file", str(tmp_path / "server.log"), "--timeout", "30"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pid, lines = None, []
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "server PID" in line:
+            pid = int(line.split("server PID")[1].split()[0])
+        if line.startswith("ready after"):
+            break
+    if pid is None or not lines[-1].startswith("ready after"):
+        proc.terminate()  # not SIGKILL: that is what is under test, and would leave the server behind
+        proc.wait(30)
+        pytest.fail("serve did not print the server PID and become ready:\n" + "".join(lines))
+    return proc, pid
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
+def test_the_server_dies_with_serve(tmp_path, sig):
+    proc, pid = _start_serve(tmp_path)
+    try:
+        assert _alive(pid)
+        proc.send_signal(sig)
+        proc.wait(30)
+        assert _wait_dead(pid), f"the server (PID {pid}) outlived `serve` killed by {sig.name}"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+
+
+def test_a_spawned_server_gets_sigterm_when_its_parent_dies(tmp_path):
+    """The mechanism alone: a parent that spawned a server and is then SIGKILLed takes the server with it."""
+    code = ("import os, sys; from pathlib import Path; from glm5_fp4.server_process import spawn; "
+            "p = spawn([sys.executable, '-c', 'import time; time.sleep(120)'], dict(os.environ), "
+            f"Path({str(tmp_path / 'child.log')!r}), 'test child'); print(p.pid, flush=True); "
+            "import time; time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert _alive(child)
+        parent.kill()
+        parent.wait(10)
+        assert _wait_dead(child)
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+    assert "# test child" in (tmp_path / "child.log").read_text()
