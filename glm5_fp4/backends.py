@@ -71,7 +71,7 @@ class Backend:
     summary: str
     supports_fn: Callable[[torch.device, MoEShape, torch.dtype, str, Capability], Support]
     prepare_fn: Callable[[NvFp4Experts, str, torch.dtype], Any]
-    forward_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, str], torch.Tensor]
+    forward_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, str, torch.Tensor | None], torch.Tensor]
     # True when, in W4A16 mode, an engine may run the prepared dense weights with its own unquantized MoE kernel.
     engine_dense_w4a16: bool = False
     # Allocate every buffer forward() will need for up to max_tokens tokens (before CUDA-graph capture).
@@ -97,9 +97,15 @@ class Backend:
     def prepare(self, experts: NvFp4Experts, mode: str, dtype: torch.dtype) -> Any:
         return self.prepare_fn(experts, mode, dtype)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared: Any, mode: str) -> torch.Tensor:
-        """Routed-expert output ``sum_k w_k * expert_k(x)`` for ``x [T, H]``; shared experts are the caller's."""
-        return self.forward_fn(x, topk_weights, topk_ids, prepared, mode)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared: Any, mode: str,
+                expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed-expert output ``sum_k w_k * expert_k(x)`` for ``x [T, H]``; shared experts are the caller's.
+
+        Expert parallelism: ``prepared`` holds this rank's experts, ``topk_ids`` are global ids and
+        ``expert_map[global id]`` is the local id or -1 (an expert on another rank, which contributes nothing
+        here: the engine's combine adds the ranks' partial sums).
+        """
+        return self.forward_fn(x, topk_weights, topk_ids, prepared, mode, expert_map)
 
 
 def _common_support(shape: MoEShape, dtype: torch.dtype) -> Support:
@@ -107,8 +113,6 @@ def _common_support(shape: MoEShape, dtype: torch.dtype) -> Support:
         return False, f"activation {shape.activation}{'' if shape.gated else ' (not gated)'} is not SwiGLU"
     if shape.has_bias:
         return False, "experts with biases are not supported"
-    if shape.expert_parallel:
-        return False, "expert parallelism (expert_map) is not supported"
     if dtype not in FLOAT_DTYPES:
         return False, f"activation dtype {dtype} is not bfloat16/float16"
     for what, n in (("hidden_size", shape.hidden_size), ("intermediate_size", shape.intermediate_size)):
@@ -176,8 +180,8 @@ def _triton_prepare(experts: NvFp4Experts, mode: str, dtype: torch.dtype) -> Any
     return _kernels().prepare_experts(experts)
 
 
-def _triton_forward(x, topk_weights, topk_ids, prepared, mode):
-    return _kernels().fused_moe(x, topk_weights, topk_ids, prepared, mode)
+def _triton_forward(x, topk_weights, topk_ids, prepared, mode, expert_map=None):
+    return _kernels().fused_moe(x, topk_weights, topk_ids, prepared, mode, expert_map=expert_map)
 
 
 def _triton_reserve(prepared, top_k: int, max_tokens: int) -> None:
@@ -217,11 +221,17 @@ def _dequant_prepare(experts: NvFp4Experts, mode: str, dtype: torch.dtype) -> De
     return dequantize_experts(experts, dtype)
 
 
-def dense_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, dense: DenseExperts, mode: str) -> torch.Tensor:
-    """SwiGLU MoE on dense weights, float32 accumulation; in ``w4a4`` each GEMM input is NVFP4 fake-quantized."""
+def dense_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, dense: DenseExperts, mode: str,
+              expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU MoE on dense weights, float32 accumulation; in ``w4a4`` each GEMM input is NVFP4 fake-quantized.
+    ``expert_map``: global -> local expert id, -1 for a remote expert (skipped)."""
     w4a4 = mode == "w4a4"
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if expert_map is not None:
+        topk_ids = expert_map.to(topk_ids.device).long()[topk_ids.long()]
     for e in torch.unique(topk_ids).tolist():
+        if e < 0:
+            continue
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         xe = x[tok].float()
         if w4a4:
@@ -248,8 +258,8 @@ def _reference_prepare(experts: NvFp4Experts, mode: str, dtype: torch.dtype) -> 
     return experts
 
 
-def _reference_forward(x, topk_weights, topk_ids, prepared, mode):
-    return moe_reference(x, topk_weights, topk_ids, prepared, mode=mode)
+def _reference_forward(x, topk_weights, topk_ids, prepared, mode, expert_map=None):
+    return moe_reference(x, topk_weights, topk_ids, prepared, mode=mode, expert_map=expert_map)
 
 
 # -- registry -------------------------------------------------------------------------------------
@@ -266,7 +276,7 @@ def register(backend: Backend) -> None:
 register(Backend("triton", "fused Triton NVFP4 MoE kernel (CUDA)", _triton_supports, _triton_prepare, _triton_forward,
                  reserve_fn=_triton_reserve))
 register(Backend("dequant", "weights dequantized once at load; engine's dense MoE kernel (CPU)", _dequant_supports,
-                 _dequant_prepare, lambda x, w, i, p, m: dense_moe(x, w, i, p, m), engine_dense_w4a16=True))
+                 _dequant_prepare, dense_moe, engine_dense_w4a16=True))
 register(Backend("reference", "float32 oracle MoE (any device, slow)", _reference_supports, _reference_prepare,
                  _reference_forward))
 

@@ -104,12 +104,29 @@ def test_fake_cuda_device_without_the_kernel_falls_back_with_a_reason(monkeypatc
     assert sel.backend is None and "triton: glm5_fp4.kernels cannot be imported" in sel.reason
 
 
-def test_lora_and_expert_parallel_layers_are_not_ours():
+def test_lora_layers_are_not_ours_expert_parallel_ones_are():
     sel = moe_mod.choose(PluginSettings(), fake_moe_config(is_lora_enabled=True), True, torch.device("cpu"), None)
     assert sel.backend is None and "LoRA" in sel.reason
     ep = fake_moe_config(moe_parallel_config=SimpleNamespace(use_ep=True, tp_size=1))
     sel = moe_mod.choose(PluginSettings(), ep, True, torch.device("cpu"), None)
-    assert sel.backend is None and "expert parallelism" in sel.reason
+    assert sel.backend is not None, sel.reason
+
+
+def test_expert_parallel_layer_uses_the_layers_expert_map(monkeypatch):
+    """vLLM routes to global ids and keeps RoutedExperts.expert_map (global -> local or -1) on the layer; the
+    method hands it to the backend, so a rank with half the experts returns its local partial sum."""
+    layer, ex, x, w, ids = _loaded_layer(8)
+    emap = torch.full((2 * E,), -1, dtype=torch.int32)  # 2E global experts, this rank holds the odd ones
+    emap[1::2] = torch.arange(E, dtype=torch.int32)
+    layer.expert_map = emap
+    g = torch.Generator().manual_seed(9)
+    gids = torch.stack([torch.randperm(2 * E, generator=g)[:K] for _ in range(x.shape[0])]).to(torch.int32)
+    method = _method(monkeypatch, "reference", "w4a16")
+    method.process_weights_after_loading(layer)
+    got = method.apply(layer, x, w, gids, None, None)
+    local = emap[gids.long()]
+    want = moe_reference(x, torch.where(local >= 0, w, 0.0), local.clamp_min(0), ex, mode="w4a16")
+    assert _rel(got, want) < 1e-6
 
 
 def test_unsupported_layer_falls_back_to_vllm_selection_with_one_logged_reason(monkeypatch, moe_log):

@@ -250,3 +250,30 @@ def test_gpu_only_paths_are_not_silently_taken(published):
             method.process_weights_after_loading(layer)
     finally:
         del os.environ["GLM5_FP4_BACKEND"]
+
+
+def test_expert_parallel_rank_serves_its_local_experts(published, monkeypatch):
+    """--ep-size 2: the dispatcher hands local ids (-1 for the other rank's experts); the layer is ours (no
+    refusal) and returns this rank's partial sum, the remote slots skipped rather than computed at weight 0."""
+    from glm5_fp4 import backends
+
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    experts, x, logits, weights, ids = inputs(5)
+    method, layer = make_layer(experts)
+    layer.moe_ep_size = 2
+    seen = {}
+    real = backends.Backend.forward
+
+    def spy(self, x, w, i, prepared, mode, expert_map=None):
+        seen["map"] = expert_map
+        return real(self, x, w, i, prepared, mode, expert_map)
+
+    monkeypatch.setattr(backends.Backend, "forward", spy)
+    method.process_weights_after_loading(layer)
+    remote = ids.clone()
+    remote[1::2] = -1  # odd tokens: both experts live on the other rank
+    out = method.apply(layer, dispatch(x, weights, remote, logits)).hidden_states
+    assert seen["map"] is not None and int(seen["map"][-1]) == -1
+    assert (out[1::2] == 0).all()
+    kept = torch.where(remote < 0, 0.0, weights)
+    torch.testing.assert_close(out, moe_reference(x, kept, ids, experts), rtol=0, atol=0)

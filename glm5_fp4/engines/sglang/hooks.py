@@ -138,6 +138,7 @@ def process_for_glm5(method, layer) -> Glm5Fp4QuantInfo:
     """Our replacement for the original ``process_weights_after_loading`` (see the module docstring)."""
     cfg = getattr(method, "moe_runner_config", None) or layer.moe_runner_config
     where = _where(cfg)
+    num_local = layer.w13_weight.shape[0]
     plugin = settings.from_sources(None)  # SGLang has no plugin config: GLM5_FP4_BACKEND, GLM5_FP4_MODE
     selection = choose(method, layer, plugin)
     if selection.backend is None:
@@ -148,7 +149,7 @@ def process_for_glm5(method, layer) -> Glm5Fp4QuantInfo:
     # create_weights already made swizzled copies of the block scales for the CUTLASS branch; we never read them.
     layer.w13_blockscale_swizzled = None
     layer.w2_blockscale_swizzled = None
-    info = Glm5Fp4QuantInfo(selection.backend, prepared, selection.mode, where)
+    info = Glm5Fp4QuantInfo(selection.backend, prepared, selection.mode, where, num_local)
     layer._glm5_fp4 = info
     logger.info("glm5_fp4: %s run on backend %s in %s mode (%s)", where, selection.backend.name, selection.mode,
                 plugin.describe())

@@ -1,12 +1,14 @@
 """The ``glm5_fp4`` MoE runner core: SGLang's ``MoeRunner`` builds it for ``--moe-runner-backend glm5_fp4``.
 
-Contract (SGLang 0.5.23, ``StandardDispatcher`` without expert parallelism):
+Contract (SGLang 0.5.23, ``StandardDispatcher``):
 
 * in: ``StandardDispatchOutput`` -- ``hidden_states`` [T, H] bf16, ``topk_output.topk_weights`` fp32 [T, K]
   that **already include** ``routed_scaling_factor`` (``_fuses_routed_scaling_factor_in_topk`` is True for
-  ModelOpt NVFP4 on non-Marlin runners), ``topk_ids`` int32 [T, K] with -1 for a dropped slot;
-* out: ``StandardCombineInput(hidden_states=[T, H])``, the **local partial sum** of this rank's slice of every
-  expert: ``FusedMoE.forward_impl`` all-reduces it across the MoE TP group itself;
+  ModelOpt NVFP4 on non-Marlin runners), ``topk_ids`` int32 [T, K] of **local** expert ids, -1 for a slot
+  this rank does not serve (with ``--ep-size`` > 1 the dispatcher maps global ids through its
+  ``local_expert_mapping``; -1 also marks dropped pad rows);
+* out: ``StandardCombineInput(hidden_states=[T, H])``, the **local partial sum** of this rank's experts (or
+  slice of every expert): ``FusedMoE.forward_impl`` all-reduces it across the MoE group itself;
 * the shared expert is not ours (``--disable-shared-experts-fusion`` keeps it a separate module).
 """
 
@@ -33,12 +35,23 @@ class Glm5Fp4QuantInfo(MoeQuantInfo):
     prepared: Any
     mode: str
     where: str = "experts"
+    num_experts: int = 0  # local experts (the prepared weights' first dimension)
+    _skip_map: torch.Tensor | None = None
+
+    def skip_map(self, device: torch.device) -> torch.Tensor:
+        """``[0, 1, ..., E-1, -1]``: the expert map under which id E means "not on this rank" (built once)."""
+        if self._skip_map is None or self._skip_map.device != device:
+            m = torch.arange(self.num_experts + 1, dtype=torch.int32, device=device)
+            m[-1] = -1
+            self._skip_map = m
+        return self._skip_map
 
 
-def sanitize_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dropped slots (id -1) become expert 0 with weight 0: same result, no out-of-range index, no host sync."""
-    dropped = topk_ids < 0
-    return topk_weights.masked_fill(dropped, 0.0), topk_ids.clamp_min(0)
+def local_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots SGLang marks -1 (remote expert, dropped row) become id ``num_experts``, which
+    :meth:`Glm5Fp4QuantInfo.skip_map` sends to -1: the backends skip them instead of computing an expert
+    with weight 0. One elementwise op, no host sync (CUDA-graph safe)."""
+    return torch.where(topk_ids < 0, num_experts, topk_ids)
 
 
 class Glm5Fp4RunnerCore(DispatchMoeRunnerCore):
@@ -80,9 +93,10 @@ class Glm5Fp4RunnerCore(DispatchMoeRunnerCore):
         if not hasattr(topk, "topk_ids") or not hasattr(topk, "topk_weights"):
             raise Glm5Fp4Error(f"--moe-runner-backend {NAME} needs the standard top-k output, got "
                                f"{type(topk).__name__}")
-        weights, ids = sanitize_topk(topk.topk_weights, topk.topk_ids)
-        out = quant_info.backend.forward(dispatch_output.hidden_states, weights, ids, quant_info.prepared,
-                                         quant_info.mode)
+        x = dispatch_output.hidden_states
+        ids = local_slots(topk.topk_ids, quant_info.num_experts)
+        out = quant_info.backend.forward(x, topk.topk_weights, ids, quant_info.prepared, quant_info.mode,
+                                         quant_info.skip_map(ids.device))
         return StandardCombineInput(hidden_states=out)
 
 

@@ -2,7 +2,7 @@
 
 It loads exactly what vLLM's ``ModelOptNvFp4FusedMoE`` loads (inherits its ``create_weights``), then hands the
 experts to the backend :mod:`glm5_fp4.backends` selects for this layer. When none can serve the layer
-(device, shape, dtype, expert parallelism, LoRA) it logs one line with the reason and becomes vLLM's own
+(device, shape, dtype, LoRA) it logs one line with the reason and becomes vLLM's own
 ``ModelOptNvFp4FusedMoE`` (vLLM's NVFP4 backend selection: Marlin, FlashInfer CUTLASS, ...).
 
 Constraint kept on purpose, the class name contains ``ModelOpt``:
@@ -122,6 +122,8 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
 
     @property
     def supports_eplb(self) -> bool:
+        # EPLB moves experts between ranks at run time (rewriting expert_map and the weights); our prepared
+        # copies would go stale, so vLLM must not rebalance layers we serve.
         return self.glm5_backend is None
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
@@ -160,7 +162,9 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
             self.glm5_selection, layer, self.moe.in_dtype, self.moe.experts_per_token, _max_batched_tokens(), where,
             replace_parameter, _warn_once)
         backend, mode = self.glm5_backend, self.glm5_mode
-        self._routed = lambda x, w, ids: backend.forward(x, w, ids, prepared, mode)
+        # Expert parallelism: vLLM routes to global ids and keeps the -1/local-id map on the layer
+        # (RoutedExperts.expert_map, None without EP); our backends take it as is.
+        self._routed = lambda x, w, ids: backend.forward(x, w, ids, prepared, mode, getattr(layer, "expert_map", None))
         if not current_platform.is_cuda_alike():
             from glm5_fp4.engines.vllm import ops
 
