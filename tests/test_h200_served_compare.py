@@ -14,7 +14,9 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "h200_vllm"))
 
 import common  # noqa: E402
 import served_compare as sc  # noqa: E402
-from glm5_fp4.tolerances import SERVED_DECISIVE_MARGIN, SERVED_LOGPROB_FLOOR, served_logprob_bound  # noqa: E402
+from glm5_fp4.tolerances import SERVED_LOGPROB_FLOOR, served_decisive_margin, served_logprob_bound  # noqa: E402
+
+MARGIN = served_decisive_margin(served_logprob_bound())  # 1.0 nat without a yardstick
 
 
 def _collection(tokens: list[list[int]], margins: list[list[float]], shift=lambda i, j: 0.0, flip=()):
@@ -44,8 +46,8 @@ def test_identical_servers_agree_exactly():
     c = sc.compare(ref, _collection(tokens, margins))
     assert c.ok and c.mean_abs_dlogprob == 0 and c.max_abs_dlogprob == 0 and c.top1_agreement == 1
     assert c.greedy_equal_prefix == [12, 12, 12] and c.positions == 36
-    assert c.decisive_positions == sum(m > SERVED_DECISIVE_MARGIN for row in margins for m in row)
-    assert sc.self_consistency(ref) == []
+    assert c.decisive_positions == sum(m > MARGIN for row in margins for m in row)
+    assert sc.self_consistency(ref, MARGIN) == []
 
 
 def test_rounding_sized_differences_pass_and_larger_ones_fail_with_the_number():
@@ -53,10 +55,13 @@ def test_rounding_sized_differences_pass_and_larger_ones_fail_with_the_number():
     ref = _collection(tokens, margins)
     small = _collection(tokens, margins, shift=lambda i, j: 0.01 * (-1) ** j)
     assert sc.compare(ref, small).ok
-    big = _collection(tokens, margins, shift=lambda i, j: 0.2 if j % 2 else 0.0)
+    big = _collection(tokens, margins, shift=lambda i, j: 0.3 if j % 2 else 0.0)
     c = sc.compare(ref, big)
-    assert not c.ok and any(w.startswith("mean |Δ logprob| 0.1000 > 0.0500") for w in c.why)
-    assert c.max_abs_dlogprob == pytest.approx(0.2)
+    assert not c.ok and any(w.startswith("mean |Δ logprob| 0.1500 > 0.0500") for w in c.why)
+    assert any(w.startswith("p95 |Δ logprob| 0.3000 > 0.2500") for w in c.why)
+    assert c.max_abs_dlogprob == pytest.approx(0.3)
+    # The same differences pass when stock vLLM shows half as much on the same tokens (the yardstick).
+    assert sc.compare(ref, big, yardstick={"mean": 0.08, "p95": 0.16, "max": 0.3}).ok
 
 
 def test_a_flip_at_a_decisive_position_fails_but_not_at_a_close_call():
@@ -67,6 +72,8 @@ def test_a_flip_at_a_decisive_position_fails_but_not_at_a_close_call():
     assert close.ok and close.decisive_disagreements == 0
     sure = sc.compare(ref, _collection(tokens, margins, flip={(0, 3)}))
     assert not sure.ok and sure.decisive_disagreements == 1 and "decisive" in sure.why[0]
+    # A larger yardstick max makes the same flip a close call (margin 4.0 < 2 x 2 x 1.5).
+    assert sc.compare(ref, _collection(tokens, margins, flip={(0, 3)}), {"mean": 0, "p95": 0, "max": 1.5}).ok
 
 
 def test_greedy_parting_is_allowed_only_where_the_reference_was_not_decisive():
@@ -82,10 +89,19 @@ def test_greedy_parting_is_allowed_only_where_the_reference_was_not_decisive():
     assert not c.ok and c.greedy_divergences_at_decisive == 1
 
 
-def test_bound_is_relative_to_stock_with_a_floor():
+def test_bound_is_relative_to_the_yardstick_with_a_floor():
     assert served_logprob_bound() == SERVED_LOGPROB_FLOOR
-    assert served_logprob_bound({"mean": 0.001, "max": 0.01}) == SERVED_LOGPROB_FLOOR
-    assert served_logprob_bound({"mean": 0.1, "max": 0.5}) == {"mean": 0.2, "max": 1.0}
+    assert served_logprob_bound({"mean": 0.001, "p95": 0.002, "max": 0.01}) == SERVED_LOGPROB_FLOOR
+    assert served_logprob_bound({"mean": 0.1, "p95": 0.2, "max": 0.9}) == {"mean": 0.2, "p95": 0.4, "max": 1.8}
+    assert served_decisive_margin(served_logprob_bound({"mean": 0.1, "p95": 0.2, "max": 0.9})) == 3.6
+
+
+def test_self_consistency_flags_only_decisive_mismatches():
+    tokens, margins = _case(5)
+    ref = _collection(tokens, margins, flip={(0, 1), (2, 2)})
+    margins_flipped = {(0, 1): margins[0][1], (2, 2): margins[2][2]}
+    bad = sc.self_consistency(ref, MARGIN)
+    assert len(bad) == sum(m > MARGIN for m in margins_flipped.values())
 
 
 def test_collections_of_different_tokens_are_refused():

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from glm5_fp4.tolerances import moe_tolerance
+
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "vllm_versions_probe.py"
 SOURCES = {"0.26.0": os.environ.get("GLM5_FP4_VLLM026_SRC"), "0.33.0": os.environ.get("GLM5_FP4_VLLM033_SRC")}
@@ -58,3 +60,78 @@ def test_plugin_layers_under_vllm_version(probes, version):
     assert moe["equals_reference"], "experts loaded by vLLM's loader and applied by the method != reference MoE"
     assert not moe["is_monolithic"] and not moe["moe_kernel"]
     assert "experts.3.down_proj.weight is uint8 (packed NVFP4) [128, 8]" in moe["bad_tensor_error"]
+    # The whole layer through vLLM's router and runner: 0.33's sources route in torch on CPU; 0.26's need the CPU
+    # build's native _moe_C.topk_softmax, absent from a CUDA wheel (the H200 run covers 0.26's runner).
+    layer_err = got["moe_layer_rel_error"]
+    if version == "0.26.0":
+        assert "topk_softmax" in layer_err
+    else:
+        assert layer_err < moe_tolerance("w4a16"), layer_err
+
+
+PARSE = """
+import json, sys
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+platforms._current_platform = CpuPlatform()
+import vllm
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+assert vllm.__version__ == "0.26.0", vllm.__version__
+p = make_arg_parser(FlexibleArgumentParser())
+out = {}
+for name, argv in json.load(open(sys.argv[1])).items():
+    ea = EngineArgs.from_cli_args(p.parse_args(argv))
+    cc = ea.compilation_config
+    out[name] = {"eager": ea.enforce_eager, "quantization": ea.quantization, "kv": ea.kv_cache_memory_bytes,
+                 "util": ea.gpu_memory_utilization, "seqs": ea.max_num_seqs, "len": ea.max_model_len,
+                 "graphs": cc.cudagraph_mode.name if cc.cudagraph_mode else None,
+                 "sizes": cc.cudagraph_capture_sizes, "profiler": ea.profiler_config.profiler if ea.profiler_config else None,
+                 "additional": ea.additional_config}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not SOURCES["0.26.0"], reason="set GLM5_FP4_VLLM026_SRC (make test does)")
+def test_h200_server_commands_parse_with_vllm_026(tmp_path):
+    """Every server command benchmarks/h200_vllm starts on the H200, through vLLM 0.26.0's own parser."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "h200_vllm"))
+    import run_tiny
+    import run_true_dims
+    from fleet import engine_args
+
+    from glm5_fp4.engines.vllm.serve import build_launch
+
+    cases, expected = {}, {}
+
+    def add(spec, mem, kv, base):
+        argv = build_launch(spec.model, 8000, spec.backend, engine_args(spec, True, mem, kv, base),
+                            quantization=spec.quantization, plugin=spec.plugin).argv
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        cases[spec.name] = argv[3:]
+        expected[spec.name] = spec
+
+    ckpts = {k: tmp_path / k for k in ("glm5", "glm5-bf16", "glm4moe", "glm4moe-bf16")}
+    for arch in ("glm5", "glm4moe"):
+        for spec in run_tiny.matrix(arch, ckpts, gpu=True):
+            add(spec, run_tiny.MEM_FRACTION, run_tiny.KV_BYTES, run_tiny.BASE_ARGS)
+    for spec in run_true_dims.specs_for(tmp_path / "glm5-true", True, tmp_path / "work", timers=True):
+        spec.name = f"true-{spec.name}"
+        add(spec, run_true_dims.MEM_FRACTION, run_true_dims.KV_BYTES, run_true_dims.base_args(128, 32, True))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SOURCES["0.26.0"], str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-c", PARSE, str(tmp_path / "cases.json")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(got) == set(cases) and len(got) == 14
+    for name, spec in expected.items():
+        g = got[name]
+        assert g["eager"] == spec.eager, name
+        assert g["quantization"] == (None if spec.quantization == "none" else spec.quantization), name
+        assert g["graphs"] == (None if spec.eager else "PIECEWISE"), (name, g)
+        assert g["additional"] == ({"glm5_fp4": {"backend": "triton"}} if spec.plugin else {}), (name, g)
+    assert got["glm5-ours"]["sizes"] == [1, 2, 4, 8] and got["glm5-ours"]["kv"] == run_tiny.KV_BYTES
+    assert got["true-ours"]["sizes"][-1] == 512 and got["true-ours"]["seqs"] == 512
+    assert got["true-ours"]["profiler"] == "torch" and got["true-ours-timers"]["profiler"] is None

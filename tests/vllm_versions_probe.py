@@ -26,6 +26,7 @@ os.environ["GLM5_FP4_BACKEND"] = "reference"  # the float32 oracle: no engine ke
 from glm5_fp4.engines import vllm_plugin  # noqa: E402
 from glm5_fp4.errors import Glm5Fp4Error  # noqa: E402
 from glm5_fp4.reference import moe_reference, random_experts, route  # noqa: E402
+from glm5_fp4.tolerances import rel_error  # noqa: E402
 
 E, H, I, K = 8, 128, 64, 2
 PREFIX = "model.layers.1.mlp.experts."
@@ -99,6 +100,23 @@ def experts(out: dict, config_cls) -> None:
     w, ids = route(torch.randn(16, E, generator=g), None, top_k=K, routed_scaling_factor=2.5)
     got = method.apply(routed, x, w.float(), ids.to(torch.int32), None, None)
     ref = moe_reference(x, w.float(), ids.to(torch.int32), ex, mode="w4a16")
+    # The whole layer, as a model calls it: vLLM's router (softmax top-k, renormalised) and runner around our apply.
+    from vllm.config import get_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    logits = torch.randn(16, E, generator=g)
+    try:
+        with set_forward_context(None, get_current_vllm_config()):
+            full = layer(x, logits.to(torch.bfloat16))
+    except AttributeError as exc:  # a CUDA wheel's sources lack the CPU build's native router ops
+        if "_moe_C" not in str(exc):
+            raise
+        out["moe_layer_rel_error"] = f"no CPU router op in these sources: {exc}"
+    else:
+        probs = torch.softmax(logits.to(torch.bfloat16).float(), dim=-1)
+        tw, tid = probs.topk(K, dim=-1)
+        layer_ref = moe_reference(x, tw / tw.sum(-1, keepdim=True), tid.to(torch.int32), ex, mode="w4a16")
+        out["moe_layer_rel_error"] = rel_error(full, layer_ref)
     out["moe"] = {"class": type(method).__name__, "method_name": method.method_name, "bad_tensor_error": bad,
                   "equals_reference": bool(torch.equal(got, ref)), "is_monolithic": bool(method.is_monolithic),
                   "moe_kernel": method.moe_kernel is not None}

@@ -52,6 +52,16 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def engine_args(spec: ServerSpec, gpu: bool, mem_fraction: float, kv_bytes: int, base_args: list[str]) -> list[str]:
+    """vLLM arguments of one server beyond model, host, port and quantization (launch_vllm adds those)."""
+    args = list(base_args)
+    if gpu:
+        args += ["--gpu-memory-utilization", str(mem_fraction), "--kv-cache-memory-bytes", str(kv_bytes)]
+    if spec.eager:
+        args.append("--enforce-eager")
+    return args + spec.extra_args
+
+
 @dataclass
 class Started:
     spec: ServerSpec
@@ -85,17 +95,10 @@ class Fleet:
         atexit.register(self.stop_all)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally blocks and atexit
 
-    def _args(self, spec: ServerSpec) -> list[str]:
-        args = list(self.base_args)
-        if self.gpu:
-            args += ["--gpu-memory-utilization", str(self.mem_fraction), "--kv-cache-memory-bytes", str(self.kv_bytes)]
-        if spec.eager:
-            args.append("--enforce-eager")
-        return args + spec.extra_args
-
     def launch(self, spec: ServerSpec) -> Started:
         env = {**os.environ, **spec.env}
-        handle = launch_vllm(spec.model, free_port(), backend=spec.backend, extra_args=self._args(spec), env=env,
+        args = engine_args(spec, self.gpu, self.mem_fraction, self.kv_bytes, self.base_args)
+        handle = launch_vllm(spec.model, free_port(), backend=spec.backend, extra_args=args, env=env,
                              quantization=spec.quantization, plugin=spec.plugin, check=False,
                              log_path=self.logs / f"{spec.name}.log")
         started = Started(spec, handle)

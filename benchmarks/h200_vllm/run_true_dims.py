@@ -48,6 +48,8 @@ import served_compare  # noqa: E402
 CKPT = Path("/tmp/ckpt/glm5-true")
 LEVELS = "1,8,32,128,512"
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# Four servers of ~17 GB weights each: a fifth of the GPU for vLLM's start-up check, a fixed 6 GiB KV cache.
+MEM_FRACTION, KV_BYTES = 0.2, 6 << 30
 # CPU rehearsal: the same layer structure at tiny widths (vLLM's CPU MLA needs kv_lora 512 / rope 64).
 CPU_SIZES = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 16,
              "num_experts_per_tok": 4, "num_attention_heads": 4, "vocab_size": 2048, "q_lora_rank": 128,
@@ -64,6 +66,11 @@ def true_sizes(layers: int, dense: int) -> dict[str, int]:
     sizes = {k: getattr(spec, renamed.get(k, k)) for k in TINY_SIZES if hasattr(spec, renamed.get(k, k))}
     sizes.update(num_hidden_layers=layers, first_k_dense_replace=dense)
     return {k: v for k, v in sizes.items() if k in TINY_SIZES and v is not None}
+
+
+def base_args(input_len: int, output_len: int, gpu: bool) -> list[str]:
+    # Room for the load test's prompts + outputs and the profile capture's 256-token streams.
+    return ["--max-model-len", str(input_len + max(output_len, 256) + 64), "--max-num-seqs", "512" if gpu else "16"]
 
 
 def cli(run: Run, name: str, args: list[str], timeout: float, log: Path | None = None) -> int:
@@ -180,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dense_attention or not gpu:  # vLLM's CPU backend has no DSA
         ckpt = dense_view(ckpt)
     vocab = sizes["vocab_size"]
-    max_len = args.input_len + max(args.output_len, 256) + 64
-    base = ["--max-model-len", str(max_len), "--max-num-seqs", "512" if gpu else "16"]
-    fleet = Fleet(run.work / "logs", gpu, mem_fraction=0.2, kv_bytes=6 << 30, base_args=base)
+    fleet = Fleet(run.work / "logs", gpu, mem_fraction=MEM_FRACTION, kv_bytes=KV_BYTES,
+                  base_args=base_args(args.input_len, args.output_len, gpu))
     specs = specs_for(ckpt, gpu, run.work, timers=not args.no_timers and gpu)
     with fleet:
         t = time.monotonic()
