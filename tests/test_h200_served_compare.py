@@ -47,7 +47,7 @@ def test_identical_servers_agree_exactly():
     assert c.ok and c.mean_abs_dlogprob == 0 and c.max_abs_dlogprob == 0 and c.top1_agreement == 1
     assert c.greedy_equal_prefix == [12, 12, 12] and c.positions == 36
     assert c.decisive_positions == sum(m > MARGIN for row in margins for m in row)
-    assert sc.self_consistency(ref, MARGIN) == []
+    assert sc.decode_vs_prefill(ref) == {"positions": 36, "differ": 0, "max_gap": 0.0, "mean_gap": 0.0}
 
 
 def test_rounding_sized_differences_pass_and_larger_ones_fail_with_the_number():
@@ -76,17 +76,15 @@ def test_a_flip_at_a_decisive_position_fails_but_not_at_a_close_call():
     assert sc.compare(ref, _collection(tokens, margins, flip={(0, 3)}), {"mean": 0, "p95": 0, "max": 1.5}).ok
 
 
-def test_greedy_parting_is_allowed_only_where_the_reference_was_not_decisive():
+def test_greedy_parting_is_reported_with_where_the_reference_was_sure():
     tokens, margins = _case(3)
     margins[0][4], margins[1][6] = 0.05, 3.0
     ref = _collection(tokens, margins)
     other = _collection(tokens, margins)
     other["greedy"][0][4:] = [7] * 8  # parts at a close call
+    other["greedy"][1][6:] = [7] * 6  # parts where the forced pass was sure
     c = sc.compare(ref, other)
-    assert c.ok and c.greedy_equal_prefix[0] == 4
-    other["greedy"][1][6:] = [7] * 6  # parts where the reference was sure
-    c = sc.compare(ref, other)
-    assert not c.ok and c.greedy_divergences_at_decisive == 1
+    assert c.ok and c.greedy_equal_prefix[:2] == [4, 6] and c.greedy_divergences_at_decisive == 1
 
 
 def test_bound_is_relative_to_the_yardstick_with_a_floor():
@@ -96,12 +94,11 @@ def test_bound_is_relative_to_the_yardstick_with_a_floor():
     assert served_decisive_margin(served_logprob_bound({"mean": 0.1, "p95": 0.2, "max": 0.9})) == 3.6
 
 
-def test_self_consistency_flags_only_decisive_mismatches():
+def test_decode_vs_prefill_counts_a_servers_own_disagreements():
     tokens, margins = _case(5)
     ref = _collection(tokens, margins, flip={(0, 1), (2, 2)})
-    margins_flipped = {(0, 1): margins[0][1], (2, 2): margins[2][2]}
-    bad = sc.self_consistency(ref, MARGIN)
-    assert len(bad) == sum(m > MARGIN for m in margins_flipped.values())
+    got = sc.decode_vs_prefill(ref)
+    assert got["differ"] == 2 and got["max_gap"] == round(max(margins[0][1], margins[2][2]), 4)
 
 
 def test_collections_of_different_tokens_are_refused():

@@ -113,15 +113,31 @@ def test_requirements_are_pinned_and_none_is_on_the_device_image(tmp_path):
 
 
 def test_smoke_verdict_names_each_problem():
-    good = {"vllm": ship.VLLM_VERSION, "native": {m: "ok" for m in ship.NATIVE},
-            "entry_point": ["glm5_fp4.engines.vllm_plugin:register"], "glm5_nvfp4": True}
+    good = {"vllm": ship.VLLM_VERSION, "native": {m: "ok" for m in ship.NATIVE}, "api_server": "ok",
+            "entry_point": ["glm5_fp4.engines.vllm_plugin:register"], "glm5_nvfp4": "ok"}
     assert ship.smoke_problems(good) == []
     bad = {**good, "vllm": "0.33.0", "native": {**good["native"], "vllm._flashmla_C": "OSError: undefined symbol"},
-           "glm5_nvfp4": False}
+           "api_server": "ModuleNotFoundError: No module named 'zmq'", "glm5_nvfp4": "AssertionError: not registered"}
     problems = ship.smoke_problems(bad)
-    assert len(problems) == 3 and "expected 0.26.0" in problems[0] and "undefined symbol" in problems[1]
-    assert ship.smoke_problems({"error": "Traceback ...\nModuleNotFoundError: No module named 'zmq'\n"}) == \
-        ["ModuleNotFoundError: No module named 'zmq'"]
+    assert len(problems) == 4 and "expected 0.26.0" in problems[0] and "undefined symbol" in problems[1]
+    assert "zmq" in problems[2] and "not registered" in problems[3]
+    assert ship.smoke_problems({"error": "Traceback ...\nModuleNotFoundError: No module named 'torch'\n"}) == \
+        ["ModuleNotFoundError: No module named 'torch'"]
+
+
+def test_smoke_script_reports_every_check_on_this_machine(tmp_path):
+    """The smoke script itself, against this environment's vLLM: it reports each check instead of stopping."""
+    pytest.importorskip("vllm")
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", ship.SMOKE, "vllm.no_such_library,json"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("SMOKE "))
+    smoke = json.loads(line[6:])
+    assert smoke["native"]["json"] == "ok" and "ModuleNotFoundError" in smoke["native"]["vllm.no_such_library"]
+    assert smoke["api_server"] == "ok" and smoke["glm5_nvfp4"] == "ok"
+    problems = ship.smoke_problems(smoke)
+    assert any("no_such_library" in p for p in problems)
 
 
 @pytest.mark.skipif(not (ROOT / ".ship" / ship.MANIFEST).is_file(), reason="run benchmarks/h200_vllm/prepare.sh first")

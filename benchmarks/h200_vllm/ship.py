@@ -246,29 +246,33 @@ def _step(timings: dict, name: str, fn):
 
 
 SMOKE = r"""
-import importlib, importlib.metadata as md, json, sys, time
-t = time.monotonic()
-import vllm
-out = {"vllm": vllm.__version__, "vllm_file": vllm.__file__, "import_vllm_s": round(time.monotonic() - t, 2)}
-import torch
-out["torch"] = torch.__version__
-out["native"] = {}
-for mod in sys.argv[1].split(","):
+import importlib, importlib.metadata as md, json, sys, time, traceback
+out = {}
+def attempt(key, fn):  # every check reports, not only the first failure
+    t = time.monotonic()
     try:
-        importlib.import_module(mod)
-        out["native"][mod] = "ok"
-    except Exception as exc:  # report every library, not only the first failure
-        out["native"][mod] = f"{type(exc).__name__}: {exc}"
-t = time.monotonic()
-import vllm.entrypoints.openai.api_server  # noqa: F401  the server's whole import chain (fastapi, zmq, ...)
-out["import_api_server_s"] = round(time.monotonic() - t, 2)
-eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "glm5_fp4"]
-out["entry_point"] = eps
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
-out["glm5_nvfp4"] = "glm5_nvfp4" in QUANTIZATION_METHODS and \
-    get_quantization_config("glm5_nvfp4").__name__ == "Glm5NvFp4Config"
+        fn()
+        return "ok"
+    except Exception as exc:
+        out.setdefault("tracebacks", {})[key] = traceback.format_exc()[-2000:]
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        out.setdefault("seconds", {})[key] = round(time.monotonic() - t, 2)
+import vllm
+out["vllm"], out["vllm_file"] = vllm.__version__, vllm.__file__
+import torch
+out["torch"], out["cuda"] = torch.__version__, torch.cuda.is_available()
+out["native"] = {m: attempt(m, lambda m=m: importlib.import_module(m)) for m in sys.argv[1].split(",")}
+# The server's whole import chain (fastapi, zmq, msgspec, xgrammar, ...), as `python -m` loads it.
+out["api_server"] = attempt("api_server", lambda: importlib.import_module("vllm.entrypoints.openai.api_server"))
+out["entry_point"] = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "glm5_fp4"]
+def register():
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    assert "glm5_nvfp4" in QUANTIZATION_METHODS, "glm5_nvfp4 not in QUANTIZATION_METHODS"
+    assert get_quantization_config("glm5_nvfp4").__name__ == "Glm5NvFp4Config"
+out["glm5_nvfp4"] = attempt("register", register)
 import glm5_fp4
 out["glm5_fp4_file"] = glm5_fp4.__file__
 print("SMOKE " + json.dumps(out))
@@ -318,10 +322,12 @@ def smoke_problems(smoke: dict) -> list[str]:
     if smoke.get("vllm") != VLLM_VERSION:
         problems.append(f"import vllm reports {smoke.get('vllm')}, expected {VLLM_VERSION}")
     problems += [f"{m}: {r}" for m, r in smoke.get("native", {}).items() if r != "ok"]
+    if smoke.get("api_server") != "ok":
+        problems.append(f"vllm.entrypoints.openai.api_server: {smoke.get('api_server')}")
     if not smoke.get("entry_point"):
         problems.append("entry point vllm.general_plugins:glm5_fp4 not found (glm5-fp4 not installed?)")
-    if not smoke.get("glm5_nvfp4"):
-        problems.append("the plugin did not register --quantization glm5_nvfp4")
+    if smoke.get("glm5_nvfp4") != "ok":
+        problems.append(f"the plugin did not register --quantization glm5_nvfp4: {smoke.get('glm5_nvfp4')}")
     return problems
 
 
