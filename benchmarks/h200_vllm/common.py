@@ -22,7 +22,7 @@ EVIDENCE = {
     "attention": r"(Using \S+ (attention )?backend|Using AttentionBackendEnum\.\S+|attention backend).*",
     "quantization": r"Detected ModelOpt NVFP4 checkpoint.*",
     "compile": r"(torch\.compile takes|Compiling a graph|compile range).*",
-    "cuda_graphs": r"(Graph capturing finished|Capturing CUDA graphs|cudagraph).*",
+    "cuda_graphs": r"(Graph capturing finished|Capturing CUDA graphs).*",
     "kv_cache": r"(GPU KV cache size|KV cache|Available KV cache memory).*",
     "layer_timers": r"glm5_fp4: layer timers.*",
     "errors": r"(Traceback|\w+Error: |ERROR ).*",

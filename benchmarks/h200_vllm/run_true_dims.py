@@ -134,9 +134,7 @@ def specs_for(ckpt: Path, gpu: bool, work: Path, timers: bool) -> list[ServerSpe
     for name, quant in (("ours", "glm5_nvfp4"), ("marlin", "modelopt_fp4")):
         if name == "marlin" and not gpu:
             continue
-        traces = work / "traces" / name
-        traces.mkdir(parents=True, exist_ok=True)
-        profiler = {"profiler": "torch", "torch_profiler_dir": str(traces), "torch_profiler_with_stack": False}
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(trace_dir(name)), "torch_profiler_with_stack": False}
         out.append(ServerSpec(name, ckpt, quant, plugin=name == "ours", backend=backend,
                               extra_args=graphs + ["--profiler-config", json.dumps(profiler)]))
         if timers:
@@ -158,6 +156,97 @@ def check_logprobs(run: Run, urls: dict[str, str], vocab: int) -> None:
     c = served_compare.compare(ref, ours)
     (run.work / "logprobs_ours_vs_marlin.json").write_text(json.dumps({"marlin": ref, "ours": ours}, indent=1))
     run.phase("logprobs_ours_vs_marlin", t, **c.to_dict())
+
+
+def record_servers(run: Run, up: list) -> None:
+    servers = run.summary.setdefault("servers", {})
+    for s in up:
+        servers[s.spec.name] = {**s.summary(), "evidence": evidence(s.handle.log_path)}
+        if s.error:
+            servers[s.spec.name]["traceback"] = traceback_summary(s.handle.log_path)
+            run.problem(f"server {s.spec.name}: {s.error}")
+    run.save()
+
+
+def gpu_run(run: Run, fleet: Fleet, ckpt: Path, vocab: int, args) -> None:
+    """All four servers at once; the DSA fallback; then the phases, one server loaded at a time."""
+    t = time.monotonic()
+    up = [fleet.launch(s) for s in specs_for(ckpt, True, run.work, timers=not args.no_timers)]
+    fleet.wait(up, max(60.0, min(args.start_timeout_s, run.left() - 150)))
+    failed = {s.spec.name for s in up if s.error}
+    # DSA that vLLM cannot start fails ours and stock alike; one server failing alone is recorded, not retried.
+    if {"ours", "marlin"} <= failed and "-dense" not in ckpt.name and not run.skip("dense view", 300):
+        run.summary["dsa_failure"] = {s.spec.name: {"error": s.error, "traceback": traceback_summary(s.handle.log_path)}
+                                      for s in up if s.error}
+        fleet.stop_all()
+        ckpt = dense_view(ckpt)
+        up = [fleet.launch(s) for s in specs_for(ckpt, True, run.work, timers=not args.no_timers)]
+        fleet.wait(up, max(60.0, min(args.start_timeout_s, run.left() - 120)))
+    run.phase("servers", t, checkpoint=str(ckpt), ready={s.spec.name: s.ready_s for s in up})
+    record_servers(run, up)
+    ready = {s.spec.name: s.url for s in up if s.error is None}
+    if {"ours", "marlin"} <= set(ready) and not run.skip("logprob check", 60):
+        try:
+            check_logprobs(run, ready, vocab)
+        except Exception as exc:  # noqa: BLE001 - recorded; the measurements still run
+            run.problem(f"logprob check: {type(exc).__name__}: {exc}")
+    for name in ("ours", "marlin"):
+        if name in ready:
+            measure(run, fleet, name, ready[name], ckpt, args, True)
+    for lvl in [lvl for lvl in args.levels.split(",") if lvl]:
+        a, b = (run.work / "loadtest" / n / f"c{lvl}.json" for n in ("marlin", "ours"))
+        if a.is_file() and b.is_file():
+            cli(run, f"compare_c{lvl}", ["compare", f"marlin={a}", f"ours={b}", "--out",
+                                         str(run.work / f"compare_c{lvl}.md")], timeout=60)
+    for name in ("ours", "marlin"):
+        if f"{name}-timers" in ready:
+            timers(run, fleet, name, ready[f"{name}-timers"], ckpt, args, True)
+            fleet.stop(fleet.by_name(f"{name}-timers"))
+
+
+def measure(run: Run, fleet: Fleet, name: str, url: str, ckpt: Path, args, gpu: bool) -> None:
+    """The load-test sweep (telemetry included), then a profile capture of real decode steps, analysed."""
+    if not run.skip(f"loadtest {name}", 90):
+        cli(run, f"loadtest_{name}", ["loadtest", "--url", url, "--concurrency", args.levels,
+                                      "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                                      "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
+                                      "--result-dir", str(run.work / "loadtest" / name), "--label", name,
+                                      "--no-progress", "--fail-on-error"], timeout=min(300.0, run.left() - 60))
+    if not run.skip(f"profile {name}", 75):
+        conc = args.capture_concurrency
+        cli(run, f"profile_{name}", ["profile", "capture", "--url", url, "--steps", "8",
+                                     "--trace-dir", str(trace_dir(name)), "--engine", "vllm",
+                                     "--concurrency", str(conc), "--prompt-len", "32", "--output-len", "256",
+                                     "--warmup-s", "90", "--flush-timeout-s", "120", "--analyze",
+                                     "--out", str(run.work / "profile" / name), "--batch", str(conc),
+                                     "--context", "160", "--config", str(ckpt / "config.json")],
+            timeout=min(240.0, run.left() - 30))
+
+
+def timers(run: Run, fleet: Fleet, name: str, url: str, ckpt: Path, args, gpu: bool) -> None:
+    """One wave of streams at the highest level on the timer server, then ``profile timers`` of its dump."""
+    if run.skip(f"layer timers {name}", 45):
+        return
+    top = max(int(x) for x in args.levels.split(",") if x)
+    cli(run, f"timers_load_{name}", ["loadtest", "--url", url, "--concurrency", str(top), "--num-prompts", str(top),
+                                     "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                                     "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "90",
+                                     "--result-dir", "", "--no-progress", "--no-telemetry"],
+        timeout=min(150.0, run.left() - 20))
+    fleet.stop(fleet.by_name(f"{name}-timers"))  # the dump is line-buffered; stopping closes it
+    dumps = sorted((run.work / "layer_timers" / name).glob("*.jsonl"))
+    if dumps:
+        cli(run, f"timers_report_{name}", ["profile", "timers", *map(str, dumps), "--out",
+                                           str(run.work / "layer_timers_report" / name)], timeout=60)
+    else:
+        run.problem(f"layer timers {name}: no dump in {run.work / 'layer_timers' / name}")
+
+
+def trace_dir(name: str) -> Path:
+    """Where the server writes its traces: outside the bundle (capture copies what it collects into it)."""
+    d = Path(os.environ.get("GLM5_FP4_TRACE_ROOT", "/tmp/h200_traces")) / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,84 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     vocab = sizes["vocab_size"]
     fleet = Fleet(run.work / "logs", gpu, mem_fraction=MEM_FRACTION, kv_bytes=KV_BYTES,
                   base_args=base_args(args.input_len, args.output_len, gpu))
-    specs = specs_for(ckpt, gpu, run.work, timers=not args.no_timers and gpu)
     with fleet:
-        t = time.monotonic()
         if gpu:
-            up = [fleet.launch(s) for s in specs]
-            fleet.wait(up, max(60.0, min(args.start_timeout_s, run.left() - 150)))
-        else:  # CPU: one server at a time (measured phases below start and stop it)
-            up = []
-        failed = {s.spec.name for s in up if s.error}
-        # DSA that vLLM cannot start fails ours and stock alike; one server failing alone is recorded, not retried.
-        if gpu and {"ours", "marlin"} <= failed and "-dense" not in ckpt.name and not run.skip("dense view", 300):
-            run.summary["dsa_failure"] = {s.spec.name: {"error": s.error, "traceback": traceback_summary(s.handle.log_path)}
-                                          for s in up if s.error}
-            fleet.stop_all()
-            ckpt = dense_view(ckpt)
-            specs = specs_for(ckpt, gpu, run.work, timers=not args.no_timers)
-            up = [fleet.launch(s) for s in specs]
-            fleet.wait(up, max(60.0, min(args.start_timeout_s, run.left() - 120)))
-        run.phase("servers", t, checkpoint=str(ckpt),
-                  servers={s.spec.name: {**s.summary(), "evidence": evidence(s.handle.log_path)} for s in up})
-        for s in up:
-            if s.error:
-                run.problem(f"server {s.spec.name}: {s.error}")
-        ready = {s.spec.name: s.url for s in up if s.error is None}
-        if gpu and {"ours", "marlin"} <= set(ready) and not run.skip("logprob check", 60):
-            try:
-                check_logprobs(run, ready, vocab)
-            except Exception as exc:  # noqa: BLE001 - recorded; the measurements still run
-                run.problem(f"logprob check: {type(exc).__name__}: {exc}")
-        measured = ["ours", "marlin"] if gpu else ["ours"]
-        for name in measured:
-            if not gpu:
-                s = fleet.launch(specs[0])
+            gpu_run(run, fleet, ckpt, vocab, args)
+        else:  # one server at a time: this machine never runs two vLLM servers at once
+            for spec in specs_for(ckpt, gpu, run.work, timers=not args.no_timers):
+                s = fleet.launch(spec)
                 fleet.wait([s], args.start_timeout_s)
-                if s.error:
-                    run.problem(f"server {name}: {s.error}")
-                    continue
-                ready[name] = s.url
-            if name not in ready or run.skip(f"loadtest {name}", 90):
-                continue
-            cli(run, f"loadtest_{name}", ["loadtest", "--url", ready[name], "--concurrency", args.levels,
-                                          "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                                          "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
-                                          "--result-dir", str(run.work / "loadtest" / name), "--label", name,
-                                          "--no-progress", "--fail-on-error"], timeout=min(300.0, run.left() - 60))
-            if not run.skip(f"profile {name}", 75):
-                conc = args.capture_concurrency if gpu else 4
-                cli(run, f"profile_{name}", ["profile", "capture", "--url", ready[name], "--steps", "8",
-                                             "--trace-dir", str(run.work / "traces" / name), "--engine", "vllm",
-                                             "--concurrency", str(conc), "--prompt-len", "32", "--output-len", "256",
-                                             "--warmup-s", "90", "--flush-timeout-s", "120", "--analyze",
-                                             "--out", str(run.work / "profile" / name), "--batch", str(conc),
-                                             "--context", "160", "--config", str(ckpt / "config.json")],
-                    timeout=min(240.0, run.left() - 30))
-            if not gpu:
+                record_servers(run, [s])
+                if s.error is None:
+                    (timers if spec.name.endswith("-timers") else measure)(run, fleet, spec.name.split("-")[0],
+                                                                            s.url, ckpt, args, gpu)
                 fleet.stop(s)
-        levels = [lvl for lvl in args.levels.split(",") if lvl]
-        if gpu:
-            for lvl in levels:
-                a, b = (run.work / "loadtest" / n / f"c{lvl}.json" for n in ("marlin", "ours"))
-                if a.is_file() and b.is_file():
-                    cli(run, f"compare_c{lvl}", ["compare", f"marlin={a}", f"ours={b}", "--out",
-                                                 str(run.work / f"compare_c{lvl}.md")], timeout=60)
-        for name in ("ours", "marlin"):
-            tname = f"{name}-timers"
-            if tname in ready and not run.skip(f"layer timers {name}", 45):
-                cli(run, f"timers_load_{name}", ["loadtest", "--url", ready[tname], "--concurrency", "512",
-                                                 "--num-prompts", "512", "--input-len", str(args.input_len),
-                                                 "--output-len", str(args.output_len), "--tokenizer", str(ckpt),
-                                                 "--prompt-format", "ids", "--timeout", "90", "--result-dir", "",
-                                                 "--no-progress", "--no-telemetry"], timeout=min(150.0, run.left() - 20))
-                fleet.stop(fleet.by_name(tname))  # the dump is line-buffered; stopping closes it
-                dumps = sorted((run.work / "layer_timers" / name).glob("*.jsonl"))
-                if dumps:
-                    cli(run, f"timers_report_{name}", ["profile", "timers", *map(str, dumps), "--out",
-                                                       str(run.work / "layer_timers_report" / name)], timeout=60)
-                else:
-                    run.problem(f"layer timers {name}: no dump in {run.work / 'layer_timers' / name}")
     return run.finish()
 
 
