@@ -39,9 +39,24 @@ $(VLLM033)/.unpacked:
 	$(PY) -c "import glob, zipfile; zipfile.ZipFile(glob.glob('.cache/wheels/vllm-0.33.0-*.whl')[0]).extractall('$(VLLM033)')"
 	touch $@
 
+<<<<<<< HEAD
 test: setup $(VLLM033)/.unpacked $(SGLANG_VENV)/.installed
 	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) $(PY) -m pytest -q -ra --timeout 1800
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
+=======
+# vLLM 0.26.0's Python sources (native libraries left out): the newest release that pins torch 2.11, the lent
+# H200s' torch, on which benchmarks/h200_vllm/ serves the plugin; tests/test_vllm_versions.py imports the
+# plugin against it and 0.33.0. Both wheels stay cached in .cache/wheels.
+VLLM026 := .cache/vllm-0.26.0
+$(VLLM026)/.unpacked:
+	mkdir -p .cache/wheels $(VLLM026)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .cache/wheels vllm==0.26.0
+	$(PY) -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('.cache/wheels/vllm-0.26.0-*.whl')[0]); z.extractall('$(VLLM026)', [n for n in z.namelist() if not n.endswith('.so')])"
+	touch $@
+
+test: setup $(VLLM033)/.unpacked $(VLLM026)/.unpacked $(SGLANG_VENV)/.installed
+	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) GLM5_FP4_VLLM026_SRC=$(abspath $(VLLM026)) $(PY) -m pytest -q -ra --timeout 1800
+>>>>>>> issue16
 	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
 
 test-fast: setup

@@ -201,6 +201,25 @@ def test_make_checkpoint_errors(tmp_path):
     assert main(["make-checkpoint", "--out", str(tmp_path / "w"), "--size", "oops"]) == 1
 
 
+def test_device_fast_path(tmp_path, capsys):
+    """``--device``: drawn and quantized there, written from CPU tensors; a device this machine lacks is named."""
+    if torch.cuda.is_available():
+        ckpt = make_checkpoint(tmp_path / "gpu", "glm5", seed=3, sizes=SMALL, device="cuda")
+        twin = make_checkpoint(tmp_path / "gpu_bf16", "glm5", seed=3, sizes=SMALL, device="cuda", dequantized=True)
+        assert inspect_checkpoint(ckpt, require_nvfp4=True).quantized_linears  # valid ModelOpt NVFP4
+        quant, bf16 = load_file(str(ckpt / "model.safetensors")), load_file(str(twin / "model.safetensors"))
+        for name, spec in {s.name: s for s in model_tensors(build_config("glm5", SMALL))}.items():
+            if spec.quantized:
+                base = name[:-len(".weight")]
+                deq = nvfp4.dequantize(quant[name], quant[f"{base}.weight_scale"], quant[f"{base}.weight_scale_2"])
+                assert torch.equal(deq.to(torch.bfloat16), bf16[name]), name
+        return
+    assert main(["make-checkpoint", "--out", str(tmp_path / "c"), "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert "--device 'cuda' is not usable here" in err and "Traceback" not in err
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
 def test_sharded_output(tmp_path):
     from glm5_fp4.checkpoint import make as mk
 

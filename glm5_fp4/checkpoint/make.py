@@ -36,26 +36,27 @@ SHARD_BYTES = 2 * 1024**3
 _INPUT_AMAX = {"gate_proj": 8.0, "up_proj": 8.0, "down_proj": 12.0}
 
 
-def _draw(spec: TensorSpec, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
+def _draw(spec: TensorSpec, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
+    x = torch.randn(spec.shape, generator=g, device=device)
     if spec.kind == "norm":
-        return 1.0 + 0.1 * torch.randn(spec.shape, generator=g)
+        return 1.0 + 0.1 * x
     if spec.kind == "bias":
-        return 0.1 * torch.randn(spec.shape, generator=g)
+        return 0.1 * x
     if spec.kind == "embed":
-        return torch.randn(spec.shape, generator=g)
+        return x
     # Fan-in scaling keeps activations near unit variance through the random network, so logits are
     # peaked enough that greedy decoding is not decided by rounding noise.
-    return torch.randn(spec.shape, generator=g) / spec.shape[-1] ** 0.5
+    return x / spec.shape[-1] ** 0.5
 
 
 def _projection(name: str) -> str:
     return name.rsplit(".", 2)[-2]
 
 
-def _quantized_group(specs: list[TensorSpec], seed: int, dequantized: bool) -> dict[str, torch.Tensor]:
-    """Quantize one MLP's gate/up/down; gate and up share weight_scale_2."""
-    weights = {s.name: _draw(s, seed) for s in specs}
+def _quantized_group(specs: list[TensorSpec], seed: int, dequantized: bool, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Quantize one MLP's gate/up/down (on ``device``); gate and up share weight_scale_2. Returns CPU tensors."""
+    weights = {s.name: _draw(s, seed, device) for s in specs}
     gate = next(n for n in weights if _projection(n) == "gate_proj")
     up = next(n for n in weights if _projection(n) == "up_proj")
     shared_gs = torch.maximum(nvfp4.weight_global_scale(weights[gate]), nvfp4.weight_global_scale(weights[up]))
@@ -64,29 +65,29 @@ def _quantized_group(specs: list[TensorSpec], seed: int, dequantized: bool) -> d
         gs = shared_gs if name in (gate, up) else None
         packed, scale, global_scale = nvfp4.quantize(w, gs)
         if dequantized:
-            out[name] = nvfp4.dequantize(packed, scale, global_scale, torch.bfloat16)
+            out[name] = nvfp4.dequantize(packed, scale, global_scale, torch.bfloat16).cpu()
             continue
         base = name[: -len(".weight")]
-        out[name] = packed
-        out[f"{base}.weight_scale"] = scale
-        out[f"{base}.weight_scale_2"] = global_scale.reshape(())
+        out[name] = packed.cpu()
+        out[f"{base}.weight_scale"] = scale.cpu()
+        out[f"{base}.weight_scale_2"] = global_scale.reshape(()).cpu()
         out[f"{base}.input_scale"] = torch.tensor(_INPUT_AMAX[_projection(name)] / (6 * 448), dtype=torch.float32)
     return out
 
 
-def generate_tensors(cfg: dict, seed: int, dequantized: bool, specs: list[TensorSpec]):
-    """Yield ``(name, tensor)`` in checkpoint order; quantized MLPs are handled a projection triple at a time."""
+def generate_tensors(cfg: dict, seed: int, dequantized: bool, specs: list[TensorSpec], device: str = "cpu"):
+    """Yield ``(name, CPU tensor)`` in checkpoint order; quantized MLPs are handled a projection triple at a time."""
     pending: list[TensorSpec] = []
     for spec in specs:
         if spec.quantized:
             pending.append(spec)
             if len(pending) == 3:
-                yield from _quantized_group(pending, seed, dequantized).items()
+                yield from _quantized_group(pending, seed, dequantized, device).items()
                 pending = []
             continue
-        t = _draw(spec, seed)
+        t = _draw(spec, seed, device)
         # The router's correction bias is kept in float32 as DeepSeek-V3-style checkpoints do.
-        yield spec.name, t.float() if spec.name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+        yield spec.name, (t.float() if spec.name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)).cpu()
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -138,11 +139,13 @@ def make_checkpoint(
     dense_attention: bool = False,
     sizes: dict | None = None,
     overwrite: bool = False,
+    device: str = "cpu",
 ) -> Path:
     """Write a tiny (or any-size) random checkpoint; returns its directory.
 
     ``dense_attention`` writes the dense-attention view of a glm5 checkpoint (same tensors, config without the
-    DSA indexer) — what vLLM's CPU backend serves. Every argument is checked before anything is written, and a
+    DSA indexer) — what vLLM's CPU backend serves. ``device``: where tensors are drawn and quantized (CUDA's
+    generator draws other values than the CPU's; GLM-5's true sizes take seconds on a GPU). Every argument is checked before anything is written, and a
     failure while writing removes the directories this call created, so bad input leaves nothing behind.
     """
     out = output_dir(out_dir, create=False)
@@ -150,11 +153,15 @@ def make_checkpoint(
         raise Glm5Fp4Error(f"{out}: directory exists and is not empty (pass --overwrite to replace its files)")
     if dense_attention and arch != "glm5":
         raise Glm5Fp4Error("--dense-attention applies to --arch glm5 only")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise Glm5Fp4Error(f"--device {device!r} is not usable here: {str(exc).splitlines()[0]}") from None
     cfg = build_config(arch, sizes)
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
     try:
-        _write(out, cfg, seed, dequantized, dense_attention)
+        _write(out, cfg, seed, dequantized, dense_attention, device)
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -162,7 +169,7 @@ def make_checkpoint(
     return out
 
 
-def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool) -> None:
+def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool, device: str = "cpu") -> None:
     eos = save_tokenizer(out, cfg["vocab_size"], seed)
     cfg["eos_token_id"] = cfg["pad_token_id"] = eos
     excluded = exclude_modules(cfg)
@@ -182,4 +189,4 @@ def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: 
     )
     specs = model_tensors(cfg)
     n_out = sum(4 if s.quantized and not dequantized else 1 for s in specs)
-    write_safetensors(generate_tensors(cfg, seed, dequantized, specs), out, total=n_out)
+    write_safetensors(generate_tensors(cfg, seed, dequantized, specs, device), out, total=n_out)

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", action="append", default=[], metavar="FIELD=N",
                         help=f"override a size (repeatable); fields: {', '.join(TINY_SIZES)}")
     parser.add_argument("--overwrite", action="store_true", help="replace files in a non-empty --out")
+    parser.add_argument("--device", default="cpu",
+                        help="where tensors are drawn and quantized: cpu (default) or cuda (seconds instead of CPU "
+                             "minutes at GLM-5's true sizes; CUDA's generator gives other random values)")
 
 
 def parse_sizes(items: list[str]) -> dict[str, int]:
@@ -38,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
 
     out = make_checkpoint(args.out, arch=args.arch, seed=args.seed, dequantized=args.dequantized,
                           dense_attention=args.dense_attention, sizes=parse_sizes(args.size),
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, device=args.device)
     print(inspect_checkpoint(out).to_text())
     return 0

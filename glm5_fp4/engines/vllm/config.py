@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.model_executor.layers.quantization.modelopt import ModelOptLinearMethod, ModelOptNvFp4Config
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
 from glm5_fp4.engines.vllm import compat
-from glm5_fp4.engines.vllm.linear import Glm5ModelOptLinearMethod
+from glm5_fp4.engines.vllm.linear import glm5_linear_method
 from glm5_fp4.engines.vllm.loading import NOT_NVFP4_HINT
 from glm5_fp4.engines.vllm.moe import Glm5ModelOptNvFp4FusedMoE
 from glm5_fp4.errors import Glm5Fp4Error
@@ -76,7 +76,8 @@ class Glm5NvFp4Config(ModelOptNvFp4Config):
 
     def get_quant_method(self, layer, prefix: str):
         method = super().get_quant_method(layer, prefix)
-        if isinstance(method, ModelOptLinearMethod):  # linears and an NVFP4 lm_head
-            return Glm5ModelOptLinearMethod(method, prefix, getattr(self, "packed_modules_mapping", None),
-                                            "" if self.declared_by_checkpoint else NOT_NVFP4_HINT)
+        if isinstance(method, compat.modelopt_nvfp4_linear_methods()):  # linears and an NVFP4 lm_head
+            return glm5_linear_method(method, prefix, getattr(self, "packed_modules_mapping", None),
+                                      self.quant_method == "W4A16_NVFP4",
+                                      "" if self.declared_by_checkpoint else NOT_NVFP4_HINT)
         return method

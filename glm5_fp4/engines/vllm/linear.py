@@ -16,7 +16,6 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.kernels.linear.nvfp4 import NvFp4LinearKernel, NvFp4LinearLayerConfig
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod, register_weight_loader_v2_supported_method
-from vllm.model_executor.layers.quantization.modelopt import ModelOptLinearMethod
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
@@ -77,19 +76,18 @@ class Glm5CpuNvFp4LinearKernel(NvFp4LinearKernel):
         return self._dense.apply(layer, x, bias)
 
 
-@register_weight_loader_v2_supported_method
-class Glm5ModelOptLinearMethod(ModelOptLinearMethod):
-    """vLLM's ModelOpt linear method plus checked loading and a CPU kernel for weight-only checkpoints.
+class _CheckedNvFp4Linear:
+    """Mixed in front of vLLM's ModelOpt NVFP4 linear method: checked loading, a CPU kernel for weight-only.
 
-    The class name keeps the ``ModelOpt`` prefix vLLM's own ModelOpt linear methods use, and it is
-    registered for vLLM's v2 (BasevLLMParameter) weight loader like them.
+    vLLM's class differs by version (0.32/0.33: one generic ``ModelOptLinearMethod``; 0.26: one class per
+    algorithm, see :func:`compat.modelopt_nvfp4_linear_methods`), so the concrete classes are made per base
+    class by :func:`glm5_linear_method`.
     """
 
-    def __init__(self, base: ModelOptLinearMethod, prefix: str, packed: dict | None, hint: str = "") -> None:
-        super().__init__(base.spec, base.ctx, base.fmt)
-        self.prefix = prefix
-        self.packed = packed
-        self.hint = hint
+    prefix: str
+    packed: dict | None
+    hint: str
+    weight_only: bool
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -104,15 +102,48 @@ class Glm5ModelOptLinearMethod(ModelOptLinearMethod):
         #   registry and need none of this).
         # How: vLLM registers the parameters before selecting the kernel; catch that ValueError on CPU only and
         #   set the kernel; anything else re-raises.
-        # Upstream: vllm/model_executor/kernels/linear/__init__.py init_nvfp4_linear_kernel (0.32 and 0.33).
+        # Upstream: vllm/model_executor/kernels/linear/__init__.py init_nvfp4_linear_kernel (0.32 and 0.33;
+        #   0.26 pins Marlin for W4A16 in the method's constructor and is served on GPUs only here).
         # Remove when: init_nvfp4_linear_kernel consults _POSSIBLE_NVFP4_KERNELS[platform] for W4A16.
         try:
             super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
                                    output_size, params_dtype, **extra_weight_attrs)
         except ValueError:
-            if not (current_platform.is_cpu() and self.spec.activation is None and hasattr(layer, "weight")):
+            if not (current_platform.is_cpu() and self.weight_only and hasattr(layer, "weight")):
                 raise
             self.kernel = Glm5CpuNvFp4LinearKernel(NvFp4LinearLayerConfig())
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def glm5_linear_class(base_cls: type) -> type:
+    """``Glm5<vLLM class name>``: the checked subclass of one of vLLM's ModelOpt NVFP4 linear methods.
+
+    The name keeps the ``ModelOpt`` part vLLM's own ModelOpt linear methods use, and the class is
+    registered for vLLM's v2 (BasevLLMParameter) weight loader like them (vLLM matches it by name).
+    """
+    cls = _CLASSES.get(base_cls)
+    if cls is None:
+        cls = type(f"Glm5{base_cls.__name__}", (_CheckedNvFp4Linear, base_cls),
+                   {"__module__": __name__, "__doc__": f"{base_cls.__name__} with glm5-fp4's checked loading."})
+        register_weight_loader_v2_supported_method(cls)
+        _CLASSES[base_cls] = cls
+    return cls
+
+
+def glm5_linear_method(base, prefix: str, packed: dict | None, weight_only: bool, hint: str = ""):
+    """``base`` (the method vLLM's ModelOpt config chose for a layer) as its checked subclass.
+
+    What: a new object of the subclass holding ``base``'s attributes; ``base`` itself is dropped.
+    Why: the constructors differ by version (0.33: quantization spec, checkpoint context and format;
+      0.26: the quant config) and pick the kernel; copying the state needs neither signature and keeps
+      vLLM's kernel choice as it was made.
+    """
+    method = object.__new__(glm5_linear_class(type(base)))
+    method.__dict__.update(vars(base))
+    method.prefix, method.packed, method.hint, method.weight_only = prefix, packed, hint, weight_only
+    return method
 
 
 def register_cpu_kernel() -> bool:

@@ -1,0 +1,150 @@
+"""benchmarks/h200_vllm/ship.py: what is stripped, pieces and manifest, reassembly checks, the smoke verdict.
+
+The real run is on the H200 (benchmarks/h200_vllm/README.md); here a fake payload goes the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("ship", ROOT / "benchmarks" / "h200_vllm" / "ship.py")
+ship = importlib.util.module_from_spec(_spec)
+sys.modules["ship"] = ship
+_spec.loader.exec_module(ship)
+
+
+@pytest.mark.parametrize("name,left", [
+    ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", True),
+    ("vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", False),
+    ("vllm/vllm-rs", True),
+    ("vllm/third_party/fmha_sm100/cutlass/include/cute/arch/mma_sm90_gmma_ext.hpp", True),
+    ("vllm/third_party/deep_gemm/include/cute/arch/mma_sm90_gmma_ext.hpp", False),
+    ("vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so", True),
+    ("vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so", False),
+    ("vllm/_flashmla_C.abi3.so", False),
+    ("vllm-0.26.0.dist-info/entry_points.txt", False),
+])
+def test_strip_rules_leave_out_only_what_sm90_and_python312_never_load(name, left):
+    assert (ship.stripped(name) is not None) == left
+    native = {m.replace(".", "/") for m in ship.NATIVE}
+    assert not any(ship.stripped(n + ".abi3.so") for n in native)
+
+
+def _payload(tmp_path: Path, size: int) -> Path:
+    archive = tmp_path / ship.ARCHIVE
+    archive.write_bytes(random.Random(size).randbytes(size))
+    return archive
+
+
+@pytest.mark.parametrize("size,max_piece,count", [(1000, 400, 3), (1200, 400, 3), (399, 400, 1), (1201, 400, 4)])
+def test_pieces_are_few_equal_and_bounded(tmp_path, size, max_piece, count):
+    archive = _payload(tmp_path, size)
+    pieces = ship.split(archive, tmp_path / "out", max_piece)
+    sizes = [p.stat().st_size for p in pieces]
+    assert len(pieces) == count and max(sizes) <= max_piece and max(sizes) - min(sizes) <= count
+    assert b"".join(p.read_bytes() for p in pieces) == archive.read_bytes()
+    assert [p.parent.name for p in pieces] == [f"p{i}" for i in range(count)]
+
+
+def _shipped(tmp_path: Path, size: int = 5000, max_piece: int = 2000):
+    archive = _payload(tmp_path, size)
+    out = tmp_path / "ship-out"
+    pieces = ship.split(archive, out, max_piece)
+    manifest = ship.write_manifest(out, archive, pieces, {"vllm_wheel": "fake.whl"})
+    return archive, out, manifest
+
+
+def test_receive_then_reassemble_restores_the_archive(tmp_path):
+    archive, out, manifest = _shipped(tmp_path)
+    dest = tmp_path / "tmp-ship"
+    for piece_dir in sorted(out.glob("p*")):  # one call per piece, each carrying only its folder
+        carried = tmp_path / f"call-{piece_dir.name}"
+        (carried / piece_dir.name).mkdir(parents=True)
+        for f in piece_dir.iterdir():
+            (carried / piece_dir.name / f.name).write_bytes(f.read_bytes())
+        assert ship.receive(carried, dest) == [f"{ship.ARCHIVE}.{piece_dir.name[1:].zfill(2)}"]
+    joined = ship.reassemble(dest, json.loads((dest / ship.MANIFEST).read_text()))
+    assert joined.read_bytes() == archive.read_bytes()
+
+
+def test_a_missing_or_corrupt_piece_is_named(tmp_path):
+    _, out, manifest = _shipped(tmp_path)
+    dest = tmp_path / "d"
+    dest.mkdir()
+    for p in manifest["pieces"][1:]:
+        (dest / p["name"]).write_bytes((out / f"p{int(p['name'][-2:])}" / p["name"]).read_bytes())
+    with pytest.raises(ship.ShipError, match=r"pieces missing: payload\.tar\.xz\.00 .*warm"):
+        ship.reassemble(dest, manifest)
+    first = manifest["pieces"][0]["name"]
+    data = bytearray((out / "p0" / first).read_bytes())
+    data[10] ^= 1
+    (dest / first).write_bytes(bytes(data))
+    with pytest.raises(ship.ShipError, match=rf"{first}: sha256 .* != manifest"):
+        ship.reassemble(dest, manifest)
+    (out / "p0" / first).write_bytes(bytes(data))
+    with pytest.raises(ship.ShipError, match="a broken transfer"):
+        ship.receive(out, tmp_path / "e")
+    with pytest.raises(ship.ShipError, match="name the .ship/pN folder"):
+        ship.receive(tmp_path / "nothing", tmp_path / "f")
+
+
+def test_requirements_are_pinned_and_none_is_on_the_device_image(tmp_path):
+    reqs = ship.requirements()
+    assert len(reqs) == len({r.split("==")[0].lower() for r in reqs})  # one version of each
+    kinds = tmp_path / "KINDS.md"
+    kinds.write_text("## Python packages already there\n\nimage: Packages: absl-py, pydantic_core, torch.\n")
+    assert ship.image_overlap(["pydantic-core==2.50.5", "fastapi==0.136.3", "Torch==2.11.0"], kinds) == \
+        ["pydantic-core==2.50.5", "Torch==2.11.0"]
+    real = Path("/work/.library/device/KINDS.md")
+    if real.is_file():
+        assert ship.image_overlap(reqs, real) == []
+    bad = tmp_path / "r.txt"
+    bad.write_text("fastapi\n")
+    with pytest.raises(ship.ShipError, match="not pinned"):
+        ship.requirements(bad)
+
+
+def test_smoke_verdict_names_each_problem():
+    good = {"vllm": ship.VLLM_VERSION, "native": {m: "ok" for m in ship.NATIVE}, "api_server": "ok",
+            "entry_point": ["glm5_fp4.engines.vllm_plugin:register"], "glm5_nvfp4": "ok"}
+    assert ship.smoke_problems(good) == []
+    bad = {**good, "vllm": "0.33.0", "native": {**good["native"], "vllm._flashmla_C": "OSError: undefined symbol"},
+           "api_server": "ModuleNotFoundError: No module named 'zmq'", "glm5_nvfp4": "AssertionError: not registered"}
+    problems = ship.smoke_problems(bad)
+    assert len(problems) == 4 and "expected 0.26.0" in problems[0] and "undefined symbol" in problems[1]
+    assert "zmq" in problems[2] and "not registered" in problems[3]
+    assert ship.smoke_problems({"error": "Traceback ...\nModuleNotFoundError: No module named 'torch'\n"}) == \
+        ["ModuleNotFoundError: No module named 'torch'"]
+
+
+def test_smoke_script_reports_every_check_on_this_machine(tmp_path):
+    """The smoke script itself, against this environment's vLLM: it reports each check instead of stopping."""
+    pytest.importorskip("vllm")
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", ship.SMOKE, "vllm.no_such_library,json"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("SMOKE "))
+    smoke = json.loads(line[6:])
+    assert smoke["native"]["json"] == "ok" and "ModuleNotFoundError" in smoke["native"]["vllm.no_such_library"]
+    assert smoke["api_server"] == "ok" and smoke["glm5_nvfp4"] == "ok"
+    problems = ship.smoke_problems(smoke)
+    assert any("no_such_library" in p for p in problems)
+
+
+@pytest.mark.skipif(not (ROOT / ".ship" / ship.MANIFEST).is_file(), reason="run benchmarks/h200_vllm/prepare.sh first")
+def test_prepared_pieces_fit_a_call():
+    manifest = json.loads((ROOT / ".ship" / ship.MANIFEST).read_text())
+    assert all(p["bytes"] <= ship.PIECE_MIB << 20 for p in manifest["pieces"])
+    for i, p in enumerate(manifest["pieces"]):
+        assert (ROOT / ".ship" / f"p{i}" / p["name"]).stat().st_size == p["bytes"]
+        assert json.loads((ROOT / ".ship" / f"p{i}" / ship.MANIFEST).read_text()) == manifest
+    assert os.path.getsize(ROOT / ".ship" / "p0" / manifest["pieces"][0]["name"]) > 0
