@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by tests/conftest.py
-    raise pytest.UsageError("tests/interpreter needs TRITON_INTERPRET=1 (see tests/conftest.py)")
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by the root conftest.py
+    raise pytest.UsageError("tests/interpreter needs TRITON_INTERPRET=1 (see the root conftest.py)")
 
 
 @pytest.fixture
