@@ -29,7 +29,8 @@ def _plan_of(d: dict):
     from glm5_fp4.kernels import configs as C
 
     return C.Plan(d["schedule"], C.Gemm1Config(**d["gemm1"]), C.Gemm2Config(**d["gemm2"]), d["gemm2_n_split"],
-                  gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True))
+                  gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True),
+                  gemm2_unroll=d.get("gemm2_unroll", False))
 
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
@@ -55,8 +56,11 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         n_split = max(1, min(hidden // g2.bn, base.gemm2_n_split * base.gemm2.bn // g2.bn))
         while (hidden // g2.bn) % n_split:
             n_split -= 1
+        unroll = base.schedule == "slot" and C.gemm2_slot_unrolled_smem_bytes(g2, intermediate, 8) <= C.smem_limit(arch)
         out[f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'} n{n_split}"] = rep(
-            base, gemm2=g2, gemm2_n_split=n_split)
+            base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
+    if base.schedule == "slot" and base.gemm2_unroll:
+        out["g2 not unrolled"] = rep(base, gemm2_unroll=False)
     if base.schedule == "slot":
         for s in (1, 2, 4):
             if s != base.gemm1_split_k and (hidden // base.gemm1.bk) % s == 0:

@@ -17,7 +17,7 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
 PLANS=${PLANS:-$OUT/sweep.json}
 for s in $SECTIONS; do
   case $s in
-    tests) step tests "${T_TESTS:-170}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -x -p no:cacheprovider ${TEST_ARGS:-} ;;
+    tests) step tests "${T_TESTS:-170}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -p no:cacheprovider ${TEST_ARGS:-} ;;
     sweep) step sweep "${T_SWEEP:-170}" python3 benchmarks/moe_kernel.py --sweep --shards "${SWEEP_SHARDS:-tp8}" \
              --tokens "${SWEEP_TOKENS:-1,512,1024,4096}" --layers 2 --json "$OUT/sweep.json" ;;
     bench) step bench "${T_BENCH:-170}" python3 benchmarks/moe_kernel.py --shards "${BENCH_SHARDS:-tp8}" \

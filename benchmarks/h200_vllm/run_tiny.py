@@ -46,6 +46,10 @@ import served_compare  # noqa: E402
 
 # GLM-5's own indexer shape; the rest stays at the tiny defaults (glm5_fp4.checkpoint.configs.TINY_SIZES).
 GLM5_TINY_DSA = {"index_n_heads": 32, "index_head_dim": 128}
+# On the GPU, GLM-5's own MLA head dimensions too: vLLM 0.26's SM90 MLA prefill backend (FlashAttention 3)
+# refuses the tiny CPU shape (qk_nope 64, v 64: "Model does not have supported MLA dimensions", seen on the
+# H200 2026-12-01); the CPU backend takes only the tiny one.
+GLM5_GPU_MLA = {"qk_nope_head_dim": 192, "v_head_dim": 256}
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8"]
 # Tiny servers: 5 % of the GPU each for vLLM's start-up check, a fixed 1 GiB KV cache.
 MEM_FRACTION, KV_BYTES = 0.05, 1 << 30
@@ -55,9 +59,10 @@ GPU_GRAPHS = ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE",
 def make_checkpoints(root: Path, gpu: bool) -> dict[str, Path]:
     from glm5_fp4.checkpoint.make import make_checkpoint
 
-    wanted = {"glm4moe": ("glm4moe", False, {}), "glm5dense": ("glm5", True, GLM5_TINY_DSA)}
+    glm5_sizes = {**GLM5_TINY_DSA, **(GLM5_GPU_MLA if gpu else {})}
+    wanted = {"glm4moe": ("glm4moe", False, {}), "glm5dense": ("glm5", True, glm5_sizes)}
     if gpu:
-        wanted["glm5"] = ("glm5", False, GLM5_TINY_DSA)
+        wanted["glm5"] = ("glm5", False, glm5_sizes)
     out = {}
     for name, (arch, dense, sizes) in wanted.items():
         for twin in (False, True):

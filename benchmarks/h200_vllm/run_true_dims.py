@@ -211,7 +211,7 @@ def measure(run: Run, fleet: Fleet, name: str, url: str, ckpt: Path, args, gpu: 
                                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                                       "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
                                       "--result-dir", str(run.work / "loadtest" / name), "--label", name,
-                                      "--no-progress", "--fail-on-error"], timeout=min(300.0, run.left() - 60))
+                                      "--no-progress"], timeout=min(300.0, run.left() - 60))
     if not run.skip(f"profile {name}", 75):
         conc = args.capture_concurrency
         cli(run, f"profile_{name}", ["profile", "capture", "--url", url, "--steps", "8",

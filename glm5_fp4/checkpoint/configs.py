@@ -114,7 +114,9 @@ def build_config(arch: str, sizes: dict | None = None, eos_token_id: int = 1, pa
             "rope_interleave": True,
             "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
             "max_position_embeddings": 8192,
-            "layer_types": ["indexed_attention"] * layers,
+            # The name every transformers release with GLM-5 accepts: 5.17 (the H200 image's) knows only this one;
+            # 5.19 renamed it "indexed_attention" and keeps this as an alias.
+            "layer_types": ["deepseek_sparse_attention"] * layers,
             "indexer_types": ["full"] * layers,
             "mlp_layer_types": ["dense" if i < s["first_k_dense_replace"] else "sparse" for i in range(layers)],
         }

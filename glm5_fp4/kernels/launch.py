@@ -170,7 +170,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
              ws.act, ws.part, num_slots * 2 * i, call.topk_ids, emap, ws.slots, ws.blocks, ws.num_blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=has_map,
-                 num_warps=g1.num_warps, num_stages=g1.num_stages),
+                 KC=cfgs.gemm2_k_chunk(i), num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
         )
     ]
@@ -179,7 +179,8 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         out.append(Launch(
             K.moe_splitk_reduce_kernel, (num_slots, i // rblock),
             (ws.part, num_slots * 2 * i, ws.act, call.topk_ids, emap, g2s),
-            dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, num_warps=4),
+            dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i),
+                 num_warps=4),
             stage="gemm2",
         ))
     out.append(Launch(
@@ -187,7 +188,8 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, call.topk_ids, emap,
          call.out, call.out.stride(0)),
         dict(TOPK=k, H=h, I=i, BN=g2.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
-             MERGED=g2.merged, HAS_MAP=has_map, num_warps=g2.num_warps, num_stages=g2.num_stages),
+             MERGED=g2.merged, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), UNROLL=plan.gemm2_unroll,
+             num_warps=g2.num_warps, num_stages=g2.num_stages),
         stage="gemm2",
     ))
     return out
@@ -213,7 +215,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
              ws.act, ws.part, 0, call.topk_ids, _emap(call), ws.slots, *blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=prep_x, SPLIT_K=1, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=False,
-                 num_warps=g1.num_warps, num_stages=g1.num_stages),
+                 KC=cfgs.gemm2_k_chunk(i), num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
         ),
         Launch(
@@ -221,7 +223,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
              *blocks, k),
             dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
-                 MERGED=g2.merged, num_warps=g2.num_warps, num_stages=g2.num_stages),
+                 MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), num_warps=g2.num_warps, num_stages=g2.num_stages),
             stage="gemm2",
         ),
         _finalize(call),

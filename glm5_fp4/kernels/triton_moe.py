@@ -239,6 +239,12 @@ def _e2m1_index(v):
 
 
 @triton.jit
+def _act_pos(i, KC: tl.constexpr):
+    """Where GEMM1 stores act element ``i`` of a row: GEMM2 reads K in chunks of KC, each chunk in merged order."""
+    return (i // KC) * KC + _merged_pos(i % KC, KC // 8)
+
+
+@triton.jit
 def _e2m1_round(v):
     """Round non-negative fp32 to the nearest E2M1 magnitude, ties to the even code, saturating at 6."""
     r = tl.where(_above(v, _M0, _U0), _V1, 0.0)
@@ -381,6 +387,7 @@ def moe_gemm1_kernel(
     MERGED: tl.constexpr = True,
     DIAG: tl.constexpr = 0,
     HAS_MAP: tl.constexpr = False,
+    KC: tl.constexpr = 0,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
 
@@ -476,7 +483,7 @@ def moe_gemm1_kernel(
             act = gate / (1.0 + tl.exp(-gate)) * up
             if W4A4:
                 act = _fake_quant_rows(act, g_out, BN, BM)
-            pos = _merged_pos(offs_i, I // 8)
+            pos = _act_pos(offs_i, KC)
             tl.store(act_ptr + rows[None, :] * I + pos[:, None], act.to(tl.float16), mask=mmask[None, :])
 
 
@@ -501,10 +508,15 @@ def moe_gemm2_grouped_kernel(
     W4A4: tl.constexpr,
     USE_ASM: tl.constexpr,
     MERGED: tl.constexpr = True,
+    KC: tl.constexpr = 0,
 ):
     """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
-    time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest."""
-    NW: tl.constexpr = I // 8
+    time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest.
+
+    K (= I) is taken KC at a time: KC == I (GLM-5's TP shards, I <= 512) loads the act tile once per token
+    block and reuses it for every N tile; whole experts (I = 2048: TP1, expert parallelism) loop over K
+    chunks, whose decoded weight tiles would not fit registers or shared memory at once."""
+    NW: tl.constexpr = KC // 8
     pid_s = tl.program_id(1)
     e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
     e64 = e.to(tl.int64)
@@ -513,8 +525,8 @@ def moe_gemm2_grouped_kernel(
         alpha = alpha * tl.load(o_scale_ptr + e)
 
     offs_w = tl.arange(0, NW)
-    offs_ks = tl.arange(0, I // 16)
-    offs_k = tl.arange(0, I)
+    offs_ks = tl.arange(0, KC // 16)
+    offs_k = tl.arange(0, KC)
     offs_bn = tl.arange(0, BN)
     n_per: tl.constexpr = H // N_SPLIT
     n_begin = pid_s * n_per
@@ -528,21 +540,73 @@ def moe_gemm2_grouped_kernel(
         slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
         tok = (slot // TOPK).to(tl.int64)
         scale = tl.load(topk_w_ptr + slot, mask=mmask, other=0.0) * alpha
-        if MERGED:
-            a = tl.load(act_ptr + rows[None, :] * I + offs_k[:, None], mask=mmask[None, :], other=0.0)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(act_ptr + rows[None, :] * I + offs_w[:, None], mmask[None, :], NW)
+        a_rows = act_ptr + rows[None, :] * I
         out_ptrs = ws_ptr + tok[None, :] * H + offs_bn[:, None]
-        for n0 in range(n_begin, n_begin + n_per, BN):
-            d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
-                tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, I, USE_ASM
-            )
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        if KC == I:
             if MERGED:
-                acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
+                a = tl.load(a_rows + offs_k[:, None], mask=mmask[None, :], other=0.0)
             else:
-                acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-            tl.atomic_add(out_ptrs + n0, acc * scale[None, :], mask=mmask[None, :], sem="relaxed")
+                a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + offs_w[:, None], mmask[None, :], NW)
+            for n0 in range(n_begin, n_begin + n_per, BN):
+                d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
+                    tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM
+                )
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                if MERGED:
+                    acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
+                else:
+                    acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
+                tl.atomic_add(out_ptrs + n0, acc * scale[None, :], mask=mmask[None, :], sem="relaxed")
+        else:
+            for n0 in range(n_begin, n_begin + n_per, BN):
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                for k0 in range(0, I, KC):
+                    d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
+                        tl.load(w_base + n0 * (I // 8) + k0 // 8), tl.load(s_base + n0 * (I // 16) + k0 // 16),
+                        BN, KC, USE_ASM,
+                    )
+                    if MERGED:
+                        a = tl.load(a_rows + k0 + offs_k[:, None], mask=mmask[None, :], other=0.0)
+                        acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
+                    else:
+                        a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :], NW)
+                        acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
+                tl.atomic_add(out_ptrs + n0, acc * scale[None, :], mask=mmask[None, :], sem="relaxed")
+
+
+@triton.jit
+def _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr, slot, n0, cols,
+               H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KC: tl.constexpr,
+               W4A4: tl.constexpr, USE_ASM: tl.constexpr, MERGED: tl.constexpr, HAS_MAP: tl.constexpr):
+    """router weight * (act[slot] W_down[e]^T)[n0 : n0 + BN] of one slot (zero for a remote expert's slot)."""
+    NW: tl.constexpr = KC // 8
+    offs_w = tl.arange(0, NW)
+    offs_ks = tl.arange(0, KC // 16)
+    offs_k = tl.arange(0, KC)
+    offs_bn = tl.arange(0, BN)
+    e32, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
+    e64 = e32.to(tl.int64)
+    # a remote slot's act row is garbage: zero its weight and mask its load (no NaN * 0)
+    alpha = tl.load(alpha_ptr + e64) * tl.where(local > 0, tl.load(topk_w_ptr + slot), 0.0)
+    if W4A4:
+        alpha = alpha * tl.load(o_scale_ptr + e64)
+    use = cols < local  # column 0 of a local slot (local is 0 or 1)
+    part = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, I, KC):
+        if MERGED:
+            a = tl.load(act_ptr + slot.to(tl.int64) * I + k0 + offs_k[:, None] + cols[None, :] * 0,
+                        mask=use[None, :], other=0.0)
+        else:
+            ap = act_ptr + slot.to(tl.int64) * I + k0 + offs_w[:, None] + cols[None, :] * 0
+            a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, use[None, :], NW)
+        w_off = e64 * (H * (I // 8)) + (n0 + offs_bn[:, None]) * (I // 8) + k0 // 8 + offs_w[None, :]
+        s_off = e64 * (H * (I // 16)) + (n0 + offs_bn[:, None]) * (I // 16) + k0 // 16 + offs_ks[None, :]
+        d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(tl.load(w_ptr + w_off), tl.load(s_ptr + s_off), BN, KC, USE_ASM)
+        if MERGED:
+            part = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, part)
+        else:
+            part = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, part)
+    return part * alpha
 
 
 @triton.jit
@@ -566,16 +630,17 @@ def moe_gemm2_slot_kernel(
     USE_ASM: tl.constexpr,
     MERGED: tl.constexpr = True,
     HAS_MAP: tl.constexpr = False,
+    KC: tl.constexpr = 0,
+    UNROLL: tl.constexpr = False,
 ):
     """out[token, n] = sum over the token's local slots of weight * (act[slot] W_down[e]^T)[n], written once
-    (slots of remote experts are skipped: their act rows were never computed)."""
+    (slots of remote experts are skipped: their act rows were never computed). K (= I) in chunks of KC.
+    ``UNROLL``: the k experts unrolled, their weight loads all in flight at once (at T=1 this kernel is
+    latency-bound: a few programs, k dependent load-decode-MMA rounds otherwise); the plan asks for it only
+    where k pipelined tiles fit the arch's shared memory (configs.plan)."""
     BM: tl.constexpr = 16  # the MMA's smallest token side; only column 0 is real
-    NW: tl.constexpr = I // 8
     pid_s = tl.program_id(0)
     tok = tl.program_id(1)
-    offs_w = tl.arange(0, NW)
-    offs_ks = tl.arange(0, I // 16)
-    offs_k = tl.arange(0, I)
     offs_bn = tl.arange(0, BN)
     cols = tl.arange(0, BM)
     first = cols < 1
@@ -583,32 +648,14 @@ def moe_gemm2_slot_kernel(
     n_begin = pid_s * n_per
     for n0 in range(n_begin, n_begin + n_per, BN):
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        # unrolled: the k experts' independent weight loads can all be in flight at once (at T=1 this kernel
-        # is latency-bound: one token, a few programs, k dependent load-decode-MMA rounds otherwise)
-        for j in tl.static_range(TOPK):
-            slot = tok * TOPK + j
-            e32, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
-            e64 = e32.to(tl.int64)
-            # a remote slot's act row is garbage: zero its weight and mask its load (no NaN * 0)
-            alpha = tl.load(alpha_ptr + e64) * tl.where(local > 0, tl.load(topk_w_ptr + slot), 0.0)
-            if W4A4:
-                alpha = alpha * tl.load(o_scale_ptr + e64)
-            use = cols < local  # column 0 of a local slot (local is 0 or 1)
-            if MERGED:
-                a = tl.load(act_ptr + slot.to(tl.int64) * I + offs_k[:, None] + cols[None, :] * 0,
-                            mask=use[None, :], other=0.0)
-            else:
-                ap = act_ptr + slot.to(tl.int64) * I + offs_w[:, None] + cols[None, :] * 0
-                a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, use[None, :], NW)
-            w_off = e64 * (H * (I // 8)) + (n0 + offs_bn[:, None]) * (I // 8) + offs_w[None, :]
-            s_off = e64 * (H * (I // 16)) + (n0 + offs_bn[:, None]) * (I // 16) + offs_ks[None, :]
-            d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(tl.load(w_ptr + w_off), tl.load(s_ptr + s_off), BN, I, USE_ASM)
-            part = tl.zeros((BN, BM), dtype=tl.float32)
-            if MERGED:
-                part = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, part)
-            else:
-                part = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, part)
-            acc += part * alpha
+        if UNROLL:
+            for j in tl.static_range(TOPK):
+                acc += _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr,
+                                  tok * TOPK + j, n0, cols, H, I, BN, BM, KC, W4A4, USE_ASM, MERGED, HAS_MAP)
+        else:
+            for j in range(TOPK):
+                acc += _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr,
+                                  tok * TOPK + j, n0, cols, H, I, BN, BM, KC, W4A4, USE_ASM, MERGED, HAS_MAP)
         o_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + n0 + offs_bn[:, None] + cols[None, :] * 0
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=first[None, :])
 
@@ -626,6 +673,7 @@ def moe_splitk_reduce_kernel(
     BLOCK: tl.constexpr,
     W4A4: tl.constexpr,
     HAS_MAP: tl.constexpr = False,
+    KC: tl.constexpr = 0,
 ):
     """act[slot] = silu(gate) * up from GEMM1's split-K partial sums (added in split order, so the result
     does not depend on which split finished first), stored like GEMM1's own epilogue would (merged order,
@@ -644,7 +692,7 @@ def moe_splitk_reduce_kernel(
     act = tl.reshape(gate / (1.0 + tl.exp(-gate)) * up, (BLOCK, 1))
     if W4A4:
         act = _fake_quant_rows(act, tl.load(o_gscale_ptr + e), BLOCK, 1)
-    pos = _merged_pos(offs_i, I // 8)
+    pos = _act_pos(offs_i, KC)
     tl.store(act_ptr + slot * I + pos, tl.reshape(act, (BLOCK,)).to(tl.float16), mask=live)
 
 

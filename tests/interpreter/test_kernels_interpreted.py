@@ -169,3 +169,22 @@ def test_native_path_activation_quantizer_matches_nvfp4(gen):
     codes, scales = nvfp4.quantize_activation(x, g)
     assert torch.equal(s.view(torch.float8_e4m3fn).float(), scales.float())
     assert torch.equal(nvfp4.unpack_fp4(q), codes)
+
+
+@pytest.mark.parametrize("schedule,t", [("grouped", 20), ("slot", 2)])
+def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t):
+    """I > GEMM2_MAX_K_CHUNK (whole experts: TP1 and expert parallelism have I = 2048): GEMM2 loops over K
+    chunks and GEMM1 stores act in the chunked merged order; here I = 1024, two chunks of 512."""
+    assert C.gemm2_k_chunk(1024) == 512
+    e, h, i, k = 4, 128, 1024, 2
+    ex = random_experts(e, h, i, generator=gen)
+    prep = prepare_experts(ex)
+    x = torch.randn(t, h, generator=gen).half()
+    w, ids = make_routing("zipf2", t, e, k, gen)
+    plan = C.plan("sm90", t, e, k, h, i, schedule=schedule, gemm1=C.Gemm1Config(16, 16, 128, 4, 2),
+                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=schedule == "slot"))
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
