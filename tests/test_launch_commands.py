@@ -80,6 +80,8 @@ def test_expert_parallel_profiles_parse_with_vllms_parser(vllm_parse, name):
     assert (ns.host, ns.port) == ("127.0.0.1", 8000)
     # our MoE method's dispatch is asked for explicitly only where vLLM gathers tokens (data parallelism)
     assert ("--all2all-backend" in cmd.engine_args) == (ea.data_parallel_size > 1)
+    if name == "dp8ep8.yaml":  # 8 ranks' tokens gathered into each MoE call: a small per-rank batch (the YAML says why)
+        assert ea.max_num_batched_tokens == 2048
 
 
 def test_per_replica_batch_rounds_up_and_the_total_stays_the_servers(vllm_parse):
