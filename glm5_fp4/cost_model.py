@@ -531,8 +531,10 @@ def assumptions(cost: StepCost) -> list[str]:
            if cost.expert_math == "bf16" else f"{cost.expert_math} MMA")
         + "); MLA on the BF16 roof, the DSA indexer scan on FP8 where the GPU has it",
         f"routed experts: distinct experts per MoE layer per micro-batch E(1-(1-k/E)^t) = "
-        f"{spec.expected_experts_touched(t):.1f} of {spec.n_routed_experts} (uniform routing), each streamed once; "
-        "x read and the output written once",
+        f"{spec.expected_experts_touched(t * lay.attn_dp):.1f} of {spec.n_routed_experts} (uniform routing"
+        + (f"; t = the {t * lay.attn_dp} tokens of all {lay.attn_dp} GPUs, which reach their experts' GPUs"
+           if lay.attn_dp > 1 else "")
+        + "), each streamed once; x read and the output written once",
         "shared experts as separate NVFP4 linears (other GEMM), as vLLM runs them outside the MoE kernel and our "
         "SGLang profiles with --disable-shared-experts-fusion",
         f"KV cache ({prec.kv}): {kv_note} {spec.kv_row_bytes(prec.kv):.0f} B/layer + DSA indexer key "
@@ -543,8 +545,9 @@ def assumptions(cost: StepCost) -> list[str]:
         f"of all {cost.context} tokens per sequence (every sequence at context {cost.context})",
         (f"all-reduce: 2 per layer + 1 for the embedding (first stage), b x hidden BF16 = {ar_size / 1e6:.2f} MB, alpha "
          f"{net.allreduce_latency_us:g} us + 2(n-1)/n x bytes / {net.allreduce_gbs:g} GB/s bus bandwidth ({net.source}), "
-         "not overlapped with compute" if lay.tp > 1 and net.known else
-         "all-reduce: no latency/bus-bandwidth figures for this GPU (no floor)" if lay.tp > 1 else "no all-reduce (TP1)"),
+         "not overlapped with compute" if lay.attn_tp > 1 and net.known else
+         "all-reduce: no latency/bus-bandwidth figures for this GPU (no floor)" if lay.attn_tp > 1 else
+         "no all-reduce (attention TP1: data-parallel attention)" if lay.attn_dp > 1 else "no all-reduce (TP1)"),
         *_a2a_assumption(spec, lay, cost),
         (f"PP hop: hidden + residual BF16 ({2 * ar_size / 1e6:.2f} MB) per stage boundary, alpha "
          f"{net.allreduce_latency_us:g} us + bytes / {net.p2p_gbs:g} GB/s P2P" if lay.pp > 1 and net.known

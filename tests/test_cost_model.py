@@ -228,7 +228,12 @@ def test_gathered_ep_moves_every_token_of_the_group_whatever_the_routing():
     # attention, KV and the other GEMMs are the DP layout's whatever the MoE communication
     for name in ("MLA core", "DSA indexer scan", "attention projections", "shared experts"):
         assert st.component(name).bytes == _dp8().stages[0].component(name).bytes, name
-    assert any("allgather_reducescatter" in a and "--moe-a2a-backend none" in a for a in cost_model.assumptions(cost))
+    said = cost_model.assumptions(cost)
+    assert any("allgather_reducescatter" in a and "--moe-a2a-backend none" in a for a in said)
+    # what the step has, not TP's all-reduce; the experts see the tokens of all 8 GPUs, not one GPU's 64
+    assert "no all-reduce (attention TP1: data-parallel attention)" in said
+    assert not any(a.startswith("all-reduce: 2 per layer") for a in said)
+    assert any("= 256.0 of 256" in a and "the 512 tokens of all 8 GPUs" in a for a in said)
 
 
 def test_gathering_applies_to_data_parallel_attention_only():

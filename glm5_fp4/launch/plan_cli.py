@@ -125,7 +125,7 @@ CATEGORY_LABELS = {
     "expert_gemm": "expert GEMM (routed)",
     "attention": "attention (MLA + DSA indexer)",
     "other_gemm": "other GEMM (projections, shared expert, dense MLP, router, lm_head)",
-    "allreduce": "communication (all-reduce, all-to-all, PP send/recv)",
+    "allreduce": "communication (all-reduce, all-to-all or all-gather + reduce-scatter, PP send/recv)",
 }
 
 
