@@ -220,8 +220,9 @@ _SGLANG_OWNED = {
     "--model-path": "model", "--model": "model", "--host": "host", "--port": "port",
     "--quantization": "quantization", "--tp-size": "tensor_parallel", "--tensor-parallel-size": "tensor_parallel",
     "--tp": "tensor_parallel", "--pp-size": "pipeline_parallel", "--pipeline-parallel-size": "pipeline_parallel",
+    # SGLang's --dp-size is replicas of the whole model (a router in front), not attention DP: left to extra_args
     "--attn-dp-size": "data_parallel", "--attention-data-parallel-size": "data_parallel",
-    "--dp-size": "data_parallel", "--data-parallel-size": "data_parallel", "--enable-dp-attention": "data_parallel",
+    "--enable-dp-attention": "data_parallel",
     "--ep-size": "expert_parallel", "--expert-parallel-size": "expert_parallel", "--ep": "expert_parallel",
     "--moe-runner-backend": "moe_backend", "--kv-cache-dtype": "kv_cache_dtype",
     "--max-running-requests": "max_concurrency", "--cuda-graph-max-bs-decode": "max_concurrency",
