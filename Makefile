@@ -39,11 +39,6 @@ $(VLLM033)/.unpacked:
 	$(PY) -c "import glob, zipfile; zipfile.ZipFile(glob.glob('.cache/wheels/vllm-0.33.0-*.whl')[0]).extractall('$(VLLM033)')"
 	touch $@
 
-<<<<<<< HEAD
-test: setup $(VLLM033)/.unpacked $(SGLANG_VENV)/.installed
-	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) $(PY) -m pytest -q -ra --timeout 1800
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
-=======
 # vLLM 0.26.0's Python sources (native libraries left out): the newest release that pins torch 2.11, the lent
 # H200s' torch, on which benchmarks/h200_vllm/ serves the plugin; tests/test_vllm_versions.py imports the
 # plugin against it and 0.33.0. Both wheels stay cached in .cache/wheels.
@@ -56,7 +51,7 @@ $(VLLM026)/.unpacked:
 
 test: setup $(VLLM033)/.unpacked $(VLLM026)/.unpacked $(SGLANG_VENV)/.installed
 	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) GLM5_FP4_VLLM026_SRC=$(abspath $(VLLM026)) $(PY) -m pytest -q -ra --timeout 1800
->>>>>>> issue16
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
 	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
 
 test-fast: setup

@@ -22,7 +22,9 @@ lm_head                   other_gemm   last stage, split by vocabulary
 MLA core                  attention    the latent of min(context, index_topk) selected tokens per sequence, new rows
 DSA indexer scan          attention    every cached FP8 index key per sequence, new keys
 all-reduce                allreduce    2 per layer (+ the embedding's on the first stage), ring model
-all-to-all                allreduce    DP attention + EP: dispatch and combine to each token's experts' GPUs
+all-to-all                allreduce    DP attention + EP (``a2a``): dispatch and combine to each token's experts' GPUs
+all-gather + reduce-sc.   allreduce    DP attention + EP (``agrs``): every GPU gathers all tokens, partial sums
+                                       reduce-scattered (what vLLM and SGLang run on PCIe without DeepEP)
 PP send/recv              allreduce    hidden + residual per stage boundary
 ========================  ===========  ============================================================================
 
@@ -33,7 +35,9 @@ Group sizes: every part of a layer is split over its own group (:class:`Layout`:
 over ``attn_dp``, shared experts / dense MLPs / vocabulary over ``mlp_tp``, expert intermediates over ``moe_tp``,
 experts over ``ep``). Modelled layouts: TP x PP; TP with expert parallelism (``tp8ep8``: attention TP, 32 whole
 experts per GPU, partial sums all-reduced as under TP); data-parallel attention with expert parallelism
-(``dp8ep8``: each GPU its own sequences and whole attention, tokens travel to their experts' GPUs by all-to-all).
+(``dp8ep8``: each GPU its own sequences and whole attention, tokens travel to their experts' GPUs by all-to-all;
+``dp8ep8agrs``: the same, but the tokens of all GPUs are all-gathered before the MoE and the partial sums
+reduce-scattered after it, as vLLM's ``allgather_reducescatter`` and SGLang's ``--moe-a2a-backend none`` do).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ from glm5_fp4.spec import BF16_BYTES, FP8_BYTES, FP8_CACHE_SCALE_BLOCK, KV_KINDS
 
 # Profiler categories the model covers (other / memcpy: norms, activations, routing, sampling are not modelled).
 CATEGORIES = ("expert_gemm", "attention", "other_gemm", "allreduce")
+# How tokens reach their experts with data-parallel attention: an all-to-all to the GPUs of each token's experts
+# (DeepEP-style kernels; NVLink/RDMA) or an all-gather of every GPU's tokens + a reduce-scatter of the partial sums.
+EP_COMMS = ("a2a", "agrs")
 WEIGHT_BYTES = {"nvfp4": NVFP4_BYTES, "fp8": FP8_BYTES, "bf16": BF16_BYTES}
 ACT_BYTES = BF16_BYTES  # activations between kernels
 
@@ -55,12 +62,14 @@ ACT_BYTES = BF16_BYTES  # activations between kernels
 @dataclass(frozen=True)
 class Layout:
     """How the model is spread over GPUs: ``tp`` GPUs per pipeline stage (the world of one stage), ``pp`` stages;
-    of a stage's GPUs, ``dp`` run attention data-parallel (1 or all of them) and ``ep`` split the experts."""
+    of a stage's GPUs, ``dp`` run attention data-parallel (1 or all of them) and ``ep`` split the experts;
+    ``ep_comm`` (:data:`EP_COMMS`): how tokens reach their experts behind data-parallel attention."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    ep_comm: str = "a2a"
 
     # The group each part of a layer is split over.
     @property
@@ -86,11 +95,23 @@ class Layout:
     @property
     def name(self) -> str:
         head = f"DP{self.dp}+EP{self.ep}" if self.dp > 1 else f"TP{self.tp}" + (f"+EP{self.ep}" if self.ep > 1 else "")
+        head += "(AG/RS)" if self.gathers else ""
         return head + (f"+PP{self.pp}" if self.pp > 1 else "")
+
+    @property
+    def gathers(self) -> bool:
+        """Data-parallel attention whose MoE all-gathers every GPU's tokens (and reduce-scatters the sums)."""
+        return self.dp > 1 and self.ep_comm == "agrs"
 
     def validate(self, spec: Glm5Spec) -> None:
         if min(self.tp, self.pp, self.dp, self.ep) < 1:
             raise Glm5Fp4Error(f"layout {self.name}: tp, pp, dp and ep must be >= 1")
+        if self.ep_comm not in EP_COMMS:
+            raise Glm5Fp4Error(f"layout {self.name}: expert-parallel communication must be one of "
+                               f"{', '.join(EP_COMMS)}, got {self.ep_comm!r}")
+        if self.ep_comm != "a2a" and self.dp == 1:
+            raise Glm5Fp4Error(f"layout {self.name}: {self.ep_comm} applies to data-parallel attention only (with "
+                               "attention TP every GPU already holds every token; the partial sums are all-reduced)")
         if self.dp not in (1, self.tp):
             raise Glm5Fp4Error(f"layout {self.name}: data-parallel attention is modelled over all {self.tp} GPUs of a "
                                f"stage (dp=1 or dp={self.tp}), not dp={self.dp}")
@@ -324,9 +345,11 @@ def routed_experts(spec: Glm5Spec, tokens: float, layout: Layout, weight_bytes: 
     load = tokens * (1.0 + skew) if layout.ep > 1 else tokens  # without EP a hot expert is on every GPU
     touched = min(e_local, spec.expected_experts_touched(load) / layout.ep)
     per_expert = spec.expert_params / layout.moe_tp
-    # x read and the output written once per token this GPU sees (with DP attention: the ones dispatched to it)
-    seen = load * (expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep) / layout.ep
-                   if layout.attn_dp > 1 else 1.0)
+    # x read and the output written once per token this GPU sees: with an all-to-all the ones dispatched to it (the
+    # hottest GPU more), otherwise every token of the group (attention TP, or all-gathered), whatever the routing
+    a2a = layout.attn_dp > 1 and not layout.gathers
+    seen = load * expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep) / layout.ep \
+        if a2a else tokens
     return Component(
         "routed experts", "expert_gemm", weights=e_local * per_expert * weight_bytes,
         bytes=touched * per_expert * weight_bytes + 2 * seen * spec.hidden_size * ACT_BYTES,
@@ -406,7 +429,15 @@ def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, exper
     calls = (2 * n + (1 if first else 0)) if tp > 1 else 0  # + the vocab-parallel embedding's all-reduce
     comps.append(Component("all-reduce", "allreduce", bytes=calls * 2 * (tp - 1) / tp * t * h * act, calls=calls,
                            note=f"{calls} of {t * h * act / 1e6:.2f} MB" if calls else f"none ({layout.name})"))
-    if layout.attn_dp > 1:
+    if layout.gathers:
+        # before each MoE layer every GPU gathers all GPUs' tokens; after it the BF16 partial sums of all tokens are
+        # reduce-scattered back to the tokens' own GPUs: ring collectives, (n-1)/n of the buffer over each GPU's link,
+        # whatever the routing
+        n_ep, tokens = layout.ep, t * layout.attn_dp
+        per_layer = (n_ep - 1) / n_ep * tokens * (prec.dispatch_bytes(h) + h * act)
+        comps.append(Component("all-gather + reduce-scatter", "allreduce", bytes=n_moe * per_layer, calls=2 * n_moe,
+                               note=f"{tokens} tokens gathered and reduce-scattered per MoE layer"))
+    elif layout.attn_dp > 1:
         # each token goes to the distinct GPUs of its k experts (the local one over no link) and comes back in BF16;
         # the hottest GPU receives (1 + skew) x the mean
         remote = expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep) \
@@ -500,8 +531,10 @@ def assumptions(cost: StepCost) -> list[str]:
            if cost.expert_math == "bf16" else f"{cost.expert_math} MMA")
         + "); MLA on the BF16 roof, the DSA indexer scan on FP8 where the GPU has it",
         f"routed experts: distinct experts per MoE layer per micro-batch E(1-(1-k/E)^t) = "
-        f"{spec.expected_experts_touched(t):.1f} of {spec.n_routed_experts} (uniform routing), each streamed once; "
-        "x read and the output written once",
+        f"{spec.expected_experts_touched(t * lay.attn_dp):.1f} of {spec.n_routed_experts} (uniform routing"
+        + (f"; t = the {t * lay.attn_dp} tokens of all {lay.attn_dp} GPUs, which reach their experts' GPUs"
+           if lay.attn_dp > 1 else "")
+        + "), each streamed once; x read and the output written once",
         "shared experts as separate NVFP4 linears (other GEMM), as vLLM runs them outside the MoE kernel and our "
         "SGLang profiles with --disable-shared-experts-fusion",
         f"KV cache ({prec.kv}): {kv_note} {spec.kv_row_bytes(prec.kv):.0f} B/layer + DSA indexer key "
@@ -512,8 +545,9 @@ def assumptions(cost: StepCost) -> list[str]:
         f"of all {cost.context} tokens per sequence (every sequence at context {cost.context})",
         (f"all-reduce: 2 per layer + 1 for the embedding (first stage), b x hidden BF16 = {ar_size / 1e6:.2f} MB, alpha "
          f"{net.allreduce_latency_us:g} us + 2(n-1)/n x bytes / {net.allreduce_gbs:g} GB/s bus bandwidth ({net.source}), "
-         "not overlapped with compute" if lay.tp > 1 and net.known else
-         "all-reduce: no latency/bus-bandwidth figures for this GPU (no floor)" if lay.tp > 1 else "no all-reduce (TP1)"),
+         "not overlapped with compute" if lay.attn_tp > 1 and net.known else
+         "all-reduce: no latency/bus-bandwidth figures for this GPU (no floor)" if lay.attn_tp > 1 else
+         "no all-reduce (attention TP1: data-parallel attention)" if lay.attn_dp > 1 else "no all-reduce (TP1)"),
         *_a2a_assumption(spec, lay, cost),
         (f"PP hop: hidden + residual BF16 ({2 * ar_size / 1e6:.2f} MB) per stage boundary, alpha "
          f"{net.allreduce_latency_us:g} us + bytes / {net.p2p_gbs:g} GB/s P2P" if lay.pp > 1 and net.known
@@ -532,7 +566,8 @@ def _layout_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> str:
     if lay.attn_dp > 1:
         return (f"{lay.name}: attention data-parallel: each GPU holds the whole attention and DSA indexer and runs its "
                 f"own {cost.micro_batch} sequences; shared expert, dense MLPs, embedding and lm_head whole on every GPU "
-                f"(SGLang --enable-dp-attention --enable-dp-lm-head); {experts}")
+                f"(vLLM --data-parallel-size {lay.dp} -tp 1; SGLang --attn-dp-size {lay.dp} --enable-dp-lm-head "
+                f"--moe-dense-tp-size 1); {experts}")
     return (f"{lay.name}: {experts}; q_a/kv_a projections and the DSA indexer replicated on every TP rank, q_b/kv_b/o "
             "split by heads; shared expert and dense MLPs split like the heads; embedding and lm_head split by vocabulary"
             + ("; routed partial sums all-reduced as under TP" if lay.ep > 1 else ""))
@@ -543,7 +578,18 @@ def _a2a_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> list[str]:
     if lay.ep > 1:
         out.append(f"expert load: the hottest EP GPU gets {1 + cost.expert_skew:g}x the mean token-slots "
                    f"(--expert-skew {cost.expert_skew:g}; 0 = uniform routing) and the step waits for it")
-    if lay.attn_dp > 1:
+    if lay.gathers:
+        net, tokens = cost.interconnect, cost.micro_batch * cost.tokens_per_seq * lay.attn_dp
+        out.append(
+            f"all-gather + reduce-scatter (vLLM --all2all-backend allgather_reducescatter, SGLang --moe-a2a-backend "
+            f"none): per MoE layer every GPU gathers the hidden states of all {tokens} tokens of the {lay.ep} GPUs as "
+            f"{cost.precisions.dispatch.upper()} ({cost.precisions.dispatch_bytes(spec.hidden_size):,.0f} B each) and "
+            f"runs its experts on them; the BF16 partial sums ({spec.hidden_size * ACT_BYTES:,.0f} B per token) are "
+            f"reduce-scattered back; ring collectives: alpha {net.allreduce_latency_us:g} us each + (n-1)/n x bytes / "
+            f"{net.allreduce_gbs:g} GB/s bus bandwidth, the same for any routing skew, not overlapped with compute; "
+            "not modelled: vLLM also gathers the router logits, SGLang runs the router and the shared expert "
+            "(split over the GPUs) on the gathered tokens")
+    elif lay.attn_dp > 1:
         d = expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, lay.ep)
         net = cost.interconnect
         out.append(

@@ -197,3 +197,70 @@ def test_plan_shows_dp_attention_with_ep_next_to_tp8():
     assert dp["components_ms"]["all-to-all"] > 0 and dp["allreduce_calls_per_step"] == 0
     assert any("all-to-all" in a for a in dp["assumptions"]) and any("1.2x" in a for a in dp["assumptions"])
     assert data["layouts"]["TP8"]["components_ms"].get("all-to-all") is None
+
+
+# -- DP attention + EP as the engines run it over PCIe: all-gather + reduce-scatter (issue 17) ---------------------
+
+def _dp8_agrs(batch=512, context=2048, skew=0.0):
+    return cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8, dp=8, ep=8, ep_comm="agrs"), batch, context,
+                                  expert_skew=skew)
+
+
+def test_gathered_ep_moves_every_token_of_the_group_whatever_the_routing():
+    cost = _dp8_agrs()
+    st = cost.stages[0]
+    assert cost.layout.name == "DP8+EP8(AG/RS)" and st.component("all-reduce").calls == 0
+    comm = st.component("all-gather + reduce-scatter")
+    # per MoE layer: each GPU receives 7/8 of the 512 gathered BF16 hidden states and sends 7/8 of the 512 BF16
+    # partial sums in the reduce-scatter (ring collectives), on the NCCL bus bandwidth, 24 us each
+    assert comm.bytes == pytest.approx(MOE * 7 / 8 * 512 * (H * 2 + H * 2), rel=1e-12)
+    assert comm.calls == 2 * MOE
+    assert comm.seconds == pytest.approx(2 * MOE * 24e-6 + comm.bytes / 38e9, rel=1e-12)
+    hot = _dp8_agrs(skew=0.5).stages[0]
+    assert hot.component("all-gather + reduce-scatter").bytes == comm.bytes  # skew moves compute, not traffic
+    assert hot.component("routed experts").flops == pytest.approx(1.5 * st.component("routed experts").flops)
+    # the kernel reads every gathered token and writes its partial sum (zeros for tokens with no local expert)
+    routed = st.component("routed experts")
+    a2a = _dp8().stages[0].component("routed experts")
+    assert routed.weights == a2a.weights and routed.flops == a2a.flops
+    assert routed.bytes - a2a.bytes == pytest.approx(
+        MOE * 2 * H * 2 * (512 - 512 * _simulated_distinct_gpus(E, K, 8) / 8), rel=0.01)
+    # attention, KV and the other GEMMs are the DP layout's whatever the MoE communication
+    for name in ("MLA core", "DSA indexer scan", "attention projections", "shared experts"):
+        assert st.component(name).bytes == _dp8().stages[0].component(name).bytes, name
+    said = cost_model.assumptions(cost)
+    assert any("allgather_reducescatter" in a and "--moe-a2a-backend none" in a for a in said)
+    # what the step has, not TP's all-reduce; the experts see the tokens of all 8 GPUs, not one GPU's 64
+    assert "no all-reduce (attention TP1: data-parallel attention)" in said
+    assert not any(a.startswith("all-reduce: 2 per layer") for a in said)
+    assert any("= 256.0 of 256" in a and "the 512 tokens of all 8 GPUs" in a for a in said)
+
+
+def test_gathering_applies_to_data_parallel_attention_only():
+    with pytest.raises(Glm5Fp4Error, match="data-parallel attention only"):
+        cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8, ep=8, ep_comm="agrs"), 64, 1024)
+    with pytest.raises(Glm5Fp4Error, match="a2a, agrs"):
+        cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(8, dp=8, ep=8, ep_comm="deepep"), 64, 1024)
+
+
+@pytest.mark.parametrize("layout,skew", [("dp8ep8", 0.0), ("dp8ep8agrs", 0.3), ("tp8ep8", 0.2)])
+def test_plan_and_profile_analyze_agree_on_expert_parallel_layouts(tmp_path, layout, skew):
+    plan = _plan_json("--layouts", layout, "--concurrency", "512", "--context", "2048", "--kv-cache-dtype", "fp8",
+                      "--expert-skew", str(skew))
+    (row,) = plan["layouts"].values()
+    ceilings = _ceilings(tmp_path, "--gpu", "rtx-pro-6000-ws", "--batch", "512", "--context", "2048",
+                         "--layout", layout, "--expert-skew", str(skew), "--kv-dtype", "fp8")
+    assert (ceilings["shape"]["dp"], ceilings["shape"]["ep"]) == (row["dp"], row["ep"])
+    for category, cat in ceilings["categories"].items():
+        assert row["step_ms"][category] * 1e3 == pytest.approx(cat["floor_us"], rel=1e-9), category
+    assert row["step_ms"]["total"] * 1e3 == pytest.approx(ceilings["step_floor_us"], rel=1e-9)
+    assert any("expert load" in a for a in ceilings["assumptions"])
+
+
+def test_profile_analyze_layout_and_tp_do_not_mix(tmp_path, capsys):
+    rc = main(["profile", "analyze", str(TRACES), "--out", str(tmp_path / "a"), "--no-png", "--jobs", "1",
+               "--batch", "8", "--layout", "dp8ep8", "--tp", "8"])
+    assert rc == 1 and "--layout" in capsys.readouterr().err
+    rc = main(["profile", "analyze", str(TRACES), "--out", str(tmp_path / "b"), "--no-png", "--jobs", "1",
+               "--batch", "8", "--layout", "dp8xx"])
+    assert rc == 1 and "--layout: 'dp8xx'" in capsys.readouterr().err

@@ -59,6 +59,77 @@ def test_shipped_profiles_parse_with_right_parallel_sizes(vllm_parse, name, tp, 
     assert cmd.env["NCCL_MIN_NCHANNELS"] == "8"
 
 
+# profile -> (tensor, pipeline, data parallel, expert parallel, all2all backend, max_num_seqs = capture size)
+PARALLEL_PROFILES = {
+    "dp8ep8.yaml": (1, 1, 8, True, "allgather_reducescatter", 64),
+    "dp8ep8-sglang.yaml": (1, 1, 8, True, "allgather_reducescatter", 64),
+    "tp8ep8.yaml": (8, 1, 1, True, "allgather_reducescatter", 512),
+    "tp8ep8-sglang.yaml": (8, 1, 1, True, "allgather_reducescatter", 512),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_PROFILES))
+def test_expert_parallel_profiles_parse_with_vllms_parser(vllm_parse, name):
+    cmd = build_command(load_profile(LAUNCH / name, {"engine": "vllm"}))
+    ns, ea = vllm_parse(cmd.engine_args)
+    got = (ea.tensor_parallel_size, ea.pipeline_parallel_size, ea.data_parallel_size, ea.enable_expert_parallel,
+           ea.all2all_backend, ea.max_num_seqs)
+    assert got == PARALLEL_PROFILES[name]
+    assert ea.max_cudagraph_capture_size == PARALLEL_PROFILES[name][-1]
+    assert ea.quantization == "glm5_nvfp4" and ea.additional_config == {"glm5_fp4": {"backend": "auto"}}
+    assert (ns.host, ns.port) == ("127.0.0.1", 8000)
+    # our MoE method's dispatch is asked for explicitly only where vLLM gathers tokens (data parallelism)
+    assert ("--all2all-backend" in cmd.engine_args) == (ea.data_parallel_size > 1)
+    if name == "dp8ep8.yaml":  # 8 ranks' tokens gathered into each MoE call: a small per-rank batch (the YAML says why)
+        assert ea.max_num_batched_tokens == 2048
+
+
+def test_per_replica_batch_rounds_up_and_the_total_stays_the_servers(vllm_parse):
+    cmd = build_command(vllm_profile(data_parallel=8, expert_parallel=True, max_concurrency=100))
+    _, ea = vllm_parse(cmd.engine_args)
+    assert ea.max_num_seqs == ea.max_cudagraph_capture_size == 13  # ceil(100 / 8) per DP rank
+    assert "100 / 8" in cmd.annotated()
+
+
+def test_stock_backends_keep_the_engines_all_to_all_choice(vllm_parse):
+    extra = ["--all2all-backend", "deepep_low_latency"]
+    cmd = build_command(vllm_profile(data_parallel=8, expert_parallel=True, moe_backend="flashinfer_cutlass",
+                                     extra_args=extra))
+    _, ea = vllm_parse(cmd.engine_args)
+    assert (ea.all2all_backend, ea.moe_backend, ea.data_parallel_size) == ("deepep_low_latency", "flashinfer_cutlass",
+                                                                           8)
+    assert cmd.engine_args.count("--all2all-backend") == 1
+
+
+@pytest.mark.parametrize("engine,extra", [("vllm", ["--all2all-backend", "deepep_high_throughput"]),
+                                          ("vllm", ["--all2all-backend=flashinfer_nvlink_one_sided"]),
+                                          ("sglang", ["--moe-a2a-backend", "deepep"])])
+def test_ours_behind_dp_attention_refuses_other_all_to_all_backends_with_the_reason(engine, extra):
+    p = profile_from_dict({"model": "/m", "engine": engine, "data_parallel": 8, "expert_parallel": True,
+                           "extra_args": extra})
+    with pytest.raises(Glm5Fp4Error) as err:
+        build_command(p, origin="x.yaml")
+    msg = str(err.value)
+    value = extra[-1].split("=")[-1]
+    assert msg.startswith("x.yaml: ") and value in msg and "all-gather + reduce-scatter" in msg
+    assert "stock moe_backend" in msg
+    # the same flag without data-parallel attention, or the gathering value, is fine
+    build_command(p.model_copy(update={"data_parallel": 1}))
+    same = {"vllm": ["--all2all-backend", "allgather_reducescatter"], "sglang": ["--moe-a2a-backend", "none"]}[engine]
+    build_command(p.model_copy(update={"extra_args": same}))
+
+
+@pytest.mark.parametrize("flag,field", [("--data-parallel-size", "data_parallel"), ("-dp", "data_parallel"),
+                                        ("--enable-expert-parallel", "expert_parallel")])
+def test_extra_args_may_not_repeat_the_parallel_fields(flag, field):
+    with pytest.raises(Glm5Fp4Error, match=field):
+        build_command(vllm_profile(extra_args=[flag, "8"] if flag != "--enable-expert-parallel" else [flag]))
+    with pytest.raises(Glm5Fp4Error, match=field):
+        build_command(profile_from_dict({"model": "/m", "engine": "sglang",
+                                         "extra_args": ["--attn-dp-size" if field == "data_parallel" else "--ep-size",
+                                                        "8"]}))
+
+
 @pytest.mark.parametrize("mode,expected", [("piecewise", "PIECEWISE"), ("full", "FULL_AND_PIECEWISE"), ("off", None)])
 def test_cuda_graph_modes(vllm_parse, mode, expected):
     cmd = build_command(vllm_profile(cuda_graphs=mode, max_concurrency=256))
@@ -152,6 +223,19 @@ def test_sglang_command_structure(mode, decode, prefill):
     assert flag["--quantization"] == "modelopt_fp4"
     stock = build_command(profile_from_dict({"model": "/m", "engine": "sglang", "moe_backend": "flashinfer_cutlass"}))
     assert "--disable-shared-experts-fusion" not in stock.engine_args
+    assert not {"--attn-dp-size", "--ep-size", "--enable-dp-lm-head"} & set(args)
+
+
+def test_sglang_dp_attention_command_structure():
+    """As data; tests/sglang parses it with SGLang's ServerArgs."""
+    cmd = build_command(load_profile(LAUNCH / "dp8ep8-sglang.yaml"))
+    args = list(cmd.engine_args)
+    flag = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+    sizes = (flag["--tp-size"], flag["--attn-dp-size"], flag["--ep-size"], flag["--moe-dense-tp-size"])
+    assert sizes == ("8", "8", "8", "1")
+    assert "--enable-dp-lm-head" in args and "--moe-a2a-backend" not in args  # SGLang's default: none
+    assert (flag["--max-running-requests"], flag["--cuda-graph-max-bs-decode"]) == ("512", "64")
+    assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE" not in cmd.env
 
 
 def test_sglang_plugin_allow_list_keeps_ours():
@@ -193,6 +277,8 @@ def test_vllm033_parser(tmp_path):
     for name in ("tp8.yaml", "tp4pp2.yaml", "cpu-demo.yaml"):
         for mode in ("piecewise", "full", "off"):
             cases[f"{name}:{mode}"] = list(build_command(load_profile(LAUNCH / name, {"cuda_graphs": mode})).engine_args)
+    for name in PARALLEL_PROFILES:
+        cases[name] = list(build_command(load_profile(LAUNCH / name, {"engine": "vllm"})).engine_args)
     cases["stock"] = list(build_command(vllm_profile(moe_backend="aiter_triton_mxfp4_mxfp4")).engine_args)
     script = tmp_path / "parse.py"
     script.write_text(
@@ -207,7 +293,8 @@ def test_vllm033_parser(tmp_path):
         "    ea = EngineArgs.from_cli_args(p.parse_args(argv))\n"
         "    out[k] = [ea.tensor_parallel_size, ea.pipeline_parallel_size, ea.enforce_eager,\n"
         "              ea.compilation_config.cudagraph_mode.name if ea.compilation_config.cudagraph_mode else None,\n"
-        "              ea.moe_backend, ea.quantization]\n"
+        "              ea.moe_backend, ea.quantization, ea.data_parallel_size, ea.enable_expert_parallel,\n"
+        "              ea.all2all_backend, ea.max_num_seqs, ea.max_cudagraph_capture_size]\n"
         "print(json.dumps(out))\n")
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "PYTHONPATH": VLLM033_SRC, "VLLM_TARGET_DEVICE": "cpu"}
@@ -218,4 +305,6 @@ def test_vllm033_parser(tmp_path):
     assert got["tp8.yaml:full"][:4] == [8, 1, False, "FULL_AND_PIECEWISE"]
     assert got["tp4pp2.yaml:piecewise"][:4] == [4, 2, False, "PIECEWISE"]
     assert got["cpu-demo.yaml:off"][:3] == [1, 1, True]
-    assert got["stock"][4:] == ["aiter_triton_mxfp4_mxfp4", "modelopt_fp4"]
+    assert got["stock"][4:6] == ["aiter_triton_mxfp4_mxfp4", "modelopt_fp4"]
+    for name, (tp, pp, dp, ep, a2a, seqs) in PARALLEL_PROFILES.items():
+        assert got[name][:2] == [tp, pp] and got[name][6:] == [dp, ep, a2a, seqs, seqs], name

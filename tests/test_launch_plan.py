@@ -182,3 +182,49 @@ def test_plan_cli_rejects_bad_layout(capsys):
 
     assert main(["plan", "--layouts", "tp8,pp2"]) == 1
     assert "pp2" in capsys.readouterr().err
+
+
+# -- the layouts of the expert-parallel profiles (issue 17) -----------------------------------------------------
+
+def _plan_json(*args: str) -> dict:
+    from glm5_fp4.cli import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["plan", "--json", *args]) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("name,layout,dp,ep,comm", [
+    ("dp8ep8.yaml", "DP8+EP8(AG/RS)", 8, 8, "agrs"), ("dp8ep8-sglang.yaml", "DP8+EP8(AG/RS)", 8, 8, "agrs"),
+    ("tp8ep8.yaml", "TP8+EP8", 1, 8, "a2a"), ("tp8ep8-sglang.yaml", "TP8+EP8", 1, 8, "a2a")])
+def test_plan_profile_uses_the_layout_the_profile_serves(name, layout, dp, ep, comm):
+    data = _plan_json("--profile", str(LAUNCH / name), "--context", "1024")
+    assert list(data["layouts"])[0] == layout and list(data["layouts"])[1:] == ["TP8", "TP4+PP2"]
+    row = data["layouts"][layout]
+    assert (row["tp"], row["dp"], row["ep"], row["ep_comm"], row["concurrency"]) == (8, dp, ep, comm, 512)
+    assert (row["components_ms"].get("all-gather + reduce-scatter", 0) > 0) == (comm == "agrs")
+    assert row["components_ms"].get("all-to-all", 0) == 0
+
+
+def test_a_dp_profile_with_a_true_all_to_all_is_planned_as_one():
+    from glm5_fp4.launch.profile import profile_from_dict
+    from glm5_fp4.launch.plan_cli import profile_layout
+
+    p = profile_from_dict({"model": "/m", "data_parallel": 8, "expert_parallel": True, "moe_backend": "cutlass",
+                           "extra_args": ["--all2all-backend", "deepep_low_latency"]})
+    assert profile_layout(p) == (8, 1, 8, 8, "a2a")
+    assert profile_layout(p.model_copy(update={"extra_args": []})) == (8, 1, 8, 8, "agrs")
+    sg = profile_from_dict({"model": "/m", "engine": "sglang", "data_parallel": 8, "expert_parallel": True,
+                            "moe_backend": "flashinfer_cutlass", "extra_args": ["--moe-a2a-backend=deepep"]})
+    assert profile_layout(sg)[-1] == "a2a"
+
+
+def test_dp_attention_sequences_that_fit_count_every_gpu():
+    dp = plan(8, 1, ctx=2048, dp=8, ep=8, ep_comm="agrs")
+    fp8_row, indexer = 656, 132
+    per_gpu = int((dp.usable_bytes - dp.heaviest.weights_total) / (LAYERS * (fp8_row + indexer)))
+    assert dp.kv_capacity_tokens() == per_gpu
+    assert dp.kv_tokens_needed == 512 // 8 * 2048  # each GPU keeps only its own 64 sequences
+    assert dp.max_sequences() == per_gpu // 2048 * 8
+    assert plan(8, 1, ctx=2048).max_sequences() == plan(8, 1, ctx=2048).kv_capacity_tokens() // 2048  # TP: replicated

@@ -34,6 +34,15 @@ def test_shipped_profiles_load():
     assert sizes["tp4pp2.yaml"] == (4, 2, "vllm")
     assert sizes["tp8-sglang.yaml"] == (8, 1, "sglang")
     assert sizes["tp4pp2-sglang.yaml"] == (4, 2, "sglang")
+    parallel = {p.name: (lp.data_parallel, lp.expert_parallel, lp.ep_size, lp.world_size, lp.layout)
+                for p in PROFILES for lp in [load_profile(p)]}
+    for name in ("dp8ep8.yaml", "dp8ep8-sglang.yaml"):
+        assert sizes[name][:2] == (1, 1) and parallel[name] == (8, True, 8, 8, "DP8+EP8"), name
+    for name in ("tp8ep8.yaml", "tp8ep8-sglang.yaml"):
+        assert sizes[name][:2] == (8, 1) and parallel[name] == (1, True, 8, 8, "TP8+EP8"), name
+    assert parallel["tp8.yaml"] == (1, False, 1, 8, "TP8")
+    assert {sizes[n][2] for n in ("dp8ep8.yaml", "tp8ep8.yaml")} == {"vllm"}
+    assert {sizes[n][2] for n in ("dp8ep8-sglang.yaml", "tp8ep8-sglang.yaml")} == {"sglang"}
     demo = load_profile(LAUNCH / "cpu-demo.yaml")
     assert (demo.engine, demo.cuda_graphs, demo.moe_backend, demo.world_size) == ("vllm", "off", "glm5_fp4", 1)
     assert demo.host == "127.0.0.1"
@@ -73,10 +82,22 @@ def test_bad_value_names_field_and_allowed_values(tmp_path, field, value, allowe
 
 
 @pytest.mark.parametrize("field,value", [("tensor_parallel", 0), ("pipeline_parallel", "two"),
-                                         ("max_concurrency", -1), ("port", 70000)])
+                                         ("max_concurrency", -1), ("port", 70000), ("data_parallel", 0),
+                                         ("expert_parallel", 8)])
 def test_bad_numbers_name_the_field(tmp_path, field, value):
     with pytest.raises(Glm5Fp4Error, match=f"'{field}'"):
         load_profile(write(tmp_path, f"model: /m\n{field}: {value}\n"))
+
+
+def test_layout_names_of_mixed_parallelism():
+    def layout(**f):
+        return profile_from_dict({"model": "/m", **f}).layout
+
+    assert layout(tensor_parallel=4, data_parallel=2, expert_parallel=True) == "DP2xTP4+EP8"
+    assert layout(tensor_parallel=4, pipeline_parallel=2) == "TP4+PP2"
+    assert layout(tensor_parallel=4, pipeline_parallel=2, expert_parallel=True) == "TP4+EP4+PP2"
+    assert profile_from_dict({"model": "/m", "tensor_parallel": 2, "data_parallel": 4,
+                              "pipeline_parallel": 2}).world_size == 16
 
 
 def test_moe_backend_is_checked_against_the_profiles_engine(tmp_path):

@@ -112,6 +112,49 @@ def test_lora_layers_are_not_ours_expert_parallel_ones_are():
     assert sel.backend is not None, sel.reason
 
 
+def _ep_config(dp=8, backend="allgather_reducescatter", **over):
+    par = SimpleNamespace(use_ep=True, tp_size=1, dp_size=dp, ep_size=8, all2all_backend=backend)
+    return fake_moe_config(moe_parallel_config=par, num_experts=8 * E, **over)
+
+
+@pytest.mark.parametrize("backend", ["deepep_low_latency", "deepep_high_throughput", "flashinfer_nvlink_two_sided"])
+def test_dp_expert_parallel_under_another_all_to_all_falls_back_with_the_reason(backend):
+    """Behind data parallelism vLLM hands our method (no modular kernel) its naive dispatch, which only the
+    allgather_reducescatter manager implements: any other backend is vLLM's own kernels' job."""
+    sel = moe_mod.choose(PluginSettings(), _ep_config(backend=backend), True, torch.device("cpu"), None)
+    assert sel.backend is None and f"--all2all-backend {backend}" in sel.reason
+    assert moe_mod.choose(PluginSettings(), _ep_config(), True, torch.device("cpu"), None).backend is not None
+    # without data parallelism the all2all backend is never used: TP + EP is ours whatever it says
+    assert moe_mod.choose(PluginSettings(), _ep_config(dp=1, backend=backend), True, torch.device("cpu"),
+                          None).backend is not None
+
+
+def test_dp_expert_parallel_layers_log_their_expert_split(monkeypatch, moe_log):
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    logger = logging.getLogger(moe_mod.logger.name)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        moe_mod.Glm5ModelOptNvFp4FusedMoE(Glm5NvFp4Config.from_config(NVFP4_FLAT), _ep_config())
+    finally:
+        logger.setLevel(level)
+    (line,) = [r.getMessage() for r in moe_log if r.levelno == logging.INFO]
+    assert "run on backend reference" in line
+    assert f"expert parallel: {E} of {8 * E} experts on this rank (EP8), tokens of 8 DP ranks all-gathered" in line
+    assert moe_mod.describe_parallelism(_ep_config(dp=1)).endswith("partial sums all-reduced")
+    assert moe_mod.describe_parallelism(fake_moe_config()) == ""
+
+
+def test_buffers_are_reserved_for_the_tokens_every_dp_rank_gathers(monkeypatch):
+    import vllm.config
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)
+    assert moe_mod._max_batched_tokens(_ep_config()) == 8 * 2048
+    assert moe_mod._max_batched_tokens(_ep_config(dp=1)) == 2048
+    assert moe_mod._max_batched_tokens(fake_moe_config()) == 2048
+
+
 def test_expert_parallel_layer_uses_the_layers_expert_map(monkeypatch):
     """vLLM routes to global ids and keeps RoutedExperts.expert_map (global -> local or -1) on the layer; the
     method hands it to the backend, so a rank with half the experts returns its local partial sum."""

@@ -30,6 +30,32 @@ mode          vLLM 0.33                                               SGLang 0.5
 ``max_concurrency`` C is ``--max-num-seqs`` (vLLM) / ``--max-running-requests`` (SGLang) and the largest
 decode CUDA-graph batch, so a c=C load test never falls off the captured graphs.
 
+Parallelism. ``tensor_parallel`` x ``data_parallel`` GPUs per pipeline stage; ``data_parallel`` > 1 is data-parallel
+attention (each replica its own sequences and KV cache), ``expert_parallel`` splits whole experts over all of
+them. C is the server's total: per data-parallel replica it is ceil(C / data_parallel).
+
+=====================  =====================================================  ====================================
+profile                vLLM 0.33                                              SGLang 0.5.23
+=====================  =====================================================  ====================================
+TP8 + EP8              ``-tp 8 --enable-expert-parallel``: MoE partial sums   ``--tp-size 8 --ep-size 8``
+                       all-reduced as under TP
+DP8 + EP8              ``-tp 1 --data-parallel-size 8                         ``--tp-size 8 --attn-dp-size 8
+                       --enable-expert-parallel --all2all-backend             --ep-size 8 --enable-dp-lm-head
+                       allgather_reducescatter``; ``--max-num-seqs`` and      --moe-dense-tp-size 1``;
+                       the capture size are per DP rank (C / 8)               ``--max-running-requests`` is the
+                                                                              total, ``--cuda-graph-max-bs-decode``
+                                                                              per DP rank (C / 8)
+=====================  =====================================================  ====================================
+
+Behind data-parallel attention our MoE runs in both engines under all-gather + reduce-scatter: every rank gets all
+ranks' tokens with their top-k ids, our kernel computes only the rank's own experts (remote slots are skipped)
+and the partial sums are reduce-scattered. That is vLLM's ``allgather_reducescatter`` (our method has no modular
+kernel, so vLLM takes its "naive" dispatch, which only that backend implements; DeepEP's ``dispatch_router_logits``
+raises NotImplementedError) and SGLang's ``--moe-a2a-backend none`` (any other hands the runner a DeepEP/Mooncake
+dispatch format it does not read). So with ``moe_backend: glm5_fp4`` another all-to-all backend in ``extra_args``
+is refused here with the reason; stock backends may use any (DeepEP needs NVLink or RDMA, which 8x RTX PRO 6000
+over PCIe lack).
+
 MoE backend: ours (``glm5_fp4``) is ``--quantization glm5_nvfp4`` (+ ``--additional-config`` with the
 plugin's backend/mode) on vLLM, whose ``--moe-backend`` is a closed Literal; a stock name becomes
 ``--moe-backend NAME --quantization modelopt_fp4`` with our plugin not loaded (``VLLM_PLUGINS=''``), i.e.
@@ -104,19 +130,19 @@ class EngineCommand:
 
 # -- CUDA graphs --------------------------------------------------------------------------------------
 
-def vllm_graph_flags(mode: str, max_batch: int) -> tuple[list[Flag], dict[str, str]]:
+def vllm_graph_flags(mode: str, max_batch: int, batch_is: str = "max_concurrency") -> tuple[list[Flag], dict[str, str]]:
     if mode == "off":
         return [Flag(("--enforce-eager",), "cuda_graphs: off -> eager, no CUDA graphs and no torch.compile")], {}
     flags = [
         Flag((f"-cc.cudagraph_mode={VLLM_GRAPH_MODE[mode]}",),
              "cuda_graphs: full -> decode replays full graphs, mixed batches piecewise" if mode == "full"
              else "cuda_graphs: piecewise -> every batch in graphs broken at attention"),
-        Flag(("--max-cudagraph-capture-size", str(max_batch)), "largest captured batch = max_concurrency"),
+        Flag(("--max-cudagraph-capture-size", str(max_batch)), f"largest captured batch = {batch_is}"),
     ]
     return flags, {BREAKABLE_ENV: "1"}
 
 
-def sglang_graph_flags(mode: str, max_batch: int) -> list[Flag]:
+def sglang_graph_flags(mode: str, max_batch: int, batch_is: str = "max_concurrency") -> list[Flag]:
     decode, prefill = SGLANG_GRAPH_BACKENDS[mode]
     flags = [
         Flag(("--cuda-graph-backend-decode", decode), f"cuda_graphs: {mode} -> decode {decode}"),
@@ -124,8 +150,58 @@ def sglang_graph_flags(mode: str, max_batch: int) -> list[Flag]:
     ]
     if mode != "off":
         flags.append(Flag(("--cuda-graph-max-bs-decode", str(max_batch)),
-                          "largest decode graph batch = max_concurrency"))
+                          f"largest decode graph batch = {batch_is}"))
     return flags
+
+
+# -- expert-parallel communication behind data-parallel attention ------------------------------------------
+
+# The engine's flag that picks how tokens reach remote experts, its default, and the values that mean
+# "all-gather every rank's tokens, reduce-scatter the partial sums" (the only way our MoE runs behind DP attention).
+EP_COMM_FLAG = {"vllm": "--all2all-backend", "sglang": "--moe-a2a-backend"}
+EP_COMM_DEFAULT = {"vllm": "allgather_reducescatter", "sglang": "none"}
+EP_COMM_GATHERS = {"vllm": ("allgather_reducescatter", "naive"), "sglang": ("none",)}
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value given for ``flag`` (``--flag V`` or ``--flag=V``), as argparse would keep it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def ep_communication(profile: LaunchProfile) -> tuple[str, str] | None:
+    """For data-parallel attention with expert parallelism: (the engine's backend name, ``agrs`` or ``a2a``) --
+    what :mod:`glm5_fp4.cost_model` prices; None for other layouts."""
+    if profile.data_parallel == 1 or not profile.expert_parallel:
+        return None
+    name = _flag_value(profile.engine_extra_args(), EP_COMM_FLAG[profile.engine]) or EP_COMM_DEFAULT[profile.engine]
+    return name, "agrs" if name in EP_COMM_GATHERS[profile.engine] else "a2a"
+
+
+def _check_ep_communication(profile: LaunchProfile, origin: str) -> None:
+    comm = ep_communication(profile)
+    if comm is not None and profile.uses_ours and comm[1] != "agrs":
+        flag = EP_COMM_FLAG[profile.engine]
+        raise Glm5Fp4Error(
+            f"{origin}: extra_args {flag} {comm[0]}: moe_backend {profile.moe_backend} runs behind data-parallel "
+            f"attention only with {flag} {EP_COMM_DEFAULT[profile.engine]} (all-gather + reduce-scatter; our MoE "
+            f"reads no {comm[0]} dispatch format); drop the flag, or pick a stock moe_backend")
+
+
+def _per_replica(profile: LaunchProfile) -> int:
+    """Running sequences per data-parallel replica (vLLM's --max-num-seqs and both engines' graph batch)."""
+    return -(-profile.max_concurrency // profile.data_parallel)
+
+
+def _batch_is(profile: LaunchProfile) -> str:
+    if profile.data_parallel == 1:
+        return "max_concurrency"
+    return f"max_concurrency / data_parallel per DP rank ({profile.max_concurrency} / {profile.data_parallel})"
 
 
 # -- flags the profile owns: extra_args must not repeat them ---------------------------------------------
@@ -134,6 +210,8 @@ _VLLM_OWNED = {
     "--model": "model", "--host": "host", "--port": "port", "--quantization": "quantization", "-q": "quantization",
     "--tensor-parallel-size": "tensor_parallel", "-tp": "tensor_parallel",
     "--pipeline-parallel-size": "pipeline_parallel", "-pp": "pipeline_parallel",
+    "--data-parallel-size": "data_parallel", "-dp": "data_parallel",
+    "--enable-expert-parallel": "expert_parallel", "-ep": "expert_parallel",
     "--moe-backend": "moe_backend", "--kv-cache-dtype": "kv_cache_dtype", "--max-num-seqs": "max_concurrency",
     "--max-cudagraph-capture-size": "max_concurrency", "-cc.cudagraph_mode": "cuda_graphs",
     "--enforce-eager": "cuda_graphs",
@@ -142,6 +220,10 @@ _SGLANG_OWNED = {
     "--model-path": "model", "--model": "model", "--host": "host", "--port": "port",
     "--quantization": "quantization", "--tp-size": "tensor_parallel", "--tensor-parallel-size": "tensor_parallel",
     "--tp": "tensor_parallel", "--pp-size": "pipeline_parallel", "--pipeline-parallel-size": "pipeline_parallel",
+    # SGLang's --dp-size is replicas of the whole model (a router in front), not attention DP: left to extra_args
+    "--attn-dp-size": "data_parallel", "--attention-data-parallel-size": "data_parallel",
+    "--enable-dp-attention": "data_parallel",
+    "--ep-size": "expert_parallel", "--expert-parallel-size": "expert_parallel", "--ep": "expert_parallel",
     "--moe-runner-backend": "moe_backend", "--kv-cache-dtype": "kv_cache_dtype",
     "--max-running-requests": "max_concurrency", "--cuda-graph-max-bs-decode": "max_concurrency",
     "--cuda-graph-backend-decode": "cuda_graphs", "--cuda-graph-backend-prefill": "cuda_graphs",
@@ -157,6 +239,46 @@ def _check_extra_args(profile: LaunchProfile, extra: list[str], origin: str) -> 
         if name in owned:
             raise Glm5Fp4Error(f"{origin}: extra_args repeats {name}, which the profile sets from field "
                                f"{owned[name]!r}; change that field instead")
+    _check_ep_communication(profile, origin)
+
+
+def _vllm_parallel_flags(profile: LaunchProfile) -> list[Flag]:
+    flags = [
+        Flag(("--tensor-parallel-size", str(profile.tensor_parallel)), "tensor_parallel"),
+        Flag(("--pipeline-parallel-size", str(profile.pipeline_parallel)), "pipeline_parallel"),
+    ]
+    if profile.data_parallel > 1:
+        flags.append(Flag(("--data-parallel-size", str(profile.data_parallel)),
+                          "data_parallel: data-parallel attention, one engine core per replica"))
+    if profile.expert_parallel:
+        flags.append(Flag(("--enable-expert-parallel",),
+                          f"expert_parallel: {profile.ep_size} GPUs hold whole experts (expert_map per layer)"))
+    comm = ep_communication(profile)
+    if comm is not None and profile.uses_ours and not _flag_value(profile.engine_extra_args(), EP_COMM_FLAG["vllm"]):
+        flags.append(Flag((EP_COMM_FLAG["vllm"], EP_COMM_DEFAULT["vllm"]),
+                          "the dispatch our MoE method runs under: tokens all-gathered, partial sums reduce-scattered"))
+    return flags
+
+
+def _sglang_parallel_flags(profile: LaunchProfile) -> list[Flag]:
+    flags = [
+        Flag(("--tp-size", str(profile.stage_gpus)),
+             "tensor_parallel" if profile.data_parallel == 1
+             else "tensor_parallel x data_parallel: SGLang's TP group spans the attention replicas"),
+        Flag(("--pp-size", str(profile.pipeline_parallel)), "pipeline_parallel"),
+    ]
+    if profile.data_parallel > 1:
+        flags += [
+            Flag(("--attn-dp-size", str(profile.data_parallel)),
+                 "data_parallel: data-parallel attention (0.5.23's spelling of --dp-size N --enable-dp-attention)"),
+            Flag(("--enable-dp-lm-head",), "lm_head and embedding whole on each attention replica, no gather"),
+        ]
+        if profile.tensor_parallel == 1:
+            flags.append(Flag(("--moe-dense-tp-size", "1"), "dense MLP layers whole on each GPU, on its own tokens"))
+    if profile.expert_parallel:
+        flags.append(Flag(("--ep-size", str(profile.ep_size)),
+                          f"expert_parallel: whole experts over {profile.ep_size} GPUs"))
+    return flags
 
 
 # -- builders ---------------------------------------------------------------------------------------------
@@ -166,21 +288,18 @@ def build_vllm(profile: LaunchProfile, python: str | None = None, environ: Mappi
     """vLLM's OpenAI server for ``profile``, through the plugin's launcher (which adds the CPU-build fixes)."""
     from glm5_fp4.engines.vllm.serve import build_launch
 
-    c = profile.max_concurrency
+    c = _per_replica(profile)
     ours = profile.uses_ours
-    flags = [
-        Flag(("--tensor-parallel-size", str(profile.tensor_parallel)), "tensor_parallel"),
-        Flag(("--pipeline-parallel-size", str(profile.pipeline_parallel)), "pipeline_parallel"),
-    ]
+    flags = _vllm_parallel_flags(profile)
     if not ours:
         flags.append(Flag(("--moe-backend", profile.moe_backend), "stock vLLM MoE backend"))
     flags += [
         Flag(("--kv-cache-dtype", profile.kv_cache_dtype),
              "auto: engine default (GLM-5 on SM120: fp8_ds_mla, forced for sparse MLA)"
              if profile.kv_cache_dtype == "auto" else "kv_cache_dtype"),
-        Flag(("--max-num-seqs", str(c)), "max running requests = max_concurrency"),
+        Flag(("--max-num-seqs", str(c)), f"max running requests = {_batch_is(profile)}"),
     ]
-    graph_flags, graph_env = vllm_graph_flags(profile.cuda_graphs, c)
+    graph_flags, graph_env = vllm_graph_flags(profile.cuda_graphs, c, _batch_is(profile))
     flags += graph_flags
     extra = profile.engine_extra_args()
     _check_extra_args(profile, extra, origin)
@@ -240,8 +359,7 @@ def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Map
         Flag(("--model-path", profile.model), "model"),
         Flag(("--host", profile.host), "host (loopback by default)"),
         Flag(("--port", str(profile.effective_port)), "port"),
-        Flag(("--tp-size", str(profile.tensor_parallel)), "tensor_parallel"),
-        Flag(("--pp-size", str(profile.pipeline_parallel)), "pipeline_parallel"),
+        *_sglang_parallel_flags(profile),
     ]
     if profile.effective_quantization != "none":
         flags.append(Flag(("--quantization", profile.effective_quantization),
@@ -255,9 +373,10 @@ def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Map
         Flag(("--kv-cache-dtype", profile.kv_cache_dtype),
              "auto: the checkpoint's FP8 KV; keep FP8 on SM120 (BF16 picks trtllm decode, not built for SM120)"
              if profile.kv_cache_dtype == "auto" else "kv_cache_dtype"),
-        Flag(("--max-running-requests", str(c)), "max running requests = max_concurrency"),
+        Flag(("--max-running-requests", str(c)), "max running requests = max_concurrency (all DP ranks)"
+             if profile.data_parallel > 1 else "max running requests = max_concurrency"),
     ]
-    flags += sglang_graph_flags(profile.cuda_graphs, c)
+    flags += sglang_graph_flags(profile.cuda_graphs, _per_replica(profile), _batch_is(profile))
     extra = profile.engine_extra_args()
     _check_extra_args(profile, extra, origin)
     if extra:
@@ -296,4 +415,4 @@ def build_command(profile: LaunchProfile, python: str | None = None, environ: Ma
     return build_sglang(profile, python, environ, origin)
 
 
-__all__ = ["EngineCommand", "Flag", "build_command", "build_sglang", "build_vllm"]
+__all__ = ["EngineCommand", "Flag", "build_command", "build_sglang", "build_vllm", "ep_communication"]

@@ -49,6 +49,7 @@ class PlanInputs:
     ep: int = 1  # expert parallelism over the stage's GPUs
     expert_skew: float = 0.0  # the hottest EP GPU's token-slots over the mean, - 1
     dispatch: str = "bf16"  # all-to-all dispatch precision (DP attention + EP)
+    ep_comm: str = "a2a"  # DP attention + EP: a2a (to each token's experts' GPUs) or agrs (all-gather + reduce-scatter)
 
 
 @dataclass
@@ -141,7 +142,9 @@ class Plan:
         return self.weights_fit() and self.kv_capacity_tokens() >= self.kv_tokens_needed
 
     def max_sequences(self) -> int:
-        return self.kv_capacity_tokens() // max(1, self.inputs.context)
+        """Sequences at the full context the server holds: per GPU, times the data-parallel replicas (each GPU of a
+        DP-attention stage holds its own sequences; under TP every GPU holds every sequence's latent)."""
+        return self.kv_capacity_tokens() // max(1, self.inputs.context) * self.cost.layout.attn_dp
 
 
 def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
@@ -156,9 +159,9 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
                            "and --allreduce-latency-us")
     kv_kind = resolve_kv(inputs.engine, inputs.kv_cache_dtype)
     precisions = cost_model.Precisions(kv=kv_kind, expert_math=inputs.expert_math, dispatch=inputs.dispatch)
-    cost = cost_model.decode_step(spec, gpu, cost_model.Layout(tp, pp, inputs.dp, inputs.ep), inputs.concurrency,
-                                  inputs.context, precisions, efficiency=inputs.efficiency, interconnect=net,
-                                  expert_skew=inputs.expert_skew)
+    layout = cost_model.Layout(tp, pp, inputs.dp, inputs.ep, inputs.ep_comm)
+    cost = cost_model.decode_step(spec, gpu, layout, inputs.concurrency, inputs.context, precisions,
+                                  efficiency=inputs.efficiency, interconnect=net, expert_skew=inputs.expert_skew)
     usable = gpu.memory_gb * GIB * inputs.mem_util - inputs.reserve_gib * GIB
     assumptions = cost_model.assumptions(cost) + [
         f"KV cache: {inputs.engine} kv_cache_dtype={inputs.kv_cache_dtype} -> {kv_kind}; each stage holds its "

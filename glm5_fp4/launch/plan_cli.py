@@ -5,8 +5,11 @@
 
 Layouts: ``tpN`` (tensor parallel), ``tpNppM`` (+ pipeline stages), ``tpNepN`` (attention TP, experts split whole
 over the GPUs), ``dpNepN`` (data-parallel attention: each GPU its own sequences and KV, experts split whole, tokens
-dispatched by all-to-all). By default the profile's own layout is shown next to TP8 and TP4+PP2. Every assumption is printed under the
-numbers; the formulas are in glm5_fp4/cost_model.py (the model `profile analyze` uses for its ceilings).
+dispatched to their experts' GPUs by all-to-all, DeepEP-style), ``dpNepNagrs`` (the same with every GPU's tokens
+all-gathered before the MoE and the partial sums reduce-scattered after it: what vLLM and SGLang run with our MoE
+over PCIe, and what a dpNepN profile is planned with). By default the profile's own layout is shown next to TP8 and
+TP4+PP2. Every assumption is printed under the numbers; the formulas are in glm5_fp4/cost_model.py (the model
+`profile analyze` uses for its ceilings).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=None, help="running sequences (default: max_concurrency)")
     parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
     parser.add_argument("--layouts", default=None,
-                        help="comma-separated, e.g. tp8,tp4pp2,tp2pp4 (default: the profile's, tp8, tp4pp2)")
+                        help="comma-separated, e.g. tp8,tp4pp2,tp8ep8,dp8ep8,dp8ep8agrs "
+                             "(default: the profile's, tp8, tp4pp2)")
     parser.add_argument("--config", default=None,
                         help="model config.json (default: the profile's model dir if it has one, else GLM-5's)")
     parser.add_argument("--mem-util", type=float, default=0.90, help="fraction of GPU memory the engine may use")
@@ -47,17 +51,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
 
 
-LAYOUT = re.compile(r"\s*(tp|dp)(\d+)(?:\s*[+x]?\s*ep(\d+))?(?:\s*[+x]?\s*pp(\d+))?\s*")
+LAYOUT = re.compile(r"\s*(tp|dp)(\d+)(?:\s*[+x]?\s*ep(\d+))?(?:\s*[+x]?\s*pp(\d+))?(?:\s*[+x-]?\s*(a2a|agrs))?\s*")
+LayoutTuple = tuple[int, int, int, int, str]  # GPUs per stage, stages, dp, ep, ep_comm (glm5_fp4.cost_model.Layout)
 
 
-def parse_layout(text: str) -> tuple[int, int, int, int]:
-    """``tp8`` / ``tp4pp2`` / ``tp8ep8`` / ``dp8ep8`` -> (GPUs per stage, stages, dp, ep)."""
+def parse_layout(text: str, flag: str = "--layouts") -> LayoutTuple:
+    """``tp8`` / ``tp4pp2`` / ``tp8ep8`` / ``dp8ep8`` / ``dp8ep8agrs`` -> (GPUs per stage, stages, dp, ep, ep_comm)."""
     m = LAYOUT.fullmatch(text.lower())
-    n = [int(g) if g else None for g in m.groups()[1:]] if m else []
+    n = [int(g) if g else None for g in m.groups()[1:4]] if m else []
     if not m or any(v is not None and v < 1 for v in n):
-        raise Glm5Fp4Error(f"--layouts: {text!r} is not a layout like tp8, tp4pp2, tp8ep8 or dp8ep8")
+        raise Glm5Fp4Error(f"{flag}: {text!r} is not a layout like tp8, tp4pp2, tp8ep8, dp8ep8 or dp8ep8agrs")
     gpus, ep, pp = n[0], n[1] or 1, n[2] or 1
-    return gpus, pp, gpus if m.group(1) == "dp" else 1, ep
+    return gpus, pp, gpus if m.group(1) == "dp" else 1, ep, m.group(5) or "a2a"
+
+
+def profile_layout(profile) -> LayoutTuple:
+    """The layout a launch profile's command runs, as :func:`parse_layout` spells it (behind data-parallel
+    attention, the MoE communication the engine is given: glm5_fp4.launch.commands.ep_communication)."""
+    from glm5_fp4.launch.commands import ep_communication
+
+    comm = ep_communication(profile)
+    return (profile.stage_gpus, profile.pipeline_parallel, profile.data_parallel, profile.ep_size,
+            comm[1] if comm else "a2a")
 
 
 WEIGHT_ONLY_BACKENDS = ("marlin", "humming", "experimental_sgl_marlin")
@@ -94,15 +109,15 @@ def build_plans(args: argparse.Namespace):
     if args.layouts:
         layouts = [parse_layout(t) for t in args.layouts.split(",") if t.strip()]
     else:
-        layouts = [(profile.tensor_parallel, profile.pipeline_parallel, 1, 1)] if profile else []
+        layouts = [profile_layout(profile)] if profile else []
         layouts += [parse_layout(t) for t in DEFAULT_LAYOUTS]
     layouts = list(dict.fromkeys(layouts))
     expert_math = args.expert_math or (_weight_only_math(profile) if profile else None)
     plans = [make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
                                              args.reserve_gib, args.efficiency, expert_math,
                                              args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
-                                             args.expert_skew, args.dispatch_dtype))
-             for tp, pp, dp, ep in layouts]
+                                             args.expert_skew, args.dispatch_dtype, ep_comm))
+             for tp, pp, dp, ep, ep_comm in layouts]
     return plans, spec_origin, profile
 
 
@@ -110,7 +125,7 @@ CATEGORY_LABELS = {
     "expert_gemm": "expert GEMM (routed)",
     "attention": "attention (MLA + DSA indexer)",
     "other_gemm": "other GEMM (projections, shared expert, dense MLP, router, lm_head)",
-    "allreduce": "communication (all-reduce, all-to-all, PP send/recv)",
+    "allreduce": "communication (all-reduce, all-to-all or all-gather + reduce-scatter, PP send/recv)",
 }
 
 
@@ -130,9 +145,10 @@ def _rows(plans) -> list[tuple[str, list[str]]]:
         ("  weights total", [f"{p.heaviest.weights_total / gb:.2f}" for p in plans]),
         ("  usable for weights + KV", [f"{p.usable_bytes / gb:.2f}" for p in plans]),
         ("  KV bytes / token / GPU", [f"{p.heaviest.kv_bytes_per_token:,.0f}" for p in plans]),
-        ("  KV capacity (tokens)", [f"{p.kv_capacity_tokens():,}" for p in plans]),
-        ("  KV needed: concurrency x context", [f"{p.kv_tokens_needed:,}" for p in plans]),
-        (f"  sequences that fit at context {plans[0].inputs.context}", [f"{p.max_sequences():,}" for p in plans]),
+        ("  KV capacity (tokens per GPU)", [f"{p.kv_capacity_tokens():,}" for p in plans]),
+        ("  KV needed per GPU: its sequences x context", [f"{p.kv_tokens_needed:,}" for p in plans]),
+        (f"  sequences that fit at context {plans[0].inputs.context} (all GPUs)",
+         [f"{p.max_sequences():,}" for p in plans]),
         ("  fits (weights and KV)", ["yes" if p.fits() else ("NO: KV" if p.weights_fit() else "NO: weights")
                                      for p in plans]),
         (f"Decode step at concurrency {plans[0].inputs.concurrency} (ms; bottleneck stage x PP)", []),
@@ -197,6 +213,7 @@ def to_json(plans, spec_origin: str) -> dict:
             "weights_bytes_per_gpu": p.heaviest.weights, "weights_total_bytes": p.heaviest.weights_total,
             "usable_bytes": p.usable_bytes, "kv_bytes_per_token_per_gpu": p.heaviest.kv_bytes_per_token,
             "kv_capacity_tokens": p.kv_capacity_tokens(), "kv_tokens_needed": p.kv_tokens_needed,
+            "max_sequences": p.max_sequences(), "ep_comm": p.inputs.ep_comm,
             "weights_fit": p.weights_fit(), "fits": p.fits(),
             # per profiler category (the categories `profile analyze` measures), bottleneck stage x PP
             "step_ms": {**{cat: p.per_step(cat) * 1e3 for cat in CATEGORIES}, "total": p.step_s * 1e3},

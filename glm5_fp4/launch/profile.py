@@ -6,6 +6,8 @@ Example (``launch/tp8.yaml``)::
     model: /models/GLM-5-NVFP4
     tensor_parallel: 8
     pipeline_parallel: 1
+    data_parallel: 1            # >1: data-parallel attention (each GPU its own sequences; launch/dp8ep8.yaml)
+    expert_parallel: false      # true: whole experts split over all the GPUs of a stage (tpNepN, dpNepN)
     cuda_graphs: full           # piecewise | full | off  (what each means per engine: commands.py)
     moe_backend: glm5_fp4       # ours, or any stock name of the engine
     kv_cache_dtype: auto
@@ -73,6 +75,8 @@ class LaunchProfile(BaseModel):
     description: str = ""
     tensor_parallel: int = Field(default=1, ge=1)
     pipeline_parallel: int = Field(default=1, ge=1)
+    data_parallel: int = Field(default=1, ge=1)
+    expert_parallel: bool = False
     cuda_graphs: Literal["piecewise", "full", "off"] = "full"
     moe_backend: str = OURS
     quantization: str | None = None
@@ -150,7 +154,17 @@ class LaunchProfile(BaseModel):
     # -- derived ------------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def stage_gpus(self) -> int:
+        """GPUs of one pipeline stage: the attention's TP group times its data-parallel replicas (the MoE's group)."""
+        return self.tensor_parallel * self.data_parallel
+
+    @property
+    def ep_size(self) -> int:
+        """Experts are split whole over this many GPUs (1: no expert parallelism)."""
+        return self.stage_gpus if self.expert_parallel else 1
 
     @property
     def uses_ours(self) -> bool:
@@ -171,8 +185,11 @@ class LaunchProfile(BaseModel):
 
     @property
     def layout(self) -> str:
-        """``TP8`` or ``TP4+PP2``."""
-        return f"TP{self.tensor_parallel}" + (f"+PP{self.pipeline_parallel}" if self.pipeline_parallel > 1 else "")
+        """``TP8``, ``TP4+PP2``, ``TP8+EP8``, ``DP8+EP8`` (``DP2xTP4+EP8``: attention TP4 in each of 2 replicas)."""
+        dp, tp = self.data_parallel, self.tensor_parallel
+        head = (f"DP{dp}" + (f"xTP{tp}" if tp > 1 else "")) if dp > 1 else f"TP{tp}"
+        head += f"+EP{self.ep_size}" if self.expert_parallel else ""
+        return head + (f"+PP{self.pipeline_parallel}" if self.pipeline_parallel > 1 else "")
 
     def engine_extra_args(self) -> list[str]:
         if isinstance(self.extra_args, dict):

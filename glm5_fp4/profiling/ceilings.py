@@ -31,17 +31,23 @@ class StepShape:
 
     batch: int
     context: int
-    tp: int = 1
+    tp: int = 1  # GPUs per pipeline stage
     pp: int = 1
     tokens_per_seq: int = 1  # >1 with MTP / speculative verification
     expert_dtype: str = "nvfp4"
     attention_dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    dp: int = 1  # data-parallel attention over the stage's GPUs (``--layout dp8ep8``)
+    ep: int = 1  # expert parallelism
+    ep_comm: str = "a2a"  # behind DP attention: a2a or agrs (cost_model.EP_COMMS)
+    expert_skew: float = 0.0
 
     def validate(self) -> None:
         for name in ("batch", "tp", "pp", "tokens_per_seq"):
             if getattr(self, name) < 1:
                 raise Glm5Fp4Error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.expert_skew < 0:
+            raise Glm5Fp4Error(f"--expert-skew must be >= 0, got {self.expert_skew}")
         if self.context < 0:
             raise Glm5Fp4Error(f"--context must be >= 0, got {self.context}")
         for name in ("expert_dtype", "attention_dtype"):
@@ -72,8 +78,9 @@ def step_cost(spec: Glm5Spec, shape: StepShape, gpu: GpuSpec) -> cost_model.Step
     """The cost model's decode step for this shape."""
     shape.validate()
     precisions = cost_model.Precisions(experts=shape.expert_dtype, attention=shape.attention_dtype, kv=shape.kv_dtype)
-    return cost_model.decode_step(spec, gpu, cost_model.Layout(shape.tp, shape.pp), shape.batch, shape.context,
-                                  precisions, shape.tokens_per_seq)
+    layout = cost_model.Layout(shape.tp, shape.pp, shape.dp, shape.ep, shape.ep_comm)
+    return cost_model.decode_step(spec, gpu, layout, shape.batch, shape.context, precisions, shape.tokens_per_seq,
+                                  expert_skew=shape.expert_skew)
 
 
 def step_work(spec: Glm5Spec, shape: StepShape, gpu: GpuSpec) -> dict[str, CategoryWork]:

@@ -1,6 +1,6 @@
 """`glm5-fp4 profile`: analyze torch-profiler traces against the hardware ceilings, or capture them.
 
-    glm5-fp4 profile analyze DIR [--out DIR] [--gpu NAME] [--batch N --context N --tp N --pp N]
+    glm5-fp4 profile analyze DIR [--out DIR] [--gpu NAME] [--batch N --context N --tp N --pp N | --layout dp8ep8agrs]
     glm5-fp4 profile capture --url http://127.0.0.1:8000 --steps N --trace-dir DIR [--out DIR] [--analyze]
     glm5-fp4 profile timers FILE [FILE ...] --out DIR     (per-layer timer dumps -> median / p90 table)
     glm5-fp4 profile trim SRC DST                         (keep only what the analysis reads: small fixtures)
@@ -62,10 +62,15 @@ def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     g.add_argument("--no-png", action="store_true", help="skip the PNG plots")
     h = p.add_argument_group("ceilings (FLOPs / bytes of the step vs the GPU's peaks)")
     h.add_argument("--gpu", help="hardware table entry (default: detected from the trace's device name)")
-    h.add_argument("--batch", type=int, help="sequences decoding per step; needed for the ceilings")
+    h.add_argument("--batch", type=int, help="sequences decoding per step (all data-parallel ranks together, as plan's "
+                                          "--concurrency); needed for the ceilings")
     h.add_argument("--context", type=int, default=0, help="mean context length of those sequences")
     h.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks per pipeline stage in the traces)")
     h.add_argument("--pp", type=int, help="pipeline-parallel size (default: stages in the traces)")
+    h.add_argument("--layout", help="the layout as `glm5-fp4 plan --layouts` names it (tp8, tp4pp2, tp8ep8, dp8ep8, "
+                                    "dp8ep8agrs) instead of --tp/--pp: expert parallelism, data-parallel attention")
+    h.add_argument("--expert-skew", type=float, default=0.0,
+                   help="expert parallelism: the hottest GPU's token-slots over the mean, minus 1 (as plan)")
     h.add_argument("--tokens-per-seq", type=int, default=1, help="tokens per sequence per step (>1 with MTP)")
     h.add_argument("--config", help="model config.json (default: GLM-5)")
     h.add_argument("--expert-dtype", choices=["nvfp4", "fp8", "bf16"], default="nvfp4")
@@ -98,11 +103,19 @@ def _ceilings(breakdown, args) -> dict | None:
             raise Glm5Fp4Error(f"cannot tell the GPU from the trace (device name {device!r}); pass --gpu NAME")
     gpu = get_gpu(gpu_name)
     spec = Glm5Spec.from_config_json(args.config) if args.config else Glm5Spec()
-    pp = args.pp or len({r.pp_rank for r in breakdown.ranks})
-    tp = args.tp or max(1, len(breakdown.ranks) // pp)
+    if args.layout is not None:
+        from glm5_fp4.launch.plan_cli import parse_layout
+
+        if args.tp is not None or args.pp is not None:
+            raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
+        tp, pp, dp, ep, ep_comm = parse_layout(args.layout, "--layout")
+    else:
+        pp = args.pp or len({r.pp_rank for r in breakdown.ranks})
+        tp, dp, ep, ep_comm = args.tp or max(1, len(breakdown.ranks) // pp), 1, 1, "a2a"
     shape = StepShape(
         batch=args.batch, context=args.context, tp=tp, pp=pp, tokens_per_seq=args.tokens_per_seq,
         expert_dtype=args.expert_dtype, attention_dtype=args.attention_dtype, kv_dtype=args.kv_dtype,
+        dp=dp, ep=ep, ep_comm=ep_comm, expert_skew=args.expert_skew,
     )
     across = breakdown.across_ranks
     summed = {c: v["mean"] for c, v in across["summed_us"].items()}

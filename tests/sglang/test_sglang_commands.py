@@ -29,6 +29,36 @@ def test_profiles_parse_with_server_args(parse_server_args, name, tp, pp):
     assert (sa.host, sa.port) == ("127.0.0.1", 30000)
 
 
+# profile -> (tp_size, attn_dp_size, ep_size, enable_dp_lm_head, moe_dense_tp_size, graph batch per DP rank)
+PARALLEL_PROFILES = {
+    "dp8ep8-sglang.yaml": (8, 8, 8, True, 1, 64),
+    "dp8ep8.yaml": (8, 8, 8, True, 1, 64),
+    "tp8ep8-sglang.yaml": (8, 1, 8, False, None, 512),
+    "tp8ep8.yaml": (8, 1, 8, False, None, 512),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_PROFILES))
+def test_expert_parallel_profiles_parse_with_server_args(parse_server_args, name):
+    cmd = build_command(load_profile(LAUNCH / name, {"engine": "sglang"}))
+    sa = parse_server_args(list(cmd.engine_args))
+    got = (sa.tp_size, sa.attn_dp_size, sa.ep_size, sa.enable_dp_lm_head, sa.moe_dense_tp_size,
+           sa.cuda_graph_max_bs_decode)
+    assert got == PARALLEL_PROFILES[name]
+    assert sa.dp_size == 1 and sa.pp_size == 1  # attention DP inside one 8-GPU group, not 8 replicas of 8 GPUs
+    assert sa.moe_a2a_backend == "none"  # the standard dispatch our runner reads
+    assert sa.moe_runner_backend == "glm5_fp4" and sa.disable_shared_experts_fusion is True
+    assert sa.max_running_requests == 512 and sa.quantization == "modelopt_fp4"
+
+
+def test_deprecated_dp_attention_spelling_is_refused_in_extra_args():
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    p = profile_from_dict({"model": "/m", "engine": "sglang", "extra_args": ["--enable-dp-attention"]})
+    with pytest.raises(Glm5Fp4Error, match="data_parallel"):
+        build_command(p)
+
+
 @pytest.mark.parametrize("mode,decode,prefill,max_bs", [("full", "full", "breakable", 64),
                                                         ("piecewise", "breakable", "breakable", 64),
                                                         ("off", "disabled", "disabled", None)])

@@ -277,3 +277,33 @@ def test_expert_parallel_rank_serves_its_local_experts(published, monkeypatch):
     assert (out[1::2] == 0).all()
     kept = torch.where(remote < 0, 0.0, weights)
     torch.testing.assert_close(out, moe_reference(x, kept, ids, experts), rtol=0, atol=0)
+
+
+def test_another_all_to_all_backend_stops_loading_with_the_reason(published, monkeypatch):
+    """--moe-a2a-backend deepep (or any but none) hands the runner DeepEP's dispatch format: one clear error at
+    load time naming the flag, not a failure inside the first forward."""
+    from sglang.srt.layers.moe.utils import MoeA2ABackend
+    from sglang.srt.runtime_context import get_flags
+
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    method, layer = make_layer(inputs(8)[0])
+    monkeypatch.setattr(get_flags().moe, "a2a_backend", MoeA2ABackend.DEEPEP)
+    with pytest.raises(Glm5Fp4Error, match="--moe-a2a-backend deepep: our runner reads the standard dispatch only"):
+        method.process_weights_after_loading(layer)
+    monkeypatch.setattr(get_flags().moe, "a2a_backend", MoeA2ABackend.NONE)
+    method.process_weights_after_loading(layer)
+    assert layer._glm5_fp4.backend.name == "reference"
+
+
+def test_expert_parallel_layers_log_their_local_experts(published, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    method, layer = make_layer(inputs(9)[0])
+    layer.moe_ep_size = 8
+    with caplog.at_level(logging.INFO, logger="sglang.glm5_fp4"):
+        method.process_weights_after_loading(layer)
+    assert any("run on backend reference" in r.getMessage() and f"expert parallel: {E} local experts (EP8)"
+               in r.getMessage() for r in caplog.records)

@@ -106,7 +106,11 @@ def _where(cfg) -> str:
 
 
 def _max_tokens() -> int:
-    """The largest token count one forward can carry (buffers are reserved for it before graph capture)."""
+    """The largest token count one forward can carry (buffers are reserved for it before graph capture).
+
+    These are the operator's inputs, which already bound the tokens data-parallel attention gathers into one MoE
+    call: SGLang divides ``--chunked-prefill-size`` by ``--attn-dp-size`` per rank only when it resolves it, and
+    ``--max-running-requests`` is the total over the ranks."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
@@ -115,6 +119,18 @@ def _max_tokens() -> int:
         return settings.reserve_tokens()
     return settings.reserve_tokens(*(getattr(args, n, None) for n in (
         "chunked_prefill_size", "max_prefill_tokens", "cuda_graph_max_bs_decode", "max_running_requests")))
+
+
+def _refusal() -> str:
+    """Why SGLang's configuration rules our runner out ('' if it does not): any all-to-all backend but ``none``
+    hands the runner a dispatch format it does not read (DeepEP, Mooncake, ...)."""
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    a2a = get_moe_a2a_backend()
+    if a2a.is_none():
+        return ""
+    return (f"--moe-a2a-backend {a2a.value}: our runner reads the standard dispatch only (--moe-a2a-backend none: "
+            "tokens gathered, partial sums reduced by SGLang)")
 
 
 def choose(method, layer, plugin: settings.PluginSettings, device: torch.device | None = None,
@@ -127,7 +143,7 @@ def choose(method, layer, plugin: settings.PluginSettings, device: torch.device 
                               expert_parallel=(getattr(layer, "moe_ep_size", 1) or 1) > 1)
     has_scales = not getattr(method.quant_config, "is_w4a16", False)
     return backends.choose(plugin, device or layer.w13_weight.device, shape, _dtype(cfg, layer), has_scales,
-                           capability, where=_where(cfg))
+                           capability, _refusal(), where=_where(cfg))
 
 
 def _dtype(cfg, layer) -> torch.dtype:
@@ -151,8 +167,9 @@ def process_for_glm5(method, layer) -> Glm5Fp4QuantInfo:
     layer.w2_blockscale_swizzled = None
     info = Glm5Fp4QuantInfo(selection.backend, prepared, selection.mode, where, num_local)
     layer._glm5_fp4 = info
-    logger.info("glm5_fp4: %s run on backend %s in %s mode (%s)", where, selection.backend.name, selection.mode,
-                plugin.describe())
+    ep = getattr(layer, "moe_ep_size", 1) or 1
+    logger.info("glm5_fp4: %s run on backend %s in %s mode (%s)%s", where, selection.backend.name, selection.mode,
+                plugin.describe(), f"; expert parallel: {num_local} local experts (EP{ep})" if ep > 1 else "")
     return info
 
 

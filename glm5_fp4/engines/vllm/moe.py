@@ -61,11 +61,46 @@ def moe_shape(moe: FusedMoEConfig) -> backends.MoEShape:
     )
 
 
+# The expert-parallel dispatch our method runs under. With data parallelism vLLM hands a method without a modular
+# kernel (ours) its "naive" dispatch: get_ep_group().dispatch_router_logits() before apply() and combine() after
+# (runner/moe_runner.py do_naive_dispatch_combine), which only the allgather_reducescatter manager implements
+# (DeepEP's raises NotImplementedError; the others expect a modular kernel).
+GATHER_ALL2ALL = "allgather_reducescatter"
+
+
+def _gathers(moe: FusedMoEConfig) -> bool:
+    """Data parallelism: vLLM gathers every DP rank's tokens into this layer (the naive dispatch)."""
+    return getattr(moe.moe_parallel_config, "dp_size", 1) > 1
+
+
+def _refusal(moe: FusedMoEConfig) -> str:
+    """Why vLLM's configuration rules our backends out for this layer ('' if it does not)."""
+    if getattr(moe, "is_lora_enabled", False):
+        return "LoRA on MoE layers is not supported"
+    par = moe.moe_parallel_config
+    backend = getattr(par, "all2all_backend", GATHER_ALL2ALL)
+    if _gathers(moe) and backend != GATHER_ALL2ALL:
+        return (f"--all2all-backend {backend}: behind data parallelism our MoE runs only under {GATHER_ALL2ALL} "
+                "(tokens all-gathered, partial sums reduce-scattered)")
+    return ""
+
+
 def choose(settings: plugin_settings.PluginSettings, moe: FusedMoEConfig, has_activation_scales: bool,
            device: torch.device, capability: int | None) -> backends.Selection:
     """Backend and mode for one MoE layer; a selection without a backend carries the reason."""
-    lora = "LoRA on MoE layers is not supported" if getattr(moe, "is_lora_enabled", False) else ""
-    return backends.choose(settings, device, moe_shape(moe), moe.in_dtype, has_activation_scales, capability, lora)
+    return backends.choose(settings, device, moe_shape(moe), moe.in_dtype, has_activation_scales, capability,
+                           _refusal(moe))
+
+
+def describe_parallelism(moe: FusedMoEConfig) -> str:
+    """The layer's expert parallelism as our log line states it ('' without EP)."""
+    par = moe.moe_parallel_config
+    if not par.use_ep:
+        return ""
+    how = (f"tokens of {par.dp_size} DP ranks all-gathered, partial sums reduce-scattered" if _gathers(moe)
+           else "partial sums all-reduced")
+    return (f"; expert parallel: {moe.num_local_experts} of {moe.num_experts} experts on this rank "
+            f"(EP{par.ep_size}), {how}")
 
 
 def _device_capability() -> int | None:
@@ -73,12 +108,16 @@ def _device_capability() -> int | None:
     return cap.to_int() if cap is not None else None
 
 
-def _max_batched_tokens() -> int:
+def _max_batched_tokens(moe: FusedMoEConfig) -> int:
+    """The most tokens one call can carry: a rank's batch, times the DP ranks whose tokens are gathered to it."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
     scheduler = getattr(config, "scheduler_config", None)
-    return common_settings.reserve_tokens(getattr(scheduler, "max_num_batched_tokens", None))
+    per_rank = getattr(scheduler, "max_num_batched_tokens", None)
+    if isinstance(per_rank, int) and _gathers(moe):
+        per_rank *= moe.moe_parallel_config.dp_size
+    return common_settings.reserve_tokens(per_rank)
 
 
 class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
@@ -111,8 +150,8 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
 
             # Built now, inside vLLM's model-construction context; it runs the dequantized experts.
             self._dense_method = UnquantizedFusedMoEMethod(moe_config)
-        _log_once("info", "glm5_fp4: NVFP4 MoE layers run on backend %s in %s mode (%s)", selection.backend.name,
-                  mode, settings.describe())
+        _log_once("info", "glm5_fp4: NVFP4 MoE layers run on backend %s in %s mode (%s)%s", selection.backend.name,
+                  mode, settings.describe(), describe_parallelism(moe_config))
 
     @property
     def method_name(self) -> str:
@@ -159,7 +198,8 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
             self._to_engine_dense(layer, backends.experts_from_layer(layer, self.glm5_mode, where, _warn_once))
             return
         self._prepared = prepared = backends.prepare_layer(
-            self.glm5_selection, layer, self.moe.in_dtype, self.moe.experts_per_token, _max_batched_tokens(), where,
+            self.glm5_selection, layer, self.moe.in_dtype, self.moe.experts_per_token, _max_batched_tokens(self.moe),
+            where,
             replace_parameter, _warn_once)
         backend, mode = self.glm5_backend, self.glm5_mode
         # Expert parallelism: vLLM routes to global ids and keeps the -1/local-id map on the layer
