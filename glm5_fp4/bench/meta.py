@@ -12,7 +12,13 @@ from pathlib import Path
 
 
 def git_sha(path: str | Path | None = None) -> str | None:
-    """The checkout's HEAD (with ``-dirty`` when tracked files changed), or None outside a git checkout."""
+    """The checkout's HEAD (with ``-dirty`` when tracked files changed), or None outside a git checkout.
+
+    ``GLM5_FP4_GIT_SHA`` overrides it: on a machine that received a copy of the working tree (the lent GPUs)
+    the copy's ``.git`` is stale, and the caller knows the commit it sent."""
+    override = os.environ.get("GLM5_FP4_GIT_SHA")
+    if override:
+        return override
     cwd = Path(path) if path else Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)

@@ -151,7 +151,7 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
     local_slots = int((local_ids >= 0).sum())
     flops = 2 * local_slots * 3 * sh.intermediate * sh.hidden
     plan = ctx.plan_for(sh, t) if ctx.plan_for else None
-    plan = plan or default_plan(x, ids, layers.prepared[0], "w4a16")
+    plan = plan or default_plan(x, ids, layers.prepared[0], "w4a16", emap)
     r = dict(shard=sh.name, tp=int(sh.name[2:]) if sh.name.startswith("tp") else None, experts=sh.num_experts,
              intermediate=sh.intermediate, tokens=t, routing=routing, **desc, bytes_needed=need, gflop=flops / 1e9,
              floor_us=need / (ctx.copy_gbs * 1e9) * 1e6, compute_floor_us=flops / (ctx.bf16_tflops * 1e12) * 1e6,

@@ -218,9 +218,12 @@ _DEFAULT_GEMM1 = {
     # activations, split-K) from the later variants run (benchmarks/results/moe_kernel_h200_sweep.json).
     "sm90": {
         # merged MMA chain everywhere (the 2026-11-29 variants run: 1-5 % faster than eight MMAs per tile)
-        ("slot", 16): Gemm1Config(32, 16, 256, 4, 4),
+        # slot and grouped-32 tiles: the 2026-12-01 work-list sweep (benchmarks/results/moe_kernel_h200_sweep.json,
+        # whole-layer time): TP8 T=1 64x16x256/4 warps 24.8 us vs 28.6 for 32x16; T=512 64x32x256/4 warps 314.6
+        # vs 348.0 for 128x32/8 warps, T=1024 468 vs 524 (two 4-warp CTAs per SM hide more latency than one of 8)
+        ("slot", 16): Gemm1Config(64, 16, 256, 4, 4),
         ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
-        ("grouped", 32): Gemm1Config(128, 32, 256, 8, 3),
+        ("grouped", 32): Gemm1Config(64, 32, 256, 4, 3),
         ("grouped", 64): Gemm1Config(128, 64, 128, 8, 3),
         ("grouped", 128): Gemm1Config(128, 128, 128, 8, 3),
     },
@@ -245,8 +248,9 @@ _DEFAULT_GEMM2 = {
         ("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
         ("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
         ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
-        # GEMM2 walks its own token blocks: 64 beat 128 at T=4096
-        ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False),
+        # GEMM2 walks its own token blocks: 64 beat 128 at T=4096; 3 stages beat 2 (2026-12-01 sweep, TP8 T=4096:
+        # 1,328 vs 1,461 us per layer)
+        ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False),
     },
     "sm120": {
         ("slot", 16): Gemm2Config(64, 16, 4, 2, merged=False),
@@ -312,12 +316,19 @@ def plan(
     schedule: str | None = None,
     gemm1: Gemm1Config | None = None,
     gemm2: Gemm2Config | None = None,
+    global_experts: int | None = None,
 ) -> Plan:
-    """The launch plan for one call shape; explicit ``schedule``/``gemm1``/``gemm2`` override the defaults."""
+    """The launch plan for one call shape; explicit ``schedule``/``gemm1``/``gemm2`` override the defaults.
+
+    ``global_experts`` (expert parallelism): the router's expert count when this GPU holds only
+    ``num_experts`` of them; the block size then follows the tokens a local expert really gets
+    (T k / E_global), not T k / E_local -- 8x too many at EP8.
+    """
     sm_count = sm_count or sm_count_guess(arch)
     if schedule is None:
         schedule = "slot" if tokens <= SLOT_MAX_TOKENS.get(arch, 4) else "grouped"
-    bm = 16 if schedule == "slot" else pick_bm(tokens, num_experts, top_k)
+    routed = tokens if not global_experts else tokens * num_experts / global_experts  # tokens that stay here
+    bm = 16 if schedule == "slot" else pick_bm(routed, num_experts, top_k)
     g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
     g2 = gemm2 or _DEFAULT_GEMM2[arch][(schedule, bm)]
     # Tiles must divide the problem; shrink for small test shapes.

@@ -140,8 +140,10 @@ def _use_asm(device: torch.device) -> bool:
     return capability.supports(device)[0]
 
 
-def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str) -> cfgs.Plan:
-    """The per-arch default plan for this call's static shapes (the native FP4 path for checkpoint layout)."""
+def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,
+                 expert_map: torch.Tensor | None = None) -> cfgs.Plan:
+    """The per-arch default plan for this call's static shapes (the native FP4 path for checkpoint layout);
+    with an expert map, sized for the share of tokens the local experts get."""
     arch, sms = device_arch(x.device)
     t, k = topk_ids.shape
     e, h, i = prepared.num_experts, prepared.hidden_size, prepared.intermediate_size
@@ -152,7 +154,8 @@ def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExpe
                 f"got mode={mode!r} on {arch}. Prepare with layout='split' for W4A16 or other GPUs."
             )
         return cfgs.native_plan(arch, t, e, k, h, i, sm_count=sms)
-    return cfgs.plan(arch, t, e, k, h, i, sm_count=sms)
+    return cfgs.plan(arch, t, e, k, h, i, sm_count=sms,
+                     global_experts=None if expert_map is None else int(expert_map.numel()))
 
 
 def make_call(x, topk_weights, topk_ids, prepared, mode="w4a16", out=None, expert_map=None, use_asm=None, diag=0,
@@ -196,7 +199,7 @@ def fused_moe_triton(
     call = make_call(x, topk_weights, topk_ids, prepared, mode, out, expert_map, use_asm, diag)
     if call.tokens == 0:
         return call.out
-    L.run(L.launches(plan or default_plan(call.x, call.topk_ids, prepared, mode), call, stages))
+    L.run(L.launches(plan or default_plan(call.x, call.topk_ids, prepared, mode, call.expert_map), call, stages))
     return call.out
 
 
