@@ -297,25 +297,36 @@ def timer_targets() -> None:
 
 
 def parse_cases(path: str) -> None:
-    from sglang.srt.server_args import prepare_server_args
+    """Each case through this version's own parser (``ServerArgs.add_cli_args``: every flag and choice checked),
+    and through ``prepare_server_args`` (ServerArgs' own resolution; 0.5.15's needs an accelerator, so on this
+    machine it is reported, with ``--device cpu`` added, rather than required)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
 
     keys = ("model_path", "host", "port", "tp_size", "pp_size", "dp_size", "enable_dp_attention", "ep_size",
             "enable_dp_lm_head", "moe_dense_tp_size", "quantization", "moe_runner_backend",
             "disable_shared_experts_fusion", "kv_cache_dtype", "max_running_requests", "cuda_graph_max_bs_decode",
             "cuda_graph_backend_decode", "cuda_graph_backend_prefill", "attention_backend", "sampling_backend",
             "grammar_backend", "mem_fraction_static", "context_length", "moe_a2a_backend", "random_seed",
-            "fp4_gemm_runner_backend", "skip_server_warmup", "disable_cuda_graph")
+            "fp4_gemm_runner_backend", "skip_server_warmup", "disable_radix_cache", "attn_dp_size",
+            "dsa_prefill_backend", "dsa_decode_backend", "cuda_graph_bs_decode")
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
     parsed = {}
     for name, argv in json.load(open(path)).items():
         try:
-            sa = prepare_server_args(list(argv))
-            parsed[name] = {k: getattr(sa, k, "<missing>") for k in keys}
-            if hasattr(sa, "attn_dp_size"):
-                parsed[name]["attn_dp_size"] = sa.attn_dp_size
+            ns = parser.parse_args(list(argv))
+            parsed[name] = {k: getattr(ns, k, "<missing>") for k in keys}
         except SystemExit as exc:
             parsed[name] = {"error": f"SystemExit {exc.code}"}
-        except Exception as exc:  # noqa: BLE001
-            parsed[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            continue
+        try:
+            extra = [] if "--device" in argv else ["--device", "cpu"]
+            sa = prepare_server_args(list(argv) + extra)
+            parsed[name]["resolved"] = {k: getattr(sa, k, "<missing>") for k in keys}
+        except BaseException as exc:  # noqa: BLE001 - reported: the resolution is the GPU's to do
+            parsed[name]["resolved"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     OUT["cases"] = parsed
 
 
