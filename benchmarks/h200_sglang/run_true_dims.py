@@ -4,7 +4,7 @@ One device call; the engine-free part (checkpoint, phases, dense-view fallback) 
 the same as vLLM's, on the same checkpoint (/tmp/ckpt/glm5-true, made in the background during shipping by
 benchmarks/h200/make_true_ckpt.sh). Up to four servers at TP1, two at a time (``--servers``, ``--start-together``:
 true_dims.py), each a launch profile spelled for SGLang 0.5.15 (decode full CUDA graphs at the load test's
-batch sizes up to 512, prefill breakable graphs):
+batch sizes up to 512, prefill breakable graphs at a few token counts):
 
 * ``ours`` / ``marlin``: ``--moe-runner-backend glm5_fp4`` (backend triton) / stock ``marlin``, both under
   ``modelopt_fp4``; they carry the load test and the traces (``/start_profile`` writes to
@@ -45,6 +45,13 @@ MEM_FRACTION, MAX_TOTAL_TOKENS, MAX_RUNNING = 0.9, 262144, 512
 # Decode graphs at powers of two only: SGLang's own list up to 512 has 52 sizes, each captured at start-up (minutes
 # with DSA); a batch between two sizes runs padded to the next one.
 DECODE_GRAPH_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# Prefill (breakable) graphs: SGLang captures ~28 token counts up to the context length; a few suffice here (prefill
+# is not what is measured, and every capture lengthens the start that has to fit in the call).
+PREFILL_GRAPH_TOKENS = [32, 128, 256]
+
+
+def prefill_graph_tokens(context: int) -> list[int]:
+    return [t for t in PREFILL_GRAPH_TOKENS if t < context] + [context]
 
 
 def context_length(input_len: int, output_len: int) -> int:
@@ -55,10 +62,12 @@ def context_length(input_len: int, output_len: int) -> int:
 def specs_for(ckpt: Path, gpu: bool, work: Path, timers: bool, input_len: int = 128,
               output_len: int = 32) -> list[SglangSpec]:
     dense = ckpt.name.endswith("-dense")
+    context = context_length(input_len, output_len)
     extra = ["--disable-radix-cache", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-             "--cuda-graph-bs-decode", *map(str, DECODE_GRAPH_BATCHES)]
+             "--cuda-graph-bs-decode", *map(str, DECODE_GRAPH_BATCHES),
+             "--cuda-graph-bs-prefill", *map(str, prefill_graph_tokens(context))]
     common = dict(attention_backend="triton" if dense else "dsa", kv_cache_dtype="auto" if dense else DSA_KV_CACHE,
-                  mem_fraction=MEM_FRACTION, max_running=MAX_RUNNING, context_length=context_length(input_len, output_len))
+                  mem_fraction=MEM_FRACTION, max_running=MAX_RUNNING, context_length=context)
     out = []
     for name, backend in (("ours", "glm5_fp4"), ("marlin", "marlin")):
         out.append(SglangSpec(name, ckpt, backend, "modelopt_fp4", extra_args=extra,

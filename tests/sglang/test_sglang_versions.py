@@ -182,6 +182,7 @@ def test_h200_commands_parse_with_sglang_0515(probes, tmp_path):
         assert (spec.command(30000).env.get("SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD") == "0") == dsa, name
         if "-true" in str(spec.model) and not spec.eager:  # decode graphs at the load test's sizes only
             assert g["cuda_graph_bs_decode"] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], name
+            assert g["cuda_graph_bs_prefill"] == [32, 128, 256, spec.context_length], name
         assert g["disable_radix_cache"] is True and g["max_running_requests"] == spec.max_running, name
         env = spec.command(30000).env
         assert (env.get("SGLANG_PLUGINS") == "none") == (not spec.plugin), name  # stock: nothing of ours loaded

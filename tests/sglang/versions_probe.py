@@ -310,7 +310,7 @@ def parse_cases(path: str) -> None:
             "cuda_graph_backend_decode", "cuda_graph_backend_prefill", "attention_backend", "sampling_backend",
             "grammar_backend", "mem_fraction_static", "context_length", "moe_a2a_backend", "random_seed",
             "fp4_gemm_runner_backend", "skip_server_warmup", "disable_radix_cache", "attn_dp_size",
-            "dsa_prefill_backend", "dsa_decode_backend", "cuda_graph_bs_decode")
+            "dsa_prefill_backend", "dsa_decode_backend", "cuda_graph_bs_decode", "cuda_graph_bs_prefill")
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     parsed = {}
