@@ -49,17 +49,30 @@ $(VLLM026)/.unpacked:
 	$(PY) -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('.cache/wheels/vllm-0.26.0-*.whl')[0]); z.extractall('$(VLLM026)', [n for n in z.namelist() if not n.endswith('.so')])"
 	touch $@
 
-test: setup $(VLLM033)/.unpacked $(VLLM026)/.unpacked $(SGLANG_VENV)/.installed
+# SGLang 0.5.15's Python sources (native libraries left out): the newest release that pins torch 2.11, on which
+# benchmarks/h200_sglang/ serves the plugin on the lent H200s; tests/sglang/test_sglang_versions.py runs the plugin
+# against it and 0.5.23 (.venv-sglang). Beside them transformers 5.12.1 and tokenizers 0.22.2, which 0.5.15 pins:
+# the venv's transformers 5.19 already has the qwen3_asr config 0.5.15 registers itself (ValueError at import).
+SGLANG0515 := .cache/sglang-0.5.15
+SGLANG0515_PINS := sglang==0.5.15 transformers==5.12.1 tokenizers==0.22.2
+$(SGLANG0515)/.unpacked:
+	mkdir -p .cache/wheels $(SGLANG0515)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_34_x86_64 --platform manylinux_2_17_x86_64 -d .cache/wheels $(SGLANG0515_PINS)
+	$(PY) -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('$(SGLANG0515)', [n for n in zipfile.ZipFile(w).namelist() if not n.endswith('.cpython-312-x86_64-linux-gnu.so')]) for w in glob.glob('.cache/wheels/sglang-0.5.15-*.whl') + glob.glob('.cache/wheels/transformers-5.12.1-*.whl') + glob.glob('.cache/wheels/tokenizers-0.22.2-*.whl')]"
+	touch $@
+
+test: setup $(VLLM033)/.unpacked $(VLLM026)/.unpacked $(SGLANG_VENV)/.installed $(SGLANG0515)/.unpacked
 	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) GLM5_FP4_VLLM026_SRC=$(abspath $(VLLM026)) $(PY) -m pytest -q -ra --timeout 1800
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
-	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
+	GLM5_FP4_REQUIRE_SGLANG=1 GLM5_FP4_SGLANG0515_SRC=$(abspath $(SGLANG0515)) $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not server"
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
 
-test-sglang: $(SGLANG_VENV)/.installed
-	GLM5_FP4_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
+test-sglang: $(SGLANG_VENV)/.installed $(SGLANG0515)/.unpacked
+	GLM5_FP4_REQUIRE_SGLANG=1 GLM5_FP4_SGLANG0515_SRC=$(abspath $(SGLANG0515)) $(SGLANG_VENV)/bin/python -m pytest tests/sglang -q -ra -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .cache out

@@ -45,7 +45,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - r).norm() / r.norm().clamp_min(1e-300))
 
 
-# -- served models: the same weights behind two vLLM servers (benchmarks/h200_vllm) ------------------------------
+# -- served models: the same weights behind two servers of one engine (benchmarks/h200) --------------------------------
 # Compared by teacher forcing: both servers score the same token sequence (the BF16 twin's greedy continuation)
 # and we take |logprob_a(token) - logprob_b(token)| in nats at every position. Correct servers of the same weights
 # differ by rounding only, but it is not small on the tiny random models: their logits are BF16 (a step of 2^-6

@@ -1,4 +1,4 @@
-"""benchmarks/h200_vllm: teacher-forced logprob comparison of two servers, and the result bundle's size rule."""
+"""benchmarks/h200 (both engines): teacher-forced logprob comparison of two servers, and the result bundle's size rule."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "h200_vllm"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "h200"))
 
 import common  # noqa: E402
 import served_compare as sc  # noqa: E402

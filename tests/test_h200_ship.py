@@ -1,6 +1,8 @@
-"""benchmarks/h200_vllm/ship.py: what is stripped, pieces and manifest, reassembly checks, the smoke verdict.
+"""benchmarks/h200/ship.py (both engines' shipping): what is stripped, pieces and manifest, reassembly checks,
+requirements against the device image, .pth folders, the import-closure check, the smoke verdicts.
 
-The real run is on the H200 (benchmarks/h200_vllm/README.md); here a fake payload goes the same way.
+The real runs are on the H200 (benchmarks/h200_vllm/README.md, benchmarks/h200_sglang/README.md); here a fake
+payload goes the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ship", ROOT / "benchmarks" / "h200_vllm" / "ship.py")
+_spec = importlib.util.spec_from_file_location("ship", ROOT / "benchmarks" / "h200" / "ship.py")
 ship = importlib.util.module_from_spec(_spec)
 sys.modules["ship"] = ship
 _spec.loader.exec_module(ship)
@@ -33,9 +35,25 @@ _spec.loader.exec_module(ship)
     ("vllm-0.26.0.dist-info/entry_points.txt", False),
 ])
 def test_strip_rules_leave_out_only_what_sm90_and_python312_never_load(name, left):
-    assert (ship.stripped(name) is not None) == left
-    native = {m.replace(".", "/") for m in ship.NATIVE}
-    assert not any(ship.stripped(n + ".abi3.so") for n in native)
+    vllm = ship.SETS["vllm"]
+    assert (vllm.stripped(name) is not None) == left
+    native = {m.replace(".", "/") for m in vllm.native}
+    assert not any(vllm.stripped(n + ".abi3.so") for n in native)
+
+
+@pytest.mark.parametrize("name,left", [
+    ("sgl_kernel/flash_ops.abi3.so", True),
+    ("sgl_kernel/sm100/common_ops.abi3.so", True),
+    ("sgl_kernel/sm90/common_ops.abi3.so", False),
+    ("sgl_kernel/flashmla_ops.abi3.so", False),
+    ("sgl_kernel/spatial_ops.abi3.so", False),
+    ("sgl_kernel/flash_attn.py", False),
+    ("deep_gemm/_C.so", False),
+    ("nvidia_cutlass_dsl/python_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cpython-312-x86_64-linux-gnu.so", False),
+    ("sglang/srt/layers/attention/triton_backend.py", False),
+])
+def test_sglang_strip_rules(name, left):
+    assert (ship.SETS["sglang"].stripped(name) is not None) == left
 
 
 def _payload(tmp_path: Path, size: int) -> Path:
@@ -92,28 +110,73 @@ def test_a_missing_or_corrupt_piece_is_named(tmp_path):
     (out / "p0" / first).write_bytes(bytes(data))
     with pytest.raises(ship.ShipError, match="a broken transfer"):
         ship.receive(out, tmp_path / "e")
-    with pytest.raises(ship.ShipError, match="name the .ship/pN folder"):
+    with pytest.raises(ship.ShipError, match="name the nothing/pN folder"):
         ship.receive(tmp_path / "nothing", tmp_path / "f")
 
 
-def test_requirements_are_pinned_and_none_is_on_the_device_image(tmp_path):
-    reqs = ship.requirements()
-    assert len(reqs) == len({r.split("==")[0].lower() for r in reqs})  # one version of each
+@pytest.mark.parametrize("engine", sorted(ship.SETS))
+def test_requirements_are_pinned_and_none_is_on_the_device_image_unless_marked(tmp_path, engine):
+    reqs = ship.read_requirements(ship.SETS[engine].requirements)
+    assert len(reqs) == len({ship._norm(r.name) for r in reqs})  # one version of each
+    assert ship._norm(ship.SETS[engine].package) not in {ship._norm(r.name) for r in reqs}  # the engine is the main wheel
     kinds = tmp_path / "KINDS.md"
     kinds.write_text("## Python packages already there\n\nimage: Packages: absl-py, pydantic_core, torch.\n")
     assert ship.image_overlap(["pydantic-core==2.50.5", "fastapi==0.136.3", "Torch==2.11.0"], kinds) == \
         ["pydantic-core==2.50.5", "Torch==2.11.0"]
     real = Path("/work/.library/device/KINDS.md")
     if real.is_file():
-        assert ship.image_overlap(reqs, real) == []
+        overlap = ship.image_overlap([r.pin for r in reqs], real)
+        assert overlap == [r.pin for r in reqs if r.shadows_image]  # each on purpose, with why
+        assert all(len(r.shadows_image) > 20 for r in reqs if r.shadows_image)
     bad = tmp_path / "r.txt"
     bad.write_text("fastapi\n")
     with pytest.raises(ship.ShipError, match="not pinned"):
         ship.requirements(bad)
+    bad.write_text("fastapi==1\nFastAPI==2\n")
+    with pytest.raises(ship.ShipError, match="fastapi pinned twice"):
+        ship.requirements(bad)
+
+
+def test_sglang_set_shadows_exactly_the_two_pins_it_needs():
+    shadow = {r.name: r.shadows_image for r in ship.read_requirements(ship.SETS["sglang"].requirements) if r.shadows_image}
+    assert set(shadow) == {"transformers", "tokenizers"} and "qwen3_asr" in shadow["transformers"]
+
+
+def test_pth_folders_are_what_a_site_directory_would_add(tmp_path):
+    site = tmp_path / "site"
+    (site / "nvidia_cutlass_dsl" / "python_packages" / "cutlass").mkdir(parents=True)
+    (site / "nvidia_cutlass_dsl.pth").write_text("nvidia_cutlass_dsl/python_packages\n")
+    (site / "other.pth").write_text("# comment\nimport sys; sys.flags\nno/such/folder\nnvidia_cutlass_dsl/python_packages\n")
+    assert ship.pth_folders(site) == ["nvidia_cutlass_dsl/python_packages"]
+
+
+def test_import_closure_check_names_what_is_missing_and_why(tmp_path):
+    """The prepare-time check: a package the start-up modules import unguarded that neither the site nor the
+    image holds stops prepare with the import chain; one in a try/except ImportError does not."""
+    site = tmp_path / "site"
+    (site / "eng" / "srt").mkdir(parents=True)
+    (site / "eng" / "__init__.py").write_text("import numpy\nfrom eng.srt import server\n")
+    (site / "eng" / "srt" / "__init__.py").write_text("")
+    (site / "eng" / "srt" / "server.py").write_text(
+        "import json\nimport shippedpkg\ntry:\n    import optionalpkg\nexcept ImportError:\n    optionalpkg = None\n"
+        "if _is_hip:\n    import hiponly\ndef later():\n    import lazypkg\n")
+    (site / "shippedpkg").mkdir()
+    (site / "shippedpkg" / "__init__.py").write_text("import missingdep\n")
+    kinds = tmp_path / "KINDS.md"
+    kinds.write_text("Packages: numpy, torch.\n")
+    fake = ship.ShipSet(engine="eng", package="eng", version="1", requirements=ROOT / "benchmarks" / "h200_sglang" /
+                        "requirements.txt", strip={}, extract=(), native=(), smoke="", problems=lambda s, m: [],
+                        out=".x", ship_to="/tmp/x", site="/tmp/x/site", closure_entries=("eng.srt.server",))
+    with pytest.raises(ship.ShipError, match=r"missingdep \(eng\.srt\.server -> shippedpkg\)"):
+        ship.check_closure(fake, site, kinds)
+    (site / "missingdep.py").write_text("")
+    report = ship.check_closure(fake, site, kinds)
+    assert report["from_image"] == ["numpy"] and report["guarded_only_absent"] == ["optionalpkg"]
 
 
 def test_smoke_verdict_names_each_problem():
-    good = {"vllm": ship.VLLM_VERSION, "native": {m: "ok" for m in ship.NATIVE}, "api_server": "ok",
+    vllm = ship.SETS["vllm"]
+    good = {"vllm": vllm.version, "native": {m: "ok" for m in vllm.native}, "api_server": "ok",
             "entry_point": ["glm5_fp4.engines.vllm_plugin:register"], "glm5_nvfp4": "ok"}
     assert ship.smoke_problems(good) == []
     bad = {**good, "vllm": "0.33.0", "native": {**good["native"], "vllm._flashmla_C": "OSError: undefined symbol"},
@@ -125,12 +188,29 @@ def test_smoke_verdict_names_each_problem():
         ["ModuleNotFoundError: No module named 'torch'"]
 
 
+def test_sglang_smoke_verdict_names_each_problem():
+    sg = ship.SETS["sglang"]
+    good = {"sglang": "0.5.15", "transformers": "5.12.1", "native": {m: "ok" for m in sg.native},
+            "common_ops": "/tmp/sglang/site/sgl_kernel/sm90/common_ops.abi3.so",
+            "server_imports": {m: "ok" for m in sg.closure_entries}, "flash_ops_stripped": "ImportError: ...",
+            "entry_point": ["glm5_fp4.engines.sglang_plugin:register"], "glm5_fp4_backend": "ok"}
+    assert ship.smoke_problems(good, sg) == []
+    bad = {**good, "transformers": "5.17.0", "native": {**good["native"], "cutlass": "ModuleNotFoundError: cutlass"},
+           "server_imports": {**good["server_imports"], "sglang.srt.models.glm4_moe": "ImportError: x"},
+           "entry_point": [], "glm5_fp4_backend": "AssertionError: hooks not applied"}
+    problems = ship.smoke_problems(bad, sg)
+    assert len(problems) == 5 and "5.17.0" in problems[0] and "cutlass" in problems[1]
+    assert "glm4_moe" in problems[2] and "entry point" in problems[3] and "hooks not applied" in problems[4]
+    assert "not sm90/" in ship.smoke_problems({**good, "common_ops": "/x/sm100/common_ops.abi3.so"}, sg)[0]
+
+
 def test_smoke_script_reports_every_check_on_this_machine(tmp_path):
     """The smoke script itself, against this environment's vLLM: it reports each check instead of stopping."""
     pytest.importorskip("vllm")
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-c", ship.SMOKE, "vllm.no_such_library,json"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", ship.smoke_script(ship.SETS["vllm"]), "vllm.no_such_library,json"],
+                          capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("SMOKE "))
     smoke = json.loads(line[6:])
@@ -140,11 +220,15 @@ def test_smoke_script_reports_every_check_on_this_machine(tmp_path):
     assert any("no_such_library" in p for p in problems)
 
 
-@pytest.mark.skipif(not (ROOT / ".ship" / ship.MANIFEST).is_file(), reason="run benchmarks/h200_vllm/prepare.sh first")
-def test_prepared_pieces_fit_a_call():
-    manifest = json.loads((ROOT / ".ship" / ship.MANIFEST).read_text())
+@pytest.mark.parametrize("engine", sorted(ship.SETS))
+def test_prepared_pieces_fit_a_call(engine):
+    out = ROOT / ship.SETS[engine].out
+    if not (out / ship.MANIFEST).is_file():
+        pytest.skip(f"run benchmarks/h200_{engine}/prepare.sh first")
+    manifest = json.loads((out / ship.MANIFEST).read_text())
+    assert manifest.get("engine", "vllm") == engine
     assert all(p["bytes"] <= ship.PIECE_MIB << 20 for p in manifest["pieces"])
     for i, p in enumerate(manifest["pieces"]):
-        assert (ROOT / ".ship" / f"p{i}" / p["name"]).stat().st_size == p["bytes"]
-        assert json.loads((ROOT / ".ship" / f"p{i}" / ship.MANIFEST).read_text()) == manifest
-    assert os.path.getsize(ROOT / ".ship" / "p0" / manifest["pieces"][0]["name"]) > 0
+        assert (out / f"p{i}" / p["name"]).stat().st_size == p["bytes"]
+        assert json.loads((out / f"p{i}" / ship.MANIFEST).read_text()) == manifest
+    assert os.path.getsize(out / "p0" / manifest["pieces"][0]["name"]) > 0

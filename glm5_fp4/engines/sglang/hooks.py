@@ -1,4 +1,5 @@
-"""Hooks on SGLang 0.5.23's ``ModelOptNvFp4FusedMoEMethod`` (``srt/layers/quantization/modelopt_quant.py``).
+"""Hooks on SGLang's ``ModelOptNvFp4FusedMoEMethod`` (``srt/layers/quantization/modelopt_quant.py``; 0.5.23 and
+0.5.15, differences in :mod:`glm5_fp4.engines.sglang.compat`).
 
 Each is an AROUND hook registered with ``HookRegistry`` (SGLang's own plugin mechanism, applied by
 ``load_plugins()`` in every process): it calls the original unchanged unless the layer's MoE runner backend is
@@ -9,9 +10,10 @@ Each is an AROUND hook registered with ``HookRegistry`` (SGLang's own plugin mec
    original sets, without its platform check.
    Why: the original raises "Current platform does not support NVFP4" unless the GPU is Blackwell or the runner
    is Marlin; our backend also runs W4A16 on Hopper/Ada (Triton, SM89+) and on CPU tensors (reference, dequant).
-   How: call the original; only on that ValueError, set ``quant_config``, ``_lora_marlin``,
-   ``enable_flashinfer_trtllm_moe``, ``use_flashinfer_trtllm_weight_layout``, ``_cache_permute_indices``
-   (a test compares this set with what the original sets on a Blackwell-like platform).
+   How: call the original; only on that ValueError, set what this version's original sets
+   (:func:`glm5_fp4.engines.sglang.compat.nvfp4_moe_init_attributes`: ``quant_config``, ``_lora_marlin``,
+   ``enable_flashinfer_trtllm_moe``, ``use_flashinfer_trtllm_weight_layout``, ``_cache_permute_indices`` on
+   0.5.23; a test compares it with what the original sets on a Blackwell-like platform, for both versions).
    Upstream: none filed; the check predates registered runner backends (sgl-project/sglang 0.5.23).
    Remove when: the check asks the registered runner whether it supports the platform.
 
@@ -44,7 +46,7 @@ import logging
 import torch
 
 from glm5_fp4 import backends, settings
-from glm5_fp4.engines.sglang import NAME
+from glm5_fp4.engines.sglang import NAME, compat
 from glm5_fp4.engines.sglang.runner import Glm5Fp4QuantInfo
 from glm5_fp4.errors import Glm5Fp4Error
 
@@ -78,13 +80,11 @@ def _method_is_ours(method) -> bool:
 
 # -- 1. __init__ --------------------------------------------------------------------------------------
 
-def init_without_platform_check(method, quant_config) -> None:
+def init_without_platform_check(method, quant_config, original=None) -> None:
     """What the original ``__init__`` sets, for a ``glm5_fp4`` runner (no trtllm layout, no LoRA-Marlin)."""
-    method.quant_config = quant_config
-    method._lora_marlin = False
-    method.enable_flashinfer_trtllm_moe = False
-    method.use_flashinfer_trtllm_weight_layout = False
-    method._cache_permute_indices = {}
+    init = original or getattr(type(method).__init__, "__wrapped__", type(method).__init__)
+    for name, value in compat.nvfp4_moe_init_attributes(init, quant_config).items():
+        setattr(method, name, value)
 
 
 def around_init(original, self, quant_config, *args, **kwargs):
@@ -95,7 +95,7 @@ def around_init(original, self, quant_config, *args, **kwargs):
     except ValueError as exc:
         if PLATFORM_REFUSAL not in str(exc):
             raise
-        init_without_platform_check(self, quant_config)
+        init_without_platform_check(self, quant_config, original)
         return None
 
 

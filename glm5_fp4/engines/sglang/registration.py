@@ -1,5 +1,6 @@
 """What the SGLang entry point registers: the CLI name, the runner core, the three method hooks (and the
-per-layer timer hooks when ``GLM5_FP4_LAYER_TIMERS=1``)."""
+per-layer timer hooks when ``GLM5_FP4_LAYER_TIMERS=1``). Version differences (0.5.23 / 0.5.15) are in
+:mod:`glm5_fp4.engines.sglang.compat`."""
 
 from __future__ import annotations
 
@@ -7,25 +8,22 @@ from glm5_fp4.engines.sglang import NAME
 
 
 def register_all() -> None:
-    # 1. argparse: --moe-runner-backend (and --speculative-moe-runner-backend) accept the name. Must run before
-    #    ServerArgs builds its parser, which is why it lives in the plugin and not in a launcher.
-    from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
-
-    if NAME not in MOE_RUNNER_BACKEND_CHOICES:
-        add_moe_runner_backend_choices([NAME])
-
-    # 2. the runner core; MoeRunner checks registered factories before its built-in backends.
-    from sglang.srt.layers.moe.moe_runner import register_moe_runner_core
-    from sglang.srt.layers.moe.moe_runner.runner import _CUSTOM_RUNNER_CORE_FACTORIES
-
-    from glm5_fp4.engines.sglang.runner import make_runner_core
-
-    if NAME not in _CUSTOM_RUNNER_CORE_FACTORIES:
-        register_moe_runner_core(NAME, make_runner_core)
-
-    # 3. ModelOptNvFp4FusedMoEMethod hooks (documented in hooks.py); load_plugins() applies them afterwards.
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from glm5_fp4.engines.sglang import compat
+
+    # 1. argparse: --moe-runner-backend (and --speculative-moe-runner-backend) accept the name. Must run before
+    #    ServerArgs builds its parser, which is why it lives in the plugin and not in a launcher.
+    compat.add_moe_runner_backend_choice(NAME)
+
+    # 2. the runner core; MoeRunner checks registered factories before its built-in backends (0.5.23), or the
+    #    two stand-in hooks make it do so (0.5.15).
+    from glm5_fp4.engines.sglang.runner import make_runner_core
+
+    for target, fn in compat.register_runner_core(NAME, make_runner_core).items():
+        HookRegistry.register(target, fn, HookType.AROUND)
+
+    # 3. ModelOptNvFp4FusedMoEMethod hooks (documented in hooks.py); load_plugins() applies them afterwards.
     from glm5_fp4.engines.sglang.hooks import HOOKS, TARGET
 
     for method, fn in HOOKS.items():

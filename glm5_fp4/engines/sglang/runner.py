@@ -1,6 +1,6 @@
 """The ``glm5_fp4`` MoE runner core: SGLang's ``MoeRunner`` builds it for ``--moe-runner-backend glm5_fp4``.
 
-Contract (SGLang 0.5.23, ``StandardDispatcher``):
+Contract (SGLang 0.5.23 and 0.5.15 alike, ``StandardDispatcher``):
 
 * in: ``StandardDispatchOutput`` -- ``hidden_states`` [T, H] bf16, ``topk_output.topk_weights`` fp32 [T, K]
   that **already include** ``routed_scaling_factor`` (``_fuses_routed_scaling_factor_in_topk`` is True for
@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sglang.srt.layers.moe.moe_runner.base import DispatchMoeRunnerCore, MoeQuantInfo, MoeRunnerConfig
+from sglang.srt.layers.moe.moe_runner.base import MoeQuantInfo, MoeRunnerConfig
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
-from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
 
 from glm5_fp4.backends import Backend
-from glm5_fp4.engines.sglang import NAME
+from glm5_fp4.engines.sglang import NAME, compat
 from glm5_fp4.errors import Glm5Fp4Error
+
+DispatchMoeRunnerCore = compat.dispatch_runner_core_base()
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Glm5Fp4RunnerCore(DispatchMoeRunnerCore):
 
     @property
     def runner_backend(self):
-        return resolve_moe_runner_backend(NAME)
+        return compat.registered_backend(NAME)
 
     def run_from_dispatch(self, dispatch_output, quant_info: MoeQuantInfo, runner_config: MoeRunnerConfig,
                           hooks: Any = None) -> StandardCombineInput:

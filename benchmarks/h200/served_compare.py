@@ -1,10 +1,17 @@
-"""Greedy continuations and teacher-forced logprobs from vLLM servers, and their comparison.
+"""Greedy continuations and teacher-forced logprobs from vLLM and SGLang servers, and their comparison.
 
-``collect(url, model, prompts, n)``: each server's own greedy continuation of every prompt (token ids), and the
-logprobs it gives a *reference* continuation when that is fed back as prompt (``prompt_logprobs``): the same
-tokens scored by every server, so two servers compare position by position whatever they would have
-generated. ``compare(ref, other)`` reduces that to |Δ logprob| (mean, max), top-1 agreement at decisive
-positions, and where the greedy continuations first part. Bounds: ``glm5_fp4.tolerances``.
+``collect(url, prompts, n, reference, engine)``: each server's own greedy continuation of every prompt (token
+ids), and the logprobs it gives a *reference* continuation when that is fed back as prompt: the same tokens
+scored by every server, so two servers compare position by position whatever they would have generated.
+``compare(ref, other)`` reduces that to |Δ logprob| (mean, max), top-1 agreement at decisive positions, and where
+the greedy continuations first part. Bounds: ``glm5_fp4.tolerances``.
+
+The two engines' APIs for it: vLLM's ``/v1/completions`` (``return_token_ids``; ``prompt_logprobs`` with the
+top-k at each prompt position) and SGLang's native ``/generate`` (``input_ids``, ``output_ids``;
+``return_logprob`` with ``logprob_start_len`` 0 and ``top_logprobs_num``: ``meta_info.input_token_logprobs[j]``
+is ``[logprob of token j, token j, text]``, None at position 0, and ``input_top_logprobs[j]`` the top-k there).
+Run SGLang servers with ``--disable-radix-cache``: the forced pass then never starts from the greedy pass's
+cached prefix.
 
 Standard library only on the client side (urllib): works before the openai package is installed.
 """
@@ -52,8 +59,45 @@ def forced(url: str, model: str, prompt: list[int], continuation: list[int], k: 
     return out
 
 
-def collect(url: str, prompts: list[list[int]], n: int, reference: list[list[int]] | None = None) -> dict:
+def _generate(url: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out = json.loads(r.read())
+    return out[0] if isinstance(out, list) else out
+
+
+def sglang_greedy(url: str, prompt: list[int], n: int) -> list[int]:
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    return [int(t) for t in _generate(url, body)["output_ids"]]
+
+
+def sglang_forced(url: str, prompt: list[int], continuation: list[int], k: int = TOP_K) -> list[dict]:
+    """As :func:`forced`, from SGLang's input logprobs (position j scores token j given the tokens before it)."""
+    body = {"input_ids": prompt + continuation, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k}
+    meta = _generate(url, body)["meta_info"]
+    tokens, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    if len(tokens) != len(prompt) + len(continuation):
+        raise ValueError(f"{url}/generate: {len(tokens)} input logprobs for {len(prompt) + len(continuation)} tokens "
+                         "(logprob_start_len not honoured?)")
+    out = []
+    for j, token in enumerate(continuation, start=len(prompt)):
+        lp, tok = tokens[j][0], int(tokens[j][1])
+        if tok != token:
+            raise ValueError(f"{url}/generate: input logprob {j} is for token {tok}, not {token}")
+        top = sorted(((int(t), float(v)) for v, t, *_ in (tops[j] or [])), key=lambda kv: -kv[1])[:k]
+        out.append({"token": token, "logprob": float(lp), "top": top})
+    return out
+
+
+def collect(url: str, prompts: list[list[int]], n: int, reference: list[list[int]] | None = None,
+            engine: str = "vllm") -> dict:
     """Greedy continuations; teacher-forced scores of ``reference`` (or of its own continuations if None)."""
+    if engine == "sglang":
+        own = [sglang_greedy(url, p, n) for p in prompts]
+        ref = reference if reference is not None else own
+        return {"greedy": own, "forced": [sglang_forced(url, p, c) for p, c in zip(prompts, ref)]}
     model = model_name(url)
     own = [greedy(url, model, p, n) for p in prompts]
     ref = reference if reference is not None else own

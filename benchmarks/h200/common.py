@@ -119,7 +119,7 @@ def traceback_summary(log: Path, lines: int = 25) -> str:
 
 def env_versions() -> dict:
     info = {"python": sys.version.split()[0]}
-    for mod in ("torch", "triton", "vllm", "transformers"):
+    for mod in ("torch", "triton", "vllm", "sglang", "transformers"):
         try:
             info[mod] = __import__(mod).__version__
         except Exception as exc:  # noqa: BLE001 - a missing module is a fact to record
@@ -130,6 +130,10 @@ def env_versions() -> dict:
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
             info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+            # Less than the whole card free at the start: servers of an earlier call still hold it.
+            free, total = torch.cuda.mem_get_info(0)
+            info["gpu_free_gib_at_start"] = round(free / 2**30, 1)
+            info["gpu_total_gib"] = round(total / 2**30, 1)
     except Exception:  # noqa: BLE001
         pass
     try:

@@ -1,0 +1,323 @@
+"""The true-dimension item of both engines' H200 runs (vLLM issue 16 item 3, SGLang issue 19 item 3), engine-free.
+
+The checkpoint: GLM-5's own hidden size, experts, intermediate sizes, MLA and DSA indexer shapes and vocabulary
+(glm5_fp4.spec.Glm5Spec) with ``--layers`` layers, the first ``--dense`` of them dense (default 3 + 2 MoE, ~17 GB
+NVFP4), made on the GPU by ``make-checkpoint --device cuda`` (seconds; skipped when /tmp/ckpt/glm5-true is
+complete, e.g. made in the background by make_true_ckpt.sh during shipping).
+
+An engine's run script gives ``specs_for(ckpt, gpu, work, timers)``: ``ours`` and ``marlin`` (stock NVFP4 MoE,
+Marlin on SM90) with their profilers on, and, with timers, ``ours-timers`` / ``marlin-timers`` with
+``GLM5_FP4_LAYER_TIMERS=1`` (the timers synchronise once per step, so they stay off the servers whose throughput
+is measured). ``--servers`` picks which of the four start (e.g. ``ours,marlin`` in one call, the timer twins in
+the next), ``--start-together`` (default 2) at a time, each group given ``--start-timeout-s`` (420 s): four DSA
+servers capturing CUDA graphs at once ran past 239 s on the H200. Then, as time allows (each phase skipped, and
+said so, when the deadline is near): a short teacher-forced logprob check ours vs Marlin; ``glm5-fp4 loadtest``
+sweeps (concurrency up to 512, short outputs) on each, each given its share of the time left; ``glm5-fp4
+compare`` per level; ``glm5-fp4 profile capture --analyze`` of real decode steps on each (the engine's
+``/start_profile``); the measured servers stop, the timer twins start, take one wave of load, and ``glm5-fp4
+profile timers`` reports their dumps. GPU telemetry comes with every load test (NVML). If the engine cannot
+start DSA at these sizes (every server of the group fails), the same weights are served as the dense-attention
+view instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from common import ROOT, Run, evidence, traceback_summary
+from fleet import Fleet
+
+import served_compare
+
+CKPT = Path("/tmp/ckpt/glm5-true")
+LEVELS = "1,8,32,128,512"
+# Rehearsals: the same layer structure at tiny widths (vLLM's CPU MLA needs kv_lora 512 / rope 64).
+CPU_SIZES = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 16,
+             "num_experts_per_tok": 4, "num_attention_heads": 4, "vocab_size": 2048, "q_lora_rank": 128,
+             "qk_nope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 4, "index_head_dim": 64}
+
+
+def true_sizes(layers: int, dense: int) -> dict[str, int]:
+    """GLM-5's own dimensions (the one home: glm5_fp4.spec) as make-checkpoint --size fields."""
+    from glm5_fp4.checkpoint.configs import TINY_SIZES
+    from glm5_fp4.spec import Glm5Spec
+
+    spec = Glm5Spec()
+    renamed = {"num_hidden_layers": "num_layers", "first_k_dense_replace": "first_k_dense"}
+    sizes = {k: getattr(spec, renamed.get(k, k)) for k in TINY_SIZES if hasattr(spec, renamed.get(k, k))}
+    sizes.update(num_hidden_layers=layers, first_k_dense_replace=dense)
+    return {k: v for k, v in sizes.items() if k in TINY_SIZES and v is not None}
+
+
+def cli(run: Run, name: str, args: list[str], timeout: float, log: Path | None = None) -> int:
+    """``glm5-fp4 ARGS`` as a subprocess (its own timeout; output to a log in the bundle)."""
+    log = log or run.work / f"{name}.log"
+    t = time.monotonic()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run([sys.executable, "-m", "glm5_fp4.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    run.phase(name, t, rc=rc, log=log.name)
+    if rc:
+        run.problem(f"{name}: exit {rc} (see {log.name}): " + " | ".join(log.read_text(errors="replace").splitlines()[-3:]))
+    return rc
+
+
+def ensure_checkpoint(run: Run, path: Path, sizes: dict, device: str, wait_s: float) -> Path:
+    done = path / ".complete"
+    pid_file = path.parent / f"{path.name}.pid"
+    t = time.monotonic()
+    while not done.is_file() and pid_file.is_file() and time.monotonic() - t < wait_s:
+        try:
+            os.kill(int(pid_file.read_text()), 0)  # the background maker still runs
+        except (OSError, ValueError):
+            break
+        time.sleep(2)
+    if done.is_file():
+        run.phase("checkpoint", t, reused=True, waited_s=round(time.monotonic() - t, 1))
+        return path
+    if path.exists():
+        shutil.rmtree(path)  # a half-written folder fails validation later
+    args = ["make-checkpoint", "--arch", "glm5", "--out", str(path), "--device", device]
+    for k, v in sizes.items():
+        args += ["--size", f"{k}={v}"]
+    if cli(run, "make_checkpoint", args, timeout=max(60.0, run.left() - 300)) == 0:
+        done.write_text("ok\n")
+    return path
+
+
+def dense_view(path: Path) -> Path:
+    """The dense-attention view of ``path``: its own config.json, every other file linked (no copy)."""
+    from glm5_fp4.checkpoint.configs import dense_attention_view
+
+    view = path.parent / f"{path.name}-dense"
+    view.mkdir(exist_ok=True)
+    for f in path.iterdir():
+        if f.name != "config.json" and not (view / f.name).exists():
+            (view / f.name).symlink_to(f)
+    cfg = json.loads((path / "config.json").read_text())
+    (view / "config.json").write_text(json.dumps(dense_attention_view(cfg), indent=2))
+    return view
+
+
+def check_logprobs(run: Run, urls: dict[str, str], vocab: int, engine: str) -> None:
+    """Ours vs Marlin on the same tokens at true dimensions (informational: random weights, 2 layers of MoE)."""
+    from tiny import prompts
+
+    t = time.monotonic()
+    ps = prompts(vocab, 2, length=32)
+    ref = served_compare.collect(urls["marlin"], ps, 16, engine=engine)
+    ours = served_compare.collect(urls["ours"], ps, 16, ref["greedy"], engine=engine)
+    c = served_compare.compare(ref, ours)
+    (run.work / "logprobs_ours_vs_marlin.json").write_text(json.dumps({"marlin": ref, "ours": ours}, indent=1))
+    run.phase("logprobs_ours_vs_marlin", t, **c.to_dict())
+
+
+def record_servers(run: Run, up: list) -> None:
+    servers = run.summary.setdefault("servers", {})
+    for s in up:
+        servers[s.spec.name] = {**s.summary(), "evidence": evidence(s.handle.log_path)}
+        if s.error:
+            servers[s.spec.name]["traceback"] = traceback_summary(s.handle.log_path)
+            run.problem(f"server {s.spec.name}: {s.error}")
+    run.save()
+
+
+SpecsFor = Callable[[Path, bool, Path, bool], list]
+MEASURED = ("ours", "marlin")  # the servers whose throughput and traces are measured
+TIMED = ("ours-timers", "marlin-timers")  # the layer-timer twins (they synchronise once per step)
+
+
+def selected(args) -> list[str]:
+    """The servers ``--servers`` names, in start order (the timer twins only without ``--no-timers``)."""
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(MEASURED + TIMED))
+    if unknown:
+        raise SystemExit(f"--servers: unknown {unknown}; choose from {', '.join(MEASURED + TIMED)}")
+    return [n for n in MEASURED + TIMED if n in names and not (args.no_timers and n in TIMED)]
+
+
+def start_servers(run: Run, fleet: Fleet, specs: list, args, label: str) -> dict:
+    """``specs`` started ``--start-together`` at a time (each chunk waits until healthy, failed or late before
+    the next starts: four DSA servers capturing CUDA graphs at once ran past 239 s on the H200); name -> URL."""
+    t = time.monotonic()
+    up = []
+    step = max(1, args.start_together)
+    for i in range(0, len(specs), step):
+        chunk = [fleet.launch(s) for s in specs[i:i + step]]
+        fleet.wait(chunk, max(60.0, min(args.start_timeout_s, run.left() - 60)))
+        up += chunk
+    run.phase(label, t, ready={s.spec.name: None if s.ready_s is None else round(s.ready_s, 1) for s in up})
+    record_servers(run, up)
+    return {s.spec.name: s.url for s in up if s.error is None}
+
+
+def stop_named(fleet: Fleet, names) -> None:
+    for name in names:
+        s = fleet.by_name(name)
+        if s is not None:
+            fleet.stop(s)
+
+
+def parallel_run(run: Run, fleet: Fleet, ckpt: Path, vocab: int, specs_for: SpecsFor, engine: str, args,
+                 gpu: bool) -> None:
+    """The measured servers (``ours``, ``marlin``), then the timer twins, each group stopped before the next starts.
+
+    Order within the measured group, so that Marlin's numbers are not the ones the deadline takes: the logprob
+    check, both load-test sweeps (each given its share of the time left), ``compare`` per level, then the two
+    profile captures.
+    """
+    names = selected(args)
+    chosen = lambda c, group: [s for s in specs_for(c, gpu, run.work, any(n in TIMED for n in names))  # noqa: E731
+                               if s.name in names and s.name in group]
+    measured = chosen(ckpt, MEASURED)
+    if measured:
+        label = "servers"
+        ready = start_servers(run, fleet, measured, args, label)
+        # DSA that the engine cannot start fails ours and stock alike; one failing alone is recorded, not retried.
+        if not ready and "-dense" not in ckpt.name and not run.skip("dense view", 240):
+            run.summary["dsa_failure"] = {n: run.summary["servers"][n] for n in (s.name for s in measured)}
+            stop_named(fleet, [s.name for s in measured])
+            ckpt = dense_view(ckpt)
+            measured = chosen(ckpt, MEASURED)
+            ready = start_servers(run, fleet, measured, args, "servers_dense_view")
+        run.summary["checkpoint_served"] = str(ckpt)
+        measure_group(run, ready, ckpt, vocab, engine, args)
+        stop_named(fleet, [s.name for s in measured])
+    timed = chosen(ckpt, TIMED)
+    if timed and not run.skip("layer-timer servers", 150):
+        ready = start_servers(run, fleet, timed, args, "servers_timers")
+        if not ready and "-dense" not in ckpt.name and not measured and not run.skip("dense view (timers)", 200):
+            stop_named(fleet, [s.name for s in timed])
+            ckpt = dense_view(ckpt)
+            timed = chosen(ckpt, TIMED)
+            ready = start_servers(run, fleet, timed, args, "servers_timers_dense_view")
+        for name in ("ours", "marlin"):
+            if f"{name}-timers" in ready:
+                timers(run, fleet, name, ready[f"{name}-timers"], ckpt, args)
+        stop_named(fleet, [s.name for s in timed])
+
+
+def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, args) -> None:
+    if {"ours", "marlin"} <= set(ready) and not run.skip("logprob check", 60):
+        try:
+            check_logprobs(run, ready, vocab, engine)
+        except Exception as exc:  # noqa: BLE001 - recorded; the measurements still run
+            run.problem(f"logprob check: {type(exc).__name__}: {exc}")
+    up = [n for n in MEASURED if n in ready]
+    for i, name in enumerate(up):
+        # Each sweep gets its share of what is left (the profiles after them need ~90 s each).
+        share = (run.left() - 90 * len(up)) / (len(up) - i)
+        loadtest(run, name, ready[name], ckpt, args, timeout=min(300.0, max(60.0, share)))
+    for lvl in [lvl for lvl in args.levels.split(",") if lvl]:
+        a, b = (loadtest_result(run.work / "loadtest" / n, lvl) for n in ("marlin", "ours"))
+        if a is not None and b is not None:
+            cli(run, f"compare_c{lvl}", ["compare", f"marlin={a}", f"ours={b}", "--out",
+                                         str(run.work / f"compare_c{lvl}.md")], timeout=60)
+        elif {"loadtest_ours", "loadtest_marlin"} <= set(run.summary["phases"]):
+            run.problem(f"compare c{lvl}: no load-test result at concurrency {lvl} for "
+                        + " and ".join(n for n, f in (("marlin", a), ("ours", b)) if f is None))
+    for name in up:
+        profile(run, name, ready[name], ckpt, engine, args)
+
+
+def loadtest_result(folder: Path, level: str) -> Path | None:
+    """The result JSON of one concurrency level: ``c<N>.json`` in a sweep, ``<label>-c<N>-<model>-<time>.json``
+    when the load test ran a single level."""
+    sweep = folder / f"c{level}.json"
+    if sweep.is_file():
+        return sweep
+    single = sorted(folder.glob(f"*-c{level}-*.json"))
+    return single[-1] if single else None
+
+
+def loadtest(run: Run, name: str, url: str, ckpt: Path, args, timeout: float = 300.0) -> None:
+    """The load-test sweep (telemetry included)."""
+    if not run.skip(f"loadtest {name}", 90):
+        cli(run, f"loadtest_{name}", ["loadtest", "--url", url, "--concurrency", args.levels,
+                                      "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                                      "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
+                                      "--result-dir", str(run.work / "loadtest" / name), "--label", name,
+                                      "--no-progress"], timeout=min(timeout, run.left() - 60))
+
+
+def profile(run: Run, name: str, url: str, ckpt: Path, engine: str, args) -> None:
+    """A profile capture of real decode steps through the engine's ``/start_profile``, analysed."""
+    if not run.skip(f"profile {name}", 75):
+        conc = args.capture_concurrency
+        cli(run, f"profile_{name}", ["profile", "capture", "--url", url, "--steps", "8",
+                                     "--trace-dir", str(trace_dir(name)), "--engine", engine,
+                                     "--concurrency", str(conc), "--prompt-len", "32", "--output-len", "256",
+                                     "--warmup-s", "90", "--flush-timeout-s", "120", "--analyze",
+                                     "--out", str(run.work / "profile" / name), "--batch", str(conc),
+                                     "--context", "160", "--config", str(ckpt / "config.json")],
+            timeout=min(240.0, run.left() - 30))
+
+
+def measure(run: Run, name: str, url: str, ckpt: Path, engine: str, args) -> None:
+    """One server alone (the CPU rehearsal): its sweep, then its profile capture."""
+    loadtest(run, name, url, ckpt, args)
+    profile(run, name, url, ckpt, engine, args)
+
+
+def timers(run: Run, fleet: Fleet, name: str, url: str, ckpt: Path, args) -> None:
+    """One wave of streams at the highest level on the timer server, then ``profile timers`` of its dump."""
+    if run.skip(f"layer timers {name}", 45):
+        return
+    top = max(int(x) for x in args.levels.split(",") if x)
+    cli(run, f"timers_load_{name}", ["loadtest", "--url", url, "--concurrency", str(top), "--num-prompts", str(top),
+                                     "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                                     "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "90",
+                                     "--result-dir", "", "--no-progress", "--no-telemetry"],
+        timeout=min(150.0, run.left() - 20))
+    fleet.stop(fleet.by_name(f"{name}-timers"))  # the dump is line-buffered; stopping closes it
+    dumps = sorted((run.work / "layer_timers" / name).glob("*.jsonl"))
+    if dumps:
+        cli(run, f"timers_report_{name}", ["profile", "timers", *map(str, dumps), "--out",
+                                           str(run.work / "layer_timers_report" / name)], timeout=60)
+    else:
+        run.problem(f"layer timers {name}: no dump in {run.work / 'layer_timers' / name}")
+
+
+def trace_dir(name: str) -> Path:
+    """Where the server writes its traces: outside the bundle (capture copies what it collects into it)."""
+    d = Path(os.environ.get("GLM5_FP4_TRACE_ROOT", "/tmp/h200_traces")) / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def timer_env(work: Path, name: str) -> dict[str, str]:
+    """The environment of a layer-timer server (its dump folder made)."""
+    dump = work / "layer_timers" / name
+    dump.mkdir(parents=True, exist_ok=True)
+    return {"GLM5_FP4_LAYER_TIMERS": "1", "GLM5_FP4_LAYER_TIMERS_OUT": str(dump)}
+
+
+def add_arguments(ap, deadline_s: float = 530.0) -> None:
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--ckpt", type=Path, default=CKPT)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--dense", type=int, default=3)
+    ap.add_argument("--deadline-s", type=float, default=deadline_s)
+    ap.add_argument("--start-timeout-s", type=float, default=420.0,
+                    help="per group of servers started together (a DSA start with CUDA graphs took > 239 s)")
+    ap.add_argument("--servers", default=",".join(MEASURED + TIMED),
+                    help="which servers start, of ours, marlin (load test, compare, profile) and ours-timers, "
+                         "marlin-timers (layer timers, started after the first two stop); e.g. ours,marlin")
+    ap.add_argument("--start-together", type=int, default=2,
+                    help="servers started at once (each group waits until its servers are up before the next)")
+    ap.add_argument("--levels", default=LEVELS, help="load-test concurrency levels")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--capture-concurrency", type=int, default=512)
+    ap.add_argument("--no-timers", action="store_true", help="skip the two layer-timer servers (as --servers ours,marlin)")
+    ap.add_argument("--dense-attention", action="store_true", help="serve the dense-attention view from the start")

@@ -1,0 +1,129 @@
+"""The SGLang H200 scripts rehearsed on CPU: every phase against fake SGLang servers (benchmarks/h200/fake_sglang.py).
+
+SGLang cannot serve on a CPU, so what is rehearsed is the orchestration: checkpoints, all servers started at once
+and stopped, the SGLang client calls (``/generate`` greedy and teacher-forced logprobs, the OpenAI stream the load
+tester uses, ``/start_profile``), the verdicts and their failure paths (a server that does not start, one that
+computes far off, the GLM-5 DSA servers failing and the dense view taking over), the sweep, ``compare``,
+``profile capture --analyze``, the result bundle. The real commands are recorded beside each fake and parsed by
+SGLang 0.5.15's own ServerArgs in tests/sglang/test_sglang_versions.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "benchmarks" / "h200_sglang"
+
+
+def _start(script: str, tmp: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "GLM5_FP4_TRACE_ROOT": str(tmp / "traces"), **(env or {})}
+    return subprocess.Popen([sys.executable, str(SCRIPTS / script), "--out", str(tmp / "out"), "--fake-servers",
+                             "--start-timeout-s", "60", *args], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def rehearsals(tmp_path_factory):
+    """Three rehearsals at once (two cores): tiny as planned, tiny with failures injected, true dimensions."""
+    base = tmp_path_factory.mktemp("rehearsal")
+    ckpts = base / "ckpt"
+    runs = {
+        "tiny": _start("run_tiny.py", base / "tiny", "--ckpt-root", str(ckpts / "a"), "--deadline-s", "300"),
+        "tiny_failing": _start("run_tiny.py", base / "failing", "--ckpt-root", str(ckpts / "b"), "--deadline-s", "300",
+                               env={"GLM5_FP4_FAKE_SGLANG_FAIL": "^glm5-", "GLM5_FP4_FAKE_SGLANG_OFF": "^glm4moe-ours$"}),
+        "true": _start("run_true_dims.py", base / "true", "--ckpt", str(ckpts / "glm5-true"), "--deadline-s", "400",
+                       "--levels", "4", "--capture-concurrency", "4", "--input-len", "16", "--output-len", "8",
+                       "--start-together", "1"),
+    }
+    out = {}
+    for name, proc in runs.items():
+        log, _ = proc.communicate(timeout=600)
+        folder = base / {"tiny": "tiny", "tiny_failing": "failing", "true": "true"}[name] / "out"
+        run = "h200_sglang_true_dims" if name == "true" else "h200_sglang_tiny"
+        out[name] = {"rc": proc.returncode, "log": log, "out": folder, "run": run,
+                     "summary": json.loads((folder / f"{run}_summary.json").read_text())}
+    return out
+
+
+def test_tiny_rehearsal_compares_every_path_and_passes(rehearsals):
+    r = rehearsals["tiny"]
+    assert r["rc"] == 0, r["log"][-3000:]
+    s = r["summary"]
+    assert s["engine"] == "sglang" and s["fake_servers"] and s["problems"] == []
+    assert set(s["archs"]) == {"glm5", "glm4moe"}  # real DSA planned first; no fallback needed
+    for arch, report in s["archs"].items():
+        assert report["verdict"]["ok"]
+        assert set(report["checks"]) == {"marlin_vs_bf16 (yardstick)", "bf16_graphs_vs_eager (yardstick)",
+                                         "ours_eager_vs_bf16", "ours_graphs_vs_bf16_graphs", "ours_graphs_vs_eager"}
+        assert report["checks"]["ours_eager_vs_bf16"]["positions"] == 4 * 32
+        servers = report["servers"]
+        assert len(servers) == 5 and all(v["ready_s"] is not None for v in servers.values())
+        ours = servers[f"{arch}-ours"]["stands_in_for"]
+        assert "--moe-runner-backend glm5_fp4" in ours and "--disable-shared-experts-fusion" in ours
+        assert ("--attention-backend dsa" in ours) == (arch == "glm5")
+        assert "--moe-runner-backend marlin" in servers[f"{arch}-marlin"]["stands_in_for"]
+    with tarfile.open(r["out"] / f"{r['run']}.tar.gz") as tar:
+        names = tar.getnames()
+    assert f"{r['run']}/summary.json" in names and sum(n.endswith(".log") for n in names) == 10
+
+
+def test_tiny_rehearsal_reports_failures_and_falls_back_to_the_dense_view(rehearsals):
+    r = rehearsals["tiny_failing"]
+    assert r["rc"] == 1  # a check failed: the exit code says so
+    s = r["summary"]
+    assert set(s["archs"]) == {"glm5", "glm4moe", "glm5dense"}
+    assert s["archs"]["glm5dense"]["verdict"]["ok"]  # the closest thing that runs, ran
+    assert "fake SGLang: this server was told to fail at start" in s["archs"]["glm5"]["verdict"]["why"][0]
+    why = " ".join(s["archs"]["glm4moe"]["verdict"]["why"])
+    assert "ours_graphs_vs_bf16_graphs: mean |Δ logprob|" in why and "ours_eager_vs_bf16" not in why
+    assert len(s["problems"]) == 2
+
+
+def test_true_dims_rehearsal_runs_every_phase(rehearsals):
+    r = rehearsals["true"]
+    assert r["rc"] == 0, r["log"][-3000:]
+    s = r["summary"]
+    assert s["problems"] == [] and s["skipped"] == []
+    phases = s["phases"]
+    for phase in ("servers", "logprobs_ours_vs_marlin", "loadtest_ours", "loadtest_marlin", "profile_ours",
+                  "profile_marlin", "compare_c4"):
+        assert phase in phases, phase
+    assert phases["logprobs_ours_vs_marlin"]["ok"]
+    # Both sweeps before either profile (so the deadline never takes Marlin's sweep and the compare table)
+    order = list(phases)
+    assert max(order.index("loadtest_ours"), order.index("loadtest_marlin")) < order.index("compare_c4") \
+        < order.index("profile_ours") < order.index("profile_marlin")
+    assert set(s["servers"]) == {"ours", "marlin"}  # no layer timers on fakes
+    assert "SGLANG_TORCH_PROFILER_DIR" in s["servers"]["marlin"]["stands_in_for"]
+    with tarfile.open(r["out"] / f"{r['run']}.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert f"{r['run']}/compare_c4.md" in names
+    assert any(n.endswith("profile/ours/breakdown/breakdown.json") for n in names)
+    # One level: the load tester writes <label>-c<N>-<model>-<time>.json, not a sweep
+    assert any("loadtest/marlin/marlin-c4-" in n and n.endswith(".json") for n in names)
+
+
+def test_servers_option_selects_and_orders_the_servers():
+    import argparse
+
+    sys.path[:0] = [str(ROOT / "benchmarks" / "h200")]
+    try:
+        import true_dims
+    finally:
+        del sys.path[0]
+    ap = argparse.ArgumentParser()
+    true_dims.add_arguments(ap)
+    assert true_dims.selected(ap.parse_args([])) == ["ours", "marlin", "ours-timers", "marlin-timers"]
+    assert true_dims.selected(ap.parse_args(["--servers", "marlin-timers,ours"])) == ["ours", "marlin-timers"]
+    assert true_dims.selected(ap.parse_args(["--no-timers"])) == ["ours", "marlin"]
+    assert ap.parse_args([]).start_timeout_s == 420 and ap.parse_args([]).start_together == 2
+    with pytest.raises(SystemExit, match="unknown"):
+        true_dims.selected(ap.parse_args(["--servers", "ours,stock"]))
