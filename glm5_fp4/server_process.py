@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +27,22 @@ from pathlib import Path
 from glm5_fp4.errors import Glm5Fp4Error
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def free_port(highest: int = 65535, host: str = "127.0.0.1") -> int:
+    """A loopback port free right now, at most ``highest`` (an engine may derive more ports from its own:
+    :attr:`glm5_fp4.engines.sglang.compat.ServerFlags.max_port`). The kernel's ephemeral pick runs up to
+    ~61000, so below that limit ports are drawn at random from the unprivileged range instead."""
+    for _ in range(200):
+        with socket.socket() as s:
+            try:
+                s.bind((host, 0 if highest >= 65535 else random.randint(20000, highest)))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+            if port <= highest:
+                return port
+    raise Glm5Fp4Error(f"no free port on {host} at or below {highest}")
 
 
 def _die_with_parent() -> Callable[[], None] | None:

@@ -127,3 +127,19 @@ def test_servers_option_selects_and_orders_the_servers():
     assert ap.parse_args([]).start_timeout_s == 420 and ap.parse_args([]).start_together == 2
     with pytest.raises(SystemExit, match="unknown"):
         true_dims.selected(ap.parse_args(["--servers", "ours,stock"]))
+
+
+def test_fleet_gives_sglang_servers_ports_its_vehicle_accepts(monkeypatch):
+    """The H200 fleet took ephemeral ports (up to ~61000) and SGLang 0.5.15 refused those above 55535; every
+    SGLang server now gets a port the vehicle's own rule accepts, however high the ephemeral range runs."""
+    import socket
+
+    from glm5_fp4.engines.sglang.compat import server_flags
+    from glm5_fp4.server_process import free_port
+
+    highest = server_flags("0.5.15").max_port
+    ports = {free_port(highest=highest) for _ in range(50)}
+    assert all(1024 < p <= highest for p in ports)
+    for p in list(ports)[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free when handed out

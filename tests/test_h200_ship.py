@@ -174,6 +174,25 @@ def test_import_closure_check_names_what_is_missing_and_why(tmp_path):
     assert report["from_image"] == ["numpy"] and report["guarded_only_absent"] == ["optionalpkg"]
 
 
+def test_import_closure_tells_namespace_packages_apart(tmp_path):
+    """`cuda` is a namespace shared by several distributions: the image's cuda-bindings provides cuda.bindings,
+    not cuda.tile. On the H200 flashinfer.comm's `import cuda.tile` passed the check (the image "had cuda") and
+    then failed the plugin's registration; the check now names the subpackage."""
+    site = tmp_path / "site"
+    (site / "eng").mkdir(parents=True)
+    (site / "eng" / "__init__.py").write_text("import cuda.bindings.runtime\nimport cuda.tile as ct\n")
+    kinds = tmp_path / "KINDS.md"
+    kinds.write_text("Packages: cuda-bindings, torch.\n")
+    fake = ship.ShipSet(engine="eng", package="eng", version="1", requirements=ROOT / "benchmarks" / "h200_sglang" /
+                        "requirements.txt", strip={}, extract=(), native=(), smoke="", problems=lambda s, m: [],
+                        out=".x", ship_to="/tmp/x", site="/tmp/x/site", closure_entries=("eng",))
+    with pytest.raises(ship.ShipError, match=r"cuda\.tile \(eng\)"):
+        ship.check_closure(fake, site, kinds)
+    (site / "cuda" / "tile").mkdir(parents=True)
+    (site / "cuda" / "tile" / "__init__.py").write_text("")
+    assert ship.check_closure(fake, site, kinds)["from_image"] == ["cuda.bindings"]
+
+
 def test_smoke_verdict_names_each_problem():
     vllm = ship.SETS["vllm"]
     good = {"vllm": vllm.version, "native": {m: "ok" for m in vllm.native}, "api_server": "ok",

@@ -326,3 +326,19 @@ def test_sglang_0515_spelling_and_choices():
         build_command(p, sglang_version="0.5.23")
         with pytest.raises(Glm5Fp4Error, match=rf"{field} '{value}' is not an SGLang 0.5.15 "):
             build_command(p, sglang_version="0.5.15")
+
+
+def test_sglang_0515_port_leaves_room_for_its_grpc_port():
+    """SGLang 0.5.15 derives a gRPC port as --port + 10000 and exits when that passes 65535 (seen on the H200:
+    a free port of 57889 killed the server at start). Such a port is one clear error before anything starts;
+    0.5.23 derives no such port and takes it."""
+    from glm5_fp4.engines.sglang.compat import server_flags
+
+    highest = server_flags("0.5.15").max_port
+    assert highest == 65535 - 10000 and server_flags("0.5.23").max_port == 65535
+    ok = profile_from_dict({"model": "/m", "engine": "sglang", "port": highest})
+    assert str(highest) in build_command(ok, sglang_version="0.5.15").engine_args
+    high = profile_from_dict({"model": "/m", "engine": "sglang", "port": highest + 1})
+    build_command(high, sglang_version="0.5.23")
+    with pytest.raises(Glm5Fp4Error, match=rf"port {highest + 1} .*SGLang 0.5.15.*<= {highest}"):
+        build_command(high, sglang_version="0.5.15")

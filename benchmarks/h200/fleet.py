@@ -22,22 +22,15 @@ import os
 import re
 import shlex
 import signal
-import socket
 import sys
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glm5_fp4.server_process import error_from_log
+from glm5_fp4.server_process import error_from_log, free_port
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cuda_available() -> bool:
@@ -240,10 +233,12 @@ class Fleet:
         return self.gpu or self.fake
 
     def launch(self, spec) -> Started:
-        port = free_port()
         log = self.logs / f"{spec.name}.log"
         if spec.engine == "sglang":
+            from glm5_fp4.engines.sglang.compat import VEHICLE, server_flags
             from glm5_fp4.launch.serve import start
+
+            port = free_port(highest=server_flags(VEHICLE).max_port)
 
             command = spec.command(port)
             real = None
@@ -253,6 +248,8 @@ class Fleet:
             started = Started(spec, handle, real_command=real)
         else:
             from glm5_fp4.engines.vllm.serve import launch_vllm
+
+            port = free_port()
 
             env = {**os.environ, **spec.env}
             args = engine_args(spec, self.gpu, self.mem_fraction, self.kv_bytes, self.base_args)

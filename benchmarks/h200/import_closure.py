@@ -81,11 +81,25 @@ def module_file(roots: list[Path], name: str) -> Path | None:
     return None
 
 
+# Top-level namespace packages that several distributions share (cuda-bindings: cuda.bindings, cuda-core:
+# cuda.core, cuda-tile: cuda.tile): what is shipped or missing is the subpackage, so names are kept to two parts.
+NAMESPACES = frozenset({"cuda"})
+
+
+def package_name(target: str) -> str:
+    """The name a distribution provides for import ``target``: its top level, or ``ns.sub`` in a namespace."""
+    parts = target.split(".")
+    return ".".join(parts[:2]) if parts[0] in NAMESPACES and len(parts) > 1 else parts[0]
+
+
 def _present(roots: list[Path], top: str) -> bool:
-    """Whether a top-level module ``top`` is under a root at all (a package, a module or an extension)."""
+    """Whether a top-level module ``top`` (or ``ns.sub`` in a namespace) is under a root at all (a package, a
+    module or an extension)."""
+    *ns, leaf = top.split(".")
     for root in roots:
-        if (root / top).is_dir() or (root / f"{top}.py").is_file() or any(root.glob(f"{top}.*.so")) \
-                or any(root.glob(f"{top}.abi3.so")):
+        base = root.joinpath(*ns)
+        if (base / leaf).is_dir() or (base / f"{leaf}.py").is_file() or any(base.glob(f"{leaf}.*.so")) \
+                or any(base.glob(f"{leaf}.abi3.so")):
             return True
     return False
 
@@ -225,9 +239,9 @@ def closure(roots: list[Path], entries: list[str]) -> Found:
                 for target in _targets(node, mod, path.name == "__init__.py"):
                     if not target:
                         continue
-                    top = target.split(".")[0]
-                    if top in sys.stdlib_module_names or top in ("__future__", "__main__"):
+                    if target.split(".")[0] in sys.stdlib_module_names or target in ("__future__", "__main__"):
                         continue
+                    top = package_name(target)
                     if _present(roots, top):
                         if module_file(roots, target) is not None:
                             queue.append((target, mod, optional))

@@ -49,8 +49,10 @@ PYTHONPATH_FILE = ".pythonpath"
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64",
              "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
 KINDS_MD = Path("/work/.library/device/KINDS.md")
-# Import names of device-image distributions whose import name is not the distribution name with '-' -> '_'.
-IMAGE_IMPORT_NAMES = {"pillow": ("PIL",), "pyyaml": ("yaml",), "cuda-bindings": ("cuda",), "cuda-core": ("cuda",),
+# Import names of device-image distributions whose import name is not the distribution name with '-' -> '_'
+# (inside a namespace package: the subpackage, import_closure.package_name).
+IMAGE_IMPORT_NAMES = {"pillow": ("PIL",), "pyyaml": ("yaml",), "cuda-bindings": ("cuda.bindings",), "cuda-core": ("cuda.core",),
+                      "cuda-pathfinder": ("cuda.pathfinder",),
                       "nvidia-ml-py": ("pynvml",), "attrs": ("attr", "attrs"), "protobuf": ("google",),
                       "scikit-learn": ("sklearn",), "scikit-image": ("skimage",), "opencv-python-headless": ("cv2",),
                       "python-dateutil": ("dateutil",), "pyzmq": ("zmq",), "py-cpuinfo": ("cpuinfo",),
@@ -211,6 +213,11 @@ SGLANG_SERVER_MODULES = (
     "sglang.srt.models.glm4_moe", "sglang.srt.models.deepseek_v2", "sglang.srt.layers.quantization.modelopt_quant",
     "sglang.srt.layers.moe.moe_runner.marlin", "sglang.srt.layers.attention.triton_backend",
     "sglang.srt.layers.attention.dsa_backend", "sglang.srt.layers.sampler", "sglang.srt.managers.io_struct",
+    # What our plugin imports at registration, in the server's main process (before the model files): on the
+    # H200 the token dispatcher's chain reached flashinfer.comm -> cuda.tile, absent, and registration failed.
+    "sglang.srt.layers.moe.moe_runner.runner", "sglang.srt.layers.moe.moe_runner.base",
+    "sglang.srt.layers.moe.token_dispatcher.standard", "sglang.srt.layers.moe.utils",
+    "sglang.srt.plugins.hook_registry", "sglang.srt.runtime_context",
 )
 
 SETS: dict[str, ShipSet] = {

@@ -376,6 +376,9 @@ def _check_sglang_choices(profile: LaunchProfile, spelled, origin: str) -> None:
     if profile.kv_cache_dtype not in spelled.kv_cache_dtypes:
         raise Glm5Fp4Error(f"{origin}: kv_cache_dtype {profile.kv_cache_dtype!r} is not an SGLang {spelled.version} "
                            f"--kv-cache-dtype; it has: {', '.join(spelled.kv_cache_dtypes)}")
+    if profile.effective_port > spelled.max_port:
+        raise Glm5Fp4Error(f"{origin}: port {profile.effective_port} is too high for SGLang {spelled.version}, which "
+                           f"derives its gRPC port as port + 10000: use a port <= {spelled.max_port}")
 
 
 def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Mapping[str, str] | None = None,

@@ -92,6 +92,9 @@ class ServerFlags:
     version: str
     moe_runner_backends: tuple[str, ...]
     kv_cache_dtypes: tuple[str, ...]
+    # 0.5.15's ServerArgs derives a gRPC port as --port + 10000 and exits when that passes 65535, even when
+    # gRPC is off; 0.5.23 derives none.
+    max_port: int = 65535
 
     def attention_dp(self, size: int) -> tuple[str, ...]:
         if self.version == VEHICLE:
@@ -109,7 +112,7 @@ def server_flags(version: str | None = None) -> ServerFlags:
 
     which = spelling(version or installed_version())
     if which == VEHICLE:
-        return ServerFlags(VEHICLE, MOE_RUNNER_BACKENDS_0515, KV_CACHE_DTYPES_0515)
+        return ServerFlags(VEHICLE, MOE_RUNNER_BACKENDS_0515, KV_CACHE_DTYPES_0515, max_port=65535 - 10000)
     return ServerFlags(PRIMARY, SGLANG_MOE_BACKENDS, SGLANG_KV_CACHE_DTYPES)
 
 
