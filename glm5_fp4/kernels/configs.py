@@ -72,6 +72,10 @@ class Plan:
     prep_x: bool = True
     # Slot schedule: GEMM2 unrolls the token's k experts (all weight loads in flight), where they fit.
     gemm2_unroll: bool = False
+    # Slot schedule with split-K: the last GEMM1 program of each (N tile, slot) adds the partial sums and
+    # applies SwiGLU (an arrival counter), instead of a reduce launch: 2 dependent launches instead of 3.
+    # Off until measured on the H200 (benchmarks/moe_variants.py, variant "fused_reduce").
+    gemm1_fused_reduce: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------

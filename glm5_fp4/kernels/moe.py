@@ -75,6 +75,8 @@ class Workspace:
         # split-K partial sums of the slot schedule's GEMM1: [split, slot, gate|up]
         self.part_rows = min(max_tokens, cfgs.SPLIT_K_MAX_TOKENS) * top_k
         self.part = torch.empty(cfgs.SPLIT_K_MAX * self.part_rows * 2 * intermediate, dtype=torch.float32, device=device)
+        # arrivals per (slot, GEMM1 N tile) of the fused split-K reduce; the last arrival sets it back to zero
+        self.split_count = torch.zeros(self.part_rows * (intermediate // 16), **i32)
         # NVFP4 act (codes + scales) between the native FP4 GEMMs; allocated on first native use
         self.act_q: torch.Tensor | None = None
         self.act_s: torch.Tensor | None = None

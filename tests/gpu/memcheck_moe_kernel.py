@@ -3,6 +3,8 @@ routing whose hot expert spans several work-list blocks, and expert parallelism 
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/memcheck_moe_kernel.py
     compute-sanitizer --tool racecheck python tests/gpu/memcheck_moe_kernel.py
+
+GLM5_FP4_PLACED_NIBBLES=1 runs the same cases on the "placed" weight layout (run_moe_h200.sh: memcheck_placed).
 """
 
 import torch
@@ -33,6 +35,24 @@ def main() -> int:
             ok = err < moe_tolerance(mode, x.dtype)
             failures += not ok
             print(f"T={t} {routing} map={use_map} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # the slot schedule's fused split-K reduce (plan.gemm1_fused_reduce: arrival counters, last program reduces)
+    import dataclasses
+
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    for t in (1, 3):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing("balanced", t, e, k, device="cuda")
+        plan = default_plan(x, ids, prep, "w4a16")
+        plan = dataclasses.replace(plan, gemm1_split_k=2, gemm1_fused_reduce=True)
+        for mode in ("w4a16", "w4a4"):
+            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
+            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
+                                compute_dtype=torch.float64)
+            err = rel_error(out, ref)
+            ok = err < moe_tolerance(mode, x.dtype)
+            failures += not ok
+            print(f"T={t} fused split-K reduce {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

@@ -4,8 +4,8 @@ Run by `make test` in its own process (the interpreter must be on before the ker
 activations (the interpreter's bf16 tl.dot is broken, shared/reference/kernel-notes.md section 4) and the
 portable decode (the interpreter cannot run the inline PTX; tests/gpu checks that the PTX decode equals
 it). Covered: both schedules, several work-list blocks per hot expert, skewed routings, expert
-parallelism (remote slots, all-remote tokens, a rank without tokens), W4A16 and W4A4 against a float64
-reference, NaN-poisoned outputs, int32 ids, and the kernels' E4M3 / E2M1 rounding helpers.
+parallelism (remote slots, all-remote tokens, a rank without tokens), the "placed" weight layout, W4A16
+and W4A4 against a float64 reference, NaN-poisoned outputs, int32 ids, and the kernels' E4M3 / E2M1 rounding helpers.
 """
 
 from __future__ import annotations
@@ -80,6 +80,49 @@ def test_slot_split_k(gen, mode, merged):
     """Split-K needs two K tiles: H = 256."""
     out, ref = _run(gen, 3, mode, "slot", h=256, merged=merged, gemm1_split_k=2)
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
+
+
+@pytest.mark.parametrize("schedule,t,mode,h,split", [("grouped", 20, "w4a16", 128, 1), ("slot", 2, "w4a4", 256, 2)])
+def test_placed_layout_gives_the_split_layouts_operands(gen, schedule, t, mode, h, split):
+    """layout="placed" (cheaper decode): the portable twin of its asm decode yields the same fp16 operands as
+    the split layout's, so the outputs are equal bit for bit (interpreter: no atomics reordering), and match
+    the float64 reference."""
+    ex = random_experts(E, h, I, generator=gen)
+    x = torch.randn(t, h, generator=gen).half()
+    w, ids = make_routing("zipf2", t, E, K, gen)
+    plan = _plan(t, schedule, h, gemm1_split_k=split)
+    outs = {}
+    for layout in ("split", "placed"):
+        outs[layout] = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prepare_experts(ex, layout=layout), mode, out=outs[layout], plan=plan)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
+    assert torch.isfinite(outs["placed"]).all()
+    assert torch.equal(outs["placed"], outs["split"])
+    assert rel_error(outs["placed"], ref) < moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a4"])  # (W4A16's epilogue is W4A4's without the quantizer; one case: CI time)
+def test_slot_split_k_fused_reduce(gen, mode):
+    """plan.gemm1_fused_reduce: the last GEMM1 program of each (N tile, slot) reduces the split-K partials
+    itself. Bitwise the reduce kernel's result, and the arrival counters are zero again after a call (the
+    second call would otherwise reduce too early or never)."""
+    from glm5_fp4.kernels import launch as L
+    from glm5_fp4.kernels.moe import get_workspace
+
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(2, 256, generator=gen).half()
+    w, ids = make_routing("balanced", 2, E, K, gen)
+    plan = _plan(2, "slot", 256, gemm1_split_k=2)
+    fused = dataclasses.replace(plan, gemm1_fused_reduce=True)
+    assert L.count(fused) == 2 and L.count(plan) == 3
+    want = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused)
+        assert torch.equal(out, want)
+        assert not get_workspace(x.device, E, K, 256, I, 2).split_count.any()
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
+    assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
 
 
 def _emap(global_e=16, local=(1, 3, 4, 6, 9, 11, 12, 15)):
