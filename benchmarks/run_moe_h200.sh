@@ -3,7 +3,8 @@
 # results bundled so they fit the device tool's 8 returned files.
 # Usage on the lent H200 (repo root): OUT=/some/dir bash benchmarks/run_moe_h200.sh [sections...]
 # Sections: tests sweep bench bench2 variants memcheck memcheck_placed racecheck (default: tests bench memcheck); bench2 = TP4 and
-# EP8 rows; variants = default vs the opt-in kernel variants in one run (benchmarks/moe_variants.py, $OUT/variants.json). 'sweep' writes
+# EP8 rows; variants = default vs the opt-in kernel variants in one run (benchmarks/moe_variants.py, $OUT/variants.json);
+# TEST_ARGS="-k test_variant_" runs only the variants' GPU tests. 'sweep' writes
 # $OUT/sweep.json; 'bench' uses it (or $PLANS) for the swept regimes. vLLM's Marlin MoE is measured beside
 # ours when vLLM's CUDA build is importable (PYTHONPATH with the shipped vLLM: benchmarks/h200_vllm/).
 set -u

@@ -152,7 +152,7 @@ def test_plain_triton_decode_matches_asm(t):
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("shape,t", [(SMALL, 1), (SMALL, 3), (SMALL, 40), (SMALL, 300), (GLM_TP8, 4), (GLM_TP8, 512)])
-def test_placed_layout_matches_reference(shape, t, mode):
+def test_variant_placed_layout_matches_reference(shape, t, mode):
     """layout="placed" (the cheaper asm decode, opt-in): every schedule against the float64 reference, and
     its PTX decode against its portable twin (the interpreter tests check that twin equals the split
     layout's decode bit for bit)."""
@@ -171,7 +171,7 @@ def test_placed_layout_matches_reference(shape, t, mode):
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("shape,t", [(SMALL, 1), (SMALL, 4), (GLM_TP8, 1), (GLM_TP8, 4), (GLM_TP4, 1)])
-def test_fused_split_k_reduce(shape, t, mode):
+def test_variant_fused_split_k_reduce(shape, t, mode):
     """plan.gemm1_fused_reduce (opt-in): the last GEMM1 program of each (N tile, slot) reduces the split-K
     partials. Against the reduce kernel's result and the float64 reference, and under CUDA-graph replays
     with new routings equal bit for bit to eager calls (deterministic: the last arrival adds in split order;
