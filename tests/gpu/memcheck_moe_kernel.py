@@ -44,7 +44,9 @@ def main() -> int:
         x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
         w, ids = make_routing("balanced", t, e, k, device="cuda")
         plan = default_plan(x, ids, prep, "w4a16")
-        plan = dataclasses.replace(plan, gemm1_split_k=2, gemm1_fused_reduce=True)
+        # two K tiles of 128 (H = 256) so that K splits in two
+        plan = dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=128), gemm1_split_k=2,
+                                   gemm1_fused_reduce=True)
         for mode in ("w4a16", "w4a4"):
             out = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
             ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
