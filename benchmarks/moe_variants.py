@@ -11,6 +11,9 @@ the two default times bound the drift within the row. Variants:
 * ``fused_reduce`` (slot schedule with split-K only, T <= 4): plan.gemm1_fused_reduce, the last GEMM1
   program of each (N tile, slot) reduces the split-K partials: 2 dependent launches instead of 3.
 * ``placed+fused_reduce``: both (slot schedule only).
+* ``parallel_align`` (grouped schedule, T > 4): plan.parallel_align, the routing counted by many programs
+  and placed by a scatter kernel instead of one program's serial passes (5 launches instead of 4).
+* ``placed+parallel_align``: both (grouped schedule only).
 * ``nodecode`` (bound, wrong results, not checked): the default with GEMM1's decode skipped (DIAG=1; GEMM2
   still decodes), i.e. what any cheaper GEMM1 decode could gain at most.
 
@@ -63,10 +66,13 @@ def main(argv=None) -> int:
         sh = B.glm5_shard(name)
         lay = B.make_layers(sh, args.layers, gen)
         placed = B.Layers(sh, [prepare_experts(e, layout="placed") for e in lay.experts], lay.experts)
-        # name -> (layers, DIAG, checked against the default, plan change or None, slot schedule with split-K only)
-        fuse = dict(gemm1_fused_reduce=True)
-        variants = {"placed": (placed, 0, True, None, False), "fused_reduce": (lay, 0, True, fuse, True),
-                    "placed+fused_reduce": (placed, 0, True, fuse, True), "nodecode": (lay, 1, False, None, False)}
+        # name -> (layers, DIAG, checked against the default, plan change or None, schedule it applies to)
+        fuse, par = dict(gemm1_fused_reduce=True), dict(parallel_align=True)
+        variants = {"placed": (placed, 0, True, None, None), "fused_reduce": (lay, 0, True, fuse, "slot"),
+                    "placed+fused_reduce": (placed, 0, True, fuse, "slot"),
+                    "parallel_align": (lay, 0, True, par, "grouped"),
+                    "placed+parallel_align": (placed, 0, True, par, "grouped"),
+                    "nodecode": (lay, 1, False, None, None)}
         for t in tokens:
             for routing in routings:
                 t0 = time.time()
@@ -80,8 +86,8 @@ def main(argv=None) -> int:
                     row["us"]["default"] = B.time_ours(lay, x, tw, ids, plan=plan)
                 except Exception as exc:  # noqa: BLE001 - the row records it
                     row["errors"]["default"] = repr(exc)[:400]
-                for vname, (layers, diag, check, change, split_only) in variants.items():
-                    if split_only and not (plan.schedule == "slot" and plan.gemm1_split_k > 1):
+                for vname, (layers, diag, check, change, schedule) in variants.items():
+                    if schedule and (plan.schedule != schedule or (schedule == "slot" and plan.gemm1_split_k == 1)):
                         continue
                     vplan = dataclasses.replace(plan, **change) if change else plan
                     try:

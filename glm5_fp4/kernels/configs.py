@@ -76,6 +76,10 @@ class Plan:
     # applies SwiGLU (an arrival counter), instead of a reduce launch: 2 dependent launches instead of 3.
     # Off until measured on the H200 (benchmarks/moe_variants.py, variant "fused_reduce").
     gemm1_fused_reduce: bool = False
+    # Grouped schedule: the routing is counted by many programs (the last one scans and writes the work list)
+    # and placed by a second, many-program kernel, instead of one program's serial passes (15 us at T=512,
+    # 97 us at T=4096 on the H200). One launch more. Off until measured (benchmarks/moe_variants.py).
+    parallel_align: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ Per schedule:
 * ``slot``: [split-K GEMM1 + reduce | GEMM1 (split-K with the reduce fused: plan.gemm1_fused_reduce)],
   GEMM2-with-combine (2-3 launches, no workspace zeroing).
 * ``grouped``: align (+ zero + activation conversion), GEMM1 over the work list, GEMM2 over the work list
-  (atomics into the fp32 workspace), finalize (4 launches).
+  (atomics into the fp32 workspace), finalize (4 launches; 5 with plan.parallel_align: count + scan, scatter).
 * ``native`` (SM100/SM120 FP4 MMA, unverified): align, native GEMM1, native GEMM2, finalize.
 """
 
@@ -32,6 +32,9 @@ DECODE_LAYOUTS = ("split", "placed")
 # Elements per program of the zeroing / conversion part of the align kernel and of the finalize kernel.
 ZBLOCK = 4096
 FBLOCK = 4096
+# Parallel align (plan.parallel_align): slots counted per program, and placed per program of the scatter.
+PAR_BLOCK = 256
+SCATTER_BLOCK = 1024
 
 
 @dataclass
@@ -95,25 +98,34 @@ def _emap(call: MoECall):
     return call.expert_map if call.expert_map is not None else call.topk_ids
 
 
-def _align(call: MoECall, block_m: int, prep_x: bool, bk: int) -> Launch:
+def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
     ws, prep = call.workspace, call.prepared
     t, h = call.x.shape
     num_slots = call.num_slots
+    e = prep.num_experts
+    has_map = call.expert_map is not None
+    grid = 1 + -(-t * h // ZBLOCK)
+    args = (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks,
+            ws.num_blocks, ws.combine, t * h, call.x, call.x.stride(0), ws.xq, ws.par_counts)
+    common = dict(E=e, E_POW2=_pow2(e), ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x, HAS_MAP=has_map)
+    if parallel:
+        # PAR_BLOCK slots counted per program (the last arrival scans), then a scatter kernel
+        hprog = -(-num_slots // PAR_BLOCK)
+        return [
+            Launch(K.moe_align_kernel, (max(grid, hprog),), args,
+                   dict(common, BLOCK=PAR_BLOCK, PAR=True, HPROG=hprog, num_warps=4), stage="align"),
+            Launch(K.moe_scatter_kernel, (-(-num_slots // SCATTER_BLOCK),),
+                   (call.topk_ids, num_slots, _emap(call), ws.cursor, ws.slots),
+                   dict(BLOCK=SCATTER_BLOCK, HAS_MAP=has_map, num_warps=4), stage="align"),
+        ]
     # One program sorts the routing with enough threads to cover all slots in one or a few passes; the
     # others zero the combine workspace (and convert x) in ZBLOCK pieces.
     ablock = max(128, min(8192, _pow2(num_slots)))
-    e = prep.num_experts
-    return Launch(
-        K.moe_align_kernel,
-        (1 + -(-t * h // ZBLOCK),),
-        (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks, ws.num_blocks,
-         ws.combine, t * h, call.x, call.x.stride(0), ws.xq),
-        dict(E=e, E_POW2=_pow2(e), BLOCK=ablock, ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x,
-             HAS_MAP=call.expert_map is not None, num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16)),
-        stage="align",
-    )
+    return [Launch(K.moe_align_kernel, (grid,), args,
+                   dict(common, BLOCK=ablock, num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16)),
+                   stage="align")]
 
 
 def _finalize(call: MoECall) -> Launch:
@@ -217,7 +229,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     blocks = (ws.blocks, ws.num_blocks)
     placed = p.layout == "placed"
     return [
-        _align(call, g1.bm, prep_x, g1.bk),
+        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align),
         Launch(
             K.moe_gemm1_kernel, (nblk, i // g1.bn, 1),
             (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
@@ -252,7 +264,7 @@ def _native_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     nblk = max_blocks(call.num_slots, e, g1.bm)
     blocks = (ws.blocks, ws.num_blocks)
     return [
-        _align(call, g1.bm, False, g1.bk),
+        *_align(call, g1.bm, False, g1.bk),
         Launch(
             N.moe_gemm1_native_kernel, (nblk, i // g1.bn),
             (call.x, call.x.stride(0), p.w13, p.w13_scale, p.w13_alpha, p.a13_scale, p.a13_gscale, p.a2_gscale,
@@ -306,7 +318,7 @@ def count(plan: cfgs.Plan) -> int:
     """Kernel launches per layer call under ``plan``."""
     if plan.schedule == "slot":
         return 3 if plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce else 2
-    return 4
+    return 5 if plan.parallel_align and plan.schedule == "grouped" else 4
 
 
 def kernel_functions() -> dict:

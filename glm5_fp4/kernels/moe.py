@@ -62,6 +62,8 @@ class Workspace:
         self.max_tokens = max_tokens
         self.counts = torch.zeros(num_experts, **i32)
         self.offsets = torch.zeros(num_experts, **i32)
+        # the parallel align's counts and arrival counter, zero between calls (its last program zeroes them)
+        self.par_counts = torch.zeros(num_experts + 1, **i32)
         self.cursor = torch.zeros(num_experts, **i32)
         self.slots = torch.zeros(max_tokens * top_k, **i32)
         # the work list (experts, first rows, row counts), sized for the smallest token block

@@ -807,6 +807,35 @@ def moe_splitk_reduce_kernel(
 
 
 @triton.jit
+def _local_ids(ids_ptr, emap_ptr, offs, m, HAS_MAP: tl.constexpr):
+    """(local expert ids, mask) of slots ``offs``: remote slots (expert map -1) masked out."""
+    ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+    if HAS_MAP:
+        ids = tl.load(emap_ptr + ids, mask=m, other=-1)
+        m = m & (ids >= 0)
+    return ids, m
+
+
+@triton.jit
+def _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM: tl.constexpr):
+    """Offsets, scatter cursors and the work list of BM-row blocks from the per-expert counts."""
+    counts = tl.where(emask, counts, 0)
+    excl = tl.cumsum(counts, 0) - counts
+    tl.store(offsets_ptr + offs_e, excl, mask=emask)
+    tl.store(cursor_ptr + offs_e, excl, mask=emask)
+    nblk = (counts + (BM - 1)) // BM
+    first_blk = tl.cumsum(nblk, 0) - nblk
+    tl.store(num_blocks_ptr, tl.sum(nblk, 0))
+    # Block j of every expert at once: as many passes as the busiest expert has blocks.
+    for j in range(0, tl.max(nblk, 0)):
+        mj = emask & (j < nblk)
+        b = (first_blk + j) * BLOCK_FIELDS
+        tl.store(blk_ptr + b, offs_e, mask=mj)
+        tl.store(blk_ptr + b + 1, excl + j * BM, mask=mj)
+        tl.store(blk_ptr + b + 2, tl.minimum(counts - j * BM, BM), mask=mj)
+
+
+@triton.jit
 def moe_align_kernel(
     ids_ptr,
     num_slots,
@@ -822,6 +851,7 @@ def moe_align_kernel(
     x_ptr,
     stride_xt,
     xq_ptr,
+    pcounts_ptr,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -831,55 +861,55 @@ def moe_align_kernel(
     BK: tl.constexpr = 128,
     PREP_X: tl.constexpr = False,
     HAS_MAP: tl.constexpr = False,
+    PAR: tl.constexpr = False,
+    HPROG: tl.constexpr = 1,
 ):
     """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks.
 
     With ``HAS_MAP`` the ids are global and ``emap_ptr`` maps them to local experts (-1: remote, dropped).
     Programs 1..: zero the fp32 combine workspace (GEMM2 adds into it) and, with ``PREP_X``, write the
     activations as fp16 in GEMM1's merged K order (tiles of BK) to ``xq_ptr`` [T, H].
+
+    ``PAR`` (plan option ``parallel_align``): programs 0..HPROG-1 each count BLOCK slots into ``pcounts_ptr``
+    ([E] counts + 1 arrival counter, zero between calls); the last to arrive writes offsets, cursors and the
+    work list and zeroes the counts again; :func:`moe_scatter_kernel` (the next launch) then places the slots
+    with many programs instead of program 0's serial passes.
     """
     pid = tl.program_id(0)
-    if pid == 0:
-        offs_e = tl.arange(0, E_POW2)
-        emask = offs_e < E
+    offs_e = tl.arange(0, E_POW2)
+    emask = offs_e < E
+    if PAR:
+        if pid < HPROG:
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
+            tl.atomic_add(pcounts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
+            # every thread's counts before the gpu-scope release (the fused split-K reduce's semaphore)
+            tl.debug_barrier()
+            done = tl.atomic_add(pcounts_ptr + E, 1, sem="acq_rel", scope="gpu")
+            if done == HPROG - 1:
+                tl.atomic_xchg(pcounts_ptr + E, 0, sem="relaxed", scope="gpu")
+                # read through the atomic unit (no stale L1 line) and leave zeros for the next call
+                counts = tl.atomic_xchg(pcounts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask,
+                                        sem="relaxed", scope="gpu")
+                _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM)
+    elif pid == 0:
         tl.store(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask)
         tl.debug_barrier()
         for s0 in range(0, num_slots, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)
-            m = offs < num_slots
-            ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            if HAS_MAP:
-                ids = tl.load(emap_ptr + ids, mask=m, other=-1)
-                m = m & (ids >= 0)
+            ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
             tl.atomic_add(counts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
         tl.debug_barrier()
         # Read the counts back through the atomic unit: plain loads could see a stale L1 line.
         counts = tl.atomic_add(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask, sem="relaxed")
-        counts = tl.where(emask, counts, 0)
-        excl = tl.cumsum(counts, 0) - counts
-        tl.store(offsets_ptr + offs_e, excl, mask=emask)
-        tl.store(cursor_ptr + offs_e, excl, mask=emask)
-        nblk = (counts + (BM - 1)) // BM
-        first_blk = tl.cumsum(nblk, 0) - nblk
-        tl.store(num_blocks_ptr, tl.sum(nblk, 0))
-        # Block j of every expert at once: as many passes as the busiest expert has blocks.
-        for j in range(0, tl.max(nblk, 0)):
-            mj = emask & (j < nblk)
-            b = (first_blk + j) * BLOCK_FIELDS
-            tl.store(blk_ptr + b, offs_e, mask=mj)
-            tl.store(blk_ptr + b + 1, excl + j * BM, mask=mj)
-            tl.store(blk_ptr + b + 2, tl.minimum(counts - j * BM, BM), mask=mj)
+        _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM)
         tl.debug_barrier()
         for s0 in range(0, num_slots, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)
-            m = offs < num_slots
-            ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            if HAS_MAP:
-                ids = tl.load(emap_ptr + ids, mask=m, other=-1)
-                m = m & (ids >= 0)
+            ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
             dst = tl.atomic_add(cursor_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
             tl.store(slots_ptr + dst, offs, mask=m)
-    else:
+    if pid > 0:
         offs = (pid - 1).to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
         m = offs < ws_numel
         tl.store(ws_ptr + offs, tl.zeros((ZBLOCK,), dtype=tl.float32), mask=m)
@@ -893,6 +923,17 @@ def moe_align_kernel(
             xv = tl.load(x_ptr + src, mask=m, other=0.0)
             xv = tl.clamp(xv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             tl.store(xq_ptr + offs, xv, mask=m)
+
+
+@triton.jit
+def moe_scatter_kernel(ids_ptr, num_slots, emap_ptr, cursor_ptr, slots_ptr, BLOCK: tl.constexpr,
+                       HAS_MAP: tl.constexpr = False):
+    """Slots grouped by expert (the parallel align's second half): each program places BLOCK slots at their
+    expert's cursor (written by moe_align_kernel with PAR)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
+    dst = tl.atomic_add(cursor_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
+    tl.store(slots_ptr + dst, offs, mask=m)
 
 
 @triton.jit

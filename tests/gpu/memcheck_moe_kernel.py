@@ -55,6 +55,19 @@ def main() -> int:
             ok = err < moe_tolerance(mode, x.dtype)
             failures += not ok
             print(f"T={t} fused split-K reduce {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # the parallel align (plan.parallel_align: count + scan by the last arrival, scatter kernel), remote slots
+    for t, use_map in ((40, False), (200, True)):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing("zipf2", t, 12 if use_map else e, k, device="cuda")
+        m = emap if use_map else None
+        plan = dataclasses.replace(default_plan(x, ids, prep, "w4a16", m), parallel_align=True)
+        out = fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m)
+        ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, compute_dtype=torch.float64,
+                            expert_map=None if m is None else m.cpu())
+        err = rel_error(out, ref)
+        ok = err < moe_tolerance("w4a16", x.dtype)
+        failures += not ok
+        print(f"T={t} parallel align map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

@@ -205,6 +205,43 @@ def test_variant_fused_split_k_reduce(shape, t, mode):
         assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fused))
 
 
+@pytest.mark.parametrize("shape,t,routing", [(SMALL, 40, "balanced"), (SMALL, 40, "same_k"), (SMALL, 300, "zipf1.2"),
+                                             (GLM_TP8, 512, "balanced"), (GLM_TP8, 4096, "same_k")])
+def test_variant_parallel_align(shape, t, routing):
+    """plan.parallel_align (opt-in): many-program count + scan, then a scatter kernel. The work list equals
+    the serial align's, the layer matches the float64 reference, and CUDA-graph replays with new routings
+    match eager calls (the counts and the arrival counter reset)."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import fused_moe_triton, get_workspace
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing)
+    cap = torch.cuda.get_device_capability()
+    plan = C.plan(C.arch_of(cap), t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    par = dataclasses.replace(plan, parallel_align=True)
+    ws = get_workspace(x.device, e, k, h, i, t)
+    fused_moe_triton(x, w, ids, prep, plan=plan, stages=("align",))
+    serial = ws.blocks[: int(ws.num_blocks)].clone()
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, out=out, plan=par)
+    assert torch.equal(ws.blocks[: int(ws.num_blocks)], serial)
+    assert not ws.par_counts.any()
+    assert torch.isfinite(out).all()
+    assert rel_error(out, reference(x, w, ids, ex, "w4a16")) < moe_tolerance("w4a16", x.dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe_triton(x, w, ids, prep, out=out, plan=par)
+    for _ in range(2):
+        nw, nids = make_routing("zipf1.2", t, e, k, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("t,variant", [(3, "unmerged"), (3, "nosplit"), (40, "unmerged"), (40, "noprep"),
                                        (300, "unmerged"), (300, "bm64")])

@@ -146,6 +146,41 @@ def test_expert_parallel_remote_slots(gen, schedule, t, split):
     assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
 
 
+def test_parallel_align(gen):
+    """plan.parallel_align: many programs count (the last scans and writes the work list), a scatter kernel
+    places the slots. Skewed routings with remote slots, twice (the counts and the arrival counter must be
+    zero again after a call): the work list and slot grouping against ones computed here, the layer against
+    the float64 reference (first call; the second runs the align stage alone)."""
+    from glm5_fp4.kernels import launch as L
+    from glm5_fp4.kernels.moe import get_workspace
+
+    emap = _emap()
+    ex, prep = _experts(gen)
+    t = 150  # 300 slots: two counting programs of PAR_BLOCK
+    assert L.PAR_BLOCK < t * K <= 2 * L.PAR_BLOCK
+    x = torch.randn(t, H, generator=gen).half()
+    plan = dataclasses.replace(_plan(t, "grouped"), parallel_align=True)
+    assert L.count(plan) == 5
+    for stages in (("align", "gemm1", "gemm2"), ("align",)):
+        w, ids = make_routing("zipf2", t, 16, K, gen)
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan, expert_map=emap, stages=stages)
+        ws = get_workspace(x.device, E, K, H, I, t)
+        assert not ws.par_counts.any()
+        local = emap[ids.flatten().long()]
+        counts = torch.bincount(local[local >= 0].long(), minlength=E)
+        want = [(ex_, int(counts[:ex_].sum()) + j * 16, min(16, int(counts[ex_]) - j * 16))
+                for ex_ in range(E) for j in range(-(-int(counts[ex_]) // 16))]
+        got = [tuple(int(v) for v in b[:3]) for b in ws.blocks[: int(ws.num_blocks)]]
+        assert got == want
+        for ex_, first, n in want:
+            assert (local[ws.slots[first:first + n].long()] == ex_).all()
+        if len(stages) == 3:
+            ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
+            assert torch.isfinite(out).all()
+            assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
 @pytest.mark.parametrize("schedule,t", [("grouped", 24), ("slot", 2)])
 def test_expert_parallel_rank_without_tokens(gen, schedule, t):
     emap = _emap()
