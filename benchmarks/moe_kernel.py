@@ -30,7 +30,8 @@ def _plan_of(d: dict):
 
     return C.Plan(d["schedule"], C.Gemm1Config(**d["gemm1"]), C.Gemm2Config(**d["gemm2"]), d["gemm2_n_split"],
                   gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True),
-                  gemm2_unroll=d.get("gemm2_unroll", False))
+                  gemm2_unroll=d.get("gemm2_unroll", False), gemm1_fused_reduce=d.get("gemm1_fused_reduce", False),
+                  parallel_align=d.get("parallel_align", False))
 
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:

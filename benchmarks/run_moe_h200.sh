@@ -2,7 +2,9 @@
 # One device call: GPU tests, the benchmark table, a config sweep, compute-sanitizer; each time-boxed, logs and
 # results bundled so they fit the device tool's 8 returned files.
 # Usage on the lent H200 (repo root): OUT=/some/dir bash benchmarks/run_moe_h200.sh [sections...]
-# Sections: tests sweep bench bench2 memcheck racecheck (default: tests bench memcheck); bench2 = TP4 and EP8 rows. 'sweep' writes
+# Sections: tests sweep bench bench2 variants memcheck memcheck_placed racecheck (default: tests bench memcheck); bench2 = TP4 and
+# EP8 rows; variants = default vs the opt-in kernel variants in one run (benchmarks/moe_variants.py, $OUT/variants.json);
+# TEST_ARGS="-k test_variant_" runs only the variants' GPU tests. 'sweep' writes
 # $OUT/sweep.json; 'bench' uses it (or $PLANS) for the swept regimes. vLLM's Marlin MoE is measured beside
 # ours when vLLM's CUDA build is importable (PYTHONPATH with the shipped vLLM: benchmarks/h200_vllm/).
 set -u
@@ -28,8 +30,13 @@ for s in $SECTIONS; do
     bench2) step bench2 "${T_BENCH2:-120}" python3 benchmarks/moe_kernel.py --shards "${BENCH2_SHARDS:-tp4,ep8}" \
              --tokens "${BENCH2_TOKENS:-64,512,4096}" --routings "${BENCH2_ROUTINGS:-balanced,same_k,zipf1.2}" \
              ${BENCH2_ARGS:---no-baselines} --json "$OUT/moe_kernel_h200_tp4_ep8.json" --md "$OUT/moe_kernel_h200_tp4_ep8.md" ;;
+    variants) step variants "${T_VARIANTS:-240}" python3 benchmarks/moe_variants.py --shards "${VARIANTS_SHARDS:-tp8}" \
+             --tokens "${VARIANTS_TOKENS:-1,4,64,512,4096}" --routings "${VARIANTS_ROUTINGS:-balanced,same_k}" \
+             --json "$OUT/variants.json" ;;
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-60}" compute-sanitizer --tool memcheck \
              --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
+    memcheck_placed) GLM5_FP4_PLACED_NIBBLES=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck_placed "${T_MEMCHECK:-60}" \
+             compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
     racecheck) step racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --print-limit 20 \
              python3 tests/gpu/memcheck_moe_kernel.py ;;
   esac

@@ -4,6 +4,7 @@ instructions by class and per weight decoded. Run with the Triton of the GPU ima
 to read the code the H200 runs:
 
     python benchmarks/sass_profile.py --cc 90 --tp 8 --tokens 1,16,512,1024,4096 --json benchmarks/results/moe_kernel_sass_sm90.json
+    python benchmarks/sass_profile.py --layout placed --json benchmarks/results/moe_kernel_sass_sm90_placed.json
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cc", type=int, default=90)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--tokens", default="1,16,512,1024,4096")
+    ap.add_argument("--layout", default="split", help="weight layout: split (default) or placed (cheaper decode)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import triton
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     for t in (int(v) for v in args.tokens.split(",")):
         plan = C.plan(arch, t, e, k, h, i)
         for stage in ("gemm1", "gemm2"):
-            for b in aot.compile_plan(plan, args.cc, h, i, tokens=t, stage=stage):
+            for b in aot.compile_plan(plan, args.cc, h, i, tokens=t, stage=stage, layout=args.layout):
                 if stage not in b.kernel:
                     continue
                 cubin = b.cubin
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
                     weights = cfg.bn * i
                 per_thread = weights / threads
                 mix = classify(body)
-                rows.append(dict(tokens=t, kernel=b.kernel, schedule=plan.schedule, config=cfg.__dict__,
+                rows.append(dict(tokens=t, kernel=b.kernel, layout=args.layout, schedule=plan.schedule, config=cfg.__dict__,
                                  registers=b.registers, spill_bytes=b.spill_store_bytes, shared_bytes=b.shared_bytes,
                                  loop_instructions=len(body), weights_per_thread_per_iteration=per_thread,
                                  instructions_per_weight=round(len(body) / per_thread, 2) if per_thread else None,
@@ -123,7 +125,8 @@ def main(argv=None) -> int:
                 print(f"T={t} {b.kernel} {cfg}: regs {b.registers}, spill {b.spill_store_bytes}, smem {b.shared_bytes}, "
                       f"loop {len(body)} instr = {rows[-1]['instructions_per_weight']} / weight  {rows[-1]['mix_per_weight']}")
     if args.json:
-        doc = dict(meta=result_metadata(benchmark="sass_profile", cc=args.cc, tp=args.tp, triton=triton.__version__),
+        doc = dict(meta=result_metadata(benchmark="sass_profile", cc=args.cc, tp=args.tp, triton=triton.__version__,
+                                        layout=args.layout),
                    rows=rows)
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0

@@ -6,7 +6,8 @@ import torch
 from glm5_fp4 import nvfp4
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels import prepare_experts
-from glm5_fp4.kernels.layout import DECODE_FACTOR, K_GROUP, merge_nibbles, split_nibbles
+from glm5_fp4.kernels.layout import (DECODE_FACTOR, K_GROUP, PLACED_ENV, merge_nibbles, place_nibbles, split_nibbles,
+                                     unplace_nibbles)
 from glm5_fp4.reference import NvFp4Experts, random_experts
 
 
@@ -78,3 +79,37 @@ def test_checkpoint_layout_keeps_packing_and_global_scales():
     assert torch.equal(back.w2, ex.w2) and torch.equal(back.w2_global, ex.w2_global)
     with pytest.raises(Glm5Fp4Error, match="layout"):
         prepare_experts(ex, layout="swizzled")
+
+
+def _placed_decode_bytes(placed: torch.Tensor) -> torch.Tensor:
+    """The placed decode's bit operations (triton_moe._PLACED_WORD), in int64 on the CPU: E4M3 bytes of the
+    eight codes of every word, in K order."""
+    by = placed.unflatten(-1, (placed.shape[-1] // 4, 4)).to(torch.int64)
+    w = by[..., 0] | (by[..., 1] << 8) | (by[..., 2] << 16) | (by[..., 3] << 24)
+    lo = w & 0x9C9C9C9C
+    hi = ((((w << 6) | (w >> 26)) & 0x98989898) | ((w << 2) & 0x04040404)) & 0xFFFFFFFF
+    return torch.stack([(r >> (8 * j)) & 0xFF for r in (lo, hi) for j in range(4)], dim=-1).flatten(-2)
+
+
+def test_placed_layout_decodes_to_the_e4m3_bytes_of_every_code():
+    g = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (3, 7, 64), dtype=torch.uint8, generator=g)
+    placed = place_nibbles(packed)
+    assert placed.shape == packed.shape and torch.equal(unplace_nibbles(placed), packed)
+    codes = nvfp4.unpack_fp4(packed).to(torch.int64)
+    want = ((codes & 8) << 4) | ((codes & 7) << 2)  # the E4M3 trick of the split layout: value / 64
+    assert torch.equal(_placed_decode_bytes(placed), want)
+    f8 = _placed_decode_bytes(placed).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(f8 * DECODE_FACTOR, nvfp4.e2m1_decode(codes.to(torch.uint8)).float())
+
+
+def test_placed_layout_is_opt_in_and_roundtrips(monkeypatch):
+    ex = random_experts(2, 128, 128, generator=torch.Generator().manual_seed(6))
+    monkeypatch.delenv(PLACED_ENV, raising=False)
+    assert prepare_experts(ex).layout == "split"
+    monkeypatch.setenv(PLACED_ENV, "1")
+    prep = prepare_experts(ex)
+    assert prep.layout == "placed" and torch.equal(prep.w13_alpha, ex.w13_global * DECODE_FACTOR)
+    prep.source = None
+    back = prep.to_experts()
+    assert torch.equal(back.w13, ex.w13) and torch.equal(back.w2, ex.w2)

@@ -72,6 +72,14 @@ class Plan:
     prep_x: bool = True
     # Slot schedule: GEMM2 unrolls the token's k experts (all weight loads in flight), where they fit.
     gemm2_unroll: bool = False
+    # Slot schedule with split-K: the last GEMM1 program of each (N tile, slot) adds the partial sums and
+    # applies SwiGLU (an arrival counter), instead of a reduce launch: 2 dependent launches instead of 3.
+    # Off until measured on the H200 (benchmarks/moe_variants.py, variant "fused_reduce").
+    gemm1_fused_reduce: bool = False
+    # Grouped schedule: the routing is counted by many programs (the last one scans and writes the work list)
+    # and placed by a second, many-program kernel, instead of one program's serial passes (15 us at T=512,
+    # 97 us at T=4096 on the H200). One launch more. Off until measured (benchmarks/moe_variants.py).
+    parallel_align: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------

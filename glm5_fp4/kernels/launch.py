@@ -9,9 +9,10 @@ never from routing, so a CUDA graph captured for a batch size replays the same l
 
 Per schedule:
 
-* ``slot``: [split-K GEMM1 + reduce | GEMM1], GEMM2-with-combine (2-3 launches, no workspace zeroing).
+* ``slot``: [split-K GEMM1 + reduce | GEMM1 (split-K with the reduce fused: plan.gemm1_fused_reduce)],
+  GEMM2-with-combine (2-3 launches, no workspace zeroing).
 * ``grouped``: align (+ zero + activation conversion), GEMM1 over the work list, GEMM2 over the work list
-  (atomics into the fp32 workspace), finalize (4 launches).
+  (atomics into the fp32 workspace), finalize (4 launches; 5 with plan.parallel_align: count + scan, scatter).
 * ``native`` (SM100/SM120 FP4 MMA, unverified): align, native GEMM1, native GEMM2, finalize.
 """
 
@@ -26,9 +27,14 @@ from glm5_fp4.kernels import configs as cfgs
 from glm5_fp4.kernels.layout import PreparedExperts
 
 STAGES = ("align", "gemm1", "gemm2")
+# Weight layouts the decoding (W4A16 / W4A4-emulation) kernels read; "placed" selects their cheaper decode.
+DECODE_LAYOUTS = ("split", "placed")
 # Elements per program of the zeroing / conversion part of the align kernel and of the finalize kernel.
 ZBLOCK = 4096
 FBLOCK = 4096
+# Parallel align (plan.parallel_align): slots counted per program, and placed per program of the scatter.
+PAR_BLOCK = 256
+SCATTER_BLOCK = 1024
 
 
 @dataclass
@@ -92,25 +98,34 @@ def _emap(call: MoECall):
     return call.expert_map if call.expert_map is not None else call.topk_ids
 
 
-def _align(call: MoECall, block_m: int, prep_x: bool, bk: int) -> Launch:
+def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
     ws, prep = call.workspace, call.prepared
     t, h = call.x.shape
     num_slots = call.num_slots
+    e = prep.num_experts
+    has_map = call.expert_map is not None
+    grid = 1 + -(-t * h // ZBLOCK)
+    args = (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks,
+            ws.num_blocks, ws.combine, t * h, call.x, call.x.stride(0), ws.xq, ws.par_counts)
+    common = dict(E=e, E_POW2=_pow2(e), ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x, HAS_MAP=has_map)
+    if parallel:
+        # PAR_BLOCK slots counted per program (the last arrival scans), then a scatter kernel
+        hprog = -(-num_slots // PAR_BLOCK)
+        return [
+            Launch(K.moe_align_kernel, (max(grid, hprog),), args,
+                   dict(common, BLOCK=PAR_BLOCK, PAR=True, HPROG=hprog, num_warps=4), stage="align"),
+            Launch(K.moe_scatter_kernel, (-(-num_slots // SCATTER_BLOCK),),
+                   (call.topk_ids, num_slots, _emap(call), ws.cursor, ws.slots),
+                   dict(BLOCK=SCATTER_BLOCK, HAS_MAP=has_map, num_warps=4), stage="align"),
+        ]
     # One program sorts the routing with enough threads to cover all slots in one or a few passes; the
     # others zero the combine workspace (and convert x) in ZBLOCK pieces.
     ablock = max(128, min(8192, _pow2(num_slots)))
-    e = prep.num_experts
-    return Launch(
-        K.moe_align_kernel,
-        (1 + -(-t * h // ZBLOCK),),
-        (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks, ws.num_blocks,
-         ws.combine, t * h, call.x, call.x.stride(0), ws.xq),
-        dict(E=e, E_POW2=_pow2(e), BLOCK=ablock, ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x,
-             HAS_MAP=call.expert_map is not None, num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16)),
-        stage="align",
-    )
+    return [Launch(K.moe_align_kernel, (grid,), args,
+                   dict(common, BLOCK=ablock, num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16)),
+                   stage="align")]
 
 
 def _finalize(call: MoECall) -> Launch:
@@ -137,7 +152,8 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         raise Glm5Fp4Error(f"MoE tile plan {plan} does not divide H={h}, I={i}")
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         ws = call.workspace
-        if plan.gemm1_split_k > cfgs.SPLIT_K_MAX or h % (plan.gemm1_split_k * g1.bk) or call.num_slots > ws.part_rows:
+        if (plan.gemm1_split_k > cfgs.SPLIT_K_MAX or h % (plan.gemm1_split_k * g1.bk) or call.num_slots > ws.part_rows
+                or call.num_slots * (i // g1.bn) > ws.split_count.numel()):
             raise Glm5Fp4Error(
                 f"MoE plan {plan}: GEMM1 split-K {plan.gemm1_split_k} needs <= {cfgs.SPLIT_K_MAX} splits of whole "
                 f"{g1.bk}-wide K tiles of H={h}, and <= {cfgs.SPLIT_K_MAX_TOKENS} tokens"
@@ -163,18 +179,22 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     num_slots = call.num_slots
     has_map = call.expert_map is not None
     emap = _emap(call)
+    placed = p.layout == "placed"
+    fused = split_k > 1 and plan.gemm1_fused_reduce
     out = [
         Launch(
             K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
             (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
-             ws.act, ws.part, num_slots * 2 * i, call.topk_ids, emap, ws.slots, ws.blocks, ws.num_blocks, k),
+             ws.act, ws.part, num_slots * 2 * i, ws.split_count, call.topk_ids, emap, ws.slots, ws.blocks,
+             ws.num_blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=has_map,
-                 KC=cfgs.gemm2_k_chunk(i), num_warps=g1.num_warps, num_stages=g1.num_stages),
+                 KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused,
+                 num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
         )
     ]
-    if split_k > 1:
+    if split_k > 1 and not fused:
         rblock = min(i, 256)
         out.append(Launch(
             K.moe_splitk_reduce_kernel, (num_slots, i // rblock),
@@ -189,7 +209,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
          call.out, call.out.stride(0)),
         dict(TOPK=k, H=h, I=i, BN=g2.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
              MERGED=g2.merged, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), UNROLL=plan.gemm2_unroll,
-             num_warps=g2.num_warps, num_stages=g2.num_stages),
+             PLACED=placed, num_warps=g2.num_warps, num_stages=g2.num_stages),
         stage="gemm2",
     ))
     return out
@@ -207,15 +227,17 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     prep_x = plan.prep_x and not w4a4
     nblk = max_blocks(call.num_slots, e, g1.bm)
     blocks = (ws.blocks, ws.num_blocks)
+    placed = p.layout == "placed"
     return [
-        _align(call, g1.bm, prep_x, g1.bk),
+        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align),
         Launch(
             K.moe_gemm1_kernel, (nblk, i // g1.bn, 1),
             (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
-             ws.act, ws.part, 0, call.topk_ids, _emap(call), ws.slots, *blocks, k),
+             ws.act, ws.part, 0, ws.split_count, call.topk_ids, _emap(call), ws.slots, *blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=prep_x, SPLIT_K=1, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=False,
-                 KC=cfgs.gemm2_k_chunk(i), num_warps=g1.num_warps, num_stages=g1.num_stages),
+                 KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
+                 num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
         ),
         Launch(
@@ -223,7 +245,8 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
              *blocks, k),
             dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
-                 MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), num_warps=g2.num_warps, num_stages=g2.num_stages),
+                 MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=placed, num_warps=g2.num_warps,
+                 num_stages=g2.num_stages),
             stage="gemm2",
         ),
         _finalize(call),
@@ -241,7 +264,7 @@ def _native_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     nblk = max_blocks(call.num_slots, e, g1.bm)
     blocks = (ws.blocks, ws.num_blocks)
     return [
-        _align(call, g1.bm, False, g1.bk),
+        *_align(call, g1.bm, False, g1.bk),
         Launch(
             N.moe_gemm1_native_kernel, (nblk, i // g1.bn),
             (call.x, call.x.stride(0), p.w13, p.w13_scale, p.w13_alpha, p.a13_scale, p.a13_gscale, p.a2_gscale,
@@ -275,10 +298,10 @@ def launches(plan: cfgs.Plan, call: MoECall, stages: tuple[str, ...] = STAGES) -
             raise Glm5Fp4Error("the native FP4-MMA path has no expert-parallel support yet")
         out = _native_launches(plan, call)
     else:
-        if call.prepared.layout != "split":
+        if call.prepared.layout not in DECODE_LAYOUTS:
             raise Glm5Fp4Error(
                 f"experts prepared with layout={call.prepared.layout!r} serve only the native FP4 path; "
-                "prepare with layout='split' for this plan"
+                "prepare with layout='split' (or 'placed') for this plan"
             )
         _check(plan, call)
         out = _slot_launches(plan, call) if plan.schedule == "slot" else _grouped_launches(plan, call)
@@ -294,8 +317,8 @@ def run(todo: list[Launch]) -> None:
 def count(plan: cfgs.Plan) -> int:
     """Kernel launches per layer call under ``plan``."""
     if plan.schedule == "slot":
-        return 3 if plan.gemm1_split_k > 1 else 2
-    return 4
+        return 3 if plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce else 2
+    return 5 if plan.parallel_align and plan.schedule == "grouped" else 4
 
 
 def kernel_functions() -> dict:

@@ -49,6 +49,58 @@ def merge_nibbles(split: torch.Tensor) -> torch.Tensor:
     return nvfp4.pack_fp4(codes)
 
 
+# The "placed" layout (opt-in, env PLACED_ENV=1 or prepare_experts(layout="placed")): the same 8-group words
+# with each code's bits moved where triton_moe's placed decode wants them (5 bit operations per word instead of
+# 7). Byte j (0..3) holds code j at the E4M3 positions (sign bit 7, magnitude bits 4..2), so ``w & 0x9C9C9C9C``
+# is its E4M3 pattern; code 4+j is spread over the free bits {6,5,1,0} so that
+# ``(rotl(w, 6) & 0x98989898) | ((w << 2) & 0x04040404)`` gives its pattern in byte j:
+# (code bit, word bit) for code 4+j = sign (bit 3) at 8j+1, magnitude bit 2 at 8(j-1)+6 and bit 1 at 8(j-1)+5
+# (mod 32: the rotate wraps), bit 0 at 8j.
+PLACED_ENV = "GLM5_FP4_PLACED_NIBBLES"
+
+
+def _placed_hi_bits(j: int) -> tuple[tuple[int, int], ...]:
+    """(code bit, word bit) of code 4+j of a placed word."""
+    return ((3, 8 * j + 1), (2, (8 * j - 2) % 32), (1, (8 * j - 3) % 32), (0, 8 * j))
+
+
+def _placed_lo_bits(j: int) -> tuple[tuple[int, int], ...]:
+    """(code bit, word bit) of code j of a placed word: the E4M3 byte ``(c & 8) << 4 | (c & 7) << 2``."""
+    return ((3, 8 * j + 7), (2, 8 * j + 4), (1, 8 * j + 3), (0, 8 * j + 2))
+
+
+def place_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint packing ``[..., K/2]`` -> the placed layout (same shape; 4 bytes per 8-group word)."""
+    k = packed.shape[-1] * 2
+    if k % K_ALIGN:
+        raise Glm5Fp4Error(
+            f"fused MoE kernel needs K to be a multiple of {K_ALIGN}; packed weight {tuple(packed.shape)} has K={k}"
+        )
+    codes = nvfp4.unpack_fp4(packed).unflatten(-1, (k // K_GROUP, K_GROUP)).to(torch.int32)
+    word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
+    for j in range(4):
+        for code, bits in ((codes[..., j], _placed_lo_bits(j)), (codes[..., 4 + j], _placed_hi_bits(j))):
+            for cb, wb in bits:
+                word |= ((code >> cb) & 1).to(torch.int64) << wb
+    out = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+    return out.flatten(-2).contiguous()
+
+
+def unplace_nibbles(placed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`place_nibbles` (placed bytes -> checkpoint packing)."""
+    k = placed.shape[-1] * 2
+    by = placed.unflatten(-1, (k // K_GROUP, 4)).to(torch.int64)
+    word = by[..., 0] | (by[..., 1] << 8) | (by[..., 2] << 16) | (by[..., 3] << 24)
+    codes = []
+    for j in range(8):
+        bits = _placed_lo_bits(j) if j < 4 else _placed_hi_bits(j - 4)
+        c = torch.zeros_like(word)
+        for cb, wb in bits:
+            c |= ((word >> wb) & 1) << cb
+        codes.append(c)
+    return nvfp4.pack_fp4(torch.stack(codes, dim=-1).flatten(-2).to(torch.uint8))
+
+
 @dataclass
 class PreparedExperts:
     """Experts in the fused kernel's layout. Build with :func:`prepare_experts`.
@@ -72,12 +124,13 @@ class PreparedExperts:
     # The checkpoint-layout experts, kept only for CPU tensors (the CPU path computes from them).
     source: NvFp4Experts | None = field(default=None, repr=False)
     # "split": the W4A16/W4A4-emulation kernels' nibble order (alphas include DECODE_FACTOR).
+    # "placed": the split kernels with the cheaper decode (place_nibbles; opt-in, same alphas as "split").
     # "checkpoint": unchanged packing for the native FP4 MMA path (native_fp4.py; alphas = global scales).
     layout: str = "split"
 
     @property
     def decode_factor(self) -> float:
-        return DECODE_FACTOR if self.layout == "split" else 1.0
+        return 1.0 if self.layout == "checkpoint" else DECODE_FACTOR
 
     @property
     def num_experts(self) -> int:
@@ -104,7 +157,7 @@ class PreparedExperts:
         if self.source is not None:
             return self.source
         f8 = torch.float8_e4m3fn
-        unpack = merge_nibbles if self.layout == "split" else (lambda t: t)
+        unpack = {"split": merge_nibbles, "placed": unplace_nibbles}.get(self.layout, lambda t: t)
         return NvFp4Experts(
             w13=unpack(self.w13),
             w13_scale=self.w13_scale.view(f8),
@@ -132,24 +185,39 @@ class PreparedExperts:
         }
 
 
-def _split_chunked(packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
-    # Unpacking a whole layer at once needs 2 bytes per element of scratch (~1.6 GB at GLM-5 TP4 sizes);
-    # a few experts at a time keep the transient small on a GPU that already holds the model.
+def _chunked(fn, packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    # Unpacking a whole layer at once needs 2 bytes per element of scratch (~1.6 GB at GLM-5 TP4 sizes; the
+    # placed layout's int64 words 8 bytes per 8 elements more); a few experts at a time keep the transient
+    # small on a GPU that already holds the model.
     out = torch.empty_like(packed)
     for start in range(0, packed.shape[0], chunk):
-        out[start : start + chunk] = split_nibbles(packed[start : start + chunk])
+        out[start : start + chunk] = fn(packed[start : start + chunk])
     return out
 
 
-LAYOUTS = ("split", "checkpoint")
+def _split_chunked(packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    return _chunked(split_nibbles, packed, chunk)
 
 
-def prepare_experts(experts: NvFp4Experts, layout: str = "split") -> PreparedExperts:
+LAYOUTS = ("split", "placed", "checkpoint")
+
+
+def default_layout() -> str:
+    """The W4A16 layout prepare_experts uses when none is asked for: "split", or "placed" with PLACED_ENV=1
+    (opt-in until the H200 measurement decides)."""
+    import os
+
+    return "placed" if os.environ.get(PLACED_ENV, "0") not in ("", "0") else "split"
+
+
+def prepare_experts(experts: NvFp4Experts, layout: str | None = None) -> PreparedExperts:
     """Repack engine-layout experts once after loading. Validates shapes first.
 
-    ``layout="checkpoint"`` keeps the checkpoint packing for the native FP4 MMA path (SM100/SM120, W4A4
-    only, unverified: see :mod:`glm5_fp4.kernels.native_fp4`).
+    ``layout``: "split" (default), "placed" (the same kernels with a cheaper decode; default with
+    ``GLM5_FP4_PLACED_NIBBLES=1``), or "checkpoint" (the checkpoint packing kept for the native FP4 MMA path,
+    SM100/SM120, W4A4 only, unverified: see :mod:`glm5_fp4.kernels.native_fp4`).
     """
+    layout = layout or default_layout()
     if layout not in LAYOUTS:
         raise Glm5Fp4Error(f"unknown expert layout {layout!r}; choose one of {LAYOUTS}")
     experts.validate()
@@ -165,9 +233,8 @@ def prepare_experts(experts: NvFp4Experts, layout: str = "split") -> PreparedExp
 
     a13 = None if experts.a13_scale is None else experts.a13_scale.float().contiguous()
     a2 = None if experts.a2_scale is None else experts.a2_scale.float().contiguous()
-    split = layout == "split"
-    pack = _split_chunked if split else (lambda t: t)
-    factor = DECODE_FACTOR if split else 1.0
+    pack = {"split": _split_chunked, "placed": lambda t: _chunked(place_nibbles, t)}.get(layout, lambda t: t)
+    factor = 1.0 if layout == "checkpoint" else DECODE_FACTOR
     return PreparedExperts(
         w13=pack(experts.w13.contiguous()),
         w13_scale=experts.w13_scale.contiguous().view(torch.uint8),

@@ -62,6 +62,8 @@ class Workspace:
         self.max_tokens = max_tokens
         self.counts = torch.zeros(num_experts, **i32)
         self.offsets = torch.zeros(num_experts, **i32)
+        # the parallel align's counts and arrival counter, zero between calls (its last program zeroes them)
+        self.par_counts = torch.zeros(num_experts + 1, **i32)
         self.cursor = torch.zeros(num_experts, **i32)
         self.slots = torch.zeros(max_tokens * top_k, **i32)
         # the work list (experts, first rows, row counts), sized for the smallest token block
@@ -75,6 +77,8 @@ class Workspace:
         # split-K partial sums of the slot schedule's GEMM1: [split, slot, gate|up]
         self.part_rows = min(max_tokens, cfgs.SPLIT_K_MAX_TOKENS) * top_k
         self.part = torch.empty(cfgs.SPLIT_K_MAX * self.part_rows * 2 * intermediate, dtype=torch.float32, device=device)
+        # arrivals per (slot, GEMM1 N tile) of the fused split-K reduce; the last arrival sets it back to zero
+        self.split_count = torch.zeros(self.part_rows * (intermediate // 16), **i32)
         # NVFP4 act (codes + scales) between the native FP4 GEMMs; allocated on first native use
         self.act_q: torch.Tensor | None = None
         self.act_s: torch.Tensor | None = None

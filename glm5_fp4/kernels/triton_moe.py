@@ -4,7 +4,8 @@ Weights stay NVFP4 in memory (0.5625 B per weight) and are decoded in registers 
 each E2M1 nibble is moved into the bit positions of an E4M3 byte (exact: value / 64), the FP8 hardware
 conversion (``cvt.rn.f16x2.e4m3x2``, SM89+) turns byte pairs into fp16 pairs, and one fp16 multiply per
 value applies the E4M3 block scale; the per-expert global scale and the factor 64 are applied to the fp32
-accumulator. Products are exact in fp16, so the MMA sees exactly ``e2m1 * block_scale / 64``.
+accumulator. Products are exact in fp16, so the MMA sees exactly ``e2m1 * block_scale / 64``. Weights prepared in the
+opt-in "placed" layout (layout.place_nibbles) take the same route with 5 instead of 7 bit operations per word.
 
 GEMMs are "swap-AB": the weight tile is the MMA's M side (64+ rows for wgmma), tokens the N side (16+), so
 a handful of tokens per expert wastes little.
@@ -14,7 +15,8 @@ Two schedules (see :mod:`glm5_fp4.kernels.configs` for when each is used):
 * ``slot`` (tiny batches): no sorting. GEMM1 runs one program per (N-tile, token-slot[, K range]); with
   split-K a reduce kernel adds the partial sums and applies SwiGLU once per slot; GEMM2 runs one program
   per (N-range, token) and sums the token's ``top_k`` experts in registers, writing the output directly:
-  2 launches (3 with split-K), deterministic.
+  2 launches (3 with split-K; 2 again when the last GEMM1 program of each tile does the reduce,
+  ``Plan.gemm1_fused_reduce``, opt-in), deterministic.
 * ``grouped``: an alignment kernel counts tokens per expert, writes each expert's slots contiguously and
   builds a **work list** of token blocks: expert ``e`` with ``c`` tokens contributes ``ceil(c / BM)`` blocks
   of at most ``BM`` rows, listed expert by expert. GEMM1 and GEMM2 run one program per (block, N tile), so
@@ -82,6 +84,37 @@ _DECODE_ASM = tl.constexpr(
     + "}\n"
 )
 
+# The same decode for the "placed" layout (layout.place_nibbles): the codes of K offsets 0..3 already sit at
+# the E4M3 bit positions (sign 7, magnitude 4..2 of byte j), so one AND yields them; the other four codes'
+# bits are spread over the remaining bit positions so that a rotate by 6 puts sign and top two magnitude bits
+# in place and a shift by 2 the lowest one: 5 bit operations per word instead of 7 (SASS: one LOP3 for lo;
+# SHF, SHF/IMAD.SHL and two LOP3 for hi). Two shift classes are the minimum: no single shift of the free
+# bit positions {6,5,1,0} lands on {7,4,3,2} in every byte.
+_PLACED_WORD = """
+and.b32 lo, {w}, 0x9C9C9C9C;
+shf.l.wrap.b32 a, {w}, {w}, 6;
+and.b32 a, a, 0x98989898;
+shl.b32 b, {w}, 2;
+and.b32 b, b, 0x04040404;
+or.b32 hi, a, b;
+mov.b32 {{l0, l1}}, lo;
+mov.b32 {{h0, h1}}, hi;
+cvt.rn.f16x2.e4m3x2 t, l0;
+mul.rn.f16x2 {o0}, t, $10;
+cvt.rn.f16x2.e4m3x2 t, l1;
+mul.rn.f16x2 {o1}, t, $10;
+cvt.rn.f16x2.e4m3x2 t, h0;
+mul.rn.f16x2 {o2}, t, $10;
+cvt.rn.f16x2.e4m3x2 t, h1;
+mul.rn.f16x2 {o3}, t, $10;
+"""
+_PLACED_ASM = tl.constexpr(
+    "{\n.reg .b32 a, b, lo, hi, t;\n.reg .b16 l0, l1, h0, h1;\n"
+    + _PLACED_WORD.format(w="$8", o0="$0", o1="$1", o2="$2", o3="$3")
+    + _PLACED_WORD.format(w="$9", o0="$4", o1="$5", o2="$6", o3="$7")
+    + "}\n"
+)
+
 
 @triton.jit
 def _decode_code(v):
@@ -98,13 +131,53 @@ def _set_pair(src, byte0: tl.constexpr, nib: tl.constexpr, sf, BN: tl.constexpr,
 
 
 @triton.jit
-def _dequant_tile(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+def _byte_pair(reg, byte0: tl.constexpr, sf, BN: tl.constexpr, NW: tl.constexpr):
+    """Bytes byte0, byte0+1 of ``reg`` (uint32, each an E4M3 pattern) -> fp16 pair times ``sf``, like
+    cvt.rn.f16x2.e4m3x2 on the register half."""
+    v0 = ((reg >> (8 * byte0)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16) * sf
+    v1 = ((reg >> (8 * byte0 + 8)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16) * sf
+    return tl.reshape(tl.join(v0, v1), (BN, NW))
+
+
+@triton.jit
+def _placed_regs(w):
+    """The two E4M3-pattern registers of a placed-layout word (uint32), the same bit operations as the asm."""
+    lo = w & 0x9C9C9C9C
+    hi = (((w << 6) | (w >> 26)) & 0x98989898) | ((w << 2) & 0x04040404)
+    return lo, hi
+
+
+@triton.jit
+def _dequant_tile(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, PLACED: tl.constexpr = False):
     """Words [BN, BK/8] (int32) + scales [BN, BK/16] (e4m3 bytes) -> 8 fp16 operands W_j [BN, BK/8].
 
     W_j[n, c] is the weight at K offset 16*(c//2) + 2*j + c%2 of the tile, times its block scale / 64.
+    ``PLACED``: the words are in layout.place_nibbles order (fewer bit operations, same operands).
     """
     sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    if USE_ASM:
+    if PLACED and USE_ASM:
+        s2 = tl.reshape(tl.join(sf, sf), (BN, BK // 8))
+        d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+            _PLACED_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+            [wt, s2],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    elif PLACED:
+        wa, wb = tl.split(tl.reshape(wt.to(tl.uint32, bitcast=True), (BN, BK // 16, 2)))
+        la, ha = _placed_regs(wa)
+        lb, hb = _placed_regs(wb)
+        d0 = _byte_pair(la, 0, sf, BN, BK // 8)
+        d1 = _byte_pair(la, 2, sf, BN, BK // 8)
+        d2 = _byte_pair(ha, 0, sf, BN, BK // 8)
+        d3 = _byte_pair(ha, 2, sf, BN, BK // 8)
+        d4 = _byte_pair(lb, 0, sf, BN, BK // 8)
+        d5 = _byte_pair(lb, 2, sf, BN, BK // 8)
+        d6 = _byte_pair(hb, 0, sf, BN, BK // 8)
+        d7 = _byte_pair(hb, 2, sf, BN, BK // 8)
+    elif USE_ASM:
         s2 = tl.reshape(tl.join(sf, sf), (BN, BK // 8))
         d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
             _DECODE_ASM,
@@ -177,11 +250,12 @@ def _load_sets(p, mask, NW: tl.constexpr):
 
 
 @triton.jit
-def _decode_sets(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DIAG: tl.constexpr):
+def _decode_sets(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DIAG: tl.constexpr,
+                 PLACED: tl.constexpr = False):
     """The eight decoded set operands of a weight tile; DIAG=1 (benchmarks only, wrong results) skips the
     decode: the words go straight to fp16, so the time difference is the cost of decoding."""
     if DIAG == 0:
-        d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(wt, sb, BN, BK, USE_ASM)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(wt, sb, BN, BK, USE_ASM, PLACED)
     else:
         d0 = wt.to(tl.float16) + sb.to(tl.float16).sum(1)[:, None]
         d1 = d0 + 1.0
@@ -355,6 +429,17 @@ def _block_rows(pid_b, blk_ptr, num_blocks_ptr):
 
 
 @triton.jit
+def _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+               KC: tl.constexpr, W4A4: tl.constexpr):
+    """GEMM1's epilogue: act = silu(gate) * up ([BN, BM], W4A4: NVFP4-quantized) stored in GEMM2's K order."""
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    if W4A4:
+        act = _fake_quant_rows(act, g_out, BN, BM)
+    pos = _act_pos(offs_i, KC)
+    tl.store(act_ptr + rows[None, :] * I + pos[:, None], act.to(tl.float16), mask=mmask[None, :])
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     stride_xt,
@@ -368,6 +453,7 @@ def moe_gemm1_kernel(
     act_ptr,
     part_ptr,
     part_stride,
+    cnt_ptr,
     ids_ptr,
     emap_ptr,
     slots_ptr,
@@ -388,6 +474,8 @@ def moe_gemm1_kernel(
     DIAG: tl.constexpr = 0,
     HAS_MAP: tl.constexpr = False,
     KC: tl.constexpr = 0,
+    PLACED: tl.constexpr = False,
+    FUSED_REDUCE: tl.constexpr = False,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
 
@@ -397,8 +485,12 @@ def moe_gemm1_kernel(
 
     ``SPLIT_K > 1`` (slot schedule only): program (n, slot, k) sums 1/SPLIT_K of K and stores alpha * (gate,
     up) partial sums in fp32 to ``part_ptr`` [SPLIT_K, slots, 2I] (natural i order);
-    :func:`moe_splitk_reduce_kernel` adds them and applies SwiGLU. Otherwise ``act`` is fp16 [T*k, I] with each row in merged K order of one
+    :func:`moe_splitk_reduce_kernel` adds them and applies SwiGLU, or (``FUSED_REDUCE``, plan option
+    ``gemm1_fused_reduce``) the last program of each (N tile, slot) does, counting arrivals in ``cnt_ptr``
+    [slots, I/BN] (zero between calls). Otherwise ``act`` is fp16 [T*k, I] with each row in merged K order of one
     I-wide tile (W4A4: the NVFP4-quantized act times the quantizer's global scale).
+
+    ``PLACED``: the weights are in layout.place_nibbles order (5 instead of 7 bit operations per word).
 
     ``DIAG=1`` (benchmarks only, wrong results) skips the decode: the words go straight to fp16 MMA
     operands, so the time difference to ``DIAG=0`` is the cost of decoding.
@@ -432,6 +524,7 @@ def moe_gemm1_kernel(
     s_up = s_gate + I * (H // 16)
     alpha = tl.load(alpha_ptr + e)
     g_in = 1.0
+    g_out = 1.0
     if W4A4:
         g_in = tl.load(a_gscale_ptr + e)
         alpha = alpha * tl.load(a_scale_ptr + e)
@@ -462,12 +555,12 @@ def moe_gemm1_kernel(
                     xt = _x_operand(xt, g_in, W4A4, BK, BM)
                 if not MERGED:
                     x0, x1, x2, x3, x4, x5, x6, x7 = _split_sets(xt, NW, BM)
-            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_gate + k0 // 8), tl.load(s_gate + k0 // 16), BN, BK, USE_ASM, DIAG)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_gate + k0 // 8), tl.load(s_gate + k0 // 16), BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
             else:
                 acc_g = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_g)
-            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_up + k0 // 8), tl.load(s_up + k0 // 16), BN, BK, USE_ASM, DIAG)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_up + k0 // 8), tl.load(s_up + k0 // 16), BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)
             else:
@@ -479,12 +572,26 @@ def moe_gemm1_kernel(
             pp = part_ptr + tl.program_id(2).to(tl.int64) * part_stride + rows[None, :] * (2 * I) + offs_i[:, None]
             tl.store(pp, gate, mask=mmask[None, :])
             tl.store(pp + I, up, mask=mmask[None, :])
+            if FUSED_REDUCE:
+                # The last of the SPLIT_K programs of this (N tile, slot) to finish adds the partial sums in
+                # split order (bitwise what moe_splitk_reduce_kernel computes) and applies SwiGLU, so the slot
+                # schedule needs no reduce launch. Classic semaphore: a CTA barrier orders every thread's
+                # partial stores before the gpu-scope release; the acquire side reads the partials from L2.
+                tl.debug_barrier()
+                cp = cnt_ptr + start * (I // BN) + pid_n
+                done = tl.atomic_add(cp, 1, sem="acq_rel", scope="gpu")
+                if done == SPLIT_K - 1:
+                    tl.atomic_xchg(cp, 0, sem="relaxed", scope="gpu")  # zero again for the next call / replay
+                    p0 = part_ptr + rows[None, :] * (2 * I) + offs_i[:, None]
+                    gate = tl.load(p0, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
+                    up = tl.load(p0 + I, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
+                    for sk in tl.static_range(1, SPLIT_K):
+                        gate += tl.load(p0 + sk * part_stride, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
+                        up += tl.load(p0 + (sk * part_stride + I), mask=mmask[None, :], other=0.0,
+                                      cache_modifier=".cg")
+                    _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I, BN, BM, KC, W4A4)
         else:
-            act = gate / (1.0 + tl.exp(-gate)) * up
-            if W4A4:
-                act = _fake_quant_rows(act, g_out, BN, BM)
-            pos = _act_pos(offs_i, KC)
-            tl.store(act_ptr + rows[None, :] * I + pos[:, None], act.to(tl.float16), mask=mmask[None, :])
+            _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I, BN, BM, KC, W4A4)
 
 
 @triton.jit
@@ -509,6 +616,7 @@ def moe_gemm2_grouped_kernel(
     USE_ASM: tl.constexpr,
     MERGED: tl.constexpr = True,
     KC: tl.constexpr = 0,
+    PLACED: tl.constexpr = False,
 ):
     """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
     time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest.
@@ -549,7 +657,7 @@ def moe_gemm2_grouped_kernel(
                 a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + offs_w[:, None], mmask[None, :], NW)
             for n0 in range(n_begin, n_begin + n_per, BN):
                 d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
-                    tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM
+                    tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, PLACED
                 )
                 acc = tl.zeros((BN, BM), dtype=tl.float32)
                 if MERGED:
@@ -563,7 +671,7 @@ def moe_gemm2_grouped_kernel(
                 for k0 in range(0, I, KC):
                     d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
                         tl.load(w_base + n0 * (I // 8) + k0 // 8), tl.load(s_base + n0 * (I // 16) + k0 // 16),
-                        BN, KC, USE_ASM,
+                        BN, KC, USE_ASM, PLACED,
                     )
                     if MERGED:
                         a = tl.load(a_rows + k0 + offs_k[:, None], mask=mmask[None, :], other=0.0)
@@ -577,7 +685,8 @@ def moe_gemm2_grouped_kernel(
 @triton.jit
 def _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr, slot, n0, cols,
                H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, KC: tl.constexpr,
-               W4A4: tl.constexpr, USE_ASM: tl.constexpr, MERGED: tl.constexpr, HAS_MAP: tl.constexpr):
+               W4A4: tl.constexpr, USE_ASM: tl.constexpr, MERGED: tl.constexpr, HAS_MAP: tl.constexpr,
+               PLACED: tl.constexpr = False):
     """router weight * (act[slot] W_down[e]^T)[n0 : n0 + BN] of one slot (zero for a remote expert's slot)."""
     NW: tl.constexpr = KC // 8
     offs_w = tl.arange(0, NW)
@@ -601,7 +710,7 @@ def _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_pt
             a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(ap, use[None, :], NW)
         w_off = e64 * (H * (I // 8)) + (n0 + offs_bn[:, None]) * (I // 8) + k0 // 8 + offs_w[None, :]
         s_off = e64 * (H * (I // 16)) + (n0 + offs_bn[:, None]) * (I // 16) + k0 // 16 + offs_ks[None, :]
-        d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(tl.load(w_ptr + w_off), tl.load(s_ptr + s_off), BN, KC, USE_ASM)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(tl.load(w_ptr + w_off), tl.load(s_ptr + s_off), BN, KC, USE_ASM, PLACED)
         if MERGED:
             part = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, part)
         else:
@@ -632,6 +741,7 @@ def moe_gemm2_slot_kernel(
     HAS_MAP: tl.constexpr = False,
     KC: tl.constexpr = 0,
     UNROLL: tl.constexpr = False,
+    PLACED: tl.constexpr = False,
 ):
     """out[token, n] = sum over the token's local slots of weight * (act[slot] W_down[e]^T)[n], written once
     (slots of remote experts are skipped: their act rows were never computed). K (= I) in chunks of KC.
@@ -651,11 +761,11 @@ def moe_gemm2_slot_kernel(
         if UNROLL:
             for j in tl.static_range(TOPK):
                 acc += _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr,
-                                  tok * TOPK + j, n0, cols, H, I, BN, BM, KC, W4A4, USE_ASM, MERGED, HAS_MAP)
+                                  tok * TOPK + j, n0, cols, H, I, BN, BM, KC, W4A4, USE_ASM, MERGED, HAS_MAP, PLACED)
         else:
             for j in range(TOPK):
                 acc += _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr,
-                                  tok * TOPK + j, n0, cols, H, I, BN, BM, KC, W4A4, USE_ASM, MERGED, HAS_MAP)
+                                  tok * TOPK + j, n0, cols, H, I, BN, BM, KC, W4A4, USE_ASM, MERGED, HAS_MAP, PLACED)
         o_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + n0 + offs_bn[:, None] + cols[None, :] * 0
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=first[None, :])
 
@@ -697,6 +807,35 @@ def moe_splitk_reduce_kernel(
 
 
 @triton.jit
+def _local_ids(ids_ptr, emap_ptr, offs, m, HAS_MAP: tl.constexpr):
+    """(local expert ids, mask) of slots ``offs``: remote slots (expert map -1) masked out."""
+    ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+    if HAS_MAP:
+        ids = tl.load(emap_ptr + ids, mask=m, other=-1)
+        m = m & (ids >= 0)
+    return ids, m
+
+
+@triton.jit
+def _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM: tl.constexpr):
+    """Offsets, scatter cursors and the work list of BM-row blocks from the per-expert counts."""
+    counts = tl.where(emask, counts, 0)
+    excl = tl.cumsum(counts, 0) - counts
+    tl.store(offsets_ptr + offs_e, excl, mask=emask)
+    tl.store(cursor_ptr + offs_e, excl, mask=emask)
+    nblk = (counts + (BM - 1)) // BM
+    first_blk = tl.cumsum(nblk, 0) - nblk
+    tl.store(num_blocks_ptr, tl.sum(nblk, 0))
+    # Block j of every expert at once: as many passes as the busiest expert has blocks.
+    for j in range(0, tl.max(nblk, 0)):
+        mj = emask & (j < nblk)
+        b = (first_blk + j) * BLOCK_FIELDS
+        tl.store(blk_ptr + b, offs_e, mask=mj)
+        tl.store(blk_ptr + b + 1, excl + j * BM, mask=mj)
+        tl.store(blk_ptr + b + 2, tl.minimum(counts - j * BM, BM), mask=mj)
+
+
+@triton.jit
 def moe_align_kernel(
     ids_ptr,
     num_slots,
@@ -712,6 +851,7 @@ def moe_align_kernel(
     x_ptr,
     stride_xt,
     xq_ptr,
+    pcounts_ptr,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -721,55 +861,55 @@ def moe_align_kernel(
     BK: tl.constexpr = 128,
     PREP_X: tl.constexpr = False,
     HAS_MAP: tl.constexpr = False,
+    PAR: tl.constexpr = False,
+    HPROG: tl.constexpr = 1,
 ):
     """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks.
 
     With ``HAS_MAP`` the ids are global and ``emap_ptr`` maps them to local experts (-1: remote, dropped).
     Programs 1..: zero the fp32 combine workspace (GEMM2 adds into it) and, with ``PREP_X``, write the
     activations as fp16 in GEMM1's merged K order (tiles of BK) to ``xq_ptr`` [T, H].
+
+    ``PAR`` (plan option ``parallel_align``): programs 0..HPROG-1 each count BLOCK slots into ``pcounts_ptr``
+    ([E] counts + 1 arrival counter, zero between calls); the last to arrive writes offsets, cursors and the
+    work list and zeroes the counts again; :func:`moe_scatter_kernel` (the next launch) then places the slots
+    with many programs instead of program 0's serial passes.
     """
     pid = tl.program_id(0)
-    if pid == 0:
-        offs_e = tl.arange(0, E_POW2)
-        emask = offs_e < E
+    offs_e = tl.arange(0, E_POW2)
+    emask = offs_e < E
+    if PAR:
+        if pid < HPROG:
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
+            tl.atomic_add(pcounts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
+            # every thread's counts before the gpu-scope release (the fused split-K reduce's semaphore)
+            tl.debug_barrier()
+            done = tl.atomic_add(pcounts_ptr + E, 1, sem="acq_rel", scope="gpu")
+            if done == HPROG - 1:
+                tl.atomic_xchg(pcounts_ptr + E, 0, sem="relaxed", scope="gpu")
+                # read through the atomic unit (no stale L1 line) and leave zeros for the next call
+                counts = tl.atomic_xchg(pcounts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask,
+                                        sem="relaxed", scope="gpu")
+                _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM)
+    elif pid == 0:
         tl.store(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask)
         tl.debug_barrier()
         for s0 in range(0, num_slots, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)
-            m = offs < num_slots
-            ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            if HAS_MAP:
-                ids = tl.load(emap_ptr + ids, mask=m, other=-1)
-                m = m & (ids >= 0)
+            ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
             tl.atomic_add(counts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
         tl.debug_barrier()
         # Read the counts back through the atomic unit: plain loads could see a stale L1 line.
         counts = tl.atomic_add(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask, sem="relaxed")
-        counts = tl.where(emask, counts, 0)
-        excl = tl.cumsum(counts, 0) - counts
-        tl.store(offsets_ptr + offs_e, excl, mask=emask)
-        tl.store(cursor_ptr + offs_e, excl, mask=emask)
-        nblk = (counts + (BM - 1)) // BM
-        first_blk = tl.cumsum(nblk, 0) - nblk
-        tl.store(num_blocks_ptr, tl.sum(nblk, 0))
-        # Block j of every expert at once: as many passes as the busiest expert has blocks.
-        for j in range(0, tl.max(nblk, 0)):
-            mj = emask & (j < nblk)
-            b = (first_blk + j) * BLOCK_FIELDS
-            tl.store(blk_ptr + b, offs_e, mask=mj)
-            tl.store(blk_ptr + b + 1, excl + j * BM, mask=mj)
-            tl.store(blk_ptr + b + 2, tl.minimum(counts - j * BM, BM), mask=mj)
+        _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM)
         tl.debug_barrier()
         for s0 in range(0, num_slots, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)
-            m = offs < num_slots
-            ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-            if HAS_MAP:
-                ids = tl.load(emap_ptr + ids, mask=m, other=-1)
-                m = m & (ids >= 0)
+            ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
             dst = tl.atomic_add(cursor_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
             tl.store(slots_ptr + dst, offs, mask=m)
-    else:
+    if pid > 0:
         offs = (pid - 1).to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
         m = offs < ws_numel
         tl.store(ws_ptr + offs, tl.zeros((ZBLOCK,), dtype=tl.float32), mask=m)
@@ -783,6 +923,17 @@ def moe_align_kernel(
             xv = tl.load(x_ptr + src, mask=m, other=0.0)
             xv = tl.clamp(xv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             tl.store(xq_ptr + offs, xv, mask=m)
+
+
+@triton.jit
+def moe_scatter_kernel(ids_ptr, num_slots, emap_ptr, cursor_ptr, slots_ptr, BLOCK: tl.constexpr,
+                       HAS_MAP: tl.constexpr = False):
+    """Slots grouped by expert (the parallel align's second half): each program places BLOCK slots at their
+    expert's cursor (written by moe_align_kernel with PAR)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
+    dst = tl.atomic_add(cursor_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
+    tl.store(slots_ptr + dst, offs, mask=m)
 
 
 @triton.jit

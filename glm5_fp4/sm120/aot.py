@@ -25,13 +25,14 @@ def _shape(hidden: int, intermediate: int, num_experts: int = 256, top_k: int = 
 
 
 def compile_plan(plan: C.Plan, cc: int, hidden: int = 6144, intermediate: int = 256, tokens: int | None = None,
-                 mode: str = "w4a16", stage: str = "gemm1", use_asm: bool = True) -> list[Build]:
+                 mode: str = "w4a16", stage: str = "gemm1", use_asm: bool = True,
+                 layout: str | None = None) -> list[Build]:
     """Compile the launches of ``stage`` that ``plan`` makes for one call (default T: the slot schedule's
-    largest batch, or 64 tokens for the grouped and native schedules)."""
+    largest batch, or 64 tokens for the grouped and native schedules) on weights in ``layout``."""
     if tokens is None:
         tokens = C.SLOT_MAX_TOKENS.get(ARCH_OF_CC.get(cc, "sm90"), 4) if plan.schedule == "slot" else 64
     sel = L.Selection(ARCH_OF_CC.get(cc, "sm90"), _shape(hidden, intermediate), mode, plan, tokens, (stage,),
-                      "aot", use_asm)
+                      "aot", use_asm, layout)
     return [compile_specialized(specialize(launch, cc)) for launch in L.record(sel)]
 
 

@@ -63,6 +63,7 @@ class Selection:
     stages: tuple[str, ...]
     origin: str  # why it is in the matrix: "picked T=16", "gemm1 candidate", ...
     use_asm: bool = True
+    layout: str | None = None  # weight layout; None: "checkpoint" for the native path, else "split"
 
     @property
     def native(self) -> bool:
@@ -169,7 +170,7 @@ def record(sel: Selection) -> list[Launch]:
     x = torch.empty(sel.tokens, shape.hidden, dtype=X_DTYPE, device=meta)
     tw = torch.empty(sel.tokens, shape.top_k, dtype=torch.float32, device=meta)
     ids = torch.empty(sel.tokens, shape.top_k, dtype=IDS_DTYPE, device=meta)
-    prepared = meta_prepared(shape, layout="checkpoint" if sel.native else "split")
+    prepared = meta_prepared(shape, layout=sel.layout or ("checkpoint" if sel.native else "split"))
     ws = Workspace(meta, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sel.tokens)
     call = MoECall(x, tw, ids, prepared, sel.mode, torch.empty_like(x), ws, use_asm=sel.use_asm)
     return launches(sel.plan, call, sel.stages)

@@ -26,7 +26,7 @@ def _origins(origins: list[str]) -> str:
 
 
 # constexprs shown in their own columns (or constant across the matrix); every other one is part of the tile
-_NOT_TILE = {"H", "I", "W4A4", "USE_ASM", "TOPK", "E_POW2", "DIAG", "SLOT_MODE"}
+_NOT_TILE = {"H", "I", "W4A4", "USE_ASM", "TOPK", "E_POW2", "DIAG", "SLOT_MODE", "PLACED"}
 
 
 def _tile(cx: dict) -> str:

@@ -3,6 +3,8 @@ routing whose hot expert spans several work-list blocks, and expert parallelism 
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/memcheck_moe_kernel.py
     compute-sanitizer --tool racecheck python tests/gpu/memcheck_moe_kernel.py
+
+GLM5_FP4_PLACED_NIBBLES=1 runs the same cases on the "placed" weight layout (run_moe_h200.sh: memcheck_placed).
 """
 
 import torch
@@ -33,6 +35,39 @@ def main() -> int:
             ok = err < moe_tolerance(mode, x.dtype)
             failures += not ok
             print(f"T={t} {routing} map={use_map} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # the slot schedule's fused split-K reduce (plan.gemm1_fused_reduce: arrival counters, last program reduces)
+    import dataclasses
+
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    for t in (1, 3):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing("balanced", t, e, k, device="cuda")
+        plan = default_plan(x, ids, prep, "w4a16")
+        # two K tiles of 128 (H = 256) so that K splits in two
+        plan = dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=128), gemm1_split_k=2,
+                                   gemm1_fused_reduce=True)
+        for mode in ("w4a16", "w4a4"):
+            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
+            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
+                                compute_dtype=torch.float64)
+            err = rel_error(out, ref)
+            ok = err < moe_tolerance(mode, x.dtype)
+            failures += not ok
+            print(f"T={t} fused split-K reduce {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # the parallel align (plan.parallel_align: count + scan by the last arrival, scatter kernel), remote slots
+    for t, use_map in ((40, False), (200, True)):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing("zipf2", t, 12 if use_map else e, k, device="cuda")
+        m = emap if use_map else None
+        plan = dataclasses.replace(default_plan(x, ids, prep, "w4a16", m), parallel_align=True)
+        out = fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m)
+        ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, compute_dtype=torch.float64,
+                            expert_map=None if m is None else m.cpu())
+        err = rel_error(out, ref)
+        ok = err < moe_tolerance("w4a16", x.dtype)
+        failures += not ok
+        print(f"T={t} parallel align map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

@@ -151,6 +151,98 @@ def test_plain_triton_decode_matches_asm(t):
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("shape,t", [(SMALL, 1), (SMALL, 3), (SMALL, 40), (SMALL, 300), (GLM_TP8, 4), (GLM_TP8, 512)])
+def test_variant_placed_layout_matches_reference(shape, t, mode):
+    """layout="placed" (the cheaper asm decode, opt-in): every schedule against the float64 reference, and
+    its PTX decode against its portable twin (the interpreter tests check that twin equals the split
+    layout's decode bit for bit)."""
+    from glm5_fp4.kernels.moe import fused_moe_triton
+
+    ex, _ = experts(**shape)
+    prep = prepare_experts(ex, layout="placed")
+    x, w, ids = inputs(t, shape["e"], shape["h"], shape["k"], routing="zipf1.2" if t > 4 else "balanced")
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
+    plain = fused_moe_triton(x, w, ids, prep, mode, use_asm=False)
+    assert rel_error(out, plain) < moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("shape,t", [(SMALL, 1), (SMALL, 4), (GLM_TP8, 1), (GLM_TP8, 4), (GLM_TP4, 1)])
+def test_variant_fused_split_k_reduce(shape, t, mode):
+    """plan.gemm1_fused_reduce (opt-in): the last GEMM1 program of each (N tile, slot) reduces the split-K
+    partials. Against the reduce kernel's result and the float64 reference, and under CUDA-graph replays
+    with new routings equal bit for bit to eager calls (deterministic: the last arrival adds in split order;
+    a counter not reset would leave act unwritten or stale)."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k)
+    cap = torch.cuda.get_device_capability()
+    plan = C.plan(C.arch_of(cap), t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    if plan.gemm1_split_k == 1:
+        plan = dataclasses.replace(plan, gemm1_split_k=2)
+    fused = dataclasses.replace(plan, gemm1_fused_reduce=True)
+    want = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused)
+    assert rel_error(out, want) < moe_tolerance(mode, x.dtype)
+    assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused)
+    for _ in range(3):
+        nw, nids = make_routing("zipf1.2", t, e, k, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fused))
+
+
+@pytest.mark.parametrize("shape,t,routing", [(SMALL, 40, "balanced"), (SMALL, 40, "same_k"), (SMALL, 300, "zipf1.2"),
+                                             (GLM_TP8, 512, "balanced"), (GLM_TP8, 4096, "same_k")])
+def test_variant_parallel_align(shape, t, routing):
+    """plan.parallel_align (opt-in): many-program count + scan, then a scatter kernel. The work list equals
+    the serial align's, the layer matches the float64 reference, and CUDA-graph replays with new routings
+    match eager calls (the counts and the arrival counter reset)."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import fused_moe_triton, get_workspace
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing)
+    cap = torch.cuda.get_device_capability()
+    plan = C.plan(C.arch_of(cap), t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    par = dataclasses.replace(plan, parallel_align=True)
+    ws = get_workspace(x.device, e, k, h, i, t)
+    fused_moe_triton(x, w, ids, prep, plan=plan, stages=("align",))
+    serial = ws.blocks[: int(ws.num_blocks)].clone()
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, out=out, plan=par)
+    assert torch.equal(ws.blocks[: int(ws.num_blocks)], serial)
+    assert not ws.par_counts.any()
+    assert torch.isfinite(out).all()
+    assert rel_error(out, reference(x, w, ids, ex, "w4a16")) < moe_tolerance("w4a16", x.dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe_triton(x, w, ids, prep, out=out, plan=par)
+    for _ in range(2):
+        nw, nids = make_routing("zipf1.2", t, e, k, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("t,variant", [(3, "unmerged"), (3, "nosplit"), (40, "unmerged"), (40, "noprep"),
                                        (300, "unmerged"), (300, "bm64")])
 def test_plan_variants_match_reference(t, variant, mode):

@@ -4,8 +4,8 @@ Run by `make test` in its own process (the interpreter must be on before the ker
 activations (the interpreter's bf16 tl.dot is broken, shared/reference/kernel-notes.md section 4) and the
 portable decode (the interpreter cannot run the inline PTX; tests/gpu checks that the PTX decode equals
 it). Covered: both schedules, several work-list blocks per hot expert, skewed routings, expert
-parallelism (remote slots, all-remote tokens, a rank without tokens), W4A16 and W4A4 against a float64
-reference, NaN-poisoned outputs, int32 ids, and the kernels' E4M3 / E2M1 rounding helpers.
+parallelism (remote slots, all-remote tokens, a rank without tokens), the "placed" weight layout, W4A16
+and W4A4 against a float64 reference, NaN-poisoned outputs, int32 ids, and the kernels' E4M3 / E2M1 rounding helpers.
 """
 
 from __future__ import annotations
@@ -82,6 +82,49 @@ def test_slot_split_k(gen, mode, merged):
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
 
 
+@pytest.mark.parametrize("schedule,t,mode,h,split", [("grouped", 20, "w4a16", 128, 1), ("slot", 2, "w4a4", 256, 2)])
+def test_placed_layout_gives_the_split_layouts_operands(gen, schedule, t, mode, h, split):
+    """layout="placed" (cheaper decode): the portable twin of its asm decode yields the same fp16 operands as
+    the split layout's, so the outputs are equal bit for bit (interpreter: no atomics reordering), and match
+    the float64 reference."""
+    ex = random_experts(E, h, I, generator=gen)
+    x = torch.randn(t, h, generator=gen).half()
+    w, ids = make_routing("zipf2", t, E, K, gen)
+    plan = _plan(t, schedule, h, gemm1_split_k=split)
+    outs = {}
+    for layout in ("split", "placed"):
+        outs[layout] = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prepare_experts(ex, layout=layout), mode, out=outs[layout], plan=plan)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
+    assert torch.isfinite(outs["placed"]).all()
+    assert torch.equal(outs["placed"], outs["split"])
+    assert rel_error(outs["placed"], ref) < moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a4"])  # (W4A16's epilogue is W4A4's without the quantizer; one case: CI time)
+def test_slot_split_k_fused_reduce(gen, mode):
+    """plan.gemm1_fused_reduce: the last GEMM1 program of each (N tile, slot) reduces the split-K partials
+    itself. Bitwise the reduce kernel's result, and the arrival counters are zero again after a call (the
+    second call would otherwise reduce too early or never)."""
+    from glm5_fp4.kernels import launch as L
+    from glm5_fp4.kernels.moe import get_workspace
+
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(2, 256, generator=gen).half()
+    w, ids = make_routing("balanced", 2, E, K, gen)
+    plan = _plan(2, "slot", 256, gemm1_split_k=2)
+    fused = dataclasses.replace(plan, gemm1_fused_reduce=True)
+    assert L.count(fused) == 2 and L.count(plan) == 3
+    want = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused)
+        assert torch.equal(out, want)
+        assert not get_workspace(x.device, E, K, 256, I, 2).split_count.any()
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
+    assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
+
+
 def _emap(global_e=16, local=(1, 3, 4, 6, 9, 11, 12, 15)):
     m = torch.full((global_e,), -1, dtype=torch.int32)
     m[list(local)] = torch.arange(len(local), dtype=torch.int32)
@@ -101,6 +144,41 @@ def test_expert_parallel_remote_slots(gen, schedule, t, split):
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+def test_parallel_align(gen):
+    """plan.parallel_align: many programs count (the last scans and writes the work list), a scatter kernel
+    places the slots. Skewed routings with remote slots, twice (the counts and the arrival counter must be
+    zero again after a call): the work list and slot grouping against ones computed here, the layer against
+    the float64 reference (first call; the second runs the align stage alone)."""
+    from glm5_fp4.kernels import launch as L
+    from glm5_fp4.kernels.moe import get_workspace
+
+    emap = _emap()
+    ex, prep = _experts(gen)
+    t = 150  # 300 slots: two counting programs of PAR_BLOCK
+    assert L.PAR_BLOCK < t * K <= 2 * L.PAR_BLOCK
+    x = torch.randn(t, H, generator=gen).half()
+    plan = dataclasses.replace(_plan(t, "grouped"), parallel_align=True)
+    assert L.count(plan) == 5
+    for stages in (("align", "gemm1", "gemm2"), ("align",)):
+        w, ids = make_routing("zipf2", t, 16, K, gen)
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan, expert_map=emap, stages=stages)
+        ws = get_workspace(x.device, E, K, H, I, t)
+        assert not ws.par_counts.any()
+        local = emap[ids.flatten().long()]
+        counts = torch.bincount(local[local >= 0].long(), minlength=E)
+        want = [(ex_, int(counts[:ex_].sum()) + j * 16, min(16, int(counts[ex_]) - j * 16))
+                for ex_ in range(E) for j in range(-(-int(counts[ex_]) // 16))]
+        got = [tuple(int(v) for v in b[:3]) for b in ws.blocks[: int(ws.num_blocks)]]
+        assert got == want
+        for ex_, first, n in want:
+            assert (local[ws.slots[first:first + n].long()] == ex_).all()
+        if len(stages) == 3:
+            ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
+            assert torch.isfinite(out).all()
+            assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
 
 
 @pytest.mark.parametrize("schedule,t", [("grouped", 24), ("slot", 2)])

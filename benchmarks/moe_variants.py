@@ -1,0 +1,117 @@
+"""Same-run timing of the fused MoE's default form against its opt-in variants (issue 13), one GPU call.
+
+For each (TP shard, T, routing): the default (layout "split", the built-in plan), and each variant on the
+same layers, inputs and plan, each checked against the default's output first (a variant that computes a
+different layer is reported as an error, never timed). Timed in the order default, variants, default again:
+the two default times bound the drift within the row. Variants:
+
+* ``placed``: weights in layout "placed" (layout.place_nibbles: 5 instead of 7 bit operations per decoded
+  word; benchmarks/results/moe_kernel_sass_sm90_placed.json has the SASS counts). Opt in with
+  ``GLM5_FP4_PLACED_NIBBLES=1``.
+* ``fused_reduce`` (slot schedule with split-K only, T <= 4): plan.gemm1_fused_reduce, the last GEMM1
+  program of each (N tile, slot) reduces the split-K partials: 2 dependent launches instead of 3.
+* ``placed+fused_reduce``: both (slot schedule only).
+* ``parallel_align`` (grouped schedule, T > 4): plan.parallel_align, the routing counted by many programs
+  and placed by a scatter kernel instead of one program's serial passes (5 launches instead of 4).
+* ``placed+parallel_align``: both (grouped schedule only).
+* ``nodecode`` (bound, wrong results, not checked): the default with GEMM1's decode skipped (DIAG=1; GEMM2
+  still decodes), i.e. what any cheaper GEMM1 decode could gain at most.
+
+    python benchmarks/moe_variants.py --json variants.json   # TP8, T=1,4,64,512,4096, balanced + same_k
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", default="tp8")
+    ap.add_argument("--tokens", default="1,4,64,512,4096")
+    ap.add_argument("--routings", default="balanced,same_k")
+    ap.add_argument("--layers", type=int, default=4, help="distinct expert sets per graph (defeats L2 reuse)")
+    ap.add_argument("--json", default="moe_variants.json")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("moe_variants needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench import routing as R
+    from glm5_fp4.bench.meta import result_metadata
+    from glm5_fp4.bench.timing import copy_bandwidth_gbs
+    from glm5_fp4.kernels import prepare_experts
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    shards = [s for s in args.shards.split(",") if s]
+    tokens = [int(v) for v in args.tokens.split(",") if v]
+    routings = [r for r in args.routings.split(",") if r]
+    meta = result_metadata(benchmark="moe_variants", layers=args.layers, shards=shards, tokens=tokens,
+                           routings=routings, copy_gbs=round(copy_bandwidth_gbs(), 1))
+    rows: list[dict] = []
+
+    def save():
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for name in shards:
+        sh = B.glm5_shard(name)
+        lay = B.make_layers(sh, args.layers, gen)
+        placed = B.Layers(sh, [prepare_experts(e, layout="placed") for e in lay.experts], lay.experts)
+        # name -> (layers, DIAG, checked against the default, plan change or None, schedule it applies to)
+        fuse, par = dict(gemm1_fused_reduce=True), dict(parallel_align=True)
+        variants = {"placed": (placed, 0, True, None, None), "fused_reduce": (lay, 0, True, fuse, "slot"),
+                    "placed+fused_reduce": (placed, 0, True, fuse, "slot"),
+                    "parallel_align": (lay, 0, True, par, "grouped"),
+                    "placed+parallel_align": (placed, 0, True, par, "grouped"),
+                    "nodecode": (lay, 1, False, None, None)}
+        for t in tokens:
+            for routing in routings:
+                t0 = time.time()
+                x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+                tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
+                plan = default_plan(x, ids, lay.prepared[0], "w4a16")
+                row = {"shard": name, "tokens": t, "routing": routing, "plan": dataclasses.asdict(plan),
+                       "plan_label": B.plan_label(dataclasses.asdict(plan)), "us": {}, "errors": {}}
+                try:
+                    ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
+                    row["us"]["default"] = B.time_ours(lay, x, tw, ids, plan=plan)
+                except Exception as exc:  # noqa: BLE001 - the row records it
+                    row["errors"]["default"] = repr(exc)[:400]
+                for vname, (layers, diag, check, change, schedule) in variants.items():
+                    if schedule and (plan.schedule != schedule or (schedule == "slot" and plan.gemm1_split_k == 1)):
+                        continue
+                    vplan = dataclasses.replace(plan, **change) if change else plan
+                    try:
+                        if check:
+                            o = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=vplan)
+                            diff = B.rel_err(o, ref)
+                            row.setdefault("rel_diff", {})[vname] = diff
+                            if not diff < 2e-3:  # the same layer, up to fp32 atomics order
+                                raise AssertionError(f"output differs from the default's by {diff:.2e}")
+                        row["us"][vname] = B.time_ours(layers, x, tw, ids, plan=vplan, diag=diag)
+                    except Exception as exc:  # noqa: BLE001
+                        row["errors"][vname] = repr(exc)[:400]
+                if "default" in row["us"]:
+                    row["us"]["default_again"] = B.time_ours(lay, x, tw, ids, plan=plan)
+                row["wall_s"] = round(time.time() - t0, 1)
+                rows.append(row)
+                save()
+                us = {k: round(v, 1) for k, v in row["us"].items()}
+                print(f"{name} T={t} {routing}: {us} {row['errors'] or ''} [{row['wall_s']}s]", flush=True)
+        del lay, placed
+        torch.cuda.empty_cache()
+    save()
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
