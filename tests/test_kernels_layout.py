@@ -103,11 +103,14 @@ def test_placed_layout_decodes_to_the_e4m3_bytes_of_every_code():
     assert torch.equal(f8 * DECODE_FACTOR, nvfp4.e2m1_decode(codes.to(torch.uint8)).float())
 
 
-def test_placed_layout_is_opt_in_and_roundtrips(monkeypatch):
+def test_placed_layout_is_the_default_split_on_request_and_both_roundtrip(monkeypatch):
     ex = random_experts(2, 128, 128, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setenv(PLACED_ENV, "0")
+    split = prepare_experts(ex)
+    assert split.layout == "split"
+    split.source = None
+    assert torch.equal(split.to_experts().w13, ex.w13)
     monkeypatch.delenv(PLACED_ENV, raising=False)
-    assert prepare_experts(ex).layout == "split"
-    monkeypatch.setenv(PLACED_ENV, "1")
     prep = prepare_experts(ex)
     assert prep.layout == "placed" and torch.equal(prep.w13_alpha, ex.w13_global * DECODE_FACTOR)
     prep.source = None

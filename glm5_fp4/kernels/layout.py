@@ -49,7 +49,7 @@ def merge_nibbles(split: torch.Tensor) -> torch.Tensor:
     return nvfp4.pack_fp4(codes)
 
 
-# The "placed" layout (opt-in, env PLACED_ENV=1 or prepare_experts(layout="placed")): the same 8-group words
+# The "placed" layout (the default; PLACED_ENV=0 or prepare_experts(layout="split") for the plain one): the same 8-group words
 # with each code's bits moved where triton_moe's placed decode wants them (5 bit operations per word instead of
 # 7). Byte j (0..3) holds code j at the E4M3 positions (sign bit 7, magnitude bits 4..2), so ``w & 0x9C9C9C9C``
 # is its E4M3 pattern; code 4+j is spread over the free bits {6,5,1,0} so that
@@ -203,18 +203,21 @@ LAYOUTS = ("split", "placed", "checkpoint")
 
 
 def default_layout() -> str:
-    """The W4A16 layout prepare_experts uses when none is asked for: "split", or "placed" with PLACED_ENV=1
-    (opt-in until the H200 measurement decides)."""
+    """The layout prepare_experts uses when none is asked for: "placed", or "split" with PLACED_ENV=0 (A/B).
+
+    Placed is the default since the H200 run of 2026-12-01 (benchmarks/results/moe_variants_h200.json): 1.5-4 %
+    faster than split at TP8 T=4..8192 and TP4 T=1024/8192, 1 % slower only at TP4 T=2048, bit-identical
+    output."""
     import os
 
-    return "placed" if os.environ.get(PLACED_ENV, "0") not in ("", "0") else "split"
+    return "split" if os.environ.get(PLACED_ENV, "1") in ("", "0") else "placed"
 
 
 def prepare_experts(experts: NvFp4Experts, layout: str | None = None) -> PreparedExperts:
     """Repack engine-layout experts once after loading. Validates shapes first.
 
-    ``layout``: "split" (default), "placed" (the same kernels with a cheaper decode; default with
-    ``GLM5_FP4_PLACED_NIBBLES=1``), or "checkpoint" (the checkpoint packing kept for the native FP4 MMA path,
+    ``layout``: "placed" (default: :func:`default_layout`), "split" (the same kernels with the plain nibble
+    order and two more bit operations per decoded word; ``GLM5_FP4_PLACED_NIBBLES=0``), or "checkpoint" (the checkpoint packing kept for the native FP4 MMA path,
     SM100/SM120, W4A4 only, unverified: see :mod:`glm5_fp4.kernels.native_fp4`).
     """
     layout = layout or default_layout()
