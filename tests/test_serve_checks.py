@@ -100,7 +100,10 @@ def test_a_profile_model_that_does_not_exist_fails_before_launch(tmp_path, capsy
     assert not (tmp_path / "s.log").exists()
 
 
-def test_model_check_accepts_checkpoints_and_hub_ids(ckpt):
+def test_model_check_accepts_checkpoints_and_hub_ids(ckpt, tmp_path, monkeypatch):
+    # Relative paths resolve against the working directory: an empty one, since `make demo` (the README's first
+    # command) leaves out/demo/tiny-glm5-nvfp4 in the checkout.
+    monkeypatch.chdir(tmp_path)
     assert check_model_dir(ckpt) == ckpt
     assert check_model_dir("nvidia/GLM-5-NVFP4") is None  # left to the engine
     for bad in ("out/demo/tiny-glm5-nvfp4", "./ckpt", "ckpt"):
