@@ -12,8 +12,8 @@ the JIT pre-warm (prewarm_jit.py, started after install) is done (fleet.PrewarmG
 clock starts then:
 
 * ``ours`` / ``ours-eager``   ``--moe-runner-backend glm5_fp4`` (our plugin, backend triton) with
-  ``--disable-shared-experts-fusion``: decode full CUDA graphs + prefill breakable graphs (SGLang's defaults) /
-  graphs disabled
+  ``--disable-shared-experts-fusion``: decode full CUDA graphs + prefill breakable graphs (SGLang's defaults, the
+  prefill ones at ``PREFILL_GRAPH_TOKENS`` only) / graphs disabled
 * ``bf16`` / ``bf16-graphs``   stock SGLang on the BF16 twin (no quantization, its own Triton MoE): graphs
   disabled (the reference) / graphs
 * ``marlin``                   stock ``--moe-runner-backend marlin`` under ``modelopt_fp4`` (W4A16 on SM90; what
