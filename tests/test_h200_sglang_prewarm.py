@@ -102,3 +102,19 @@ def test_background_start_writes_status_and_reports_no_gpu(tmp_path):
     if "error" in got:  # a CPU machine: nothing built, said why
         assert "CUDA" in got["error"]
     assert (tmp_path / "prewarm.log").is_file()
+
+
+def test_seed_copies_prebuilt_modules_once(tmp_path):
+    """Prebuilt .so files land under their own content-addressed folder names, never over one already there."""
+    src, dst = tmp_path / "seed", tmp_path / "cache"
+    (src / "sgl_kernel_jit_moe_wna16_marlin_bf16_abc__arch_9.0__tvmffi_0.1.11").mkdir(parents=True)
+    so = src / "sgl_kernel_jit_moe_wna16_marlin_bf16_abc__arch_9.0__tvmffi_0.1.11" / "sgl_kernel_jit_moe_wna16_marlin_bf16_abc.so"
+    so.write_bytes(b"\x7fELF")
+    (src / "built.json").write_text("{}")
+    assert prewarm_jit.seed(src, dst) == [f"{so.parent.name}/{so.name}"]
+    assert (dst / so.parent.name / so.name).read_bytes() == b"\x7fELF"
+    assert prewarm_jit.seed(src, dst) == [] and prewarm_jit.seed(tmp_path / "absent", dst) == []
+    env = {**os.environ, "TVM_FFI_CACHE_DIR": str(tmp_path / "cache2")}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200_sglang" / "prewarm_jit.py"), "--seed-only",
+                          "--seed-from", str(src)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and (tmp_path / "cache2" / so.parent.name / so.name).is_file(), out.stdout + out.stderr

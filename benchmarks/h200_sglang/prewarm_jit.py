@@ -23,7 +23,15 @@ It writes ``/tmp/sglang/prewarm.json`` at the start and after each module: ``sta
 seconds, ok, error. The run scripts wait for ``done`` (bounded: fleet.PrewarmGate) before starting a stock
 server and start ours at once.
 
+``--seed-from DIR`` (default ``.jit-seed`` in the tree, when present: carried to the device, see the README): the
+same modules built off the device (``--build-here``, on a machine with nvcc 13 and SGLang 0.5.15's sources, no
+GPU), as ``DIR/<build folder>/<module>.so``. Each is copied into the cache under its own (content-addressed) folder
+name before the build; ``load_jit`` then loads it instead of compiling, or, if it does not load there, logs
+"Cached JIT module ... failed to load; rebuilding" and compiles as without the seed. ``seeded`` in the status
+lists what was copied.
+
     . benchmarks/h200/env.sh sglang && python3 benchmarks/h200_sglang/prewarm_jit.py --background [--linear]
+    # here, once: PYTHONPATH=<sglang-0.5.15 sources> python prewarm_jit.py --build-here --out .jit-seed
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import datetime as dt
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 STATUS = Path("/tmp/sglang/prewarm.json")
+SEED = Path(__file__).resolve().parents[2] / ".jit-seed"
+H200 = (9, 0)  # the compute capability --build-here builds for
 # name -> (module, builder function, why). Each builder is cache_once-decorated in SGLang 0.5.15 and takes the
 # activation dtype when it has a parameter (the servers run BF16 activations); names checked against 0.5.15's
 # sources by tests/test_h200_sglang_prewarm.py.
@@ -90,11 +101,48 @@ def build_one(name: str) -> dict:
                 "error": f"{type(exc).__name__}: {str(exc)[:2000]}", "traceback": traceback.format_exc()[-4000:]}
 
 
-def run(names: list[str], status_path: Path) -> int:
+def cache_dir() -> Path:
+    return Path(os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi")).expanduser()
+
+
+def seed(src: Path, dst: Path) -> list[str]:
+    """Copy every ``<build folder>/<module>.so`` of ``src`` into ``dst`` where that folder has none yet."""
+    copied = []
+    for so in sorted(src.glob("*/*.so")) if src.is_dir() else []:
+        target = dst / so.parent.name / so.name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(so, target.with_suffix(".so.part"))
+            target.with_suffix(".so.part").replace(target)  # a reader never sees half a file
+            copied.append(f"{so.parent.name}/{so.name}")
+    return copied
+
+
+def build_here(names: list[str], out: Path) -> int:
+    """Build the modules without a GPU for SM90 (the compute capability pinned instead of read from a device),
+    keep only each ``.so`` under its build folder's name in ``out``."""
+    import sglang.jit_kernel.utils as u
+
+    u.get_jit_cuda_arch = lambda: u.ArchInfo(*H200, "")
+    u.is_arch_support_pdl = lambda: True  # what it answers on SM90 (capability >= 9)
+    os.environ["TVM_FFI_CACHE_DIR"] = str(out / ".build")
+    results = {n: build_one(n) for n in names}
+    for so in (out / ".build").glob("*/*.so"):
+        (out / so.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(so, out / so.parent.name / so.name)
+    shutil.rmtree(out / ".build", ignore_errors=True)
+    (out / "built.json").write_text(json.dumps({"built_utc": _now(), "for": "sm_%d%d" % H200, "modules": {
+        n: {k: v for k, v in r.items() if k != "traceback"} for n, r in results.items()}}, indent=1))
+    print(json.dumps(results, indent=1))
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+def run(names: list[str], status_path: Path, seed_from: Path | None = None) -> int:
     t0 = time.monotonic()
     status = {"state": "running", "pid": os.getpid(), "started_utc": _now(), "modules": {n: None for n in names},
-              "cache_dir": os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi (default)"),
-              "max_jobs": os.environ.get("MAX_JOBS")}
+              "cache_dir": str(cache_dir()), "max_jobs": os.environ.get("MAX_JOBS")}
+    if seed_from is not None:
+        status["seeded"] = seed(seed_from, cache_dir())
     write_status(status_path, status)
     try:
         import torch
@@ -123,13 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--status", type=Path, default=STATUS)
     ap.add_argument("--background", action="store_true",
                     help="start in a new session (log next to the status file) and return at once")
+    ap.add_argument("--seed-from", type=Path, default=SEED if SEED.is_dir() else None,
+                    help="prebuilt modules to copy into the cache first (default .jit-seed when present)")
+    ap.add_argument("--seed-only", action="store_true",
+                    help="only copy --seed-from into the cache (no SGLang needed: the first shipping call, before install)")
+    ap.add_argument("--build-here", action="store_true", help="build the modules for SM90 without a GPU into --out")
+    ap.add_argument("--out", type=Path, default=SEED)
     args = ap.parse_args(argv)
     names = wanted(args.linear)
+    if args.build_here:
+        return build_here(list(MODULES), args.out)
+    if args.seed_only:
+        copied = seed(args.seed_from, cache_dir()) if args.seed_from else []
+        print(f"[prewarm] seeded {cache_dir()}: {copied or 'nothing (no seed, or already there)'}", flush=True)
+        return 0
     if args.background:
         log = args.status.with_suffix(".log")
         log.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--status", str(args.status),
-               *(["--linear"] if args.linear else [])]
+               *(["--linear"] if args.linear else []),
+               *(["--seed-from", str(args.seed_from)] if args.seed_from else [])]
         with log.open("w") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
@@ -139,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[prewarm] building {', '.join(names)} in the background (pid {p.pid}, log {log}, "
               f"status {args.status})", flush=True)
         return 0
-    return run(names, args.status)
+    return run(names, args.status, args.seed_from)
 
 
 if __name__ == "__main__":
