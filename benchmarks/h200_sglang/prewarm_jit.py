@@ -31,7 +31,7 @@ name before the build; ``load_jit`` then loads it instead of compiling, or, if i
 lists what was copied.
 
     . benchmarks/h200/env.sh sglang && python3 benchmarks/h200_sglang/prewarm_jit.py --background [--linear]
-    # here, once: PYTHONPATH=<sglang-0.5.15 sources> python prewarm_jit.py --build-here --out .jit-seed
+    # here, once: CUDA_HOME=/usr/local/cuda-13.0 PYTHONPATH=<sglang-0.5.15 sources> python prewarm_jit.py --build-here
 """
 
 from __future__ import annotations
@@ -121,6 +121,12 @@ def seed(src: Path, dst: Path) -> list[str]:
 def build_here(names: list[str], out: Path) -> int:
     """Build the modules without a GPU for SM90 (the compute capability pinned instead of read from a device),
     keep only each ``.so`` under its build folder's name in ``out``."""
+    cuda = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    if not (cuda / "lib64" / "libcudart.so").exists():
+        # tvm-ffi links -L$CUDA_HOME/lib64 -lcudart; without CUDA_HOME it guesses from nvcc's folder, which a
+        # wrapper script (/usr/local/bin/nvcc here) gets wrong: every link then fails
+        raise SystemExit(f"--build-here: no {cuda}/lib64/libcudart.so; set CUDA_HOME (e.g. /usr/local/cuda-13.0)")
+    os.environ["CUDA_HOME"] = str(cuda)
     import sglang.jit_kernel.utils as u
 
     u.get_jit_cuda_arch = lambda: u.ArchInfo(*H200, "")
