@@ -1,7 +1,7 @@
 """The SGLang H200 scripts rehearsed on CPU: every phase against fake SGLang servers (benchmarks/h200/fake_sglang.py).
 
-SGLang cannot serve on a CPU, so what is rehearsed is the orchestration: checkpoints, all servers started at once
-and stopped, the SGLang client calls (``/generate`` greedy and teacher-forced logprobs, the OpenAI stream the load
+SGLang cannot serve on a CPU, so what is rehearsed is the orchestration: routed-only checkpoints, servers started in
+stages (the stock one after the JIT pre-warm's status says done) and stopped, the SGLang client calls (``/generate`` greedy and teacher-forced logprobs, the OpenAI stream the load
 tester uses, ``/start_profile``), the verdicts and their failure paths (a server that does not start, one that
 computes far off, the GLM-5 DSA servers failing and the dense view taking over), the sweep, ``compare``,
 ``profile capture --analyze``, the result bundle. The real commands are recorded beside each fake and parsed by
@@ -35,13 +35,16 @@ def rehearsals(tmp_path_factory):
     """Three rehearsals at once (two cores): tiny as planned, tiny with failures injected, true dimensions."""
     base = tmp_path_factory.mktemp("rehearsal")
     ckpts = base / "ckpt"
+    done = base / "prewarm-done.json"  # a finished pre-warm, as prewarm_jit.py writes it
+    done.write_text(json.dumps({"state": "done", "pid": 1, "modules": {"moe_wna16_marlin": {"ok": True, "s": 1.0}}}))
     runs = {
-        "tiny": _start("run_tiny.py", base / "tiny", "--ckpt-root", str(ckpts / "a"), "--deadline-s", "300"),
+        "tiny": _start("run_tiny.py", base / "tiny", "--ckpt-root", str(ckpts / "a"), "--deadline-s", "300",
+                       env={"GLM5_FP4_PREWARM_STATUS": str(done)}),
         "tiny_failing": _start("run_tiny.py", base / "failing", "--ckpt-root", str(ckpts / "b"), "--deadline-s", "300",
                                env={"GLM5_FP4_FAKE_SGLANG_FAIL": "^glm5-", "GLM5_FP4_FAKE_SGLANG_OFF": "^glm4moe-ours$"}),
         "true": _start("run_true_dims.py", base / "true", "--ckpt", str(ckpts / "glm5-true"), "--deadline-s", "400",
                        "--levels", "4", "--capture-concurrency", "4", "--input-len", "16", "--output-len", "8",
-                       "--start-together", "1"),
+                       "--start-together", "1", env={"GLM5_FP4_PREWARM_STATUS": str(base / "none.json")}),
     }
     out = {}
     for name, proc in runs.items():
@@ -69,7 +72,20 @@ def test_tiny_rehearsal_compares_every_path_and_passes(rehearsals):
         ours = servers[f"{arch}-ours"]["stands_in_for"]
         assert "--moe-runner-backend glm5_fp4" in ours and "--disable-shared-experts-fusion" in ours
         assert ("--attention-backend dsa" in ours) == (arch == "glm5")
-        assert "--moe-runner-backend marlin" in servers[f"{arch}-marlin"]["stands_in_for"]
+        marlin = servers[f"{arch}-marlin"]["stands_in_for"]
+        assert "--moe-runner-backend marlin" in marlin and "--disable-shared-experts-fusion" in marlin
+        assert "--cuda-graph-bs-prefill 16 64 192 512" in ours  # a few prefill graphs, not SGLang's 30
+        assert "/routed-only/" in ours  # the routed-only checkpoints, in their own folder
+    assert s["phases"]["checkpoints"]["recipe"] == "routed-only"
+    assert s["prewarm"]["state"] == "done" and s["prewarm"]["before"].endswith("-marlin")
+    # Two stages: every stage-1 server (references, ours with graphs) ready before any stage-2 server starts
+    lines = r["log"].splitlines()
+    started = {ln.split()[1].rstrip(":"): i for i, ln in enumerate(lines) if ln.startswith("[fleet] ") and " --" in ln}
+    ready = {ln.split()[1].rstrip(":"): i for i, ln in enumerate(lines) if "ready after" in ln}
+    first = [n for n in started if n.endswith(("-bf16", "-ours"))]
+    second = [n for n in started if n.endswith(("-ours-eager", "-bf16-graphs", "-marlin"))]
+    assert len(first) == 4 and len(second) == 6
+    assert max(ready[n] for n in first) < min(started[n] for n in second)
     with tarfile.open(r["out"] / f"{r['run']}.tar.gz") as tar:
         names = tar.getnames()
     assert f"{r['run']}/summary.json" in names and sum(n.endswith(".log") for n in names) == 10
@@ -103,6 +119,11 @@ def test_true_dims_rehearsal_runs_every_phase(rehearsals):
         < order.index("profile_ours") < order.index("profile_marlin")
     assert set(s["servers"]) == {"ours", "marlin"}  # no layer timers on fakes
     assert "SGLANG_TORCH_PROFILER_DIR" in s["servers"]["marlin"]["stands_in_for"]
+    assert "--disable-shared-experts-fusion" in s["servers"]["marlin"]["stands_in_for"]
+    from glm5_fp4.checkpoint.inspect import inspect_checkpoint
+
+    assert inspect_checkpoint(s["checkpoint_served"]).recipe == "routed-only"
+    assert s["prewarm"]["state"] == "absent"  # no pre-warm started: nothing to wait for
     with tarfile.open(r["out"] / f"{r['run']}.tar.gz") as tar:
         names = set(tar.getnames())
     assert f"{r['run']}/compare_c4.md" in names

@@ -107,3 +107,16 @@ def test_exclude_modules_only_configs_keep_attention_unquantized():
                                       "exclude_modules": ["lm_head", "model.layers.0.self_attn*"]})
     assert qc.is_layer_excluded("model.layers.0.self_attn.o_proj")
     assert not qc.is_layer_excluded("model.layers.0.mlp.down_proj")
+
+
+def test_a_routed_only_checkpoint_keeps_dense_mlps_and_shared_experts_unquantized(tmp_path):
+    """make-checkpoint --recipe routed-only (GLM-5.1/5.2-NVFP4's recipe) read by vLLM: its dense MLPs and shared
+    experts are excluded linears (BF16), its routed experts are not."""
+    ck = make_checkpoint(tmp_path / "routed", arch="glm5", dense_attention=True, recipe="routed-only",
+                         sizes={"num_hidden_layers": 2, "first_k_dense_replace": 1})
+    qc = get_quant_config(ModelConfig(model=str(ck), quantization="glm5_nvfp4"), LoadConfig())
+    assert type(qc) is Glm5NvFp4Config and qc.declared_by_checkpoint
+    for prefix in ("model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
+                   "model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj"):
+        assert qc.is_layer_excluded(prefix), prefix
+    assert not qc.is_layer_excluded("model.layers.1.mlp.experts")

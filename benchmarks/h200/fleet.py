@@ -13,11 +13,16 @@ servers at once); SGLang cannot serve on a CPU, so its rehearsal starts a fake S
 place of each server, all at once as on the GPU, with the real command recorded beside it.
 
 Every server is stopped when the fleet's ``with`` block ends, on SIGTERM, and at interpreter exit.
+
+A fleet may have a *gate*: called with each spec before it is launched (``PrewarmGate``: stock SGLang NVFP4
+servers wait for the JIT pre-warm, benchmarks/h200_sglang/prewarm_jit.py, so their start-up clock starts after
+it; ours start at once).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shlex
@@ -158,6 +163,9 @@ class Started:
     ready_s: float | None = None
     error: str | None = None
     real_command: str | None = None  # the command a fake stands in for
+    # What was compiling when it was given up on (the first H200 run's NVFP4 servers hung with no log line; a JIT
+    # build shows here as ninja / nvcc / cicc / ptxas processes)
+    compiling: list[str] | None = None
 
     @property
     def url(self) -> str:
@@ -169,6 +177,8 @@ class Started:
                "log": str(self.handle.log_path) if self.handle else None, "command": shell_of(self.handle)}
         if self.real_command:
             out["stands_in_for"] = self.real_command
+        if self.compiling is not None:
+            out["compiling_when_given_up"] = self.compiling
         return out
 
 
@@ -211,12 +221,83 @@ def fake_command(spec: SglangSpec, port: int, trace_dir: Path | None) -> _FakeCo
     return _FakeCommand(argv, port)
 
 
+# prewarm_jit.py's status file (GLM5_FP4_PREWARM_STATUS: the rehearsals' own)
+PREWARM_STATUS = Path(os.environ.get("GLM5_FP4_PREWARM_STATUS", "/tmp/sglang/prewarm.json"))
+
+
+def needs_prewarm(spec) -> bool:
+    """A stock SGLang server on an NVFP4 checkpoint: its Marlin kernels are JIT-built (prewarm_jit.py says why)."""
+    return spec.engine == "sglang" and spec.quantization != "none" and spec.moe_backend != "glm5_fp4"
+
+
+class PrewarmGate:
+    """Before the first stock NVFP4 SGLang server starts, wait (at most ``timeout_s``, once) for the JIT pre-warm's
+    status file to say ``done``; ``record`` holds what was seen (for the run summary). No status file: no
+    pre-warm was started, nothing to wait for (the servers build their kernels themselves). A pre-warm process
+    that died before ``done`` ends the wait too."""
+
+    def __init__(self, timeout_s, status: Path = PREWARM_STATUS, poll_s: float = 2.0, on_record=None):
+        # timeout_s: seconds, or a function giving them when the wait begins (e.g. bounded by a run's time left)
+        self.timeout_s, self.status, self.poll_s = timeout_s, status, poll_s
+        self.on_record = on_record  # e.g. into the run's summary
+        self.record: dict | None = None
+
+    def read(self) -> dict | None:
+        try:
+            return json.loads(self.status.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def __call__(self, spec) -> None:
+        if self.record is not None or not needs_prewarm(spec):
+            return
+        t = time.monotonic()
+        limit = max(0.0, self.timeout_s() if callable(self.timeout_s) else self.timeout_s)
+        st = self.read()
+        while st is not None and st.get("state") != "done" and time.monotonic() - t < limit:
+            try:
+                os.kill(int(st.get("pid", -1)), 0)
+            except (OSError, ValueError, TypeError):
+                break
+            time.sleep(self.poll_s)
+            st = self.read()
+        waited = round(time.monotonic() - t, 1)
+        state = "absent" if st is None else st.get("state", "?")
+        if st is not None and state != "done":
+            state = "late" if waited >= limit else "died"
+        self.record = {"state": state, "waited_s": waited, "limit_s": round(limit, 1), "before": spec.name,
+                       "status": st}
+        if self.on_record is not None:
+            self.on_record(self.record)
+        print(f"[fleet] JIT pre-warm: {state} (waited {waited:.0f} s before starting {spec.name})", flush=True)
+
+
+COMPILERS = ("ninja", "nvcc", "cicc", "ptxas", "fatbinary", "nvlink", "c++", "g++", "cc1plus")
+
+
+def compile_processes() -> list[str]:
+    """``elapsed-seconds %cpu command`` of every compiler process now running (JIT builds), from ps."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ps", "-eo", "etimes=,pcpu=,args="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return [f"ps failed: {exc}"]
+    keep = []
+    for line in out.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and os.path.basename(parts[2].split()[0]) in COMPILERS:
+            keep.append(f"{parts[0]} s {parts[1]} % {parts[2][:300]}")
+    return keep
+
+
 class Fleet:
     """Start specs (all at once on GPU or with fakes, in turn on CPU); ``wait`` until each is healthy, failed or late."""
 
     def __init__(self, logs: Path, gpu: bool, mem_fraction: float = 0.0, kv_bytes: int = 0,
-                 base_args: list[str] | None = None, fake: bool = False):
+                 base_args: list[str] | None = None, fake: bool = False, gate=None):
         self.logs = logs
+        self.gate = gate  # called with each spec before its launch (PrewarmGate)
         self.gpu = gpu
         self.fake = fake  # SGLang rehearsal: fake servers stand in (CPU)
         self.mem_fraction = mem_fraction
@@ -233,6 +314,8 @@ class Fleet:
         return self.gpu or self.fake
 
     def launch(self, spec) -> Started:
+        if self.gate is not None:
+            self.gate(spec)
         log = self.logs / f"{spec.name}.log"
         if spec.engine == "sglang":
             from glm5_fp4.engines.sglang.compat import VEHICLE, server_flags
@@ -277,8 +360,10 @@ class Fleet:
                 print(f"[fleet] {s.spec.name}: " + (f"ready after {s.ready_s:.0f} s" if s.error is None
                                                     else f"FAILED ({s.error})"), flush=True)
             time.sleep(1.0 if self.gpu else 0.2)
+        snapshot = compile_processes() if pending and self.gpu else None
         for s in pending:
             s.error = f"not healthy after {timeout_s:.0f} s"
+            s.compiling = snapshot
             print(f"[fleet] {s.spec.name}: FAILED ({s.error})", flush=True)
             self.stop(s)
 

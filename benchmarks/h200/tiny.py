@@ -15,6 +15,12 @@ distance from the twin (the MoE kernel), ours-graphs vs ours-eager within twice 
 distance (compilation / graph capture), or the floor; top-1 equal at every decisive position. Where free-running
 greedy continuations part is reported, not judged. If a GLM-5 DSA server does not start, its traceback summary
 is kept and the dense-attention view runs instead.
+
+``stages`` (SGLang's run): a wave's servers start in stages instead of all at once, each stage collected and
+stopped before the next starts (ten SGLang servers starting together on 16 cores took 142-172 s to become
+ready, H200 2026-12-01), the reference in the first. ``recipe``: which make-checkpoint recipe the NVFP4
+checkpoints follow; one other than ``glm5`` (vLLM's) gets its own folder under ``--ckpt-root`` so the two
+engines' checkpoints never stand in for each other.
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ GLM5_GPU_MLA = {"qk_nope_head_dim": 192, "v_head_dim": 256}
 SUFFIXES = ("bf16", "bf16-graphs", "ours", "ours-eager", "marlin")
 
 
-def make_checkpoints(root: Path, gpu_dims: bool, dsa: bool) -> dict[str, Path]:
+def make_checkpoints(root: Path, gpu_dims: bool, dsa: bool, recipe: str = "glm5") -> dict[str, Path]:
     from glm5_fp4.checkpoint.make import make_checkpoint
 
+    root = root if recipe == "glm5" else root / recipe
     glm5_sizes = {**GLM5_TINY_DSA, **(GLM5_GPU_MLA if gpu_dims else {})}
     wanted = {"glm4moe": ("glm4moe", False, {}), "glm5dense": ("glm5", True, glm5_sizes)}
     if dsa:
@@ -52,7 +59,8 @@ def make_checkpoints(root: Path, gpu_dims: bool, dsa: bool) -> dict[str, Path]:
             key = f"{name}-bf16" if twin else name
             path = root / key
             if not (path / "config.json").is_file():  # fresh folders only (a stale one fails validation)
-                make_checkpoint(path, arch=arch, dense_attention=dense, dequantized=twin, sizes=sizes, overwrite=True)
+                make_checkpoint(path, arch=arch, dense_attention=dense, dequantized=twin, sizes=sizes, overwrite=True,
+                                recipe=recipe)
             out[key] = path
     return out
 
@@ -65,9 +73,27 @@ def prompts(vocab: int, count: int, length: int = 16, seed: int = 0) -> list[lis
 Matrix = Callable[[str, dict[str, Path]], list]
 
 
+def stage_of(name: str, stages: tuple[tuple[str, ...], ...] | None) -> int:
+    """The stage (index) a server named ``<arch>-<suffix>`` starts in; everything in stage 0 without stages."""
+    if not stages:
+        return 0
+    return next((i for i, st in enumerate(stages) if any(name.endswith("-" + x) for x in st)), len(stages) - 1)
+
+
+STAGE_RESERVE_S = 150.0
+
+
+def _order_in_stage(name: str, stages, i: int) -> int:
+    if not stages:
+        return 0
+    return next((j for j, x in enumerate(stages[i]) if name.endswith("-" + x)), len(stages[i]))
+
+
 def run_wave(run: Run, fleet: Fleet, archs: list[str], ckpts: dict[str, Path], matrix: Matrix, engine: str,
-             args) -> dict[str, dict]:
-    """Every server of ``archs`` in one wave (references collected first); one report per architecture."""
+             args, stages: tuple[tuple[str, ...], ...] | None = None) -> dict[str, dict]:
+    """Every server of ``archs`` in one wave (references collected first), in ``stages`` if given (a stage
+    starts when the one before is collected and stopped; a stage the deadline leaves no room for is skipped and
+    said so); one report per architecture."""
     ps = {a: prompts(json.loads((ckpts[a] / "config.json").read_text())["vocab_size"], args.prompts) for a in archs}
     specs = [s for a in archs for s in matrix(a, ckpts)]
     specs.sort(key=lambda s: not s.name.endswith("-bf16"))  # references first: the others score their tokens
@@ -85,7 +111,20 @@ def run_wave(run: Run, fleet: Fleet, archs: list[str], ckpts: dict[str, Path], m
         return data
 
     t0 = time.monotonic()
-    results = fleet.run_each(specs, timeout_s=max(60.0, min(args.start_timeout_s, run.left() - 60)), collect=collect)
+    results = {}
+    n_stages = 1 + max(stage_of(s.name, stages) for s in specs)
+    for i in range(n_stages):
+        # In the stage's own order (a server that waits before its launch, e.g. stock SGLang for the JIT
+        # pre-warm, is listed last so the others start first), references first
+        group = sorted((s for s in specs if stage_of(s.name, stages) == i),
+                       key=lambda s: (not s.name.endswith("-bf16"), _order_in_stage(s.name, stages, i)))
+        if not group or (i and run.skip(f"stage {i + 1} of {','.join(archs)}: {[s.name for s in group]}", 120)):
+            continue
+        # Each later stage keeps STAGE_RESERVE_S of the time left (a server that never comes up in an early
+        # stage must not take the later stages' time)
+        later = n_stages - 1 - i
+        timeout = min(args.start_timeout_s, run.left() - 60 - STAGE_RESERVE_S * later)
+        results.update(fleet.run_each(group, timeout_s=max(60.0, timeout), collect=collect))
     (run.work / f"collections_{'_'.join(archs)}.json").write_text(json.dumps(results, indent=1))
     reports = {a: evaluate(a, {n: r for n, r in results.items() if arch_of[n] == a}, fleet, ps[a], args)
                for a in archs}
@@ -139,22 +178,26 @@ def evaluate(arch: str, results: dict, fleet: Fleet, ps: list[list[int]], args) 
 
 
 def run(name: str, engine: str, matrix: Matrix, fleet_kwargs: dict, gpu: bool, dsa: bool, gpu_dims: bool,
-        default_archs: list[str], args) -> int:
-    """The whole item: checkpoints, a wave per architecture group, the dense-view fallback, the verdicts."""
+        default_archs: list[str], args, stages: tuple[tuple[str, ...], ...] | None = None, recipe: str = "glm5",
+        on_fleet=None) -> int:
+    """The whole item: checkpoints, a wave per architecture group (in ``stages``), the dense-view fallback, the
+    verdicts. ``on_fleet(run)`` returns more of the fleet's arguments (a gate), given the run."""
     run_ = Run(name, args.out, args.deadline_s)
     run_.summary.update(env=env_versions(), gpu_mode=gpu, engine=engine, fake_servers=fleet_kwargs.get("fake", False))
     t = time.monotonic()
-    ckpts = make_checkpoints(args.ckpt_root, gpu_dims, dsa)
-    run_.phase("checkpoints", t, made=sorted(ckpts))
+    ckpts = make_checkpoints(args.ckpt_root, gpu_dims, dsa, recipe)
+    run_.phase("checkpoints", t, made=sorted(ckpts), recipe=recipe)
+    if on_fleet is not None:
+        fleet_kwargs = {**fleet_kwargs, **on_fleet(run_)}
     fleet = Fleet(run_.work / "logs", gpu, **fleet_kwargs)
     archs = args.arch or default_archs
     with fleet:
-        reports = run_wave(run_, fleet, archs, ckpts, matrix, engine, args)
+        reports = run_wave(run_, fleet, archs, ckpts, matrix, engine, args, stages)
         glm5 = reports.get("glm5")
         if glm5 is not None and any(v["error"] for k, v in glm5["servers"].items()) and "glm5dense" not in archs:
             # What cannot run is written down (tracebacks above); the closest thing that runs is run instead.
             if not run_.skip("glm5dense (the dense-attention view, instead of DSA)", 150):
-                reports.update(run_wave(run_, fleet, ["glm5dense"], ckpts, matrix, engine, args))
+                reports.update(run_wave(run_, fleet, ["glm5dense"], ckpts, matrix, engine, args, stages))
         run_.summary["archs"] = reports
         for arch, report in reports.items():
             if not report["verdict"]["ok"]:

@@ -2,8 +2,10 @@
 
 The checkpoint: GLM-5's own hidden size, experts, intermediate sizes, MLA and DSA indexer shapes and vocabulary
 (glm5_fp4.spec.Glm5Spec) with ``--layers`` layers, the first ``--dense`` of them dense (default 3 + 2 MoE, ~17 GB
-NVFP4), made on the GPU by ``make-checkpoint --device cuda`` (seconds; skipped when /tmp/ckpt/glm5-true is
-complete, e.g. made in the background by make_true_ckpt.sh during shipping).
+NVFP4), made on the GPU by ``make-checkpoint --device cuda`` (seconds; skipped when the folder is complete, e.g.
+made in the background by make_true_ckpt.sh during shipping). vLLM's run serves the ``glm5`` recipe at
+/tmp/ckpt/glm5-true (``CKPT``), SGLang's the ``routed-only`` recipe at /tmp/ckpt/glm5-true-routed
+(``ckpt_for``): two folders, so neither run mistakes the other's complete checkpoint for its own.
 
 An engine's run script gives ``specs_for(ckpt, gpu, work, timers)``: ``ours`` and ``marlin`` (stock NVFP4 MoE,
 Marlin on SM90) with their profilers on, and, with timers, ``ours-timers`` / ``marlin-timers`` with
@@ -37,6 +39,12 @@ from fleet import Fleet
 import served_compare
 
 CKPT = Path("/tmp/ckpt/glm5-true")
+
+
+def ckpt_for(recipe: str) -> Path:
+    """The true-dimension checkpoint folder of a make-checkpoint recipe (make_true_ckpt.sh spells the same)."""
+    return CKPT if recipe == "glm5" else CKPT.parent / f"{CKPT.name}-{'routed' if recipe == 'routed-only' else recipe}"
+
 LEVELS = "1,8,32,128,512"
 # Rehearsals: the same layer structure at tiny widths (vLLM's CPU MLA needs kv_lora 512 / rope 64).
 CPU_SIZES = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 16,
@@ -72,7 +80,7 @@ def cli(run: Run, name: str, args: list[str], timeout: float, log: Path | None =
     return rc
 
 
-def ensure_checkpoint(run: Run, path: Path, sizes: dict, device: str, wait_s: float) -> Path:
+def ensure_checkpoint(run: Run, path: Path, sizes: dict, device: str, wait_s: float, recipe: str = "glm5") -> Path:
     done = path / ".complete"
     pid_file = path.parent / f"{path.name}.pid"
     t = time.monotonic()
@@ -83,11 +91,11 @@ def ensure_checkpoint(run: Run, path: Path, sizes: dict, device: str, wait_s: fl
             break
         time.sleep(2)
     if done.is_file():
-        run.phase("checkpoint", t, reused=True, waited_s=round(time.monotonic() - t, 1))
+        run.phase("checkpoint", t, reused=True, waited_s=round(time.monotonic() - t, 1), recipe=recipe)
         return path
     if path.exists():
         shutil.rmtree(path)  # a half-written folder fails validation later
-    args = ["make-checkpoint", "--arch", "glm5", "--out", str(path), "--device", device]
+    args = ["make-checkpoint", "--arch", "glm5", "--out", str(path), "--device", device, "--recipe", recipe]
     for k, v in sizes.items():
         args += ["--size", f"{k}={v}"]
     if cli(run, "make_checkpoint", args, timeout=max(60.0, run.left() - 300)) == 0:
@@ -302,9 +310,13 @@ def timer_env(work: Path, name: str) -> dict[str, str]:
     return {"GLM5_FP4_LAYER_TIMERS": "1", "GLM5_FP4_LAYER_TIMERS_OUT": str(dump)}
 
 
-def add_arguments(ap, deadline_s: float = 530.0) -> None:
+def add_arguments(ap, deadline_s: float = 530.0, recipe: str = "glm5") -> None:
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--ckpt", type=Path, default=CKPT)
+    ap.add_argument("--recipe", default=recipe, choices=("glm5", "routed-only"),
+                    help=f"make-checkpoint recipe of the checkpoint (default {recipe})")
+    ap.add_argument("--ckpt", type=Path, default=None,
+                    help=f"checkpoint folder (default: by recipe, {CKPT} for glm5, {ckpt_for('routed-only')} for "
+                         "routed-only)")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--dense", type=int, default=3)
     ap.add_argument("--deadline-s", type=float, default=deadline_s)

@@ -2,16 +2,23 @@
 
 One device call; the engine-free part (checkpoints, waves, comparison, verdicts) is benchmarks/h200/tiny.py, the
 same as vLLM's. Each server is a launch profile (glm5_fp4.launch, spelled for SGLang 0.5.15; every command is
-parsed by 0.5.15's own ServerArgs in tests/sglang/test_sglang_versions.py), TP1, loopback; all servers of both
-architectures start together on the GPU:
+parsed by 0.5.15's own ServerArgs in tests/sglang/test_sglang_versions.py), TP1, loopback, on checkpoints of the
+``routed-only`` recipe (only routed experts NVFP4, as GLM-5.1/5.2-NVFP4: SGLang 0.5.15 runs NVFP4 *linear*
+layers on SM90 through a Marlin GEMM it JIT-compiles at the first forward, minutes of nvcc per server, which held
+every NVFP4 server of the first H200 run at /health 503; prewarm_jit.py says more). The servers of both
+architectures start in two stages (``STAGES``; ten at once on 16 cores competed for the CPU): the references and
+ours with graphs, then, once those are collected and stopped, the rest; the stock Marlin server starts only after
+the JIT pre-warm (prewarm_jit.py, started after install) is done (fleet.PrewarmGate, bounded), so its start-up
+clock starts then:
 
 * ``ours`` / ``ours-eager``   ``--moe-runner-backend glm5_fp4`` (our plugin, backend triton) with
-  ``--disable-shared-experts-fusion``: decode full CUDA graphs + prefill breakable graphs (SGLang's defaults) /
-  graphs disabled
+  ``--disable-shared-experts-fusion``: decode full CUDA graphs + prefill breakable graphs (SGLang's defaults, the
+  prefill ones at ``PREFILL_GRAPH_TOKENS`` only) / graphs disabled
 * ``bf16`` / ``bf16-graphs``   stock SGLang on the BF16 twin (no quantization, its own Triton MoE): graphs
   disabled (the reference) / graphs
 * ``marlin``                   stock ``--moe-runner-backend marlin`` under ``modelopt_fp4`` (W4A16 on SM90; what
-  ``auto`` resolves to there), graphs disabled
+  ``auto`` resolves to there), graphs disabled, ``--disable-shared-experts-fusion`` (the shared expert is BF16 in
+  a routed-only checkpoint; SGLang's fusion would load it as a 257th NVFP4 expert: sgl-project/sglang#29562)
 
 What every server shares (and why): ``--attention-backend triton`` for GLM-4.5 and the GLM-5 dense-attention view
 (FlashAttention 3's kernels, ``sgl_kernel/flash_ops``, are not shipped; Triton MHA/MLA needs no JIT); GLM-5 with
@@ -23,7 +30,7 @@ prefill and decode, its dense-MHA prefill (FA3 on SM90) switched off (fleet.DSA_
 memory free at two moments, which other servers starting at the same time change, and refuses to start when the
 difference is negative.
 
-On a CPU machine SGLang cannot serve: ``--fake-servers`` (default there) runs the same matrix, all at once, with
+On a CPU machine SGLang cannot serve: ``--fake-servers`` (default there) runs the same matrix, in the same stages, with
 benchmarks/h200/fake_sglang.py standing in for each server (the real command recorded beside it), to rehearse the
 orchestration, the client calls and the verdicts; no number it prints is a measurement.
 
@@ -42,29 +49,42 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "h200")]
 
 import tiny  # noqa: E402
-from fleet import DSA_KV_CACHE, SglangSpec, cuda_available  # noqa: E402
+from fleet import DSA_KV_CACHE, PrewarmGate, SglangSpec, cuda_available  # noqa: E402
 
-# Ten tiny servers at once (two architectures x five): the static fraction only has to pass SGLang's start-up check
-# (see the module docstring); each KV pool is 8192 tokens (8 sequences x 512 + room).
+# Up to six tiny servers at once: the static fraction only has to pass SGLang's start-up check (see the module
+# docstring); each KV pool is 8192 tokens (8 sequences x 512 + room).
 MEM_FRACTION, MAX_TOTAL_TOKENS, MAX_RUNNING, CONTEXT = 0.9, 8192, 8, 512
+RECIPE = "routed-only"
+# Stage 1: the references and ours with graphs (4 servers); stage 2: ours eager, the twin with graphs and stock
+# Marlin (6, four of them eager: no capture), Marlin last so the others start while it waits for the pre-warm.
+STAGES = (("bf16", "ours"), ("ours-eager", "bf16-graphs", "marlin"))
+# Prefill (breakable) CUDA graphs at a few token counts instead of SGLang's 30 up to the context (the first H200
+# run's tiny servers captured [4, 8, ..., 512]); the teacher-forced pass sends 4 x 48 tokens.
+PREFILL_GRAPH_TOKENS = [16, 64, 192, CONTEXT]
+# A stock server waits at most this long for the pre-warm before it starts anyway (and builds for itself).
+PREWARM_WAIT_S = 240.0
 
 
 def matrix(arch: str, ckpts: dict[str, Path]) -> list[SglangSpec]:
     """Ours and the twin both with graphs and eager (the graph yardstick); stock Marlin eager (the kernel yardstick)."""
     dsa = arch == "glm5"
+    base = ["--disable-radix-cache", "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+    graphs = [*base, "--cuda-graph-bs-prefill", *map(str, PREFILL_GRAPH_TOKENS)]
     common = dict(attention_backend="dsa" if dsa else "triton", kv_cache_dtype=DSA_KV_CACHE if dsa else "auto",
-                  mem_fraction=MEM_FRACTION, max_running=MAX_RUNNING, context_length=CONTEXT,
-                  extra_args=["--disable-radix-cache", "--max-total-tokens", str(MAX_TOTAL_TOKENS)])
+                  mem_fraction=MEM_FRACTION, max_running=MAX_RUNNING, context_length=CONTEXT)
     twin, quant = ckpts[f"{arch}-bf16"], ckpts[arch]
-    return [SglangSpec(f"{arch}-bf16", twin, "auto", "none", eager=True, **common),
-            SglangSpec(f"{arch}-bf16-graphs", twin, "auto", "none", **common),
-            SglangSpec(f"{arch}-ours", quant, "glm5_fp4", "modelopt_fp4", **common),
-            SglangSpec(f"{arch}-ours-eager", quant, "glm5_fp4", "modelopt_fp4", eager=True, **common),
-            SglangSpec(f"{arch}-marlin", quant, "marlin", "modelopt_fp4", eager=True, **common)]
+    return [SglangSpec(f"{arch}-bf16", twin, "auto", "none", eager=True, extra_args=base, **common),
+            SglangSpec(f"{arch}-bf16-graphs", twin, "auto", "none", extra_args=graphs, **common),
+            SglangSpec(f"{arch}-ours", quant, "glm5_fp4", "modelopt_fp4", extra_args=graphs, **common),
+            SglangSpec(f"{arch}-ours-eager", quant, "glm5_fp4", "modelopt_fp4", eager=True, extra_args=base, **common),
+            SglangSpec(f"{arch}-marlin", quant, "marlin", "modelopt_fp4", eager=True,
+                       extra_args=[*base, "--disable-shared-experts-fusion"], **common)]
 
 
 def all_specs(root: Path) -> list[SglangSpec]:
-    """Every server this script can start (both waves and the dense-view fallback), checkpoints under ``root``."""
+    """Every server this script can start (both waves and the dense-view fallback), checkpoints under ``root``
+    (tiny.make_checkpoints puts the routed-only ones in ``root / RECIPE``)."""
+    root = root / RECIPE
     ckpts = {k: root / k for a in ("glm5", "glm5dense", "glm4moe") for k in (a, f"{a}-bf16")}
     return [s for a in ("glm5", "glm5dense", "glm4moe") for s in matrix(a, ckpts)]
 
@@ -79,8 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     fake = (not gpu) if args.fake_servers is None else args.fake_servers
     if not gpu and not fake:
         ap.error("SGLang cannot serve on a CPU: run with --fake-servers (the rehearsal) or on a GPU")
+
+    def gate(run) -> dict:
+        # bounded when the wait begins: Marlin still needs ~2 min to start after it
+        return {"gate": PrewarmGate(lambda: min(PREWARM_WAIT_S, run.left() - 150),
+                                    on_record=lambda r: run.summary.__setitem__("prewarm", r))}
+
     return tiny.run("h200_sglang_tiny", "sglang", matrix, {"fake": fake}, gpu, dsa=True, gpu_dims=True,
-                    default_archs=["glm5", "glm4moe"], args=args)
+                    default_archs=["glm5", "glm4moe"], args=args, stages=STAGES, recipe=RECIPE, on_fleet=gate)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Issue 19 item 3: GLM-5 layers at their true dimensions in SGLang 0.5.15 on one H200, our runner vs stock Marlin.
 
 One device call; the engine-free part (checkpoint, phases, dense-view fallback) is benchmarks/h200/true_dims.py,
-the same as vLLM's, on the same checkpoint (/tmp/ckpt/glm5-true, made in the background during shipping by
-benchmarks/h200/make_true_ckpt.sh). Up to four servers at TP1, two at a time (``--servers``, ``--start-together``:
+the same as vLLM's, with the same weights' shapes in the ``routed-only`` recipe (/tmp/ckpt/glm5-true-routed, made in
+the background during shipping by ``benchmarks/h200/make_true_ckpt.sh routed-only``; vLLM's glm5-recipe one is
+/tmp/ckpt/glm5-true): only routed experts NVFP4, so no server runs SGLang 0.5.15's JIT-built Marlin *linear* GEMM
+(run_tiny.py, prewarm_jit.py say why). Stock Marlin starts only after the JIT pre-warm is done (fleet.PrewarmGate,
+bounded), ours at once. Up to four servers at TP1, two at a time (``--servers``, ``--start-together``:
 true_dims.py), each a launch profile spelled for SGLang 0.5.15 (decode full CUDA graphs at the load test's
 batch sizes up to 512, prefill breakable graphs at a few token counts):
 
 * ``ours`` / ``marlin``: ``--moe-runner-backend glm5_fp4`` (backend triton) / stock ``marlin``, both under
-  ``modelopt_fp4``; they carry the load test and the traces (``/start_profile`` writes to
+  ``modelopt_fp4``, both with ``--disable-shared-experts-fusion`` (ours always; Marlin because the shared expert is
+  BF16 in a routed-only checkpoint and GLM-5's 256 experts would otherwise fuse it as a 257th NVFP4 one); they carry the load test and the traces (``/start_profile`` writes to
   ``SGLANG_TORCH_PROFILER_DIR``; ``profile capture --engine sglang`` asks for the steps and collects the files);
 * ``ours-timers`` / ``marlin-timers``: the same with ``GLM5_FP4_LAYER_TIMERS=1`` (stock Marlin keeps our plugin
   loaded for the timers only: its runner is SGLang's own).
@@ -36,7 +40,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "h200")]
 
 import true_dims  # noqa: E402
 from common import Run, env_versions  # noqa: E402
-from fleet import DSA_KV_CACHE, Fleet, SglangSpec, cuda_available  # noqa: E402
+from fleet import DSA_KV_CACHE, Fleet, PrewarmGate, SglangSpec, cuda_available  # noqa: E402
 from true_dims import CPU_SIZES, trace_dir, true_sizes  # noqa: E402
 
 # Two servers of ~17 GB weights each at a time; a KV pool of 262,144 tokens (512 streams x 448 + room; ~1.5 GB
@@ -48,6 +52,7 @@ DECODE_GRAPH_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 # Prefill (breakable) graphs: SGLang captures ~28 token counts up to the context length; a few suffice here (prefill
 # is not what is measured, and every capture lengthens the start that has to fit in the call).
 PREFILL_GRAPH_TOKENS = [32, 128, 256]
+PREWARM_WAIT_S = 240.0  # the longest a stock server waits for the JIT pre-warm
 
 
 def prefill_graph_tokens(context: int) -> list[int]:
@@ -70,10 +75,12 @@ def specs_for(ckpt: Path, gpu: bool, work: Path, timers: bool, input_len: int = 
                   mem_fraction=MEM_FRACTION, max_running=MAX_RUNNING, context_length=context)
     out = []
     for name, backend in (("ours", "glm5_fp4"), ("marlin", "marlin")):
-        out.append(SglangSpec(name, ckpt, backend, "modelopt_fp4", extra_args=extra,
+        # ours gets the flag from its launch profile (glm5_fp4.launch.commands); the stock runner from here
+        args = extra if backend == "glm5_fp4" else [*extra, "--disable-shared-experts-fusion"]
+        out.append(SglangSpec(name, ckpt, backend, "modelopt_fp4", extra_args=args,
                               env={"SGLANG_TORCH_PROFILER_DIR": str(trace_dir(name))}, **common))
         if timers:
-            out.append(SglangSpec(f"{name}-timers", ckpt, backend, "modelopt_fp4", extra_args=extra,
+            out.append(SglangSpec(f"{name}-timers", ckpt, backend, "modelopt_fp4", extra_args=args,
                                   env=true_dims.timer_env(work, name), load_plugin=True, **common))
     return out
 
@@ -92,7 +99,7 @@ def all_specs(root: Path, work: Path | None = None) -> list[SglangSpec]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    true_dims.add_arguments(ap)
+    true_dims.add_arguments(ap, recipe="routed-only")
     ap.add_argument("--fake-servers", action=argparse.BooleanOptionalAction, default=None,
                     help="stand-ins for SGLang (default: on without a GPU, off with one)")
     args = ap.parse_args(argv)
@@ -107,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     run.summary.update(env=env_versions(), gpu_mode=gpu, engine="sglang", fake_servers=fake)
     sizes = true_sizes(args.layers, args.dense) if gpu else {**true_sizes(args.layers, args.dense), **CPU_SIZES}
     run.summary["sizes"] = sizes
-    ckpt = true_dims.ensure_checkpoint(run, args.ckpt, sizes, "cuda" if gpu else "cpu", wait_s=240)
+    ckpt = true_dims.ensure_checkpoint(run, args.ckpt or true_dims.ckpt_for(args.recipe), sizes,
+                                       "cuda" if gpu else "cpu", wait_s=240, recipe=args.recipe)
     if not (ckpt / ".complete").is_file():
         return run.finish()
     if args.dense_attention:
         ckpt = true_dims.dense_view(ckpt)
-    fleet = Fleet(run.work / "logs", gpu, fake=fake)
+    # Bounded: past it Marlin starts anyway and builds its kernels itself (its own start-up timeout then applies).
+    gate = PrewarmGate(lambda: min(PREWARM_WAIT_S, run.left() - 300),
+                       on_record=lambda r: run.summary.__setitem__("prewarm", r))
+    fleet = Fleet(run.work / "logs", gpu, fake=fake, gate=gate)
     if fake:
         fleet.trace_dirs = {n: trace_dir(n) for n in ("ours", "marlin")}
 

@@ -12,7 +12,6 @@ naming the file, the tensor and what was expected.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 import struct
@@ -23,6 +22,8 @@ from pathlib import Path
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.nvfp4 import BLOCK_SIZE
 
+RECIPE_TEXT = {"glm5": "dense MLPs, shared and routed experts NVFP4",
+               "routed-only": "only routed experts NVFP4; dense MLPs and shared experts BF16"}
 _DTYPE_BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "F64": 8}
 _LINEAR_RE = re.compile(
     r"^model\.layers\.(?P<layer>\d+)\.mlp\.(?:(?:experts\.(?P<expert>\d+)|(?P<shared>shared_experts))\.)?"
@@ -55,6 +56,9 @@ class CheckpointReport:
     quant_algo: str | None
     group_size: int | None
     quantized_linears: int
+    # Which make-checkpoint recipe the exclude list describes (checkpoint.layout.RECIPES; None: not NVFP4 or
+    # neither recipe, e.g. a hand-made list)
+    recipe: str | None = None
     bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     tensors: int = 0
     notes: list[str] = field(default_factory=list)
@@ -68,7 +72,7 @@ class CheckpointReport:
             "path": str(self.path), "architecture": self.architecture, "model_type": self.model_type,
             "num_layers": self.num_layers, "moe_layers": len(self.moe_layers), "routed_experts": self.routed_experts,
             "quant_algo": self.quant_algo, "group_size": self.group_size, "quantized_linears": self.quantized_linears,
-            "tensors": self.tensors, "bytes_by_dtype": self.bytes_by_dtype, "total_bytes": self.total_bytes,
+            "recipe": self.recipe, "tensors": self.tensors, "bytes_by_dtype": self.bytes_by_dtype, "total_bytes": self.total_bytes,
             "notes": self.notes,
         }
 
@@ -80,7 +84,8 @@ class CheckpointReport:
             f"layers       {self.num_layers} ({len(self.moe_layers)} MoE, {self.num_layers - len(self.moe_layers)} dense)",
             f"experts      {self.routed_experts} routed per MoE layer",
             f"quantization {self.quant_algo or 'none'}"
-            + (f", group size {self.group_size}, {self.quantized_linears} NVFP4 linears" if self.quant_algo else ""),
+            + (f", group size {self.group_size}, {self.quantized_linears} NVFP4 linears" if self.quant_algo else "")
+            + (f" (recipe {self.recipe}: {RECIPE_TEXT[self.recipe]})" if self.recipe else ""),
             f"tensors      {self.tensors}",
             "bytes by precision:",
         ]
@@ -240,7 +245,15 @@ def read_quant_config(ckpt: Path, config: dict) -> tuple[str | None, int | None,
 
 
 def _excluded(module: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(module, p) or module == p for p in patterns)
+    from glm5_fp4.checkpoint.layout import is_excluded
+
+    return is_excluded(module, patterns)
+
+
+def _recipe(config: dict, excluded: list[str]) -> str | None:
+    from glm5_fp4.checkpoint.layout import recipe_of
+
+    return recipe_of(config, excluded)
 
 
 def _expected_linear_shape(config: dict, m: re.Match) -> tuple[int, int]:
@@ -350,7 +363,8 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
     report = CheckpointReport(
         path=ckpt, architecture=(config.get("architectures") or ["?"])[0], model_type=config.get("model_type", "?"),
         num_layers=layers, moe_layers=moe_layers, routed_experts=n_experts, quant_algo=quant_algo,
-        group_size=group_size, quantized_linears=quantized, bytes_by_dtype=dict(by_dtype), tensors=len(tensors),
+        group_size=group_size, quantized_linears=quantized, recipe=_recipe(config, excluded) if nvfp4 else None,
+        bytes_by_dtype=dict(by_dtype), tensors=len(tensors),
         notes=notes,
     )
     if config.get("model_type") == "deepseek_v3" and config.get("architectures") == ["GlmMoeDsaForCausalLM"]:

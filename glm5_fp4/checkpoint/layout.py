@@ -1,11 +1,23 @@
 """The tensors a GLM-5-family config implies: names (as nvidia/GLM-5-NVFP4 writes them), shapes before
 quantization, and which linears ModelOpt quantizes. One home for the layout: ``make`` writes these tensors
 and ``inspect`` checks a checkpoint holds them (the tests hold both to transformers' own model definitions).
+
+Which MLPs are NVFP4 is a *recipe*, and ``exclude_modules`` is its one home (``model_tensors`` marks a tensor
+quantized exactly when no exclude pattern matches it, so the written tensors and the written exclude list cannot
+disagree):
+
+* ``glm5`` (default): nvidia/GLM-5-NVFP4 (ModelOpt 0.42): dense MLPs, routed and shared experts NVFP4.
+* ``routed-only``: the later NVIDIA recipe of GLM-5.1/5.2-NVFP4 (ModelOpt 0.45/0.46), which also excludes the dense
+  layers' MLPs and every shared expert, so only routed experts are NVFP4. Engines then run no NVFP4 *linear* layer
+  at all (on SM90 SGLang 0.5.15 runs those through a Marlin GEMM that it JIT-compiles at server start-up).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
+
+RECIPES = ("glm5", "routed-only")
 
 MLA_TYPES = ("glm_moe_dsa", "deepseek_v3")  # deepseek_v3: the dense-attention view of a GLM-5 config
 
@@ -79,7 +91,9 @@ def layer_tensors(cfg: dict, layer: int) -> list[TensorSpec]:
     return out
 
 
-def model_tensors(cfg: dict) -> list[TensorSpec]:
+def model_tensors(cfg: dict, recipe: str = "glm5") -> list[TensorSpec]:
+    """Every tensor of the model; an MLP projection is ``quantized`` unless ``exclude_modules(cfg, recipe)``
+    matches it."""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     out = [TensorSpec("model.embed_tokens.weight", (v, h), "embed")]
     for layer in range(cfg["num_hidden_layers"]):
@@ -87,11 +101,18 @@ def model_tensors(cfg: dict) -> list[TensorSpec]:
     out.append(TensorSpec("model.norm.weight", (h,), "norm"))
     if not cfg.get("tie_word_embeddings"):
         out.append(TensorSpec("lm_head.weight", (v, h), "linear"))
-    return out
+    excluded = exclude_modules(cfg, recipe)
+    return [TensorSpec(s.name, s.shape, s.kind, False) if s.quantized and is_excluded(s.name.removesuffix(".weight"),
+                                                                                        excluded) else s
+            for s in out]
 
 
-def exclude_modules(cfg: dict) -> list[str]:
-    """ModelOpt's exclude list for this config: lm_head and all attention (with the indexer), as NVIDIA's."""
+def exclude_modules(cfg: dict, recipe: str = "glm5") -> list[str]:
+    """ModelOpt's exclude list for this config and recipe (see the module docstring): lm_head and all attention
+    (with the indexer), as NVIDIA's; ``routed-only`` adds each dense layer's MLP and each MoE layer's shared
+    experts, spelled as SGLang's and vLLM's ModelOpt configs match them (glob, ``*`` = any characters)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
     out = ["lm_head"]
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}.self_attn"
@@ -100,4 +121,22 @@ def exclude_modules(cfg: dict) -> list[str]:
             out.append(f"{p}.indexer*")
         else:
             out += [f"{p}.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if recipe == "routed-only":
+            # "model.layers.1.mlp*", not NVIDIA's "model.layers.1*" (which would match layers 10-19 too)
+            dense = layer < cfg["first_k_dense_replace"]
+            out.append(f"model.layers.{layer}.mlp*" if dense else f"model.layers.{layer}.mlp.shared_experts*")
     return sorted(out)
+
+
+def is_excluded(module: str, patterns: list[str]) -> bool:
+    """Whether an exclude list (ModelOpt's glob patterns) names ``module`` (a tensor name without ``.weight``)."""
+    return any(fnmatch.fnmatchcase(module, p) or module == p for p in patterns)
+
+
+def recipe_of(cfg: dict, patterns: list[str]) -> str | None:
+    """Which recipe an exclude list describes for this config: the one whose quantized MLP set it leaves (None:
+    neither, e.g. a hand-made list)."""
+    kept = lambda r: [s.name for s in model_tensors(cfg, r) if s.quantized]  # noqa: E731
+    actual = [s.name for s in model_tensors(cfg) if s.quantized and not is_excluded(s.name.removesuffix(".weight"),
+                                                                                    patterns)]
+    return next((r for r in RECIPES if kept(r) == actual), None)

@@ -1,7 +1,9 @@
 """Write random-weight GLM-5-family checkpoints in the ModelOpt NVFP4 layout of nvidia/GLM-5-NVFP4.
 
-What is NVFP4 follows NVIDIA's checkpoint: dense MLPs, routed experts and shared experts; attention
-(and the DSA indexer), the router, embeddings and lm_head stay BF16 (``exclude_modules``). Each quantized
+What is NVFP4 follows NVIDIA's checkpoints, by ``recipe`` (``checkpoint.layout``: ``exclude_modules`` is the rule's
+one home): ``glm5`` (nvidia/GLM-5-NVFP4) dense MLPs, routed experts and shared experts; ``routed-only``
+(GLM-5.1/5.2-NVFP4) routed experts only. Attention (and the DSA indexer), the router, embeddings and lm_head stay
+BF16 in both. Each quantized
 linear has ``weight`` (uint8 [out, in/2]), ``weight_scale`` (float8_e4m3fn [out, in/16]),
 ``weight_scale_2`` (float32 scalar) and ``input_scale`` (float32 scalar); gate and up projections share
 ``weight_scale_2`` as ModelOpt exports them for fusion.
@@ -24,7 +26,7 @@ from tqdm import tqdm
 
 from glm5_fp4 import nvfp4
 from glm5_fp4.checkpoint.configs import build_config, dense_attention_view
-from glm5_fp4.checkpoint.layout import TensorSpec, exclude_modules, model_tensors
+from glm5_fp4.checkpoint.layout import RECIPES, TensorSpec, exclude_modules, model_tensors
 from glm5_fp4.checkpoint.tokenizer import save_tokenizer
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.outputs import output_dir
@@ -140,6 +142,7 @@ def make_checkpoint(
     sizes: dict | None = None,
     overwrite: bool = False,
     device: str = "cpu",
+    recipe: str = "glm5",
 ) -> Path:
     """Write a tiny (or any-size) random checkpoint; returns its directory.
 
@@ -153,6 +156,8 @@ def make_checkpoint(
         raise Glm5Fp4Error(f"{out}: directory exists and is not empty (pass --overwrite to replace its files)")
     if dense_attention and arch != "glm5":
         raise Glm5Fp4Error("--dense-attention applies to --arch glm5 only")
+    if recipe not in RECIPES:
+        raise Glm5Fp4Error(f"--recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as exc:
@@ -161,7 +166,7 @@ def make_checkpoint(
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
     try:
-        _write(out, cfg, seed, dequantized, dense_attention, device)
+        _write(out, cfg, seed, dequantized, dense_attention, device, recipe)
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -169,10 +174,11 @@ def make_checkpoint(
     return out
 
 
-def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool, device: str = "cpu") -> None:
+def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool, device: str = "cpu",
+           recipe: str = "glm5") -> None:
     eos = save_tokenizer(out, cfg["vocab_size"], seed)
     cfg["eos_token_id"] = cfg["pad_token_id"] = eos
-    excluded = exclude_modules(cfg)
+    excluded = exclude_modules(cfg, recipe)
     written_cfg = dense_attention_view(cfg) if dense_attention else dict(cfg)
     if not dequantized:
         quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excluded}
@@ -187,6 +193,7 @@ def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: 
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos, "pad_token_id": eos, "do_sample": False}, indent=2)
     )
-    specs = model_tensors(cfg)
+    # Excluded MLPs are plain BF16 draws (in the twin too); quantized ones NVFP4 (the twin: their dequantized value)
+    specs = model_tensors(cfg, recipe)
     n_out = sum(4 if s.quantized and not dequantized else 1 for s in specs)
     write_safetensors(generate_tensors(cfg, seed, dequantized, specs, device), out, total=n_out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from glm5_fp4.checkpoint.configs import ARCHS, TINY_SIZES
+from glm5_fp4.checkpoint.layout import RECIPES
 from glm5_fp4.errors import Glm5Fp4Error
 
 
@@ -19,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="glm5 only: write the dense-attention view (no DSA indexer in config) vLLM's CPU backend serves")
     parser.add_argument("--size", action="append", default=[], metavar="FIELD=N",
                         help=f"override a size (repeatable); fields: {', '.join(TINY_SIZES)}")
+    parser.add_argument("--recipe", choices=RECIPES, default="glm5",
+                        help="which MLPs are NVFP4: glm5 (nvidia/GLM-5-NVFP4: dense MLPs, shared and routed experts) or "
+                             "routed-only (GLM-5.1/5.2-NVFP4: routed experts only; dense MLPs and shared experts BF16)")
     parser.add_argument("--overwrite", action="store_true", help="replace files in a non-empty --out")
     parser.add_argument("--device", default="cpu",
                         help="where tensors are drawn and quantized: cpu (default) or cuda (seconds instead of CPU "
@@ -41,6 +45,6 @@ def run(args: argparse.Namespace) -> int:
 
     out = make_checkpoint(args.out, arch=args.arch, seed=args.seed, dequantized=args.dequantized,
                           dense_attention=args.dense_attention, sizes=parse_sizes(args.size),
-                          overwrite=args.overwrite, device=args.device)
+                          overwrite=args.overwrite, device=args.device, recipe=args.recipe)
     print(inspect_checkpoint(out).to_text())
     return 0

@@ -57,6 +57,25 @@ def _h200_specs(tmp: Path) -> dict:
     return {f"h200:{s.name}": s for s in specs}
 
 
+# The names SGLang gives the linears of a GLM-5 layer (merged gate_up_proj) -> whether routed-only leaves them BF16
+ROUTED_ONLY_PREFIXES = {"model.layers.0.mlp.gate_up_proj": True, "model.layers.2.mlp.down_proj": True,
+                        "model.layers.3.mlp.shared_experts.gate_up_proj": True,
+                        "model.layers.4.mlp.shared_experts.down_proj": True, "model.layers.3.mlp.experts": False,
+                        "model.layers.4.mlp.experts": False, "model.layers.3.self_attn.kv_b_proj": True,
+                        "lm_head": True}
+
+
+def _exclusion_case() -> dict:
+    """A routed-only checkpoint's quantization config in both forms make-checkpoint writes, and the prefixes."""
+    from glm5_fp4.checkpoint.configs import build_config
+    from glm5_fp4.checkpoint.layout import exclude_modules
+
+    ex = exclude_modules(build_config("glm5", {"num_hidden_layers": 5, "first_k_dense_replace": 3}), "routed-only")
+    return {"flat": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ex},
+            "nested": {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ex}},
+            "prefixes": list(ROUTED_ONLY_PREFIXES)}
+
+
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict[str, dict]:
     """Both versions at once (about 15 s each; the CI machine has two cores)."""
@@ -66,6 +85,8 @@ def probes(tmp_path_factory) -> dict[str, dict]:
     model = tmp / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(dense_attention_view(build_config("glm5"))))
+    exclusions = tmp / "exclusions.json"
+    exclusions.write_text(json.dumps(_exclusion_case()))
     procs = {}
     for version, src in VERSIONS.items():
         if version != "0.5.23" and not src:
@@ -75,7 +96,7 @@ def probes(tmp_path_factory) -> dict[str, dict]:
             cases.update({name: list(spec.command(30000).engine_args) for name, spec in _h200_specs(tmp).items()})
         (tmp / f"cases-{version}.json").write_text(json.dumps(cases))
         path = [p for p in (src, str(ROOT)) if p]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "GLM5_FP4_PROBE_EXCLUSIONS": str(exclusions)}
         procs[version] = (subprocess.Popen([sys.executable, str(PROBE), str(model), str(tmp / f"cases-{version}.json")],
                                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), cases)
     out = {}
@@ -92,6 +113,15 @@ def _got(probes, version):
     got = probes[version]
     assert got["version"] == version, got["sglang_file"]
     return got
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_routed_only_exclusions_read_by_sglang(probes, version):
+    """SGLang's own ModelOpt config keeps a routed-only checkpoint's dense MLPs and shared experts unquantized."""
+    got = _got(probes, version)
+    assert "exclusions" not in got["errors"], got["errors"].get("exclusions")
+    for form in ("flat", "nested"):
+        assert got["exclusions"][form] == ROUTED_ONLY_PREFIXES, form
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
@@ -172,7 +202,8 @@ def test_h200_commands_parse_with_sglang_0515(probes, tmp_path):
         assert g["quantization"] == (None if spec.quantization == "none" else spec.quantization), name
         graphs = (g["cuda_graph_backend_decode"], g["cuda_graph_backend_prefill"])
         assert (graphs == ("disabled", "disabled")) == spec.eager, (name, graphs)
-        assert g["disable_shared_experts_fusion"] == (spec.moe_backend == "glm5_fp4"), name
+        # ours always; stock Marlin too (routed-only checkpoints: the shared expert is BF16); the BF16 twin fuses
+        assert g["disable_shared_experts_fusion"] == (spec.quantization != "none"), name
         assert g["attention_backend"] == spec.attention_backend and g["sampling_backend"] == "pytorch", name
         assert g["grammar_backend"] == "none" and g["mem_fraction_static"] == spec.mem_fraction, name
         dsa = spec.attention_backend == "dsa"

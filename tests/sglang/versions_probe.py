@@ -330,6 +330,19 @@ def parse_cases(path: str) -> None:
     OUT["cases"] = parsed
 
 
+def exclusions(path: str) -> None:
+    """A checkpoint's quantization config (JSON: the config.json ``quantization_config`` and the
+    hf_quant_config.json forms, and prefixes) through this version's ``ModelOptFp4Config.from_config``: which
+    prefixes its own ``is_layer_excluded`` keeps unquantized (the routed-only recipe's exclude list, read by SGLang)."""
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
+
+    spec = json.load(open(path))
+    OUT["exclusions"] = {}
+    for form in ("flat", "nested"):
+        qc = ModelOptFp4Config.from_config(spec[form])
+        OUT["exclusions"][form] = {p: bool(qc.is_layer_excluded(p)) for p in spec["prefixes"]}
+
+
 def main() -> None:
     model = sys.argv[1]
     import sglang
@@ -369,6 +382,8 @@ def main() -> None:
     attempt("a2a", a2a_refusal)
     attempt("protocol", protocol_fields)
     attempt("timers", timer_targets)
+    if os.environ.get("GLM5_FP4_PROBE_EXCLUSIONS"):
+        attempt("exclusions", lambda: exclusions(os.environ["GLM5_FP4_PROBE_EXCLUSIONS"]))
     imports()  # last: a failing import can leave half-initialised modules behind
     print(json.dumps(OUT, default=str))
 
