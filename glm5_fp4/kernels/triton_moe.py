@@ -66,7 +66,9 @@ shr.b32 a, {w}, 2;
 and.b32 a, a, 0x1C1C1C1C;
 and.b32 b, {w}, 0x80808080;
 or.b32 hi, a, b;
-mov.b32 {{l0, l1}}, lo;
+"""
+# Both layouts end alike: the two E4M3 byte registers -> four fp16 pairs, each times the block-scale pair $10.
+_CONVERT_WORD = """mov.b32 {{l0, l1}}, lo;
 mov.b32 {{h0, h1}}, hi;
 cvt.rn.f16x2.e4m3x2 t, l0;
 mul.rn.f16x2 {o0}, t, $10;
@@ -77,12 +79,17 @@ mul.rn.f16x2 {o2}, t, $10;
 cvt.rn.f16x2.e4m3x2 t, h1;
 mul.rn.f16x2 {o3}, t, $10;
 """
-_DECODE_ASM = tl.constexpr(
-    "{\n.reg .b32 a, b, lo, hi, t;\n.reg .b16 l0, l1, h0, h1;\n"
-    + _DECODE_WORD.format(w="$8", o0="$0", o1="$1", o2="$2", o3="$3")
-    + _DECODE_WORD.format(w="$9", o0="$4", o1="$5", o2="$6", o3="$7")
-    + "}\n"
-)
+
+
+def _two_words_asm(word: str) -> str:
+    """The inline asm decoding words $8 and $9 into outputs $0..$7 with ``word``'s bit operations."""
+    body = word + _CONVERT_WORD
+    return ("{\n.reg .b32 a, b, lo, hi, t;\n.reg .b16 l0, l1, h0, h1;\n"
+            + body.format(w="$8", o0="$0", o1="$1", o2="$2", o3="$3")
+            + body.format(w="$9", o0="$4", o1="$5", o2="$6", o3="$7") + "}\n")
+
+
+_DECODE_ASM = tl.constexpr(_two_words_asm(_DECODE_WORD))
 
 # The same decode for the "placed" layout (layout.place_nibbles): the codes of K offsets 0..3 already sit at
 # the E4M3 bit positions (sign 7, magnitude 4..2 of byte j), so one AND yields them; the other four codes'
@@ -97,23 +104,8 @@ and.b32 a, a, 0x98989898;
 shl.b32 b, {w}, 2;
 and.b32 b, b, 0x04040404;
 or.b32 hi, a, b;
-mov.b32 {{l0, l1}}, lo;
-mov.b32 {{h0, h1}}, hi;
-cvt.rn.f16x2.e4m3x2 t, l0;
-mul.rn.f16x2 {o0}, t, $10;
-cvt.rn.f16x2.e4m3x2 t, l1;
-mul.rn.f16x2 {o1}, t, $10;
-cvt.rn.f16x2.e4m3x2 t, h0;
-mul.rn.f16x2 {o2}, t, $10;
-cvt.rn.f16x2.e4m3x2 t, h1;
-mul.rn.f16x2 {o3}, t, $10;
 """
-_PLACED_ASM = tl.constexpr(
-    "{\n.reg .b32 a, b, lo, hi, t;\n.reg .b16 l0, l1, h0, h1;\n"
-    + _PLACED_WORD.format(w="$8", o0="$0", o1="$1", o2="$2", o3="$3")
-    + _PLACED_WORD.format(w="$9", o0="$4", o1="$5", o2="$6", o3="$7")
-    + "}\n"
-)
+_PLACED_ASM = tl.constexpr(_two_words_asm(_PLACED_WORD))
 
 
 @triton.jit
