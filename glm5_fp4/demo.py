@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -129,6 +130,7 @@ def serve_and_measure(ckpt: Path, out: Path, args: argparse.Namespace) -> None:
         if rc:
             raise Glm5Fp4Error(f"load test failed (exit {rc}); see {out / 'loadtest'}")
         _step("6. profile: capture a torch-profiler trace under load and break the step down (CPU run)")
+        shutil.rmtree(out / "profile", ignore_errors=True)  # the demo's own output of an earlier run
         rc = cli(["profile", "capture", "--url", url, "--steps", "6", "--trace-dir", str(traces), "--engine", "vllm",
                   "--concurrency", "4", "--output-len", "256", "--flush-timeout-s", "300", "--analyze",
                   "--out", str(out / "profile"), "--batch", "4", "--context", "64",

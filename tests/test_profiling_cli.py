@@ -205,6 +205,21 @@ def test_capture_drives_the_profiler_during_decode_and_collects_traces(tmp_path)
     assert (out / "breakdown" / "breakdown.md").exists()
 
 
+def test_capture_refuses_an_out_folder_holding_an_earlier_capture(tmp_path):
+    """vLLM names traces by time, so a second capture into the same --out used to leave two traces per rank there
+    and `--analyze` stopped at "two traces for rank 0" (seen with `make demo` run twice). It is refused before
+    any load is sent, naming the folder."""
+    trace_dir = tmp_path / "server_traces"
+    trace_dir.mkdir()
+    out = tmp_path / "cap"
+    (out / "traces").mkdir(parents=True)
+    (out / "traces" / "dp0_pp0_tp0_rank0.1.pt.trace.json.gz").write_bytes(b"earlier")
+    with FakeServer(trace_dir) as server:
+        with pytest.raises(Glm5Fp4Error, match=r"cap/traces already holds 1 trace file"):
+            capture(CaptureConfig(url=server.url, steps=3, trace_dir=trace_dir, out=out / "traces"))
+        assert not any(c.startswith("POST") for c in server.calls)
+
+
 def test_capture_refuses_non_loopback_urls(tmp_path):
     cfg = CaptureConfig(url="http://10.1.2.3:8000", steps=3, trace_dir=tmp_path, out=tmp_path / "o")
     with pytest.raises(Glm5Fp4Error, match="loopback"):

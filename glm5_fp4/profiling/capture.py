@@ -167,6 +167,12 @@ def capture(cfg: CaptureConfig, log=print) -> list[Path]:
     base = _check_url(cfg.url)
     if cfg.steps < 1:
         raise Glm5Fp4Error(f"--steps must be >= 1, got {cfg.steps}")
+    # One capture per folder: engines name traces by time, so an earlier capture's files would be read as a
+    # second trace of the same rank by the analysis. Checked before any load is sent.
+    earlier = [p for p in _snapshot(cfg.out) if cfg.out.resolve() != cfg.trace_dir.resolve()]
+    if earlier:
+        raise Glm5Fp4Error(f"{cfg.out} already holds {len(earlier)} trace file(s) of an earlier capture; "
+                           "choose another --out or remove them")
     engine = detect_engine(base, cfg.request_timeout_s) if cfg.engine == "auto" else cfg.engine
     model = cfg.model or first_model(base, cfg.request_timeout_s)
     log(f"server {base}: {engine}, model {model}")
