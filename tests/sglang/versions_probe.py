@@ -23,10 +23,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from glm5_fp4.reference import moe_reference, random_experts, route  # noqa: E402
+from glm5_fp4.reference import moe_reference  # noqa: E402
 from glm5_fp4.tolerances import rel_error  # noqa: E402
+from nvfp4_moe_case import E, H, I, K, dispatch, inputs, make_layer  # noqa: E402 - beside this script
 
-E, H, I, K, T = 8, 64, 32, 2, 24
 OUT: dict = {"errors": {}}
 # What SGLang's server processes import; on a CPU machine some of these stop at a CUDA-only package.
 SERVER_MODULES = ("sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
@@ -87,53 +87,6 @@ def _cpu_swizzle() -> None:
             OUT["swizzle_needed_cuda"] = True
             return scale.clone()
     modelopt_quant.swizzle_blockscale = swizzle
-
-
-def make_layer(experts):
-    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
-    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptNvFp4FusedMoEMethod
-
-    method = ModelOptNvFp4FusedMoEMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16,
-                                                           exclude_modules=[]))
-    layer = torch.nn.Module()
-    layer.num_local_experts = layer.num_experts = E
-    layer._mega_moe_nvfp4 = False
-    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
-                          layer_id=3, top_k=K, params_dtype=torch.bfloat16, activation="silu", is_gated=True,
-                          routed_scaling_factor=2.5)
-    layer.moe_runner_config = cfg
-
-    def never(*args, **kwargs):
-        raise AssertionError("no checkpoint loading here")
-
-    method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=never)
-    layer.w13_weight.data.copy_(experts.w13)
-    layer.w13_weight_scale.data.copy_(experts.w13_scale)
-    layer.w13_weight_scale_2.data.copy_(experts.w13_global[:, None].expand(E, 2))
-    layer.w2_weight.data.copy_(experts.w2)
-    layer.w2_weight_scale.data.copy_(experts.w2_scale)
-    layer.w2_weight_scale_2.data.copy_(experts.w2_global)
-    layer.w13_input_scale.data.copy_(experts.a13_scale[:, None].expand(E, 2))
-    layer.w2_input_scale.data.copy_(experts.a2_scale)
-    method.create_moe_runner(layer, cfg)
-    return method, layer
-
-
-def inputs(seed):
-    g = torch.Generator().manual_seed(seed)
-    experts = random_experts(E, H, I, generator=g)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    logits = torch.randn(T, E, generator=g)
-    weights, ids = route(logits, torch.randn(E, generator=g) * 0.1, K, routed_scaling_factor=2.5)
-    return experts, x, logits, weights, ids
-
-
-def dispatch(x, weights, ids, logits):
-    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
-
-    return StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
-                                  topk_output=StandardTopKOutput(weights, ids.to(torch.int32), logits))
 
 
 def layer_checks() -> None:
