@@ -147,10 +147,10 @@ def _dequant_tile(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.conste
     ``PLACED``: the words are in layout.place_nibbles order (fewer bit operations, same operands).
     """
     sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    if PLACED and USE_ASM:
+    if USE_ASM:
         s2 = tl.reshape(tl.join(sf, sf), (BN, BK // 8))
         d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
-            _PLACED_ASM,
+            _PLACED_ASM if PLACED else _DECODE_ASM,
             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
             [wt, s2],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
@@ -169,16 +169,6 @@ def _dequant_tile(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.conste
         d5 = _byte_pair(lb, 2, sf, BN, BK // 8)
         d6 = _byte_pair(hb, 0, sf, BN, BK // 8)
         d7 = _byte_pair(hb, 2, sf, BN, BK // 8)
-    elif USE_ASM:
-        s2 = tl.reshape(tl.join(sf, sf), (BN, BK // 8))
-        d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
-            _DECODE_ASM,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
-            [wt, s2],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
-        )
     else:
         wa, wb = tl.split(tl.reshape(wt, (BN, BK // 16, 2)))
         d0 = _set_pair(wa, 0, 0, sf, BN, BK // 8)
