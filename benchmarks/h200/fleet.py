@@ -21,6 +21,7 @@ it; ours start at once).
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
@@ -46,6 +47,20 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+def add_fake_servers_option(ap) -> None:
+    ap.add_argument("--fake-servers", action=argparse.BooleanOptionalAction, default=None,
+                    help="stand-ins for SGLang (default: on without a GPU, off with one)")
+
+
+def gpu_and_fake(ap, args) -> tuple[bool, bool]:
+    """(a GPU serves here, SGLang servers are fake_sglang stand-ins) for an SGLang run script's arguments."""
+    gpu = cuda_available()
+    fake = (not gpu) if args.fake_servers is None else args.fake_servers
+    if not gpu and not fake:
+        ap.error("SGLang cannot serve on a CPU: run with --fake-servers (the rehearsal) or on a GPU")
+    return gpu, fake
 
 
 @dataclass

@@ -103,6 +103,16 @@ def ensure_checkpoint(run: Run, path: Path, sizes: dict, device: str, wait_s: fl
     return path
 
 
+def run_checkpoint(run: Run, args, gpu: bool) -> tuple[Path, dict]:
+    """This run's checkpoint and its sizes: GLM-5's own on a GPU, the CPU widths (CPU_SIZES) in a rehearsal; made,
+    or waited for while make_true_ckpt.sh makes it (``.complete`` says whether it is there)."""
+    sizes = true_sizes(args.layers, args.dense) if gpu else {**true_sizes(args.layers, args.dense), **CPU_SIZES}
+    run.summary["sizes"] = sizes
+    ckpt = ensure_checkpoint(run, args.ckpt or ckpt_for(args.recipe), sizes, "cuda" if gpu else "cpu", wait_s=240,
+                             recipe=args.recipe)
+    return ckpt, sizes
+
+
 def dense_view(path: Path) -> Path:
     """The dense-attention view of ``path``: its own config.json, every other file linked (no copy)."""
     from glm5_fp4.checkpoint.configs import dense_attention_view

@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "h200")]
 
 import tiny  # noqa: E402
-from fleet import DSA_KV_CACHE, PrewarmGate, SglangSpec, cuda_available  # noqa: E402
+from fleet import DSA_KV_CACHE, PrewarmGate, SglangSpec, add_fake_servers_option, gpu_and_fake  # noqa: E402
 
 # Up to six tiny servers at once: the static fraction only has to pass SGLang's start-up check (see the module
 # docstring); each KV pool is 8192 tokens (8 sequences x 512 + room).
@@ -92,13 +92,9 @@ def all_specs(root: Path) -> list[SglangSpec]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     tiny.add_arguments(ap)
-    ap.add_argument("--fake-servers", action=argparse.BooleanOptionalAction, default=None,
-                    help="stand-ins for SGLang (default: on without a GPU, off with one)")
+    add_fake_servers_option(ap)
     args = ap.parse_args(argv)
-    gpu = cuda_available()
-    fake = (not gpu) if args.fake_servers is None else args.fake_servers
-    if not gpu and not fake:
-        ap.error("SGLang cannot serve on a CPU: run with --fake-servers (the rehearsal) or on a GPU")
+    gpu, fake = gpu_and_fake(ap, args)
 
     def gate(run) -> dict:
         # bounded when the wait begins: Marlin still needs ~2 min to start after it

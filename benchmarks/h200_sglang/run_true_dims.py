@@ -40,8 +40,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "h200")]
 
 import true_dims  # noqa: E402
 from common import Run, env_versions  # noqa: E402
-from fleet import DSA_KV_CACHE, Fleet, PrewarmGate, SglangSpec, cuda_available  # noqa: E402
-from true_dims import CPU_SIZES, trace_dir, true_sizes  # noqa: E402
+from fleet import DSA_KV_CACHE, Fleet, PrewarmGate, SglangSpec, add_fake_servers_option, gpu_and_fake  # noqa: E402
+from true_dims import trace_dir  # noqa: E402
 
 # Two servers of ~17 GB weights each at a time; a KV pool of 262,144 tokens (512 streams x 448 + room; ~1.5 GB
 # at FP8 MLA).
@@ -100,22 +100,15 @@ def all_specs(root: Path, work: Path | None = None) -> list[SglangSpec]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     true_dims.add_arguments(ap, recipe="routed-only")
-    ap.add_argument("--fake-servers", action=argparse.BooleanOptionalAction, default=None,
-                    help="stand-ins for SGLang (default: on without a GPU, off with one)")
+    add_fake_servers_option(ap)
     args = ap.parse_args(argv)
-    gpu = cuda_available()
-    fake = (not gpu) if args.fake_servers is None else args.fake_servers
-    if not gpu and not fake:
-        ap.error("SGLang cannot serve on a CPU: run with --fake-servers (the rehearsal) or on a GPU")
+    gpu, fake = gpu_and_fake(ap, args)
     if fake:
         args.no_timers = True  # a fake has no layers to time
 
     run = Run("h200_sglang_true_dims", args.out, args.deadline_s)
     run.summary.update(env=env_versions(), gpu_mode=gpu, engine="sglang", fake_servers=fake)
-    sizes = true_sizes(args.layers, args.dense) if gpu else {**true_sizes(args.layers, args.dense), **CPU_SIZES}
-    run.summary["sizes"] = sizes
-    ckpt = true_dims.ensure_checkpoint(run, args.ckpt or true_dims.ckpt_for(args.recipe), sizes,
-                                       "cuda" if gpu else "cpu", wait_s=240, recipe=args.recipe)
+    ckpt, sizes = true_dims.run_checkpoint(run, args, gpu)
     if not (ckpt / ".complete").is_file():
         return run.finish()
     if args.dense_attention:

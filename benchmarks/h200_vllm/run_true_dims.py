@@ -77,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run("h200_true_dims", args.out, args.deadline_s)
     gpu = cuda_available()
     run.summary.update(env=env_versions(), gpu_mode=gpu, engine="vllm")
-    sizes = true_sizes(args.layers, args.dense) if gpu else {**true_sizes(args.layers, args.dense), **CPU_SIZES}
-    run.summary["sizes"] = sizes
-    ckpt = true_dims.ensure_checkpoint(run, args.ckpt or true_dims.ckpt_for(args.recipe), sizes,
-                                       "cuda" if gpu else "cpu", wait_s=240, recipe=args.recipe)
+    ckpt, sizes = true_dims.run_checkpoint(run, args, gpu)
     if not (ckpt / ".complete").is_file():
         return run.finish()
     if args.dense_attention or not gpu:  # vLLM's CPU backend has no DSA
