@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.server_process import free_port
 
 console = Console()
 
@@ -75,14 +76,6 @@ def check_moe_layer(ckpt: Path, seed: int) -> float:
     return rel
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def send_requests(url: str, model: str) -> None:
     from openai import OpenAI
 
@@ -103,7 +96,7 @@ def serve_and_measure(ckpt: Path, out: Path, args: argparse.Namespace) -> None:
     from glm5_fp4.cli import main as cli
     from glm5_fp4.engines.vllm.serve import launch_vllm
 
-    port = args.port or _free_port()
+    port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     traces = (out / "traces").resolve()
     timers = (out / "layer-timers").resolve()
