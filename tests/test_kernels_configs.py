@@ -37,6 +37,20 @@ def test_plans_tile_glm5_shapes(arch, tp):
         assert p.schedule == ("slot" if t <= C.SLOT_MAX_TOKENS[arch] else "grouped")
 
 
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "sm120"])
+@pytest.mark.parametrize("tp", [1, 4, 8])
+def test_picked_plans_fit_shared_memory(arch, tp):
+    """Whole experts (TP1, expert parallelism: I = 2048) too: GEMM2 then walks K in chunks and pipelines the
+    activation tile as well (the H200 TP1 server died at a prefill on a 270,336-byte GEMM2, 2026-12-01)."""
+    spec = Glm5Spec()
+    h, i = spec.hidden_size, spec.moe_intermediate_size // tp
+    limit = C.smem_limit(arch)
+    for t in (1, 4, 16, 64, 512, 1024, 2048, 4096, 8192, 16384):
+        p = C.plan(arch, t, spec.n_routed_experts, spec.num_experts_per_tok, h, i)
+        assert C.gemm1_smem_bytes(p.gemm1) <= limit, (t, p.gemm1)
+        assert C.gemm2_smem_bytes(p.gemm2, i) <= limit, (t, p.gemm2, C.gemm2_smem_bytes(p.gemm2, i))
+
+
 def test_bm_grows_with_tokens_per_expert():
     bms = [C.pick_bm(t, 256, 8) for t in (1, 16, 256, 512, 1024, 4096)]
     assert bms == sorted(bms) and bms[0] == 16 and bms[-1] == 128
@@ -71,6 +85,19 @@ def test_sm120_default_kernel_compiles_within_limits(which):
     assert "mma.sync.aligned" in c.ptx  # SM120 has no wgmma: warp-level MMA
     if c.registers is not None:
         assert c.registers <= 255 and c.spill_store_bytes == 0, c
+
+
+@pytest.mark.skipif(not _aot_available(), reason="Triton's NVIDIA backend (with ptxas) is not installed")
+@pytest.mark.parametrize("cfg,intermediate", [
+    (C.Gemm2Config(128, 64, 8, 3, merged=False), 2048),  # what killed the TP1 server: Triton says 270,336 B
+    (C.Gemm2Config(64, 16, 4, 3, merged=False), 2048),
+    (C.Gemm2Config(128, 64, 8, 3, merged=False), 256),
+])
+def test_gemm2_estimate_bounds_tritons_figure_on_sm90(cfg, intermediate):
+    from glm5_fp4.sm120.aot import compile_gemm2
+
+    c = compile_gemm2(cfg, 90, 6144, intermediate, n_split=3)
+    assert 0 < c.shared_bytes <= C.gemm2_smem_bytes(cfg, intermediate), (c.shared_bytes, C.gemm2_smem_bytes(cfg, intermediate))
 
 
 @pytest.mark.skipif(not _aot_available(), reason="Triton's NVIDIA backend (with ptxas) is not installed")

@@ -18,6 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.spec import expected_distinct_experts
 
 def smem_limit(arch: str) -> int:
@@ -211,10 +212,41 @@ def gemm2_slot_unrolled_smem_bytes(cfg: Gemm2Config, intermediate: int, top_k: i
 
 
 def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None) -> int:
+    """One K chunk's weight tile per pipeline stage, its activation tile, the epilogue; with more than one
+    chunk (whole experts, I > GEMM2_MAX_K_CHUNK) the activation tile is loaded inside the loop and pipelined
+    too. Bounds Triton 3.6's sm_90 figure from above within 12 % at I = 2048 (e.g. 128x64, 3 stages: 270,336 B
+    measured, 303,104 B here; the estimate without the pipelined activations said 172,032 and a TP1 server
+    died on it)."""
     bm = cfg.bm if bm is None else bm
-    intermediate = gemm2_k_chunk(intermediate)
-    per_stage = cfg.bn * intermediate // 2 + cfg.bn * intermediate // 16
-    return max(cfg.num_stages - 1, 1) * per_stage + bm * intermediate * 2 + cfg.bn * bm * 4
+    kc = gemm2_k_chunk(intermediate)
+    stages = max(cfg.num_stages - 1, 1)
+    per_stage = cfg.bn * kc // 2 + cfg.bn * kc // 16
+    pipelined_act = stages * bm * kc * 2 if intermediate > kc else 0
+    return stages * per_stage + bm * kc * 2 + cfg.bn * bm * 4 + pipelined_act
+
+
+def fit_shared_memory(arch: str, g1: Gemm1Config, g2: Gemm2Config, intermediate: int) -> tuple[Gemm1Config, Gemm2Config]:
+    """Shrink a default config until it fits ``arch``'s shared memory: pipeline stages first (down to 2), then
+    GEMM2's own token block (it walks its own blocks, any bm <= the work list's), then the N tile. The tables
+    are tuned for the TP shards; whole experts (I = 2048) need more per GEMM2 stage."""
+    limit = smem_limit(arch)
+    while gemm1_smem_bytes(g1) > limit:
+        if g1.num_stages > 2:
+            g1 = dataclasses.replace(g1, num_stages=g1.num_stages - 1)
+        elif g1.bk > 64:
+            g1 = dataclasses.replace(g1, bk=g1.bk // 2)
+        else:
+            break
+    while gemm2_smem_bytes(g2, intermediate) > limit:
+        if g2.num_stages > 2:
+            g2 = dataclasses.replace(g2, num_stages=g2.num_stages - 1)
+        elif g2.bm > 16:
+            g2 = dataclasses.replace(g2, bm=g2.bm // 2)
+        elif g2.bn > 16:
+            g2 = dataclasses.replace(g2, bn=g2.bn // 2)
+        else:
+            break
+    return g1, g2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,6 +302,13 @@ _DEFAULT_GEMM2 = {
 }
 _DEFAULT_GEMM2["sm100"] = _DEFAULT_GEMM2["sm90"]
 _DEFAULT_GEMM2["sm80"] = _DEFAULT_GEMM2["sm120"]
+
+# Whole experts (I > GEMM2_MAX_K_CHUNK: TP1, the EP layouts), where they differ from the shards' table. sm120:
+# the 4-warp 2-stage bm16 GEMM2 spills 16 B at N_SPLIT 3/6/24 on the placed layout (compile matrix, tp1 shape,
+# Triton 3.6); with 3 stages it does not (69,632 B of 101,376, 146 registers). Unmeasured on an SM120 GPU.
+_WHOLE_EXPERT_GEMM2 = {
+    "sm120": {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False)},
+}
 
 # Experts receiving at least one token under uniform random routing (the one home of the formula: spec.py).
 expected_active_experts = expected_distinct_experts
@@ -338,7 +377,12 @@ def plan(
     routed = tokens if not global_experts else tokens * num_experts / global_experts  # tokens that stay here
     bm = 16 if schedule == "slot" else pick_bm(routed, num_experts, top_k)
     g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
-    g2 = gemm2 or _DEFAULT_GEMM2[arch][(schedule, bm)]
+    whole = _WHOLE_EXPERT_GEMM2.get(arch, {}) if intermediate > GEMM2_MAX_K_CHUNK else {}
+    g2 = gemm2 or whole.get((schedule, bm)) or _DEFAULT_GEMM2[arch][(schedule, bm)]
+    # Explicit configs are what the sweep and the compile matrix ask for: kept as given (a misfit then fails
+    # there, by name); the defaults must fit any shape the backend serves.
+    fg1, fg2 = fit_shared_memory(arch, g1, g2, intermediate)
+    g1, g2 = (g1 if gemm1 else fg1), (g2 if gemm2 else fg2)
     # Tiles must divide the problem; shrink for small test shapes.
     while intermediate % g1.bn and g1.bn > 16:
         g1 = dataclasses.replace(g1, bn=g1.bn // 2)
@@ -366,6 +410,13 @@ def plan(
 def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,
                 sm_count: int | None = None) -> Plan:
     """The native FP4-MMA path's plan (SM100/SM120 W4A4, unverified): fixed tiles, GEMM2 split to fill the GPU."""
+    if intermediate > GEMM2_MAX_K_CHUNK:
+        # Its GEMM2 holds a whole [BN, I] FP4 tile: at I = 2048 that is 114,688 B on sm_120 (over 99 KB) and
+        # does not lower on sm_100 (compile matrix, tp1 shape); the decoding kernels walk K in chunks instead.
+        raise Glm5Fp4Error(
+            f"the native FP4-MMA path serves expert shards with intermediate size <= {GEMM2_MAX_K_CHUNK} (TP4/TP8); "
+            f"got {intermediate} (whole experts: TP1 or expert parallelism). Prepare the experts with layout='placed'."
+        )
     sm_count = sm_count or sm_count_guess(arch)
     g1, g2 = NATIVE_GEMM1[arch], NATIVE_GEMM2[arch]
     active = min(expected_active_experts(tokens, num_experts, top_k), tokens * top_k)
@@ -375,7 +426,7 @@ def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: in
 def all_configs(arch: str) -> tuple[list[Gemm1Config], list[Gemm2Config]]:
     """Every configuration the picker or the sweep may use on ``arch`` (for the static smem check)."""
     g1 = list(GEMM1_CANDIDATES[arch]) + list(_DEFAULT_GEMM1[arch].values())
-    g2 = list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values())
+    g2 = list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values()) + list(_WHOLE_EXPERT_GEMM2.get(arch, {}).values())
     return g1, g2
 
 

@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--out", default=".", help="directory for compile_matrix.json and compile_matrix.md")
     p.add_argument("--arch", type=_csv(ARCHS), default=list(ARCHS), help="targets, comma-separated (default: all)")
-    p.add_argument("--shapes", type=_csv(("tp8", "tp4", "tiny")), default=["tp8", "tp4", "tiny"],
-                   help="expert shapes: GLM-5 TP8/TP4 shards, the small test shape (default: all)")
+    p.add_argument("--shapes", type=_csv(("tp8", "tp4", "tp1", "tiny")), default=["tp8", "tp4", "tp1", "tiny"],
+                   help="expert shapes: GLM-5 TP8/TP4 shards, whole experts (TP1/EP), the small test shape (default: all)")
     p.add_argument("--modes", type=_csv(("w4a16", "w4a4")), default=["w4a16", "w4a4"], help="default: both")
     p.add_argument("--picked-only", action="store_true", help="only the picker's plans, not every candidate config")
     p.add_argument("--no-asm", action="store_true", help="compile the plain-Triton decode (GLM5_FP4_MOE_NO_ASM=1)")

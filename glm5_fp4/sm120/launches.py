@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5_fp4.kernels.layout import default_layout
 from glm5_fp4.spec import Glm5Spec
 
 # Batch sizes whose picker choice is compiled: the decode range (slot and grouped regimes, odd and even
@@ -47,6 +48,9 @@ def shape_classes(spec: Glm5Spec | None = None) -> list[ShapeClass]:
         ShapeClass(f"tp{tp}", e, k, h, spec.moe_intermediate_size // tp, f"GLM-5 routed experts, TP{tp} shard")
         for tp in (8, 4)
     ]
+    # Whole experts: TP1 (the H200 true-dimension servers) and expert parallelism keep I unsplit, so GEMM2
+    # walks K in chunks (configs.GEMM2_MAX_K_CHUNK) and the tiles' shared memory differs from the shards'.
+    out.append(ShapeClass("tp1", e, k, h, spec.moe_intermediate_size, "GLM-5 routed experts, whole (TP1, EP)"))
     out.append(ShapeClass("tiny", 16, 4, 512, 128, "small test shape (tests/gpu, tiny checkpoints)"))
     return out
 
@@ -63,7 +67,7 @@ class Selection:
     stages: tuple[str, ...]
     origin: str  # why it is in the matrix: "picked T=16", "gemm1 candidate", ...
     use_asm: bool = True
-    layout: str | None = None  # weight layout; None: "checkpoint" for the native path, else "split"
+    layout: str | None = None  # weight layout; None: "checkpoint" for the native path, else what prepare_experts picks
 
     @property
     def native(self) -> bool:
@@ -126,8 +130,8 @@ def native_selections(arch: str, shape: ShapeClass, modes, tokens) -> list[Selec
     """The native FP4-MMA path (W4A4 only, opt-in with GLM5_FP4_NATIVE_FP4=1) where configs.py has one."""
     from glm5_fp4.kernels import configs as C
 
-    if arch not in C.NATIVE_GEMM1 or "w4a4" not in modes:
-        return []
+    if arch not in C.NATIVE_GEMM1 or "w4a4" not in modes or shape.intermediate > C.GEMM2_MAX_K_CHUNK:
+        return []  # (whole experts: native_plan refuses them, nothing of the native path would run)
     dims = (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate)
     return [
         Selection(arch, shape, "w4a4", C.native_plan(arch, t, *dims), t, ("align", "gemm1", "gemm2"),
@@ -170,7 +174,7 @@ def record(sel: Selection) -> list[Launch]:
     x = torch.empty(sel.tokens, shape.hidden, dtype=X_DTYPE, device=meta)
     tw = torch.empty(sel.tokens, shape.top_k, dtype=torch.float32, device=meta)
     ids = torch.empty(sel.tokens, shape.top_k, dtype=IDS_DTYPE, device=meta)
-    prepared = meta_prepared(shape, layout=sel.layout or ("checkpoint" if sel.native else "split"))
+    prepared = meta_prepared(shape, layout=sel.layout or ("checkpoint" if sel.native else default_layout()))
     ws = Workspace(meta, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sel.tokens)
     call = MoECall(x, tw, ids, prepared, sel.mode, torch.empty_like(x), ws, use_asm=sel.use_asm)
     return launches(sel.plan, call, sel.stages)
