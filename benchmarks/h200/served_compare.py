@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from glm5_fp4.tolerances import served_decisive_margin, served_logprob_bound
+from glm5_fp4.tolerances import served_decisive_margin, served_logprob_bound, yardstick_trusted
 
 TOP_K = 5
 
@@ -122,6 +122,8 @@ class Comparison:
     bound: dict
     ok: bool
     why: list[str]
+    # Why the yardstick given was not used as the bounds' scale (a stock path off its own BF16 twin), if it was not.
+    yardstick_rejected: list[str] = field(default_factory=list)
 
     @property
     def stats(self) -> dict:
@@ -139,6 +141,7 @@ def _quantile(values: list[float], q: float) -> float:
 def compare(ref: dict, other: dict, yardstick: dict | None = None) -> Comparison:
     """``other`` against ``ref`` (both scored ``ref``'s greedy tokens); bounds from a stock ``yardstick``'s stats."""
     bound = served_logprob_bound(yardstick)
+    rejected = yardstick_trusted(yardstick)[1]
     margin_needed = served_decisive_margin(bound)
     diffs, decisive, disagree, agree = [], 0, 0, 0
     margins: list[list[float]] = []
@@ -176,7 +179,7 @@ def compare(ref: dict, other: dict, yardstick: dict | None = None) -> Comparison
     if disagree:
         why.append(f"top-1 differs at {disagree} of {decisive} decisive positions (margin > {margin_needed:.2f})")
     return Comparison(n, mean, p95, worst, margin_needed, decisive, disagree, agree / n if n else math.nan, prefixes,
-                      at_decisive, bound, not why, why)
+                      at_decisive, bound, not why, why, rejected)
 
 
 def decode_vs_prefill(ref: dict) -> dict:

@@ -34,6 +34,8 @@ from typing import Callable
 from common import Run, env_versions, evidence, traceback_summary
 from fleet import Fleet
 
+from glm5_fp4.tolerances import yardstick_trusted
+
 import served_compare
 
 # GLM-5's own indexer shape; the rest stays at the tiny defaults (glm5_fp4.checkpoint.configs.TINY_SIZES).
@@ -162,6 +164,13 @@ def evaluate(arch: str, results: dict, fleet: Fleet, ps: list[list[int]], args) 
         checks["ours_graphs_vs_eager"] = served_compare.compare(r["ours-eager"], r["ours"],
                                                                 compile_ and compile_.stats).to_dict()
     report["checks"] = checks
+    # A stock path off its own BF16 twin is a finding about the engine, not a failure of ours; it is reported
+    # here, and the bounds above fell back to the floor instead of scaling by it (tolerances.yardstick_trusted).
+    report["stock_findings"] = [
+        f"{label}: the stock path disagrees with the BF16 twin beyond rounding ({'; '.join(why)}); not used as a bound"
+        for label, y in (("marlin_vs_bf16", kernel), ("bf16_graphs_vs_eager", compile_))
+        if y and (why := yardstick_trusted(y.stats)[1])
+    ]
     report["reference_decode_vs_prefill"] = served_compare.decode_vs_prefill(ref)
     why = []
     for name in servers:

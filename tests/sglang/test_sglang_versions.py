@@ -218,3 +218,26 @@ def test_h200_commands_parse_with_sglang_0515(probes, tmp_path):
         env = spec.command(30000).env
         assert (env.get("SGLANG_PLUGINS") == "none") == (not spec.plugin), name  # stock: nothing of ours loaded
         assert ("GLM5_FP4_BACKEND" in env) == (spec.moe_backend == "glm5_fp4"), name
+
+
+def _layer_source(version: str) -> str:
+    if version == "0.5.15":
+        if not SRC_0515:
+            pytest.skip("set GLM5_FP4_SGLANG0515_SRC to unpacked sglang-0.5.15 sources (make test does)")
+        root = Path(SRC_0515) / "sglang"
+    else:
+        import importlib.util
+
+        root = Path(importlib.util.find_spec("sglang").origin).parent
+    return (root / "srt" / "layers" / "moe" / "fused_moe_triton" / "layer.py").read_text()
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_marlin_double_scaling_fact_matches_the_sources(version):
+    """compat's record of stock Marlin NVFP4 scaling twice, against what each version's FusedMoE decides: 0.5.15
+    folds the factor into the top-k weights for every ModelOpt NVFP4 layer (Marlin scales again); 0.5.23 leaves
+    Marlin out (sgl-project/sglang#31762)."""
+    src = _layer_source(version)
+    excludes_marlin = "def _fuses_routed_scaling_factor_in_topk" in src and "runner_backend.is_marlin()" in src
+    assert "should_fuse_routed_scaling_factor_in_topk" in src
+    assert compat.stock_marlin_nvfp4_scales_twice(version) is (not excludes_marlin)

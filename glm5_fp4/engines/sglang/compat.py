@@ -51,6 +51,30 @@ from typing import Any, Callable
 PRIMARY = "0.5.23"
 VEHICLE = "0.5.15"
 
+# -- stock-engine defects that bear on A/B comparisons ------------------------------------------------------------
+
+# SGLang 0.5.15 multiplies the routed experts' sum by routed_scaling_factor twice on its Marlin NVFP4 MoE path:
+# FusedMoE folds it into the top-k weights for every ModelOpt NVFP4 layer (fused_moe_triton/layer.py:337) and
+# fused_marlin_moe applies it again in moe_sum_reduce. GLM-5 / GLM-4.5 (factor 2.5) come out 2.5x too large in
+# every MoE layer: on the H200 (2026-12-01) stock Marlin was 0.76 nats off its own BF16 twin, ours 0.004.
+# Fixed upstream by sgl-project/sglang#31762 (0.5.23's _fuses_routed_scaling_factor_in_topk excludes Marlin).
+# Speed comparisons stay fair (one scalar multiply); accuracy comparisons against stock Marlin do not.
+MARLIN_NVFP4_DOUBLE_SCALING_FIXED_IN = "0.5.23"  # the first release checked to have the fix (0.5.16-0.5.22 unchecked)
+MARLIN_NVFP4_DOUBLE_SCALING_SEEN_IN = "0.5.15"
+
+
+def stock_marlin_nvfp4_scales_twice(version: str | None = None) -> bool | None:
+    """Whether this SGLang's stock Marlin NVFP4 MoE applies routed_scaling_factor twice (None: not checked)."""
+    version = version or installed_version()
+    if version is None:
+        return None
+    if _key(version) <= _key(MARLIN_NVFP4_DOUBLE_SCALING_SEEN_IN):
+        return True
+    if _key(version) >= _key(MARLIN_NVFP4_DOUBLE_SCALING_FIXED_IN):
+        return False
+    return None
+
+
 # -- server flags (launch profiles) ------------------------------------------------------------------------------
 
 # 0.5.15's `--moe-runner-backend` and `--kv-cache-dtype` choices (server_args.py); 0.5.23's are the lists in

@@ -3,8 +3,9 @@
 Contract (SGLang 0.5.23 and 0.5.15 alike, ``StandardDispatcher``):
 
 * in: ``StandardDispatchOutput`` -- ``hidden_states`` [T, H] bf16, ``topk_output.topk_weights`` fp32 [T, K]
-  that **already include** ``routed_scaling_factor`` (``_fuses_routed_scaling_factor_in_topk`` is True for
-  ModelOpt NVFP4 on non-Marlin runners), ``topk_ids`` int32 [T, K] of **local** expert ids, -1 for a slot
+  that **already include** ``routed_scaling_factor`` (folded in by ``TopK`` for every ModelOpt NVFP4 layer in
+  0.5.15, for every non-Marlin one in 0.5.23: ``_fuses_routed_scaling_factor_in_topk``; ours is not Marlin, so
+  never scale again here), ``topk_ids`` int32 [T, K] of **local** expert ids, -1 for a slot
   this rank does not serve (with ``--ep-size`` > 1 the dispatcher maps global ids through its
   ``local_expert_mapping``; -1 also marks dropped pad rows);
 * out: ``StandardCombineInput(hidden_states=[T, H])``, the **local partial sum** of this rank's experts (or
