@@ -76,6 +76,8 @@ class Backend:
     engine_dense_w4a16: bool = False
     # Allocate every buffer forward() will need for up to max_tokens tokens (before CUDA-graph capture).
     reserve_fn: Callable[[Any, int, int], None] | None = None
+    # Compile ahead what forward() may launch for 1..max_tokens tokens, so no request waits for a JIT.
+    warmup_fn: Callable[[Any, str, int, int, torch.dtype], None] | None = None
 
     def supports(self, device: torch.device | str, shape: MoEShape, dtype: torch.dtype, mode: str = "w4a16",
                  capability: Capability = None) -> Support:
@@ -93,6 +95,10 @@ class Backend:
     def reserve(self, prepared: Any, top_k: int, max_tokens: int) -> None:
         if self.reserve_fn is not None:
             self.reserve_fn(prepared, top_k, max_tokens)
+
+    def warm_up(self, prepared: Any, mode: str, top_k: int, max_tokens: int, dtype: torch.dtype) -> None:
+        if self.warmup_fn is not None:
+            self.warmup_fn(prepared, mode, top_k, max_tokens, dtype)
 
     def prepare(self, experts: NvFp4Experts, mode: str, dtype: torch.dtype) -> Any:
         return self.prepare_fn(experts, mode, dtype)
@@ -190,6 +196,12 @@ def _triton_reserve(prepared, top_k: int, max_tokens: int) -> None:
         reserve(prepared, top_k, max_tokens)
 
 
+def _triton_warm_up(prepared, mode: str, top_k: int, max_tokens: int, dtype: torch.dtype) -> None:
+    from glm5_fp4.kernels.warmup import warm_up
+
+    warm_up(prepared, mode, top_k, max_tokens, dtype)
+
+
 # -- dequant --------------------------------------------------------------------------------------
 
 @dataclass
@@ -274,7 +286,7 @@ def register(backend: Backend) -> None:
 
 
 register(Backend("triton", "fused Triton NVFP4 MoE kernel (CUDA)", _triton_supports, _triton_prepare, _triton_forward,
-                 reserve_fn=_triton_reserve))
+                 reserve_fn=_triton_reserve, warmup_fn=_triton_warm_up))
 register(Backend("dequant", "weights dequantized once at load; engine's dense MoE kernel (CPU)", _dequant_supports,
                  _dequant_prepare, dense_moe, engine_dense_w4a16=True))
 register(Backend("reference", "float32 oracle MoE (any device, slow)", _reference_supports, _reference_prepare,
@@ -440,5 +452,6 @@ def prepare_layer(selection: Selection, layer: torch.nn.Module, dtype: torch.dty
     prepared = selection.backend.prepare(experts, selection.mode,
                                          torch.float32 if selection.mode == "w4a4" else dtype)
     selection.backend.reserve(prepared, top_k, max_tokens)
+    selection.backend.warm_up(prepared, selection.mode, top_k, max_tokens, dtype)
     release_unshared(layer, CHECKPOINT_PARAMS, prepared, replace_fn)
     return prepared

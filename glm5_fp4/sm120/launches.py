@@ -38,10 +38,14 @@ class ShapeClass:
     hidden: int
     intermediate: int
     note: str = ""
+    # Whether the sweep's candidate configs are compiled for it too (they are tuned on the TP shards; a shape
+    # without a sweep gets only what the picker would launch).
+    candidates: bool = True
 
 
 def shape_classes(spec: Glm5Spec | None = None) -> list[ShapeClass]:
-    """GLM-5's TP8 and TP4 expert shards, and the small shape the GPU tests (and tiny checkpoints) use."""
+    """GLM-5's TP8 and TP4 expert shards, its whole experts, and the small shape the GPU tests (and tiny
+    checkpoints) use."""
     spec = spec or Glm5Spec()
     e, k, h = spec.n_routed_experts, spec.num_experts_per_tok, spec.hidden_size
     out = [
@@ -50,7 +54,8 @@ def shape_classes(spec: Glm5Spec | None = None) -> list[ShapeClass]:
     ]
     # Whole experts: TP1 (the H200 true-dimension servers) and expert parallelism keep I unsplit, so GEMM2
     # walks K in chunks (configs.GEMM2_MAX_K_CHUNK) and the tiles' shared memory differs from the shards'.
-    out.append(ShapeClass("tp1", e, k, h, spec.moe_intermediate_size, "GLM-5 routed experts, whole (TP1, EP)"))
+    out.append(ShapeClass("tp1", e, k, h, spec.moe_intermediate_size, "GLM-5 routed experts, whole (TP1, EP)",
+                          candidates=False))
     out.append(ShapeClass("tiny", 16, 4, 512, 128, "small test shape (tests/gpu, tiny checkpoints)"))
     return out
 
@@ -108,7 +113,7 @@ def selections(
             for t in tokens:
                 p = C.plan(arch, t, *dims)
                 out.append(Selection(arch, shape, mode, p, t, ("align", "gemm1", "gemm2"), f"picked T={t}", use_asm))
-            if not candidates:
+            if not (candidates and shape.candidates):
                 continue
             # The sweep (benchmarks/moe_kernel.py) runs a candidate under the slot schedule only with 16
             # tokens per MMA; the grouped schedule takes any.
