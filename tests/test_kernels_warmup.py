@@ -50,3 +50,19 @@ def test_warm_up_skips_off_gpu_and_when_disabled(monkeypatch):
     monkeypatch.setenv(W.ENV, "0")
     assert not W.enabled()
     assert calls == []
+
+
+def test_counts_from_a_real_layers_prepared_experts():
+    """warm_up plans on a meta copy of the layer's own prepared experts (shapes, dtypes, layout kept)."""
+    from glm5_fp4.kernels.layout import prepare_experts
+    from glm5_fp4.reference import NvFp4Experts
+
+    ex = NvFp4Experts.from_float(torch.randn(16, 256, 512), torch.randn(16, 512, 128),
+                                 torch.full((16,), 0.01), torch.full((16,), 0.01))
+    prep = prepare_experts(ex)
+    meta = W._meta_like(prep)
+    assert meta.device.type == "meta" and meta.layout == prep.layout
+    assert {n: (t.shape, t.dtype) for n, t in meta.tensors().items() if t is not None} == \
+        {n: (t.shape, t.dtype) for n, t in prep.tensors().items() if t is not None}
+    counts = W.warmup_token_counts(meta, 4, 600, "w4a4", torch.bfloat16, "sm90", 132)
+    assert counts[0] == 1 and counts == sorted(set(counts)) and max(counts) <= 600
