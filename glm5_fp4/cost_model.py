@@ -13,8 +13,9 @@ component                 category     per pass of one micro-batch of ``b`` sequ
 ========================  ===========  ============================================================================
 routed experts            expert_gemm  NVFP4 weights of the distinct experts the tokens touch (E(1-(1-k/E)^t)),
                                        x read and the output written once (any MoE kernel's minimum)
-shared experts            other_gemm   run as separate NVFP4 linears (our backend, ``--disable-shared-experts-fusion``)
-dense MLPs                other_gemm   the first_k_dense layers' MLPs
+shared experts            other_gemm   run as separate linears (our backend, ``--disable-shared-experts-fusion``),
+                                       stored as ``Precisions.dense`` (BF16 in a ``routed-only`` checkpoint)
+dense MLPs                other_gemm   the first_k_dense layers' MLPs, stored as the shared experts
 router                    other_gemm   BF16 gate, replicated
 attention projections     other_gemm   q_a / kv_a replicated, q_b / kv_b / o split by heads
 DSA indexer projections   other_gemm   wq_b, wk, weights_proj, replicated (vLLM: "no tensor parallel")
@@ -132,16 +133,28 @@ class Layout:
 class Precisions:
     """Storage of each weight class and of the KV cache; the MMA dtype of the expert GEMMs."""
 
-    experts: str = "nvfp4"  # routed and shared experts, dense MLPs
+    experts: str = "nvfp4"  # routed experts
+    # shared experts and dense MLPs; None: as the routed experts (make-checkpoint's glm5 recipe, nvidia/GLM-5-NVFP4);
+    # the routed-only recipe (GLM-5.1/5.2-NVFP4) leaves them BF16
+    dense: str | None = None
     attention: str = "bf16"  # attention and indexer projections
     kv: str = "fp8"  # latent KV row kind (spec.KV_KINDS)
     expert_math: str | None = None  # None: the storage dtype where the GPU has that tensor-core path, else bf16
     dispatch: str = "bf16"  # all-to-all dispatch of hidden states (fp8: E4M3 + an FP32 scale per 128, as DeepEP)
 
+    @property
+    def dense_dtype(self) -> str:
+        """Storage of the shared experts and dense MLPs."""
+        return self.dense or self.experts
+
+    def dense_math(self, expert_math: str, gpu: GpuSpec) -> str:
+        """The MMA dtype of the shared experts and dense MLPs: the routed experts' where they are stored alike."""
+        return expert_math if self.dense_dtype == self.experts else math_dtype(self.dense_dtype, gpu)
+
     def validate(self) -> None:
-        for name in ("experts", "attention"):
-            if getattr(self, name) not in WEIGHT_BYTES:
-                raise Glm5Fp4Error(f"{name} weights must be one of {sorted(WEIGHT_BYTES)}, got {getattr(self, name)!r}")
+        for name, dtype in (("experts", self.experts), ("dense", self.dense_dtype), ("attention", self.attention)):
+            if dtype not in WEIGHT_BYTES:
+                raise Glm5Fp4Error(f"{name} weights must be one of {sorted(WEIGHT_BYTES)}, got {dtype!r}")
         if self.kv not in KV_KINDS:
             raise Glm5Fp4Error(f"KV cache kind must be one of {', '.join(KV_KINDS)}, got {self.kv!r}")
         if self.dispatch not in ("bf16", "fp8"):
@@ -364,7 +377,8 @@ def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, exper
     n_dense = n - n_moe
     first, last = index == 0, index == layout.pp - 1
     h, act = spec.hidden_size, ACT_BYTES
-    we, wa = WEIGHT_BYTES[prec.experts], WEIGHT_BYTES[prec.attention]
+    we, wd, wa = WEIGHT_BYTES[prec.experts], WEIGHT_BYTES[prec.dense_dtype], WEIGHT_BYTES[prec.attention]
+    dense_math = prec.dense_math(expert_math, gpu)
     heads = spec.num_attention_heads / layout.attn_tp
     dsa = spec.index_topk is not None
     attn_math = math_dtype(prec.attention, gpu)
@@ -376,13 +390,13 @@ def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, exper
                            flops=n_moe * one.flops, compute_dtype=expert_math, note=one.note))
     i_tp = spec.moe_intermediate_size / layout.mlp_tp
     shared = spec.n_shared_experts * spec.expert_params / layout.mlp_tp
-    comps.append(Component("shared experts", "other_gemm", weights=n_moe * shared * we,
-                           bytes=n_moe * (shared * we + t * spec.n_shared_experts * (2 * h + 3 * i_tp) * act),
-                           flops=n_moe * 2.0 * t * shared, compute_dtype=expert_math))
+    comps.append(Component("shared experts", "other_gemm", weights=n_moe * shared * wd,
+                           bytes=n_moe * (shared * wd + t * spec.n_shared_experts * (2 * h + 3 * i_tp) * act),
+                           flops=n_moe * 2.0 * t * shared, compute_dtype=dense_math))
     dense = spec.dense_mlp_params / layout.mlp_tp
-    comps.append(Component("dense MLPs", "other_gemm", weights=n_dense * dense * we,
-                           bytes=n_dense * (dense * we + t * (2 * h + 3 * spec.intermediate_size / layout.mlp_tp) * act),
-                           flops=n_dense * 2.0 * t * dense, compute_dtype=expert_math))
+    comps.append(Component("dense MLPs", "other_gemm", weights=n_dense * dense * wd,
+                           bytes=n_dense * (dense * wd + t * (2 * h + 3 * spec.intermediate_size / layout.mlp_tp) * act),
+                           flops=n_dense * 2.0 * t * dense, compute_dtype=dense_math))
     router = spec.n_routed_experts * h
     comps.append(Component("router", "other_gemm", weights=n_moe * router * BF16_BYTES,
                            bytes=n_moe * (router * BF16_BYTES + t * (h + spec.n_routed_experts) * act),
@@ -511,32 +525,38 @@ def assumptions(cost: StepCost) -> list[str]:
                       "SGLang's DSA FP8 pool)",
                "bf16": "BF16 latent row", "nvfp4_ds_mla": "vLLM nvfp4_ds_mla row (SM100 FlashMLA only)"}[prec.kv]
     eff = cost.efficiency
+    dense_math = prec.dense_math(cost.expert_math, gpu)
     out = [
         f"model: {spec.name} ({spec.num_layers} layers, {spec.moe_layers} MoE, {spec.n_routed_experts} experts top-"
         f"{spec.num_experts_per_tok} + {spec.n_shared_experts} shared); no MTP layer, "
         + (f"{cost.tokens_per_seq} tokens per sequence per step" if cost.tokens_per_seq > 1 else "no speculative decoding"),
-        f"weights: experts, shared experts and dense MLPs {prec.experts} ({WEIGHT_BYTES[prec.experts]:g} B/param"
-        + (": 4-bit code + E4M3 scale per 16" if prec.experts == "nvfp4" else "")
-        + f"); attention and DSA indexer projections {prec.attention.upper()}; router, embedding, lm_head BF16; "
+        "weights: " + (f"experts, shared experts and dense MLPs {_storage(prec.experts)}"
+                       if prec.dense_dtype == prec.experts else
+                       f"routed experts {_storage(prec.experts)}, shared experts and dense MLPs "
+                       f"{_storage(prec.dense_dtype)}")
+        + f"; attention and DSA indexer projections {prec.attention.upper()}; router, embedding, lm_head BF16; "
         "norms ignored",
         _layout_assumption(spec, lay, cost),
         (f"PP: layers split as vLLM does ({', '.join(f'{lo}-{hi - 1}' for lo, hi in pp_partition(spec.num_layers, lay.pp))}); "
          f"{lay.pp} micro-batches of {b} sequences; step = PP x slowest stage" if lay.pp > 1
          else f"one micro-batch of {b} sequences"),
         f"GPU: {gpu.display_name}, {gpu.mem_bandwidth_gbs:g} GB/s, dense peaks {cost.expert_math} "
-        f"{gpu.peak_tflops(cost.expert_math):g} / bf16 {gpu.peak_tflops('bf16'):g} TFLOPS"
+        f"{gpu.peak_tflops(cost.expert_math):g}"
+        + ("" if dense_math in (cost.expert_math, "bf16") else f" / {dense_math} {gpu.peak_tflops(dense_math):g}")
+        + f" / bf16 {gpu.peak_tflops('bf16'):g} TFLOPS"
         + (f", all roofs x{eff:g} efficiency" if eff != 1 else " (100 % of peak: a floor, not a forecast)"),
         f"expert GEMMs on the {cost.expert_math} roof ("
         + ("W4A4: activations quantized to NVFP4" if cost.expert_math == "nvfp4" else "W4A16: weights dequantized to BF16 MMA"
            if cost.expert_math == "bf16" else f"{cost.expert_math} MMA")
-        + "); MLA on the BF16 roof, the DSA indexer scan on FP8 where the GPU has it",
+        + ")" + ("" if dense_math == cost.expert_math else f", shared experts and dense MLPs on the {dense_math} roof")
+        + "; MLA on the BF16 roof, the DSA indexer scan on FP8 where the GPU has it",
         f"routed experts: distinct experts per MoE layer per micro-batch E(1-(1-k/E)^t) = "
         f"{spec.expected_experts_touched(t * lay.attn_dp):.1f} of {spec.n_routed_experts} (uniform routing"
         + (f"; t = the {t * lay.attn_dp} tokens of all {lay.attn_dp} GPUs, which reach their experts' GPUs"
            if lay.attn_dp > 1 else "")
         + "), each streamed once; x read and the output written once",
-        "shared experts as separate NVFP4 linears (other GEMM), as vLLM runs them outside the MoE kernel and our "
-        "SGLang profiles with --disable-shared-experts-fusion",
+        f"shared experts as separate {prec.dense_dtype.upper()} linears (other GEMM), as vLLM runs them outside the "
+        "MoE kernel and our SGLang profiles with --disable-shared-experts-fusion",
         f"KV cache ({prec.kv}): {kv_note} {spec.kv_row_bytes(prec.kv):.0f} B/layer + DSA indexer key "
         f"{spec.indexer_row_bytes():.0f} B/layer (FP8 + FP32 scale per 128); "
         + ("each GPU holds only its own sequences' (DP attention)" if lay.attn_dp > 1
@@ -556,6 +576,11 @@ def assumptions(cost: StepCost) -> list[str]:
         "and sampling not modelled",
     ]
     return out
+
+
+def _storage(dtype: str) -> str:
+    code = ": 4-bit code + E4M3 scale per 16" if dtype == "nvfp4" else ""
+    return f"{dtype} ({WEIGHT_BYTES[dtype]:g} B/param{code})"
 
 
 def _layout_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> str:

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from glm5_fp4 import nvfp4
 from glm5_fp4.checkpoint.configs import build_config
-from glm5_fp4.checkpoint.inspect import inspect_checkpoint
-from glm5_fp4.checkpoint.layout import RECIPES, exclude_modules, is_excluded, model_tensors, recipe_of
+from glm5_fp4.checkpoint.inspect import inspect_checkpoint, mlp_weight_dtypes
+from glm5_fp4.checkpoint.layout import RECIPES, exclude_modules, is_excluded, model_tensors, quantized_mlps, recipe_of
 from glm5_fp4.checkpoint.make import make_checkpoint
 from glm5_fp4.cli import main
 from glm5_fp4.errors import Glm5Fp4Error
@@ -94,6 +94,37 @@ def test_patterns_name_only_their_layer():
     assert recipe_of(cfg, ["lm_head", "model.layers.0.mlp*"]) is None  # neither recipe
     with pytest.raises(ValueError, match="recipe"):
         exclude_modules(cfg, "dense-only")
+
+
+@pytest.mark.parametrize("arch", ["glm5", "glm4moe"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantized_mlps_says_per_class_what_the_written_tensors_are(arch, recipe):
+    cfg = build_config(arch, SMALL)
+    names = {s.name: s.quantized for s in model_tensors(cfg, recipe) if re.search(r"\.mlp\..*_proj\.weight$", s.name)}
+    by_class = {"routed experts": r"\.mlp\.experts\.", "shared experts": r"\.mlp\.shared_experts\.",
+                "dense MLPs": r"layers\.[01]\.mlp\."}
+    expect = {c: {q for n, q in names.items() if re.search(rx, n)} for c, rx in by_class.items()}
+    assert all(len(v) == 1 for v in expect.values())
+    assert quantized_mlps(cfg, exclude_modules(cfg, recipe)) == {c: v.pop() for c, v in expect.items()}
+
+
+def test_quantized_mlps_names_a_class_left_partly_quantized():
+    cfg = build_config("glm5", SMALL)
+    assert quantized_mlps(cfg, ["lm_head", "model.layers.2.mlp.shared_experts*"]) == \
+        {"routed experts": True, "shared experts": None, "dense MLPs": True}
+    assert quantized_mlps(cfg, ["model.layers.3.mlp.experts.1.*", "model.layers.*.mlp.gate_proj"]) == \
+        {"routed experts": None, "shared experts": True, "dense MLPs": None}
+    assert quantized_mlps(build_config("glm5", {**SMALL, "first_k_dense_replace": 0}), []) == \
+        {"routed experts": True, "shared experts": True}
+
+
+def test_mlp_weight_dtypes_of_the_written_checkpoints(routed, tmp_path):
+    dtypes, source = mlp_weight_dtypes(routed["glm5"] / "config.json")
+    assert dtypes == {"routed experts": "nvfp4", "shared experts": "bf16", "dense MLPs": "bf16"}
+    assert source == f"{routed['glm5'] / 'hf_quant_config.json'}, quant_algo NVFP4"
+    assert mlp_weight_dtypes(routed["glm5_bf16"]) is None  # no quantization config: nothing to say
+    glm5 = make_checkpoint(tmp_path / "g", "glm5", seed=1, sizes=SMALL)
+    assert set(mlp_weight_dtypes(glm5)[0].values()) == {"nvfp4"}
 
 
 def test_engines_exclude_matching_reads_the_list():

@@ -18,6 +18,7 @@ from glm5_fp4.spec import Glm5Spec, expected_distinct_experts
 
 # GLM-5 config.json values, restated so the tests do not read them back from the code under test
 H, I, E, K, LAYERS, MOE = 6144, 2048, 256, 8, 78, 75
+DENSE, DENSE_I = 3, 12288  # first_k_dense_replace, intermediate_size
 NVFP4 = 0.5 + 1 / 16
 RTX = get_gpu("rtx-pro-6000-ws")
 TRACES = Path(__file__).resolve().parent / "fixtures" / "profiling" / "traces" / "tp2" / "graph"
@@ -84,6 +85,90 @@ def test_each_component_sits_in_the_category_its_kernels_are_traced_in():
     assert {"shared experts", "attention projections", "DSA indexer projections", "router", "lm_head"} <= other
     assert {c.name for c in st.category("attention").components} == {"MLA core", "DSA indexer scan"}
     assert st.component("embedding").category is None and st.component("embedding").seconds == 0.0
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_bf16_dense_weights_are_two_bytes_a_param_and_leave_the_routed_experts_alone(tp):
+    """A routed-only checkpoint (GLM-5.1/5.2-NVFP4) keeps the shared experts and dense MLPs in BF16."""
+    plain = cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(tp), 64, 2048)
+    bf16 = cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(tp), 64, 2048, cost_model.Precisions(dense="bf16"))
+    params = {"shared experts": MOE * 3 * H * I / tp, "dense MLPs": DENSE * 3 * H * DENSE_I / tp}
+    for name, n in params.items():
+        was, now = plain.stages[0].component(name), bf16.stages[0].component(name)
+        assert was.weights == pytest.approx(n * NVFP4, rel=1e-12), name
+        assert now.weights == pytest.approx(n * 2, rel=1e-12), name
+        # streamed once per step: the weights, plus the same activations as before
+        assert now.bytes - now.weights == pytest.approx(was.bytes - was.weights, rel=1e-12), name
+        assert (was.compute_dtype, now.compute_dtype) == ("nvfp4", "bf16"), name  # BF16 storage: BF16 MMA
+    routed = plain.stages[0].component("routed experts"), bf16.stages[0].component("routed experts")
+    assert [(c.weights, c.bytes, c.flops, c.compute_dtype) for c in routed] == \
+        [(c.weights, c.bytes, c.flops, c.compute_dtype) for c in routed[::-1]]
+    said = cost_model.assumptions(bf16)
+    assert any(a.startswith("weights: routed experts nvfp4 (0.5625 B/param") and
+               "shared experts and dense MLPs bf16 (2 B/param)" in a for a in said)
+    assert any(a.startswith("shared experts as separate BF16 linears") for a in said)
+    assert any("shared experts and dense MLPs on the bf16 roof" in a for a in said)
+    default = cost_model.assumptions(plain)
+    assert any(a.startswith("weights: experts, shared experts and dense MLPs nvfp4") for a in default)
+    with pytest.raises(Glm5Fp4Error, match="dense weights"):
+        cost_model.decode_step(Glm5Spec(), RTX, cost_model.Layout(tp), 8, 0, cost_model.Precisions(dense="int4"))
+
+
+SMALL = {"n_routed_experts": 4, "num_hidden_layers": 4, "first_k_dense_replace": 2}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from glm5_fp4.checkpoint.make import make_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpts")
+    return {name: make_checkpoint(root / name, "glm5", seed=1, sizes=SMALL, recipe=recipe, dequantized=twin)
+            for name, recipe, twin in [("routed-only", "routed-only", False), ("glm5", "glm5", False),
+                                       ("bf16-twin", "routed-only", True)]}
+
+
+def _other_gemm_bytes(spec: Glm5Spec, dense: str | None) -> float:
+    prec = cost_model.Precisions(kv="bf16", dense=dense)
+    return cost_model.decode_step(spec, RTX, cost_model.Layout(2), 8, 1024, prec).category_mean("other_gemm")[0]
+
+
+@pytest.mark.parametrize("config", ["config.json", ""])
+def test_profile_analyze_reads_a_routed_only_checkpoints_bf16_dense_mlps(tmp_path, checkpoints, config):
+    ckpt = checkpoints["routed-only"]
+    c = _ceilings(tmp_path, "--gpu", "rtx-pro-6000-ws", "--batch", "8", "--context", "1024", "--tp", "2",
+                  "--config", str(ckpt / config))
+    assert (c["shape"]["expert_dtype"], c["shape"]["dense_dtype"]) == ("nvfp4", "bf16")
+    spec = Glm5Spec.from_config_json(ckpt / "config.json")
+    assert c["categories"]["other_gemm"]["bytes"] == pytest.approx(_other_gemm_bytes(spec, "bf16"), rel=1e-12)
+    assert c["categories"]["other_gemm"]["bytes"] > _other_gemm_bytes(spec, None)
+    said = c["assumptions"]
+    assert any(a.startswith("weights: routed experts nvfp4") and "dense MLPs bf16" in a for a in said)
+    assert f"weight dtypes (from {ckpt / 'hf_quant_config.json'}, quant_algo NVFP4): routed experts nvfp4; shared " \
+           "experts and dense MLPs bf16" in said
+
+
+def test_profile_analyze_flags_win_over_the_checkpoint_and_defaults_are_said(tmp_path, checkpoints):
+    args = ("--gpu", "rtx-pro-6000-ws", "--batch", "8", "--context", "1024", "--tp", "2")
+    c = _ceilings(tmp_path / "a", *args, "--config", str(checkpoints["routed-only"]), "--dense-dtype", "nvfp4")
+    assert c["shape"]["dense_dtype"] == "nvfp4"
+    assert any("shared experts and dense MLPs nvfp4 (--dense-dtype)" in a for a in c["assumptions"])
+    c = _ceilings(tmp_path / "b", *args, "--config", str(checkpoints["glm5"]))
+    assert (c["shape"]["expert_dtype"], c["shape"]["dense_dtype"]) == ("nvfp4", "nvfp4")
+    twin = checkpoints["bf16-twin"]  # no quantization config: nothing known, today's defaults, said so
+    c = _ceilings(tmp_path / "c", *args, "--config", str(twin))
+    assert (c["shape"]["expert_dtype"], c["shape"]["dense_dtype"]) == ("nvfp4", None)
+    assert any(a.startswith(f"weight dtypes: the defaults ({twin}: no quantization config)") for a in c["assumptions"])
+
+
+@pytest.mark.parametrize("spelled,kind", [("fp8_e4m3", "fp8"), ("auto", "fp8"), ("fp8_ds_mla", "fp8"),
+                                          ("bfloat16", "bf16"), ("fp8", "fp8")])
+def test_profile_analyze_takes_the_engines_kv_cache_dtype_spellings(tmp_path, spelled, kind):
+    args = ("--gpu", "rtx-pro-6000-ws", "--batch", "32", "--context", "4096", "--tp", "8")
+    c = _ceilings(tmp_path / "a", *args, "--kv-dtype", spelled)
+    row = _ceilings(tmp_path / "b", *args, "--kv-dtype", kind)
+    assert c["categories"]["attention"]["bytes"] == row["categories"]["attention"]["bytes"]
+    assert any(a.startswith(f"KV cache ({kind}):") for a in c["assumptions"])
+    assert any(a.startswith(f"KV cache dtype: {spelled}") and "(--kv-dtype)" in a for a in c["assumptions"])
 
 
 def test_pipeline_ceilings_average_the_stages_and_keep_the_pipeline_step(tmp_path):

@@ -116,10 +116,12 @@ def test_cpu_run_is_labelled_cpu(tmp_path):
 
 # -- capture against a fake server --------------------------------------------------------------------
 class FakeServer:
-    """vLLM-like: /version, /v1/models, streaming /v1/completions, /start_profile, /stop_profile writing traces."""
+    """vLLM-like: /version, /v1/models, streaming /v1/completions, /start_profile, /stop_profile writing traces;
+    with ``server_info`` SGLang-like: /get_server_info answers it (SGLang's server args)."""
 
-    def __init__(self, trace_dir: Path):
+    def __init__(self, trace_dir: Path, server_info: dict | None = None):
         self.trace_dir = trace_dir
+        self.server_info = server_info
         self.calls: list[str] = []
         outer = self
 
@@ -141,6 +143,8 @@ class FakeServer:
                 outer.calls.append(f"GET {self.path}")
                 if self.path == "/version":
                     self._json(200, {"version": "0.33.0"})
+                elif self.path == "/get_server_info" and outer.server_info is not None:
+                    self._json(200, outer.server_info)
                 elif self.path == "/v1/models":
                     self._json(200, {"data": [{"id": "glm-5-tiny"}]})
                 else:
@@ -203,6 +207,26 @@ def test_capture_drives_the_profiler_during_decode_and_collects_traces(tmp_path)
     copied = sorted(p.name for p in (out / "traces").iterdir())
     assert len(copied) == 2 and "old.pt.trace.json.gz" not in copied
     assert (out / "breakdown" / "breakdown.md").exists()
+
+
+@pytest.mark.parametrize("told,kind", [("fp8_e4m3", "fp8"), (None, "bf16"), ("fp4_e2m1", "bf16")])
+def test_capture_hands_the_sglang_servers_kv_cache_dtype_to_the_ceilings(tmp_path, told, kind):
+    trace_dir = tmp_path / "server_traces"
+    trace_dir.mkdir()
+    info = {"version": "0.5.15", "model_path": "/ckpt"} | ({"kv_cache_dtype": told} if told else {})
+    with FakeServer(trace_dir, server_info=info) as server:
+        out = tmp_path / "cap"
+        assert main(["profile", "capture", "--url", server.url, "--steps", "5", "--trace-dir", str(trace_dir),
+                     "--concurrency", "2", "--out", str(out), "--analyze", "--no-png", "--jobs", "1",
+                     "--gpu", "rtx-pro-6000-ws", "--batch", "2", "--context", "512"]) == 0
+    ceilings = json.loads((out / "breakdown" / "breakdown.json").read_text())["ceilings"]
+    said = ceilings["assumptions"]
+    assert any(a.startswith(f"KV cache ({kind}):") for a in said)
+    if told == "fp8_e4m3":
+        assert ceilings["shape"]["kv_dtype"] == told
+        assert "KV cache dtype: fp8_e4m3 -> fp8 (the server's kv_cache_dtype, from its /get_server_info)" in said
+    else:
+        assert any(a.startswith("KV cache dtype: bf16 (default") and (told or "") in a for a in said)
 
 
 def test_capture_refuses_an_out_folder_holding_an_earlier_capture(tmp_path):

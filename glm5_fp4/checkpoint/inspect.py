@@ -244,6 +244,38 @@ def read_quant_config(ckpt: Path, config: dict) -> tuple[str | None, int | None,
     return q.get("quant_algo"), q.get("group_size"), list(q.get("ignore", q.get("exclude_modules", [])))
 
 
+# quant_algo -> the dtype (the cost model's name) of the linears it quantizes; the ones it excludes stay BF16
+QUANT_DTYPES = {"NVFP4": "nvfp4", "FP8": "fp8"}
+
+
+def mlp_weight_dtypes(path: str | Path) -> tuple[dict[str, str | None], str] | None:
+    """The storage dtype of each MLP class (``checkpoint.layout.MLP_CLASSES``) of a checkpoint, from its
+    quantization config, and the file that says so; a class is None where the config does not settle it (partly
+    excluded, or a quant_algo not in :data:`QUANT_DTYPES`). None: no quantization config (or no quant_algo) at
+    all. ``path``: the checkpoint directory or its config.json."""
+    from glm5_fp4.checkpoint.layout import quantized_mlps
+
+    path = Path(path)
+    ckpt, cfg_path = (path, path / "config.json") if path.is_dir() else (path.parent, path)
+    try:
+        config = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise Glm5Fp4Error(f"{cfg_path}: no such config.json") from None
+    except json.JSONDecodeError as exc:
+        raise Glm5Fp4Error(f"{cfg_path}: not valid JSON ({exc})") from None
+    quant_algo, _, excluded = read_quant_config(ckpt, config)
+    if not quant_algo:
+        return None
+    dtype = QUANT_DTYPES.get(quant_algo.upper())
+    source = ckpt / "hf_quant_config.json" if (ckpt / "hf_quant_config.json").exists() else cfg_path
+    try:
+        quantized = quantized_mlps(config, excluded)
+    except KeyError as exc:
+        raise Glm5Fp4Error(f"{cfg_path}: field {exc} missing (not a GLM-5-family MoE config)") from None
+    dtypes = {c: None if q is None else dtype if q else "bf16" for c, q in quantized.items()}
+    return dtypes, f"{source}, quant_algo {quant_algo}"
+
+
 def _excluded(module: str, patterns: list[str]) -> bool:
     from glm5_fp4.checkpoint.layout import is_excluded
 

@@ -15,6 +15,7 @@ disagree):
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 
 RECIPES = ("glm5", "routed-only")
@@ -131,6 +132,33 @@ def exclude_modules(cfg: dict, recipe: str = "glm5") -> list[str]:
 def is_excluded(module: str, patterns: list[str]) -> bool:
     """Whether an exclude list (ModelOpt's glob patterns) names ``module`` (a tensor name without ``.weight``)."""
     return any(fnmatch.fnmatchcase(module, p) or module == p for p in patterns)
+
+
+# The MLP classes, named as the cost model's components.
+MLP_CLASSES = ("routed experts", "shared experts", "dense MLPs")
+
+
+def quantized_mlps(cfg: dict, patterns: list[str]) -> dict[str, bool | None]:
+    """Per MLP class of this config (:data:`MLP_CLASSES`), whether an exclude list leaves its projections quantized:
+    True (all of them), False (none), None (some, e.g. a hand-made list)."""
+    seen: dict[str, set[bool]] = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        mlp = f"model.layers.{layer}.mlp."
+        # Only patterns whose literal head fits under this layer's MLP can match there: a full GLM-5 has ~550
+        # patterns and 58k routed-expert projections, which is a minute of fnmatch tried pairwise.
+        near = [p for p in patterns if mlp.startswith(_literal_head(p)) or _literal_head(p).startswith(mlp)]
+        for s in layer_tensors(cfg, layer):
+            if not s.quantized:
+                continue
+            cls = ("dense MLPs" if layer < cfg["first_k_dense_replace"] else
+                   "shared experts" if s.name.startswith(mlp + "shared_experts.") else "routed experts")
+            seen.setdefault(cls, set()).add(not is_excluded(s.name.removesuffix(".weight"), near))
+    return {c: next(iter(v)) if len(v) == 1 else None for c in MLP_CLASSES if (v := seen.get(c))}
+
+
+def _literal_head(pattern: str) -> str:
+    """What every name a glob pattern matches starts with."""
+    return re.split(r"[*?[]", pattern, maxsplit=1)[0]
 
 
 def recipe_of(cfg: dict, patterns: list[str]) -> str | None:

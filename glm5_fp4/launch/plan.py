@@ -21,12 +21,15 @@ GIB = 1024**3
 VLLM_KV = {"auto": "fp8", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8",
            "bfloat16": "bf16", "float16": "bf16", "nvfp4_ds_mla": "nvfp4_ds_mla"}
 SGLANG_KV = {"auto": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bf16": "bf16", "bfloat16": "bf16"}
+# Either engine's spelling (they agree wherever both have one; every row kind is a spelling of one of them).
+KV_SPELLINGS = {**SGLANG_KV, **VLLM_KV}
 
 
-def resolve_kv(engine: str, kv_cache_dtype: str) -> str:
-    table = VLLM_KV if engine == "vllm" else SGLANG_KV
+def resolve_kv(engine: str | None, kv_cache_dtype: str) -> str:
+    """The row kind (spec.KV_KINDS) of a kv_cache_dtype as ``engine`` spells it (None: as either engine does)."""
+    table = KV_SPELLINGS if engine is None else VLLM_KV if engine == "vllm" else SGLANG_KV
     if kv_cache_dtype not in table:
-        raise Glm5Fp4Error(f"plan does not model kv_cache_dtype {kv_cache_dtype!r} for {engine}; "
+        raise Glm5Fp4Error(f"plan does not model kv_cache_dtype {kv_cache_dtype!r} for {engine or 'vLLM or SGLang'}; "
                            f"modelled: {', '.join(table)}")
     return table[kv_cache_dtype]
 

@@ -42,6 +42,13 @@ class CaptureConfig:
 
 
 @dataclass
+class Captured:
+    files: list[Path]  # the trace files copied into ``out``
+    engine: str
+    kv_cache_dtype: str | None  # the server's --kv-cache-dtype where it tells (SGLang; vLLM does not)
+
+
+@dataclass
 class LoadStats:
     tokens: int = 0
     first_token: int = 0
@@ -81,6 +88,17 @@ def detect_engine(base: str, timeout: float) -> str:
     if status == 200:
         return "vllm"
     raise Glm5Fp4Error(f"{base}: neither SGLang (/get_server_info) nor vLLM (/version) answered; is the server up?")
+
+
+def server_kv_cache_dtype(base: str, timeout: float) -> str | None:
+    """The server's --kv-cache-dtype: SGLang's /get_server_info answers with its server args (vLLM has no such
+    route), None where it does not say."""
+    status, body = _request(f"{base}/get_server_info", timeout=timeout)
+    try:
+        value = json.loads(body).get("kv_cache_dtype") if status == 200 else None
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def first_model(base: str, timeout: float) -> str:
@@ -162,8 +180,8 @@ def _wait_for_traces(trace_dir: Path, before: dict[Path, float], timeout: float,
     return files
 
 
-def capture(cfg: CaptureConfig, log=print) -> list[Path]:
-    """Run the capture; returns the trace files copied into ``cfg.out``."""
+def capture(cfg: CaptureConfig, log=print) -> Captured:
+    """Run the capture; returns the trace files copied into ``cfg.out`` and what the server said of itself."""
     base = _check_url(cfg.url)
     if cfg.steps < 1:
         raise Glm5Fp4Error(f"--steps must be >= 1, got {cfg.steps}")
@@ -175,7 +193,8 @@ def capture(cfg: CaptureConfig, log=print) -> list[Path]:
                            "choose another --out or remove them")
     engine = detect_engine(base, cfg.request_timeout_s) if cfg.engine == "auto" else cfg.engine
     model = cfg.model or first_model(base, cfg.request_timeout_s)
-    log(f"server {base}: {engine}, model {model}")
+    kv = server_kv_cache_dtype(base, cfg.request_timeout_s) if engine == "sglang" else None
+    log(f"server {base}: {engine}, model {model}" + (f", kv_cache_dtype {kv}" if kv else ""))
 
     stats, stop = LoadStats(), threading.Event()
     threads = [threading.Thread(target=_stream, args=(base, model, cfg, stats, stop), daemon=True) for _ in range(cfg.concurrency)]
@@ -224,4 +243,4 @@ def capture(cfg: CaptureConfig, log=print) -> list[Path]:
             shutil.copy2(p, dest)
         copied.append(dest)
     log(f"collected {len(copied)} trace file(s) into {cfg.out}")
-    return copied
+    return Captured(copied, engine, kv)

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from glm5_fp4 import cost_model
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.hardware import GpuSpec
-from glm5_fp4.spec import KV_KINDS, Glm5Spec
+from glm5_fp4.launch.plan import KV_SPELLINGS, resolve_kv
+from glm5_fp4.spec import Glm5Spec
 
 WEIGHT_BYTES = cost_model.WEIGHT_BYTES
 MODELLED = cost_model.CATEGORIES
@@ -34,13 +35,14 @@ class StepShape:
     tp: int = 1  # GPUs per pipeline stage
     pp: int = 1
     tokens_per_seq: int = 1  # >1 with MTP / speculative verification
-    expert_dtype: str = "nvfp4"
+    expert_dtype: str = "nvfp4"  # routed experts
     attention_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
+    kv_dtype: str = "bf16"  # a row kind (spec.KV_KINDS) or the engine's --kv-cache-dtype (fp8_e4m3, auto, ...)
     dp: int = 1  # data-parallel attention over the stage's GPUs (``--layout dp8ep8``)
     ep: int = 1  # expert parallelism
     ep_comm: str = "a2a"  # behind DP attention: a2a or agrs (cost_model.EP_COMMS)
     expert_skew: float = 0.0
+    dense_dtype: str | None = None  # shared experts and dense MLPs (None: as expert_dtype)
 
     def validate(self) -> None:
         for name in ("batch", "tp", "pp", "tokens_per_seq"):
@@ -50,11 +52,12 @@ class StepShape:
             raise Glm5Fp4Error(f"--expert-skew must be >= 0, got {self.expert_skew}")
         if self.context < 0:
             raise Glm5Fp4Error(f"--context must be >= 0, got {self.context}")
-        for name in ("expert_dtype", "attention_dtype"):
-            if getattr(self, name) not in WEIGHT_BYTES:
-                raise Glm5Fp4Error(f"--{name.replace('_', '-')} must be one of {sorted(WEIGHT_BYTES)}, got {getattr(self, name)!r}")
-        if self.kv_dtype not in KV_KINDS:
-            raise Glm5Fp4Error(f"--kv-dtype must be one of {', '.join(KV_KINDS)}, got {self.kv_dtype!r}")
+        for name in ("expert_dtype", "attention_dtype", "dense_dtype"):
+            value = getattr(self, name)
+            if value not in WEIGHT_BYTES and not (name == "dense_dtype" and value is None):
+                raise Glm5Fp4Error(f"--{name.replace('_', '-')} must be one of {sorted(WEIGHT_BYTES)}, got {value!r}")
+        if self.kv_dtype not in KV_SPELLINGS:
+            raise Glm5Fp4Error(f"--kv-dtype must be one of {', '.join(KV_SPELLINGS)}, got {self.kv_dtype!r}")
 
     @property
     def tokens(self) -> int:
@@ -77,7 +80,8 @@ class CategoryWork:
 def step_cost(spec: Glm5Spec, shape: StepShape, gpu: GpuSpec) -> cost_model.StepCost:
     """The cost model's decode step for this shape."""
     shape.validate()
-    precisions = cost_model.Precisions(experts=shape.expert_dtype, attention=shape.attention_dtype, kv=shape.kv_dtype)
+    precisions = cost_model.Precisions(experts=shape.expert_dtype, dense=shape.dense_dtype,
+                                       attention=shape.attention_dtype, kv=resolve_kv(None, shape.kv_dtype))
     layout = cost_model.Layout(shape.tp, shape.pp, shape.dp, shape.ep, shape.ep_comm)
     return cost_model.decode_step(spec, gpu, layout, shape.batch, shape.context, precisions, shape.tokens_per_seq,
                                   expert_skew=shape.expert_skew)

@@ -72,15 +72,71 @@ def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     h.add_argument("--expert-skew", type=float, default=0.0,
                    help="expert parallelism: the hottest GPU's token-slots over the mean, minus 1 (as plan)")
     h.add_argument("--tokens-per-seq", type=int, default=1, help="tokens per sequence per step (>1 with MTP)")
-    h.add_argument("--config", help="model config.json (default: GLM-5)")
-    h.add_argument("--expert-dtype", choices=["nvfp4", "fp8", "bf16"], default="nvfp4")
+    h.add_argument("--config", help="the served checkpoint's config.json or directory (default: GLM-5); its "
+                                    "quantization config (hf_quant_config.json, else config.json's) sets the MLP "
+                                    "weight dtypes that --expert-dtype / --dense-dtype leave unset")
+    h.add_argument("--expert-dtype", choices=["nvfp4", "fp8", "bf16"],
+                   help="routed experts' weights (default: the --config checkpoint's, else nvfp4)")
+    h.add_argument("--dense-dtype", choices=["nvfp4", "fp8", "bf16"],
+                   help="shared experts' and dense MLPs' weights (default: the --config checkpoint's, e.g. bf16 in a "
+                        "make-checkpoint --recipe routed-only one or GLM-5.1/5.2-NVFP4; else as --expert-dtype)")
     h.add_argument("--attention-dtype", choices=["nvfp4", "fp8", "bf16"], default="bf16")
-    # choices checked by StepShape.validate against glm5_fp4.spec.KV_KINDS (importing spec here would import torch)
-    h.add_argument("--kv-dtype", default="bf16",
-                   help="latent KV row: fp8 (the scaled DSA row of vLLM fp8_ds_mla and SGLang), bf16 or nvfp4_ds_mla")
+    # checked by StepShape.validate (the spellings live with plan's, whose import would import torch here)
+    h.add_argument("--kv-dtype",
+                   help="the server's KV cache: its --kv-cache-dtype as vLLM or SGLang spell it (auto, fp8, "
+                        "fp8_e4m3, fp8_e5m2, fp8_ds_mla, bf16, bfloat16, nvfp4_ds_mla) or the row priced: fp8 (the "
+                        "scaled DSA row of vLLM fp8_ds_mla and SGLang), bf16, nvfp4_ds_mla (default: what `capture` "
+                        "read from an SGLang server's /get_server_info; vLLM does not tell, so pass it; else bf16)")
 
 
-def _ceilings(breakdown, args) -> dict | None:
+def _weight_dtypes(args) -> tuple[str, str | None, str]:
+    """The MLP weight dtypes of the ceilings, each from its flag, else the --config checkpoint's quantization
+    config, else the default (nvfp4; shared experts and dense MLPs as the routed experts), and a line saying which."""
+    from glm5_fp4.checkpoint.inspect import mlp_weight_dtypes
+
+    found = mlp_weight_dtypes(args.config) if args.config else None
+    ckpt, source = found or ({}, "")
+    dense_classes = {ckpt[c] for c in ("shared experts", "dense MLPs") if c in ckpt}
+    ckpt_dense = next(iter(dense_classes)) if len(dense_classes) == 1 else None
+    unknown = ("no --config checkpoint to read" if not args.config else f"{args.config}: no quantization config"
+               if found is None else f"{source} does not settle it")
+    expert = args.expert_dtype or ckpt.get("routed experts") or "nvfp4"
+    dense = args.dense_dtype or ckpt_dense
+
+    def origin(flag: str, flagged: str | None, read: str | None) -> str | None:
+        return f"--{flag}" if flagged else f"from {source}" if read else None
+
+    o_expert = origin("expert-dtype", args.expert_dtype, ckpt.get("routed experts"))
+    o_dense = origin("dense-dtype", args.dense_dtype, ckpt_dense)
+    if o_expert is None and o_dense is None:
+        line = (f"weight dtypes: the defaults ({unknown}): routed experts {expert}, shared experts and dense MLPs as "
+                "them; --expert-dtype / --dense-dtype set them")
+    elif o_expert == o_dense:
+        line = f"weight dtypes ({o_expert}): routed experts {expert}; shared experts and dense MLPs {dense}"
+    else:
+        line = (f"weight dtypes: routed experts {expert} ({o_expert or f'default: {unknown}'}); shared experts and "
+                f"dense MLPs {dense or expert} ({o_dense or f'as the routed experts: {unknown}'})")
+    return expert, dense, line
+
+
+def _kv_dtype(args, server_kv: str | None) -> tuple[str, str]:
+    """The KV cache dtype of the ceilings (--kv-dtype, else the server's own, else bf16) and a line saying which."""
+    from glm5_fp4.launch.plan import KV_SPELLINGS, resolve_kv
+
+    if args.kv_dtype is not None:
+        kv, origin = args.kv_dtype, "--kv-dtype"
+    elif server_kv in KV_SPELLINGS:
+        kv, origin = server_kv, "the server's kv_cache_dtype, from its /get_server_info"
+    elif server_kv:
+        kv, origin = "bf16", f"default: the server's kv_cache_dtype {server_kv!r} is not modelled"
+    else:
+        kv, origin = "bf16", ("default; pass the server's --kv-cache-dtype as --kv-dtype: only an SGLang server "
+                              "tells capture --analyze its own")
+    resolved = resolve_kv(None, kv) if kv in KV_SPELLINGS else kv  # StepShape names a bad --kv-dtype
+    return kv, f"KV cache dtype: {kv}" + (f" -> {resolved}" if resolved != kv else "") + f" ({origin})"
+
+
+def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
     from glm5_fp4.hardware import detect_gpu_name, get_gpu
     from glm5_fp4.profiling.ceilings import StepShape, ceilings
     from glm5_fp4.spec import Glm5Spec
@@ -112,21 +168,28 @@ def _ceilings(breakdown, args) -> dict | None:
     else:
         pp = args.pp or len({r.pp_rank for r in breakdown.ranks})
         tp, dp, ep, ep_comm = args.tp or max(1, len(breakdown.ranks) // pp), 1, 1, "a2a"
+    expert, dense, weights_from = _weight_dtypes(args)
+    kv, kv_from = _kv_dtype(args, server_kv)
     shape = StepShape(
         batch=args.batch, context=args.context, tp=tp, pp=pp, tokens_per_seq=args.tokens_per_seq,
-        expert_dtype=args.expert_dtype, attention_dtype=args.attention_dtype, kv_dtype=args.kv_dtype,
-        dp=dp, ep=ep, ep_comm=ep_comm, expert_skew=args.expert_skew,
+        expert_dtype=expert, attention_dtype=args.attention_dtype, kv_dtype=kv,
+        dp=dp, ep=ep, ep_comm=ep_comm, expert_skew=args.expert_skew, dense_dtype=dense,
     )
     across = breakdown.across_ranks
     summed = {c: v["mean"] for c, v in across["summed_us"].items()}
     exposed = {c: v["mean"] for c, v in across["exposed_us"].items()}
     # the work of an all-reduce is what the hardware can speed up; waiting is another rank's slowness
     result = ceilings(spec, shape, gpu, summed, exposed, across["step_time_us"]["mean"])
+    said = result["assumptions"]
+    # where each dtype came from, next to the model's line that uses it
+    said.insert(next(i for i, a in enumerate(said) if a.startswith("weights:")) + 1, weights_from)
+    said.insert(next(i for i, a in enumerate(said) if a.startswith("KV cache (")) + 1, kv_from)
     breakdown.notes.extend(f"ceilings assume: {a}" for a in result["assumptions"])
     return result
 
 
-def analyze(path: str, args) -> dict[str, Path]:
+def analyze(path: str, args, server_kv: str | None = None) -> dict[str, Path]:
+    """``server_kv``: the server's kv_cache_dtype where ``capture`` learnt it."""
     from glm5_fp4.profiling.breakdown import analyze_path
     from glm5_fp4.profiling.report import write_reports
 
@@ -138,7 +201,7 @@ def analyze(path: str, args) -> dict[str, Path]:
     method = "gap" if args.step_gap_us is not None else args.steps_by
     breakdown = analyze_path(path, args.taxonomy, method, args.step_gap_us, args.mode, args.stage, args.jobs,
                              step_annotation=args.step_annotation)
-    breakdown.ceilings = _ceilings(breakdown, args)
+    breakdown.ceilings = _ceilings(breakdown, args, server_kv)
     paths = write_reports(breakdown, out, png=not args.no_png)
     _print_summary(breakdown)
     for kind, p in paths.items():
@@ -186,10 +249,10 @@ def run(args) -> int:
             engine=args.engine, concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,
             warmup_s=args.warmup_s, flush_timeout_s=args.flush_timeout_s, model=args.model,
         )
-        capture(cfg)
+        captured = capture(cfg)
         if args.analyze:
             args.out = str(Path(args.out) / "breakdown")
-            analyze(str(cfg.out), args)
+            analyze(str(cfg.out), args, server_kv=captured.kv_cache_dtype)
         return 0
     if args.action == "timers":
         from glm5_fp4.profiling.layer_timers import report_from_files

@@ -153,7 +153,10 @@ def ceilings_markdown(c: dict) -> list[str]:
     shape = c["shape"]
     lines = [
         f"## Against the ceilings: {c['gpu_display_name']} ({c['model']}, batch {shape['batch']}, context {shape['context']}, "
-        f"TP{shape['tp']} PP{shape['pp']}, experts {shape['expert_dtype']}, attention {shape['attention_dtype']}, KV {shape['kv_dtype']})",
+        f"TP{shape['tp']} PP{shape['pp']}, experts {shape['expert_dtype']}"
+        + (f", shared experts and dense MLPs {shape['dense_dtype']}"
+           if shape.get("dense_dtype") not in (None, shape["expert_dtype"]) else "")
+        + f", attention {shape['attention_dtype']}, KV {shape['kv_dtype']})",
         "",
     ]
     peaks = ", ".join(
