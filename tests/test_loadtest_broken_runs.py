@@ -121,3 +121,30 @@ def test_a_run_that_fails_before_measuring_leaves_no_directories(tmp_path):
                        "--output-len", "4", "--num-warmups", "2", "--prompt-format", "ids", "--no-progress",
                        "--result-dir", str(out)])
     assert rc == 1 and not out.exists()
+
+
+def test_a_server_that_died_is_named_as_the_cause(tmp_path):
+    """When requests fail and the server no longer answers at all, the reason says so (the H200 SGLang run's
+    log said only 'response payload broken' for a server that had crashed)."""
+    with spawn_fake_server("--ttft-ms", "20", "--itl-ms", "20", "--die-after-chunks", "60") as srv:
+        rc = _cli(srv.url, tmp_path)
+    s = _summary(tmp_path)
+    assert rc == 1 and s["server_gone"]
+    assert "the server no longer answers" in s["failure_reason"] and "crashed or was stopped" in s["failure_reason"]
+
+
+def test_warm_up_against_a_dead_server_says_it_died(tmp_path, capsys):
+    with spawn_fake_server("--ttft-ms", "5", "--itl-ms", "5", "--die-after-chunks", "3") as srv:
+        rc = cli_main(["loadtest", "--url", srv.url, "--model", "fake-model", "--concurrency", "4",
+                       "--num-prompts", "8", "--input-len", "8", "--output-len", "20", "--num-warmups", "4",
+                       "--prompt-format", "ids", "--no-progress", "--no-telemetry", "--timeout", "30",
+                       "--result-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc != 0 and "warm-up requests" in err and "the server no longer answers" in err, err
+
+
+def test_failures_on_a_live_server_do_not_blame_its_death(tmp_path):
+    with spawn_fake_server("--ttft-ms", "5", "--itl-ms", "5", "--http-error-every", "8") as srv:
+        _cli(srv.url, tmp_path)
+    s = _summary(tmp_path)
+    assert s["failed"] == 2 and s["server_gone"] is None and "no longer answers" not in s["failure_reason"]

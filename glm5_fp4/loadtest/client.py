@@ -376,6 +376,20 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes, 
             counter.failed += 1
 
 
+async def server_gone(session: aiohttp.ClientSession, base: str, timeout_s: float = 5.0) -> str | None:
+    """Why the server at ``base`` no longer answers at all (None: it answered GET /v1/models, whatever the
+    status). Asked after requests failed, to tell a crashed server from a failing one."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.get(f"{base}/v1/models", allow_redirects=False) as resp:
+                await resp.read()
+        return None
+    except TimeoutError:
+        return f"GET {base}/v1/models: no answer within {timeout_s:g} s"
+    except aiohttp.ClientError as exc:
+        return f"GET {base}/v1/models: {exc}"
+
+
 async def get_first_model(session: aiohttp.ClientSession, base: str) -> str:
     try:
         async with session.get(f"{base}/v1/models", allow_redirects=False) as resp:

@@ -266,7 +266,9 @@ class _Run:
                                f"{self.cfg.timeout_s:g} s; is the server stuck?") from None
         failed = [r for r in recs if r.status != "ok"]
         if len(failed) == n:
-            raise Glm5Fp4Error(f"all {n} warm-up requests to {self.api_url} failed; first: {failed[0].error}")
+            gone = await _client.server_gone(session, self.base)
+            raise Glm5Fp4Error(f"all {n} warm-up requests to {self.api_url} failed; first: {failed[0].error}"
+                               + (f"; {died(gone)}" if gone else ""))
         return {"num_warmups": n, "warmup_failed": len(failed), "warmup_s": time.perf_counter() - t}
 
     async def measure(self, session: Any, model: str, prompts: list[Prompt],
@@ -425,6 +427,10 @@ def _remove_what_we_made(made: list[Path], telemetry_dir: Path | None) -> None:
             d.rmdir()  # only if empty
 
 
+def died(gone: str) -> str:
+    return f"the server no longer answers ({gone}): it crashed or was stopped; see its log"
+
+
 def _verdict(result: dict[str, Any], cfg: LoadTestConfig, abort: str | None) -> None:
     """partial / run_failed / failure_reason: a run that lost requests says so, in its flags and exit code."""
     n, failed = result["num_prompts"], result["failed"]
@@ -434,6 +440,8 @@ def _verdict(result: dict[str, Any], cfg: LoadTestConfig, abort: str | None) -> 
     if failed:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(result["errors_by_kind"].items()))
         reasons.append(f"{failed} of {n} requests failed ({kinds})")
+    if result.get("server_gone"):
+        reasons.append(died(result["server_gone"]))
     result["partial"] = bool(abort or failed)
     result["run_failed"] = bool(abort) or result["completed"] == 0 or failed > cfg.max_failed_fraction * n
     if failed and not result["run_failed"]:
@@ -526,6 +534,8 @@ async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, mode
         "stopped_by": stop.signal,
         "stall_timeout_s": run.stall.limit(),
         "first_errors": first_errors,
+        # asked only when requests failed: a crashed server, not a slow or erroring one
+        "server_gone": await _client.server_gone(session, run.base) if metrics.get("failed") else None,
     }
     _verdict(result, cfg, abort)
     if count_note:
