@@ -137,7 +137,15 @@ def check_logprobs(run: Run, urls: dict[str, str], vocab: int, engine: str) -> N
     ours = served_compare.collect(urls["ours"], ps, 16, ref["greedy"], engine=engine)
     c = served_compare.compare(ref, ours)
     (run.work / "logprobs_ours_vs_marlin.json").write_text(json.dumps({"marlin": ref, "ours": ours}, indent=1))
-    run.phase("logprobs_ours_vs_marlin", t, **c.to_dict())
+    extra = {}
+    if engine == "sglang":
+        from glm5_fp4.engines.sglang import compat
+
+        if compat.stock_marlin_nvfp4_scales_twice():
+            extra["stock_finding"] = (f"stock Marlin NVFP4 in SGLang {compat.installed_version()} applies "
+                                      "routed_scaling_factor twice (compat.stock_marlin_nvfp4_scales_twice): this "
+                                      "difference measures that, not our backend")
+    run.phase("logprobs_ours_vs_marlin", t, **c.to_dict(), **extra)
 
 
 def record_servers(run: Run, up: list) -> None:
