@@ -1,7 +1,8 @@
 """Decode-time breakdown of torch-profiler traces: per rank, per step and across ranks.
 
 For every rank: kernels classified by the taxonomy; the timeline split into decode steps; per category the
-summed kernel time and the exposed (non-overlapped) time; idle time; step time. All-reduce kernels are split
+summed kernel time and the exposed (non-overlapped) time; idle time; step time; the host-side ranges per step
+(:mod:`glm5_fp4.profiling.host`). All-reduce kernels are split
 into wait (for the last rank to arrive) and work across the ranks of each tensor-parallel group. Categories'
 summed times add up to the total kernel time; exposed times plus idle add up to the step window.
 """
@@ -15,6 +16,7 @@ import numpy as np
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.profiling.collectives import GroupMatch, match_group
+from glm5_fp4.profiling.host import host_side
 from glm5_fp4.profiling.intervals import covered_in_windows, exposed_by_priority, merge
 from glm5_fp4.profiling.steps import HINT, StepSplit, annotation_families, compile_step_annotation, line_up, split_steps
 from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT, UNKNOWN_LABEL, Taxonomy, load_taxonomy
@@ -72,6 +74,7 @@ class RankBreakdown:
     top_kernels: dict[str, list[KernelRow]]
     unknown_kernels: list[KernelRow]
     notes: list[str] = field(default_factory=list)
+    host: dict | None = None  # CPU-side ranges per decode step (profiling.host)
 
 
 @dataclass
@@ -231,6 +234,7 @@ def _analyze_rank(
         top_kernels=top,
         unknown_kernels=unknown,
         notes=notes,
+        host=host_side(trace, split, median_step["time_us"] if median_step else None),
     )
 
 

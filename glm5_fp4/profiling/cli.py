@@ -230,6 +230,10 @@ def _print_summary(b) -> None:
         print(f"{'rank':>4} {'window us':>11} {'idle':>9} " + " ".join(f"{c:>14}" for c in cats))
         for r in b.ranks:
             print(f"{r.rank:>4} {r.trace_window_us:>11.0f} {r.idle_us:>9.0f} " + " ".join(f"{r.exposed_us[c]:>14.0f}" for c in cats))
+    from glm5_fp4.profiling.report import host_summary_lines
+
+    for line in host_summary_lines(b):
+        print(line)
     unknown = sum(len(r.unknown_kernels) for r in b.ranks)
     if unknown:
         print(f"{unknown} unknown kernel name(s) (listed in the markdown report)")

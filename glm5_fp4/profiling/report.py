@@ -7,6 +7,7 @@ from pathlib import Path
 
 from glm5_fp4.outputs import output_dir
 from glm5_fp4.profiling.breakdown import Breakdown
+from glm5_fp4.profiling.host import TOP_RANGES
 from glm5_fp4.profiling.steps import HINT
 from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT
 
@@ -81,6 +82,7 @@ def markdown(b: Breakdown) -> str:
             total = sum(ms["summed_us"].values())
             lines.append(f"| {r.rank} | {ms['n_kernels']:.0f} | {_us(total)} | " + " | ".join(_us(ms["summed_us"][c]) for c in cats) + " |")
         lines.append("")
+    lines += host_markdown(b)
     lines += ["## Whole trace per rank: exposed time (µs), summed kernel time in brackets", ""]
     lines.append("| rank | kernels | window | idle | " + " | ".join(cats) + " |")
     lines.append("|---:|---:|---:|---:|" + "---:|" * len(cats))
@@ -147,6 +149,80 @@ def markdown(b: Breakdown) -> str:
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _ms(us: float | None) -> str:
+    if us is None:
+        return "n/a"
+    ms = us / 1000.0
+    return f"{ms:,.1f}" if abs(ms) >= 10 else f"{ms:.2f}" if abs(ms) >= 1 else f"{ms:.3f}"
+
+
+def _host_flags(h: dict) -> list[str]:
+    """The lines that say whether a rank's host figures can be read at all (none, inflated)."""
+    flags = []
+    if not h["ranges"] and any(n.startswith("no host ranges") for n in h["notes"]):
+        flags.append("no host ranges in the trace")
+    if h["python_function_events"]:
+        flags.append(f"Python tracing was on ({h['python_function_events']:,} python_function events): "
+                     "host times are inflated")
+    return flags
+
+
+def host_markdown(b: Breakdown) -> list[str]:
+    ranks = [r for r in b.ranks if r.host is not None]
+    if not ranks:
+        return []
+    lines = ["## Host side per decode step", "",
+             "The CPU-side `record_function` ranges (`user_annotation`) of the thread that launches the GPU work. A step's "
+             "host side runs from the start of the outermost range around the launch of its first kernel to the same "
+             "point of the next step; a range counts in the step in which it starts, with its whole duration (not "
+             "clipped). ms/step: the median over the steps of the summed duration of a range name's calls (numbers in "
+             "names ignored); share: of the median step time above. A range enclosing others keeps its whole duration "
+             "and lists them under *encloses*; its self time is that duration minus the ranges inside it, so self times "
+             "never count an instant twice. `ProfilerStep#` ranges are left out (they are the step).", ""]
+    for r in ranks:
+        h = r.host
+        if len(ranks) > 1:
+            lines += [f"### rank {r.rank}", ""]
+        if h["ranges"]:
+            lines.append(f"Rank {r.rank}, {h['thread']} ({h['thread_is']}), median of {h['steps_used']} step(s):")
+            lines += ["", "| range | calls/step | ms/step | share of step | self ms/step | encloses |",
+                      "|---|---:|---:|---:|---:|---|"]
+            for row in h["ranges"][:TOP_RANGES]:
+                lines.append(f"| `{_short(row['name'])}` | {row['calls_per_step']:g} | {_ms(row['us_per_step'])} | "
+                             f"{_pct(None if row['share_of_step'] is None else 100 * row['share_of_step'])} | "
+                             f"{_ms(row['self_us_per_step'])} | {', '.join(_short(n, 60) for n in row['encloses'])} |")
+            lines.append("")
+            more = len(h["ranges"]) - TOP_RANGES
+            tail = f"; {more} more range name(s) in breakdown.json" if more > 0 else ""
+            if h["host_step_us"] is not None:
+                lines.append(f"Host step {_ms(h['host_step_us'])} ms, of which {_ms(h['outside_ranges_us'])} ms in no range{tail}.")
+            elif tail:
+                lines.append(tail[2:].capitalize() + ".")
+        flags = _host_flags(h)
+        notes = [n for n in h["notes"] if not n.startswith("no host ranges")]
+        lines += [f"- {n}" for n in flags + notes]
+        lines.append("")
+    return lines
+
+
+def host_summary_lines(b: Breakdown, top: int = 5) -> list[str]:
+    """Console lines: each rank's heaviest host ranges per step, and whether those figures are inflated or absent."""
+    out = []
+    for r in b.ranks:
+        h = r.host
+        if h is None:
+            continue
+        if h["ranges"]:
+            parts = [f"{row['name']} {_ms(row['us_per_step'])}" + (" (encloses others)" if row["encloses"] else "")
+                     for row in h["ranges"][:top]]
+            out.append(f"host side per step, ms (rank {r.rank}, median of {h['steps_used']}): " + ", ".join(parts))
+        elif h["notes"]:
+            out.append(f"host side (rank {r.rank}): {h['notes'][0]}")
+        flags = [f for f in _host_flags(h) if not f.startswith("no host ranges")]
+        out += [f"host side (rank {r.rank}): {f}" for f in flags]
+    return out
 
 
 def ceilings_markdown(c: dict) -> list[str]:

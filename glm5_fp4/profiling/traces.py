@@ -3,7 +3,9 @@
 Only what the breakdown needs is kept, as numpy columns: GPU kernels / memcpy / memset records (name, start,
 duration, stream, correlation id), the correlation ids of CUDA-graph launches, launch times of runtime calls
 (to map kernels onto CPU-side annotations) and the annotations (``ProfilerStep#``, vLLM's step ranges and the
-user's own ``record_function`` ranges, CPU side and their GPU projections) from which steps are found. A trace without GPU records
+user's own ``record_function`` ranges, CPU side and their GPU projections) from which steps are found, the
+CPU-side ranges again with the thread that ran them (what the host did in each step), and how many
+``python_function`` events Python tracing left. A trace without GPU records
 falls back to CPU mode: its ``cpu_op`` events stand in for kernels, so a CPU run gets the same report.
 
 The rank comes from the file name (vLLM ``..._dp0_pp0_tp3_..._rank3.<ts>.pt.trace.json.gz``, SGLang
@@ -112,6 +114,12 @@ class RankTrace:
     distributed: dict | None = None
     n_events: int = 0
     notes: list[str] = field(default_factory=list)
+    # CPU-side user_annotation ranges as (start, dur, name, thread index into ``threads``), time-sorted; the
+    # duration is the trace's own figure, so per-step sums of it are exact
+    host_ranges: list[tuple[float, float, str, int]] = field(default_factory=list)
+    threads: list[str] = field(default_factory=list)  # "pid P tid T"
+    launch_thread: np.ndarray | None = None  # thread index of each launch call, aligned with launch_corr
+    n_python_events: int = 0
 
     @property
     def n_kernels(self) -> int:
@@ -183,10 +191,20 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
     gpu_rows: list[tuple] = []
     cpu_rows: list[tuple] = []
     graph_corrs: list[int] = []
-    launch_rows: list[tuple[int, float]] = []
+    launch_rows: list[tuple[int, float, int]] = []
     marks_gpu: list[tuple[float, float, str]] = []
     marks_cpu: list[tuple[float, float, str]] = []
+    host_rows: list[tuple[float, float, str, int]] = []
+    thread_index: dict[tuple, int] = {}
     want_cpu = mode in ("auto", "cpu")
+    n_python = 0
+
+    def thread_of(ev: dict) -> int:
+        key = (ev.get("pid"), ev.get("tid"))
+        idx = thread_index.get(key)
+        if idx is None:
+            idx = thread_index[key] = len(thread_index)
+        return idx
 
     def intern(name: str) -> int:
         idx = name_index.get(name)
@@ -201,6 +219,9 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
             bad += 1
             continue
         cat = ev.get("cat")
+        if cat == "python_function":  # most events of a trace with Python tracing on: count them, keep nothing
+            n_python += 1
+            continue
         kind = _GPU_CATS.get(cat)
         try:
             if kind is not None:
@@ -219,7 +240,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                 args = ev.get("args") or {}
                 corr = args.get("correlation")
                 if corr is not None:
-                    launch_rows.append((int(corr), float(ev["ts"])))
+                    launch_rows.append((int(corr), float(ev["ts"]), thread_of(ev)))
                     if "GraphLaunch" in ev.get("name", ""):
                         graph_corrs.append(int(corr))
             elif cat in _ANNOTATION_CATS:
@@ -227,6 +248,8 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                 if cat != "cpu_op" or is_engine_step(name):
                     mark = (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), name)
                     (marks_gpu if cat == "gpu_user_annotation" else marks_cpu).append(mark)
+                    if cat == "user_annotation" and ev.get("ph", "X") == "X":
+                        host_rows.append((mark[0], max(float(ev.get("dur", 0.0)), 0.0), name, thread_of(ev)))
                 elif want_cpu and ev.get("ph") == "X":
                     cpu_rows.append(
                         (intern(str(name)), float(ev["ts"]), float(ev.get("dur", 0.0)), int(ev.get("tid", 0) or 0), -1, KIND_CPU_OP)
@@ -255,7 +278,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
     base_ns = int(data.get("baseTimeNanoseconds") or 0)
     origin_ns = base_ns + int(round(t0 * 1000.0))
 
-    launch = np.array(launch_rows, dtype=np.float64).reshape(-1, 2)
+    launch = np.array(launch_rows, dtype=np.float64).reshape(-1, 3)
     launch = launch[np.argsort(launch[:, 0], kind="stable")]
     notes = []
     if bad:
@@ -294,6 +317,10 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         distributed=dist,
         n_events=len(events),
         notes=notes,
+        host_ranges=sorted((s - t0, d, n, th) for s, d, n, th in host_rows),
+        threads=[f"pid {pid} tid {tid}" for pid, tid in thread_index],
+        launch_thread=launch[:, 2].astype(np.int64),
+        n_python_events=n_python,
     )
 
 
