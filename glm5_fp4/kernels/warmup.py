@@ -125,7 +125,8 @@ def warm_up(prepared, mode: str, top_k: int, max_tokens: int, x_dtype: torch.dty
     e = prepared.num_experts
     for t in counts:
         x = torch.zeros(t, prepared.hidden_size, dtype=x_dtype, device=device)
-        # distinct experts per row, as a router gives; the values do not matter, only the shapes
+        # distinct experts per row, as a router gives; the values do not matter, only the shapes. int32 as both
+        # engines' routers hand them over (int64 ids would compile the kernels that read them once more)
         ids = ((torch.arange(t, device=device)[:, None] * top_k + torch.arange(top_k, device=device)) % e).to(torch.int32)
         w = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
         run(x, w, ids, prepared, mode)
