@@ -76,8 +76,9 @@ class Backend:
     engine_dense_w4a16: bool = False
     # Allocate every buffer forward() will need for up to max_tokens tokens (before CUDA-graph capture).
     reserve_fn: Callable[[Any, int, int], None] | None = None
-    # Compile ahead what forward() may launch for 1..max_tokens tokens, so no request waits for a JIT.
-    warmup_fn: Callable[[Any, str, int, int, torch.dtype], None] | None = None
+    # Compile ahead what forward() may launch for 1..max_tokens tokens (under the expert map its calls pass),
+    # so no request waits for a JIT.
+    warmup_fn: Callable[[Any, str, int, int, torch.dtype, torch.Tensor | None], None] | None = None
 
     def supports(self, device: torch.device | str, shape: MoEShape, dtype: torch.dtype, mode: str = "w4a16",
                  capability: Capability = None) -> Support:
@@ -96,9 +97,10 @@ class Backend:
         if self.reserve_fn is not None:
             self.reserve_fn(prepared, top_k, max_tokens)
 
-    def warm_up(self, prepared: Any, mode: str, top_k: int, max_tokens: int, dtype: torch.dtype) -> None:
+    def warm_up(self, prepared: Any, mode: str, top_k: int, max_tokens: int, dtype: torch.dtype,
+                expert_map: torch.Tensor | None = None) -> None:
         if self.warmup_fn is not None:
-            self.warmup_fn(prepared, mode, top_k, max_tokens, dtype)
+            self.warmup_fn(prepared, mode, top_k, max_tokens, dtype, expert_map)
 
     def prepare(self, experts: NvFp4Experts, mode: str, dtype: torch.dtype) -> Any:
         return self.prepare_fn(experts, mode, dtype)
@@ -196,10 +198,11 @@ def _triton_reserve(prepared, top_k: int, max_tokens: int) -> None:
         reserve(prepared, top_k, max_tokens)
 
 
-def _triton_warm_up(prepared, mode: str, top_k: int, max_tokens: int, dtype: torch.dtype) -> None:
+def _triton_warm_up(prepared, mode: str, top_k: int, max_tokens: int, dtype: torch.dtype,
+                    expert_map: torch.Tensor | None = None) -> None:
     from glm5_fp4.kernels.warmup import warm_up
 
-    warm_up(prepared, mode, top_k, max_tokens, dtype)
+    warm_up(prepared, mode, top_k, max_tokens, dtype, expert_map)
 
 
 # -- dequant --------------------------------------------------------------------------------------
@@ -441,9 +444,10 @@ def release_unshared(layer: torch.nn.Module, names: tuple[str, ...], prepared: A
 
 def prepare_layer(selection: Selection, layer: torch.nn.Module, dtype: torch.dtype, top_k: int, max_tokens: int,
                   where: str = "experts", replace_fn: Callable[[torch.nn.Module, str, torch.Tensor], None] = _empty_parameter,
-                  warn: Callable[[str], None] | None = None) -> Any:
+                  warn: Callable[[str], None] | None = None, expert_map: torch.Tensor | None = None) -> Any:
     """After loading, the one call: the layer's experts in the selected backend's form, its buffers reserved for
-    ``max_tokens`` (before any CUDA-graph capture), the checkpoint-layout parameters it does not share freed."""
+    ``max_tokens`` (before any CUDA-graph capture), its kernels compiled for the calls it will get (with
+    ``expert_map``, the map forward() will be passed), the checkpoint-layout parameters it does not share freed."""
     if selection.backend is None:
         raise Glm5Fp4Error(f"{where}: no backend was selected ({selection.reason})")
     experts = experts_from_layer(layer, selection.mode, where, warn)
@@ -452,6 +456,6 @@ def prepare_layer(selection: Selection, layer: torch.nn.Module, dtype: torch.dty
     prepared = selection.backend.prepare(experts, selection.mode,
                                          torch.float32 if selection.mode == "w4a4" else dtype)
     selection.backend.reserve(prepared, top_k, max_tokens)
-    selection.backend.warm_up(prepared, selection.mode, top_k, max_tokens, dtype)
+    selection.backend.warm_up(prepared, selection.mode, top_k, max_tokens, dtype, expert_map)
     release_unshared(layer, CHECKPOINT_PARAMS, prepared, replace_fn)
     return prepared

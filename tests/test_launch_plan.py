@@ -228,3 +228,35 @@ def test_dp_attention_sequences_that_fit_count_every_gpu():
     assert dp.kv_tokens_needed == 512 // 8 * 2048  # each GPU keeps only its own 64 sequences
     assert dp.max_sequences() == per_gpu // 2048 * 8
     assert plan(8, 1, ctx=2048).max_sequences() == plan(8, 1, ctx=2048).kv_capacity_tokens() // 2048  # TP: replicated
+
+
+def _plan_one_json(*argv: str, layout: str = "tp8") -> dict:
+    from glm5_fp4.cli import main as cli_main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli_main(["plan", "--layouts", layout, "--json", *argv]) == 0
+    return json.loads(buf.getvalue())
+
+
+def _weights_gib(out: dict) -> float:
+    (layout,) = out["layouts"].values()
+    return sum(layout["weights_bytes_per_gpu"].values()) / 2**30
+
+
+def test_plan_prices_bf16_shared_experts_and_dense_mlps(tmp_path):
+    """GLM-5.1/5.2-NVFP4 (the routed-only recipe) keep shared experts and dense MLPs in BF16: given by flag or read
+    from the checkpoint, each GPU holds their params x (2 - 0.5625) B more than nvidia/GLM-5-NVFP4's layout."""
+    from glm5_fp4.checkpoint.make import make_checkpoint
+
+    spec = Glm5Spec()
+    extra = (spec.dense_layers * spec.dense_mlp_params + spec.moe_layers * spec.n_shared_experts
+             * spec.expert_params) * (2 - 0.5625) / 8 / 2**30
+    base, flagged = _plan_one_json(), _plan_one_json("--dense-dtype", "bf16")
+    assert _weights_gib(flagged) - _weights_gib(base) == pytest.approx(extra, rel=1e-3)
+    ckpt = make_checkpoint(tmp_path / "ro", recipe="routed-only")
+    cfg = str(ckpt / "config.json")  # the tiny model has 4 heads: TP2
+    from_ckpt = _plan_one_json("--config", cfg, layout="tp2")
+    assert _weights_gib(from_ckpt) == pytest.approx(_weights_gib(_plan_one_json("--config", cfg, "--dense-dtype", "bf16",
+                                                                                 layout="tp2")))
+    assert _weights_gib(_plan_one_json("--config", cfg, "--dense-dtype", "nvfp4", layout="tp2")) < _weights_gib(from_ckpt)

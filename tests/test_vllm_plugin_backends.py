@@ -365,3 +365,20 @@ def test_prepare_layer_runs_what_the_reference_runs(mode):
     got = sel.backend.forward(x, w, ids, prepared, mode)
     ref = moe_reference(x, w, ids, experts, mode=mode)
     assert _rel(got, ref) < moe_tolerance(mode, torch.float32 if mode == "w4a4" else torch.bfloat16)
+
+
+def test_prepare_layer_warms_up_with_the_map_forward_will_get():
+    """The warm-up must compile what forward() launches: the engine's expert map goes with it (SGLang passes
+    one on every call; the map is a constexpr of the align kernel and changes the plan)."""
+    import dataclasses
+
+    experts, *_ = _layer(10)
+    layer = _modelopt_layer(experts)
+    sel = backends.choose(settings.PluginSettings("dequant", "w4a16"), "cpu", SHAPE, torch.bfloat16, True)
+    seen = []
+    backend = dataclasses.replace(sel.backend, warmup_fn=lambda *a: seen.append(a))
+    emap = torch.arange(5, dtype=torch.int32)
+    backends.prepare_layer(dataclasses.replace(sel, backend=backend), layer, torch.bfloat16, top_k=2, max_tokens=64,
+                           expert_map=emap)
+    (args,) = seen
+    assert args[1:5] == ("w4a16", 2, 64, torch.bfloat16) and args[5] is emap

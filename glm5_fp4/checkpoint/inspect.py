@@ -402,3 +402,34 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
     if config.get("model_type") == "deepseek_v3" and config.get("architectures") == ["GlmMoeDsaForCausalLM"]:
         report.notes.append("dense-attention view of GLM-5: the DSA indexer is not used (exact up to index_topk tokens)")
     return report
+
+
+def resolve_mlp_dtypes(config: str | Path | None, expert_dtype: str | None = None, dense_dtype: str | None = None
+                       ) -> tuple[str, str | None, str]:
+    """The MLP weight dtypes a cost-model run uses (``profile analyze`` ceilings, ``plan``): each from its flag
+    (``expert_dtype`` / ``dense_dtype``), else the ``config`` checkpoint's quantization config, else the default
+    (nvfp4; shared experts and dense MLPs as the routed experts); and a line saying which. ``dense`` is None
+    when it follows the routed experts."""
+    found = mlp_weight_dtypes(config) if config else None
+    ckpt, source = found or ({}, "")
+    dense_classes = {ckpt[c] for c in ("shared experts", "dense MLPs") if c in ckpt}
+    ckpt_dense = next(iter(dense_classes)) if len(dense_classes) == 1 else None
+    unknown = ("no --config checkpoint to read" if not config else f"{config}: no quantization config"
+               if found is None else f"{source} does not settle it")
+    expert = expert_dtype or ckpt.get("routed experts") or "nvfp4"
+    dense = dense_dtype or ckpt_dense
+
+    def origin(flag: str, flagged: str | None, read: str | None) -> str | None:
+        return f"--{flag}" if flagged else f"from {source}" if read else None
+
+    o_expert = origin("expert-dtype", expert_dtype, ckpt.get("routed experts"))
+    o_dense = origin("dense-dtype", dense_dtype, ckpt_dense)
+    if o_expert is None and o_dense is None:
+        line = (f"weight dtypes: the defaults ({unknown}): routed experts {expert}, shared experts and dense MLPs as "
+                "them; --expert-dtype / --dense-dtype set them")
+    elif o_expert == o_dense:
+        line = f"weight dtypes ({o_expert}): routed experts {expert}; shared experts and dense MLPs {dense}"
+    else:
+        line = (f"weight dtypes: routed experts {expert} ({o_expert or f'default: {unknown}'}); shared experts and "
+                f"dense MLPs {dense or expert} ({o_dense or f'as the routed experts: {unknown}'})")
+    return expert, dense, line

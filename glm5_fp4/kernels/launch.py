@@ -98,6 +98,15 @@ def _emap(call: MoECall):
     return call.expert_map if call.expert_map is not None else call.topk_ids
 
 
+# The align kernel indexes x (tokens x hidden) with 32-bit offsets.
+MAX_TOKENS_X_HIDDEN = 2**31
+
+
+def align_block(num_slots: int) -> int:
+    """Threads of the one program that sorts the routing: enough for all slots in one or a few passes."""
+    return max(128, min(8192, _pow2(num_slots)))
+
+
 def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
@@ -122,7 +131,7 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
         ]
     # One program sorts the routing with enough threads to cover all slots in one or a few passes; the
     # others zero the combine workspace (and convert x) in ZBLOCK pieces.
-    ablock = max(128, min(8192, _pow2(num_slots)))
+    ablock = align_block(num_slots)
     return [Launch(K.moe_align_kernel, (grid,), args,
                    dict(common, BLOCK=ablock, num_warps=4 if ablock <= 1024 else (8 if ablock <= 4096 else 16)),
                    stage="align")]
@@ -162,7 +171,7 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         if call.workspace.block_capacity < max_blocks(call.num_slots, call.prepared.num_experts, g1.bm):
             raise Glm5Fp4Error(f"workspace holds {call.workspace.block_capacity} work-list blocks, this call needs "
                                f"{max_blocks(call.num_slots, call.prepared.num_experts, g1.bm)}")
-        if call.x.shape[0] * h >= 2**31:
+        if call.x.shape[0] * h >= MAX_TOKENS_X_HIDDEN:
             raise Glm5Fp4Error(f"{call.x.shape[0]} tokens x hidden {h} exceed the align kernel's 32-bit indexing")
 
 

@@ -144,22 +144,29 @@ def _use_asm(device: torch.device) -> bool:
     return capability.supports(device)[0]
 
 
-def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,
-                 expert_map: torch.Tensor | None = None) -> cfgs.Plan:
-    """The per-arch default plan for this call's static shapes (the native FP4 path for checkpoint layout);
-    with an expert map, sized for the share of tokens the local experts get."""
-    arch, sms = device_arch(x.device)
-    t, k = topk_ids.shape
+def plan_for(arch: str, sm_count: int, tokens: int, top_k: int, prepared: PreparedExperts, mode: str,
+             expert_map: torch.Tensor | None = None) -> cfgs.Plan:
+    """The per-arch default plan for a call of ``tokens`` (the native FP4 path for checkpoint layout); with an
+    expert map, sized for the share of tokens the local experts get. The one home of that choice: calls and the
+    load-time warm-up (kernels/warmup.py) both plan here."""
     e, h, i = prepared.num_experts, prepared.hidden_size, prepared.intermediate_size
     if prepared.layout == "checkpoint":
         if mode != "w4a4" or arch not in cfgs.NATIVE_GEMM1:
             raise Glm5Fp4Error(
                 f"experts prepared with layout='checkpoint' serve only mode='w4a4' on SM100/SM120 (native FP4 MMA); "
-                f"got mode={mode!r} on {arch}. Prepare with layout='split' for W4A16 or other GPUs."
+                f"got mode={mode!r} on {arch}. Prepare with layout='placed' for W4A16 or other GPUs."
             )
-        return cfgs.native_plan(arch, t, e, k, h, i, sm_count=sms)
-    return cfgs.plan(arch, t, e, k, h, i, sm_count=sms,
+        return cfgs.native_plan(arch, tokens, e, top_k, h, i, sm_count=sm_count)
+    return cfgs.plan(arch, tokens, e, top_k, h, i, sm_count=sm_count,
                      global_experts=None if expert_map is None else int(expert_map.numel()))
+
+
+def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,
+                 expert_map: torch.Tensor | None = None) -> cfgs.Plan:
+    """:func:`plan_for` this call's device and static shapes."""
+    arch, sms = device_arch(x.device)
+    t, k = topk_ids.shape
+    return plan_for(arch, sms, t, k, prepared, mode, expert_map)
 
 
 def make_call(x, topk_weights, topk_ids, prepared, mode="w4a16", out=None, expert_map=None, use_asm=None, diag=0,
@@ -176,7 +183,10 @@ def make_call(x, topk_weights, topk_ids, prepared, mode="w4a16", out=None, exper
     if workspace is None:
         e, k = prepared.num_experts, topk_ids.shape[1]
         workspace = get_workspace(x.device, e, k, prepared.hidden_size, prepared.intermediate_size, x.shape[0])
-    return L.MoECall(x, tw, topk_ids.contiguous(), prepared, mode, out, workspace, emap,
+    # int32 ids whatever the router gave: one dtype for the kernels to specialise on (the load-time warm-up
+    # compiles for it), and a no-op for both engines' routers
+    ids = topk_ids.to(torch.int32).contiguous()
+    return L.MoECall(x, tw, ids, prepared, mode, out, workspace, emap,
                      _use_asm(x.device) if use_asm is None else use_asm, diag)
 
 

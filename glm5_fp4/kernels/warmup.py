@@ -11,7 +11,9 @@ left to the first request.
 
 :func:`warmup_token_counts` picks one token count per distinct launch signature up to the engine's largest
 batch (checked against every count by tests/test_kernels_warmup.py); :func:`warm_up` runs the layer once at
-each of them, once per process and shape. ``GLM5_FP4_WARMUP=0`` skips it (faster start, first-request stalls).
+each of them, under the expert map its calls will carry (SGLang passes one on every call; vLLM under expert
+parallelism: the map is a constexpr of the align and slot kernels, and it changes the plan), once per process
+and shape. ``GLM5_FP4_WARMUP=0`` skips it (faster start, first-request stalls).
 """
 
 from __future__ import annotations
@@ -24,23 +26,20 @@ from typing import Callable
 
 import torch
 
-from glm5_fp4.kernels import configs as cfgs
-
 ENV = "GLM5_FP4_WARMUP"
 _LOG = logging.getLogger("glm5_fp4")
 _DONE: set[tuple] = set()
 _LOCK = threading.Lock()
-INT32 = 2**31
 
 
 def _int_class(v: int) -> tuple[bool, bool, bool]:
     # what Triton keys an integer argument on
-    return v == 1, v % 16 == 0, -INT32 <= v < INT32
+    return v == 1, v % 16 == 0, -(2**31) <= v < 2**31
 
 
 def signature(launches) -> tuple:
     """What decides which compiled kernels a call needs: each launch's kernel, constexprs and options, and the
-    specialisation class of its integer arguments (tensors are always 16-byte aligned here)."""
+    specialisation class of its integer arguments (tensors are always 16-byte aligned here, ids int32)."""
     out = []
     for launch in launches:
         ints = tuple(_int_class(a) for a in launch.args if isinstance(a, int) and not isinstance(a, bool))
@@ -50,44 +49,49 @@ def signature(launches) -> tuple:
 
 
 def meta_launches(prepared_meta, top_k: int, tokens: int, mode: str, x_dtype: torch.dtype, arch: str,
-                  sm_count: int, use_asm: bool = True) -> list:
-    """The launches one call of ``tokens`` makes, on meta tensors (nothing runs or is allocated)."""
+                  sm_count: int, use_asm: bool = True, map_size: int | None = None) -> list:
+    """The launches one call of ``tokens`` makes (with an expert map of ``map_size`` entries if given), on meta
+    tensors: nothing runs or is allocated."""
     from glm5_fp4.kernels.launch import MoECall, launches
-    from glm5_fp4.kernels.moe import Workspace
+    from glm5_fp4.kernels.moe import Workspace, plan_for
 
     meta = torch.device("meta")
     e, h, i = prepared_meta.num_experts, prepared_meta.hidden_size, prepared_meta.intermediate_size
     x = torch.empty(tokens, h, dtype=x_dtype, device=meta)
     tw = torch.empty(tokens, top_k, dtype=torch.float32, device=meta)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=meta)
+    emap = None if map_size is None else torch.empty(map_size, dtype=torch.int32, device=meta)
     ws = Workspace(meta, e, top_k, h, i, tokens)
-    call = MoECall(x, tw, ids, prepared_meta, mode, torch.empty_like(x), ws, use_asm=use_asm)
-    plan = cfgs.plan(arch, tokens, e, top_k, h, i, sm_count=sm_count)
-    return launches(plan, call)
+    call = MoECall(x, tw, ids, prepared_meta, mode, torch.empty_like(x), ws, emap, use_asm=use_asm)
+    return launches(plan_for(arch, sm_count, tokens, top_k, prepared_meta, mode, emap), call)
 
 
-def _candidates(arch: str, e: int, k: int, h: int, i: int, max_tokens: int, sm_count: int) -> list[int]:
-    # Regions where the plan and the slot count's power of two (the align kernel's block) stay the same; inside
-    # one, a signature depends only on the integer classes, which repeat with the count modulo 16 (and change at
-    # 1 and where count x hidden leaves 32 bits). 16 consecutive counts from each region's start see every
-    # class the region has: a superset of the signature changes (the test checks the claim against every count).
+def _candidates(prepared_meta, top_k: int, max_tokens: int, mode: str, arch: str, sm_count: int,
+                map_size: int | None) -> list[int]:
+    # Regions where the plan and the align kernel's block stay the same; inside one, a signature depends only on
+    # the integer classes, which repeat with the count modulo 16 (and differ at 1). 16 consecutive counts from
+    # each region's start see every class the region has: a superset of the signature changes (the test checks
+    # the claim against every count). Counts past the kernels' 32-bit limit are refused by the launcher anyway.
+    from glm5_fp4.kernels.launch import MAX_TOKENS_X_HIDDEN, align_block
+    from glm5_fp4.kernels.moe import plan_for
+
+    emap = None if map_size is None else torch.empty(map_size, device="meta")
+    top = min(max_tokens, (MAX_TOKENS_X_HIDDEN - 1) // prepared_meta.hidden_size)
     starts, prev = {1, 2}, None
-    for t in range(1, max_tokens + 1):
-        key = (cfgs.plan(arch, t, e, k, h, i, sm_count=sm_count), (t * k - 1).bit_length())
+    for t in range(1, top + 1):
+        key = (plan_for(arch, sm_count, t, top_k, prepared_meta, mode, emap), align_block(t * top_k))
         if key != prev:
             starts.add(t)
             prev = key
-    starts.add(-(-INT32 // h))  # the first count whose count x hidden needs 64 bits
-    return sorted({t + d for t in starts for d in range(16) if 1 <= t + d <= max_tokens})
+    return sorted({t + d for t in starts for d in range(16) if 1 <= t + d <= top})
 
 
 def warmup_token_counts(prepared_meta, top_k: int, max_tokens: int, mode: str, x_dtype: torch.dtype, arch: str,
-                        sm_count: int, use_asm: bool = True) -> list[int]:
+                        sm_count: int, use_asm: bool = True, map_size: int | None = None) -> list[int]:
     """One token count per distinct launch signature among 1..``max_tokens``."""
-    e, h, i = prepared_meta.num_experts, prepared_meta.hidden_size, prepared_meta.intermediate_size
     seen: dict[tuple, int] = {}
-    for t in _candidates(arch, e, top_k, h, i, max_tokens, sm_count):
-        sig = signature(meta_launches(prepared_meta, top_k, t, mode, x_dtype, arch, sm_count, use_asm))
+    for t in _candidates(prepared_meta, top_k, max_tokens, mode, arch, sm_count, map_size):
+        sig = signature(meta_launches(prepared_meta, top_k, t, mode, x_dtype, arch, sm_count, use_asm, map_size))
         seen.setdefault(sig, t)
     return sorted(seen.values())
 
@@ -101,36 +105,50 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("", "0")
 
 
-def warm_up(prepared, mode: str, top_k: int, max_tokens: int, x_dtype: torch.dtype = torch.bfloat16,
-            run: Callable | None = None) -> list[int]:
-    """Run the layer once at each count of :func:`warmup_token_counts` (first layer of each shape only).
+def _compiles_here(device: torch.device) -> bool:
+    from glm5_fp4.kernels import moe
 
-    Returns the counts run ([] when skipped: disabled, not on a CUDA GPU, or this shape already warmed)."""
+    return device.type == "cuda" and not moe._interpreting()
+
+
+def warm_up(prepared, mode: str, top_k: int, max_tokens: int, x_dtype: torch.dtype = torch.bfloat16,
+            expert_map: torch.Tensor | None = None, run: Callable | None = None) -> list[int]:
+    """Run the layer once at each count of :func:`warmup_token_counts` (first layer of each shape only), with
+    ``expert_map`` as its calls will pass it.
+
+    Returns the counts run ([] when skipped: disabled, not on a CUDA GPU, or this shape already warmed). A
+    warm-up that fails leaves the shape to the next layer's try."""
     from glm5_fp4.kernels import moe
 
     device = prepared.device
-    if not enabled() or device.type != "cuda" or moe._interpreting():
+    if not enabled() or not _compiles_here(device):
         return []
+    map_size = None if expert_map is None else int(expert_map.numel())
     key = (str(device), prepared.num_experts, top_k, prepared.hidden_size, prepared.intermediate_size, mode,
-           prepared.layout, x_dtype, max_tokens)
+           prepared.layout, x_dtype, max_tokens, map_size)
     with _LOCK:
         if key in _DONE:
             return []
         _DONE.add(key)
-    arch, sms = moe.device_arch(device)
-    t0 = time.monotonic()
-    counts = warmup_token_counts(_meta_like(prepared), top_k, max_tokens, mode, x_dtype, arch, sms,
-                                 moe._use_asm(device))
-    run = run or moe.fused_moe
-    e = prepared.num_experts
-    for t in counts:
-        x = torch.zeros(t, prepared.hidden_size, dtype=x_dtype, device=device)
-        # distinct experts per row, as a router gives; the values do not matter, only the shapes. int32 as both
-        # engines' routers hand them over (int64 ids would compile the kernels that read them once more)
-        ids = ((torch.arange(t, device=device)[:, None] * top_k + torch.arange(top_k, device=device)) % e).to(torch.int32)
-        w = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
-        run(x, w, ids, prepared, mode)
-    torch.cuda.synchronize(device)
+    try:
+        arch, sms = moe.device_arch(device)
+        t0 = time.monotonic()
+        counts = warmup_token_counts(_meta_like(prepared), top_k, max_tokens, mode, x_dtype, arch, sms,
+                                     moe._use_asm(device), map_size)
+        run = run or moe.fused_moe
+        e = prepared.num_experts
+        for t in counts:
+            x = torch.zeros(t, prepared.hidden_size, dtype=x_dtype, device=device)
+            # distinct experts per row, as a router gives; the values do not matter, only the shapes
+            ids = ((torch.arange(t, device=device)[:, None] * top_k + torch.arange(top_k, device=device)) % e)
+            w = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
+            run(x, w, ids.to(torch.int32), prepared, mode, expert_map=expert_map)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except BaseException:
+        with _LOCK:
+            _DONE.discard(key)
+        raise
     _LOG.info("glm5_fp4: compiled the MoE kernels for %d token counts up to %d in %.1f s (%s=0 skips this)",
               len(counts), max_tokens, time.monotonic() - t0, ENV)
     return counts

@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's KV-cache dtype (default: the profile's, else auto = FP8 DSA row)")
     parser.add_argument("--expert-math", choices=("nvfp4", "bf16"), default=None,
                         help="roof for expert GEMMs: nvfp4 (W4A4) or bf16 (W4A16); default nvfp4 where the GPU has it")
+    parser.add_argument("--dense-dtype", choices=("nvfp4", "fp8", "bf16"), default=None,
+                        help="storage of the shared experts and dense MLPs (default: the --config/profile "
+                             "checkpoint's quantization config, else as the routed experts, as in "
+                             "nvidia/GLM-5-NVFP4; GLM-5.1/5.2-NVFP4 keep them bf16)")
     parser.add_argument("--expert-skew", type=float, default=0.0,
                         help="expert parallelism: the hottest GPU's token-slots over the mean, minus 1 (default 0)")
     parser.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16",
@@ -113,10 +117,15 @@ def build_plans(args: argparse.Namespace):
         layouts += [parse_layout(t) for t in DEFAULT_LAYOUTS]
     layouts = list(dict.fromkeys(layouts))
     expert_math = args.expert_math or (_weight_only_math(profile) if profile else None)
+    from glm5_fp4.checkpoint.inspect import resolve_mlp_dtypes
+
+    local = args.config or (profile.model if profile is not None and (Path(profile.model) / "config.json").is_file()
+                            else None)
+    _, dense, _ = resolve_mlp_dtypes(local, None, args.dense_dtype)
     plans = [make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
                                              args.reserve_gib, args.efficiency, expert_math,
                                              args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
-                                             args.expert_skew, args.dispatch_dtype, ep_comm))
+                                             args.expert_skew, args.dispatch_dtype, ep_comm, dense))
              for tp, pp, dp, ep, ep_comm in layouts]
     return plans, spec_origin, profile
 

@@ -385,7 +385,7 @@ async def server_gone(session: aiohttp.ClientSession, base: str, timeout_s: floa
                 await resp.read()
         return None
     except TimeoutError:
-        return f"GET {base}/v1/models: no answer within {timeout_s:g} s"
+        return f"GET {base}/v1/models: no answer within {timeout_s:g} s (hung or crashed)"
     except aiohttp.ClientError as exc:
         return f"GET {base}/v1/models: {exc}"
 

@@ -428,7 +428,7 @@ def _remove_what_we_made(made: list[Path], telemetry_dir: Path | None) -> None:
 
 
 def died(gone: str) -> str:
-    return f"the server no longer answers ({gone}): it crashed or was stopped; see its log"
+    return f"the server no longer answers ({gone}): it crashed, hung or was stopped; see its log"
 
 
 def _verdict(result: dict[str, Any], cfg: LoadTestConfig, abort: str | None) -> None:

@@ -90,33 +90,9 @@ def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
 
 
 def _weight_dtypes(args) -> tuple[str, str | None, str]:
-    """The MLP weight dtypes of the ceilings, each from its flag, else the --config checkpoint's quantization
-    config, else the default (nvfp4; shared experts and dense MLPs as the routed experts), and a line saying which."""
-    from glm5_fp4.checkpoint.inspect import mlp_weight_dtypes
+    from glm5_fp4.checkpoint.inspect import resolve_mlp_dtypes
 
-    found = mlp_weight_dtypes(args.config) if args.config else None
-    ckpt, source = found or ({}, "")
-    dense_classes = {ckpt[c] for c in ("shared experts", "dense MLPs") if c in ckpt}
-    ckpt_dense = next(iter(dense_classes)) if len(dense_classes) == 1 else None
-    unknown = ("no --config checkpoint to read" if not args.config else f"{args.config}: no quantization config"
-               if found is None else f"{source} does not settle it")
-    expert = args.expert_dtype or ckpt.get("routed experts") or "nvfp4"
-    dense = args.dense_dtype or ckpt_dense
-
-    def origin(flag: str, flagged: str | None, read: str | None) -> str | None:
-        return f"--{flag}" if flagged else f"from {source}" if read else None
-
-    o_expert = origin("expert-dtype", args.expert_dtype, ckpt.get("routed experts"))
-    o_dense = origin("dense-dtype", args.dense_dtype, ckpt_dense)
-    if o_expert is None and o_dense is None:
-        line = (f"weight dtypes: the defaults ({unknown}): routed experts {expert}, shared experts and dense MLPs as "
-                "them; --expert-dtype / --dense-dtype set them")
-    elif o_expert == o_dense:
-        line = f"weight dtypes ({o_expert}): routed experts {expert}; shared experts and dense MLPs {dense}"
-    else:
-        line = (f"weight dtypes: routed experts {expert} ({o_expert or f'default: {unknown}'}); shared experts and "
-                f"dense MLPs {dense or expert} ({o_dense or f'as the routed experts: {unknown}'})")
-    return expert, dense, line
+    return resolve_mlp_dtypes(args.config, args.expert_dtype, args.dense_dtype)
 
 
 def _kv_dtype(args, server_kv: str | None) -> tuple[str, str]:

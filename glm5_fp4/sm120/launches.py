@@ -148,7 +148,7 @@ def native_selections(arch: str, shape: ShapeClass, modes, tokens) -> list[Selec
 # ---------------------------------------------------------------------------------------------------------
 # The launches of a selection, on meta tensors
 # ---------------------------------------------------------------------------------------------------------
-def meta_prepared(shape: ShapeClass, layout: str = "split"):
+def meta_prepared(shape: ShapeClass, layout: str | None = None):
     """Prepared experts of ``shape`` on the meta device (shapes and dtypes only, no memory)."""
     from glm5_fp4.kernels.layout import PreparedExperts
 
@@ -166,7 +166,7 @@ def meta_prepared(shape: ShapeClass, layout: str = "split"):
         w2=u8(e, h, i // 2), w2_scale=u8(e, h, i // 16), w2_alpha=f32(),
         a13_scale=f32(), a2_scale=f32(), a13_gscale=f32(), a2_gscale=f32(),
     )
-    return PreparedExperts(**kw, layout=layout)
+    return PreparedExperts(**kw, layout=layout or default_layout())
 
 
 def record(sel: Selection) -> list[Launch]:

@@ -241,3 +241,10 @@ def test_marlin_double_scaling_fact_matches_the_sources(version):
     excludes_marlin = "def _fuses_routed_scaling_factor_in_topk" in src and "runner_backend.is_marlin()" in src
     assert "should_fuse_routed_scaling_factor_in_topk" in src
     assert compat.stock_marlin_nvfp4_scales_twice(version) is (not excludes_marlin)
+
+
+@pytest.mark.parametrize("version,want", [("0.5.15", True), ("0.5.15.post1", True), ("0.5.14", None),
+                                          ("0.5.16rc1", None), ("0.5.23rc1", None), ("0.5.23", False),
+                                          ("0.6.0", False), ("not-a-version", None)])
+def test_marlin_double_scaling_claims_only_the_versions_checked(version, want):
+    assert compat.stock_marlin_nvfp4_scales_twice(version) is want

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.metadata
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,13 +65,18 @@ MARLIN_NVFP4_DOUBLE_SCALING_SEEN_IN = "0.5.15"
 
 
 def stock_marlin_nvfp4_scales_twice(version: str | None = None) -> bool | None:
-    """Whether this SGLang's stock Marlin NVFP4 MoE applies routed_scaling_factor twice (None: not checked)."""
+    """Whether this SGLang's stock Marlin NVFP4 MoE applies routed_scaling_factor twice: True for the release
+    whose sources were read with the defect, False from the first one read with the fix, None otherwise (not
+    checked; a pre-release counts as not yet its version)."""
     version = version or installed_version()
-    if version is None:
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)(.*)$", version or "")
+    if m is None:
         return None
-    if _key(version) <= _key(MARLIN_NVFP4_DOUBLE_SCALING_SEEN_IN):
+    release, rest = tuple(int(g) for g in m.groups()[:3]), m.group(4)
+    final = rest == "" or rest.startswith(("+", ".post"))
+    if final and release == _key(MARLIN_NVFP4_DOUBLE_SCALING_SEEN_IN):
         return True
-    if _key(version) >= _key(MARLIN_NVFP4_DOUBLE_SCALING_FIXED_IN):
+    if release > _key(MARLIN_NVFP4_DOUBLE_SCALING_FIXED_IN) or (final and release == _key(MARLIN_NVFP4_DOUBLE_SCALING_FIXED_IN)):
         return False
     return None
 

@@ -47,7 +47,7 @@ import torch
 
 from glm5_fp4 import backends, settings
 from glm5_fp4.engines.sglang import NAME, compat
-from glm5_fp4.engines.sglang.runner import Glm5Fp4QuantInfo
+from glm5_fp4.engines.sglang.runner import Glm5Fp4QuantInfo, make_skip_map
 from glm5_fp4.errors import Glm5Fp4Error
 
 logger = logging.getLogger("sglang.glm5_fp4")
@@ -160,12 +160,14 @@ def process_for_glm5(method, layer) -> Glm5Fp4QuantInfo:
     if selection.backend is None:
         raise Glm5Fp4Error(f"--moe-runner-backend {NAME}: no glm5-fp4 backend can serve {where} "
                            f"({plugin.describe()}): {selection.reason}")
+    # every call passes the skip map (runner.run_from_dispatch), so the kernels are compiled under one
+    skip = make_skip_map(num_local, layer.w13_weight.device)
     prepared = backends.prepare_layer(selection, layer, _dtype(cfg, layer), cfg.top_k or 1, _max_tokens(), where,
-                                      warn=_warn_once)
+                                      warn=_warn_once, expert_map=skip)
     # create_weights already made swizzled copies of the block scales for the CUTLASS branch; we never read them.
     layer.w13_blockscale_swizzled = None
     layer.w2_blockscale_swizzled = None
-    info = Glm5Fp4QuantInfo(selection.backend, prepared, selection.mode, where, num_local)
+    info = Glm5Fp4QuantInfo(selection.backend, prepared, selection.mode, where, num_local, skip)
     layer._glm5_fp4 = info
     ep = getattr(layer, "moe_ep_size", 1) or 1
     logger.info("glm5_fp4: %s run on backend %s in %s mode (%s)%s", where, selection.backend.name, selection.mode,

@@ -41,12 +41,17 @@ class Glm5Fp4QuantInfo(MoeQuantInfo):
     _skip_map: torch.Tensor | None = None
 
     def skip_map(self, device: torch.device) -> torch.Tensor:
-        """``[0, 1, ..., E-1, -1]``: the expert map under which id E means "not on this rank" (built once)."""
+        """:func:`make_skip_map` of this layer's experts, built once per device."""
         if self._skip_map is None or self._skip_map.device != device:
-            m = torch.arange(self.num_experts + 1, dtype=torch.int32, device=device)
-            m[-1] = -1
-            self._skip_map = m
+            self._skip_map = make_skip_map(self.num_experts, device)
         return self._skip_map
+
+
+def make_skip_map(num_experts: int, device: torch.device) -> torch.Tensor:
+    """``[0, 1, ..., E-1, -1]``: the expert map under which id E means "not on this rank"."""
+    m = torch.arange(num_experts + 1, dtype=torch.int32, device=device)
+    m[-1] = -1
+    return m
 
 
 def local_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -200,7 +200,7 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         self._prepared = prepared = backends.prepare_layer(
             self.glm5_selection, layer, self.moe.in_dtype, self.moe.experts_per_token, _max_batched_tokens(self.moe),
             where,
-            replace_parameter, _warn_once)
+            replace_parameter, _warn_once, expert_map=getattr(layer, "expert_map", None))
         backend, mode = self.glm5_backend, self.glm5_mode
         # Expert parallelism: vLLM routes to global ids and keeps the -1/local-id map on the layer
         # (RoutedExperts.expert_map, None without EP); our backends take it as is.
