@@ -130,7 +130,7 @@ def test_a_server_that_died_is_named_as_the_cause(tmp_path):
         rc = _cli(srv.url, tmp_path)
     s = _summary(tmp_path)
     assert rc == 1 and s["server_gone"]
-    assert "the server no longer answers" in s["failure_reason"] and "crashed or was stopped" in s["failure_reason"]
+    assert "the server no longer answers" in s["failure_reason"] and "crashed, hung or was stopped" in s["failure_reason"]
 
 
 def test_warm_up_against_a_dead_server_says_it_died(tmp_path, capsys):
