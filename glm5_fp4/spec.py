@@ -26,6 +26,20 @@ NVFP4_DS_MLA_ROW_BYTES = 352.0
 FP8_CACHE_SCALE_BLOCK = 128
 
 
+def read_config_json(path: str | Path) -> tuple[Path, dict]:
+    """A model's config.json (``path``: the file or its checkpoint directory) and the file read; one clear error
+    for a missing or malformed file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return path, json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Glm5Fp4Error(f"{path}: no such config.json") from None
+    except json.JSONDecodeError as exc:
+        raise Glm5Fp4Error(f"{path}: not valid JSON ({exc})") from None
+
+
 def expected_distinct_experts(tokens: float, num_experts: int, top_k: int) -> float:
     """Expected distinct experts ``tokens`` tokens route to, each choosing ``top_k`` of ``num_experts`` uniformly:
     E(1-(1-k/E)^T) (an expert misses one token's choice with probability exactly 1 - k/E)."""
@@ -105,15 +119,7 @@ class Glm5Spec:
 
     @classmethod
     def from_config_json(cls, path: str | Path) -> "Glm5Spec":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise Glm5Fp4Error(f"{path}: no such config.json") from None
-        except json.JSONDecodeError as exc:
-            raise Glm5Fp4Error(f"{path}: not valid JSON ({exc})") from None
+        path, config = read_config_json(path)
         return cls.from_config(config, name=str(path.parent.name or path))
 
     def validate(self, name: str = "config") -> None:

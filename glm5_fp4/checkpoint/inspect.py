@@ -255,14 +255,10 @@ def mlp_weight_dtypes(path: str | Path) -> tuple[dict[str, str | None], str] | N
     all. ``path``: the checkpoint directory or its config.json."""
     from glm5_fp4.checkpoint.layout import quantized_mlps
 
-    path = Path(path)
-    ckpt, cfg_path = (path, path / "config.json") if path.is_dir() else (path.parent, path)
-    try:
-        config = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise Glm5Fp4Error(f"{cfg_path}: no such config.json") from None
-    except json.JSONDecodeError as exc:
-        raise Glm5Fp4Error(f"{cfg_path}: not valid JSON ({exc})") from None
+    from glm5_fp4.spec import read_config_json
+
+    cfg_path, config = read_config_json(path)
+    ckpt = cfg_path.parent
     quant_algo, _, excluded = read_quant_config(ckpt, config)
     if not quant_algo:
         return None
