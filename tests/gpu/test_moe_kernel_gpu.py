@@ -75,6 +75,24 @@ def run_checked(x, w, ids, prep, mode, expert_map=None):
     return out
 
 
+def replays_with_new_routings(call, w, ids, out, num_experts, n):
+    """Capture ``call`` in a CUDA graph, then ``n`` times: a fresh heavy-tailed routing into ``w``/``ids`` (in
+    place, as an engine's graph inputs), ``out`` NaN-poisoned, replay; yields after each so the caller checks
+    ``out`` against an eager call."""
+    t, k = ids.shape
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for i in range(n):
+        nw, nids = make_routing("zipf1.2", t, num_experts, k, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i
+
+
 def check(x, w, ids, shape, mode, expert_map=None):
     ex, prep = experts(**shape)
     out = run_checked(x, w, ids, prep, mode, expert_map)
@@ -192,14 +210,12 @@ def test_variant_fused_split_k_reduce(shape, t, mode):
     partials. Against the reduce kernel's result and the float64 reference, and under CUDA-graph replays
     with new routings equal bit for bit to eager calls (deterministic: the last arrival adds in split order;
     a counter not reset would leave act unwritten or stale)."""
-    from glm5_fp4.kernels import configs as C
-    from glm5_fp4.kernels.moe import fused_moe_triton
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
 
     e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
     ex, prep = experts(**shape)
     x, w, ids = inputs(t, e, h, k)
-    cap = torch.cuda.get_device_capability()
-    plan = C.plan(C.arch_of(cap), t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    plan = default_plan(x, ids, prep, "w4a16")  # the plan a call would use (mode does not change it)
     if plan.gemm1_split_k == 1:
         plan = dataclasses.replace(plan, gemm1_split_k=2)
     fused = dataclasses.replace(plan, gemm1_fused_reduce=True)
@@ -208,16 +224,8 @@ def test_variant_fused_split_k_reduce(shape, t, mode):
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused)
     assert rel_error(out, want) < moe_tolerance(mode, x.dtype)
     assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused)
-    for _ in range(3):
-        nw, nids = make_routing("zipf1.2", t, e, k, device="cuda")
-        w.copy_(nw)
-        ids.copy_(nids)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused),
+                                       w, ids, out, e, 3):
         assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fused))
 
 
@@ -227,14 +235,12 @@ def test_variant_parallel_align(shape, t, routing):
     """plan.parallel_align (opt-in): many-program count + scan, then a scatter kernel. The work list equals
     the serial align's, the layer matches the float64 reference, and CUDA-graph replays with new routings
     match eager calls (the counts and the arrival counter reset)."""
-    from glm5_fp4.kernels import configs as C
-    from glm5_fp4.kernels.moe import fused_moe_triton, get_workspace
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, get_workspace
 
     e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
     ex, prep = experts(**shape)
     x, w, ids = inputs(t, e, h, k, routing=routing)
-    cap = torch.cuda.get_device_capability()
-    plan = C.plan(C.arch_of(cap), t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    plan = default_plan(x, ids, prep, "w4a16")  # the plan a call would use (mode does not change it)
     par = dataclasses.replace(plan, parallel_align=True)
     ws = get_workspace(x.device, e, k, h, i, t)
     fused_moe_triton(x, w, ids, prep, plan=plan, stages=("align",))
@@ -245,16 +251,7 @@ def test_variant_parallel_align(shape, t, routing):
     assert not ws.par_counts.any()
     assert torch.isfinite(out).all()
     assert rel_error(out, reference(x, w, ids, ex, "w4a16")) < moe_tolerance("w4a16", x.dtype)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe_triton(x, w, ids, prep, out=out, plan=par)
-    for _ in range(2):
-        nw, nids = make_routing("zipf1.2", t, e, k, device="cuda")
-        w.copy_(nw)
-        ids.copy_(nids)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, out=out, plan=par), w, ids, out, e, 2):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
 
 
@@ -265,13 +262,12 @@ def test_plan_variants_match_reference(t, variant, mode):
     """Every kernel form a plan can pick: eight MMAs per tile instead of one merged chain, activations
     converted per K tile instead of by the align kernel, the slot GEMM1 without split-K, larger blocks."""
     from glm5_fp4.kernels import configs as C
-    from glm5_fp4.kernels.moe import fused_moe_triton
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
 
     e, h, i, k = (SMALL[n] for n in ("e", "h", "i", "k"))
     ex, prep = experts(**SMALL)
     x, w, ids = inputs(t, e, h, k)
-    cap = torch.cuda.get_device_capability()
-    plan = C.plan(C.arch_of(cap), t, e, k, h, i, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    plan = default_plan(x, ids, prep, "w4a16")  # the plan a call would use (mode does not change it)
     rep = dataclasses.replace
     if variant == "unmerged":
         plan = rep(plan, gemm1=rep(plan.gemm1, merged=False), gemm2=rep(plan.gemm2, merged=False))
