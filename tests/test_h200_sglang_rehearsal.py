@@ -164,3 +164,40 @@ def test_fleet_gives_sglang_servers_ports_its_vehicle_accepts(monkeypatch):
     for p in list(ports)[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # free when handed out
+
+
+def test_short_sweep_beside_the_timer_twins(tmp_path, monkeypatch):
+    """``--levels 1,8,32 --no-profile --timers-concurrency 512``: the measured servers' sweep and compare at the
+    low levels, no profile capture, and the timer twins still loaded at 512 streams."""
+    import argparse
+
+    sys.path[:0] = [str(ROOT / "benchmarks" / "h200")]
+    try:
+        import true_dims
+        from common import Run
+    finally:
+        del sys.path[0]
+    ap = argparse.ArgumentParser()
+    true_dims.add_arguments(ap)
+    args = ap.parse_args(["--levels", "1,8,32", "--no-profile", "--timers-concurrency", "512"])
+    calls = []
+    monkeypatch.setattr(true_dims, "cli", lambda run, name, argv, timeout, log=None: calls.append((name, argv)) or 0)
+    monkeypatch.setattr(true_dims, "check_logprobs", lambda *a, **k: None)
+    monkeypatch.setattr(true_dims, "loadtest_result", lambda folder, lvl: folder / f"c{lvl}.json")
+    run = Run("rehearsal", tmp_path, 600)
+    true_dims.measure_group(run, {"ours": "u1", "marlin": "u2"}, tmp_path, 1000, "sglang", args)
+    names = [n for n, _ in calls]
+    assert names == ["loadtest_ours", "loadtest_marlin", "compare_c1", "compare_c8", "compare_c32"]
+
+    class _Fleet:
+        def by_name(self, name):
+            return name
+
+        def stop(self, server):
+            calls.append(("stop", [server]))
+
+    calls.clear()
+    true_dims.timers(run, _Fleet(), "ours", "u3", tmp_path, args)
+    load = dict(calls)["timers_load_ours"]
+    assert load[load.index("--concurrency") + 1] == "512" and load[load.index("--num-prompts") + 1] == "512"
+    assert ap.parse_args([]).timers_concurrency == 0 and not ap.parse_args([]).no_profile

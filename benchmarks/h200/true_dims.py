@@ -242,7 +242,7 @@ def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, ar
     up = [n for n in MEASURED if n in ready]
     for i, name in enumerate(up):
         # Each sweep gets its share of what is left (the profiles after them need ~90 s each).
-        share = (run.left() - 90 * len(up)) / (len(up) - i)
+        share = (run.left() - (0 if args.no_profile else 90) * len(up)) / (len(up) - i)
         loadtest(run, name, ready[name], ckpt, args, timeout=min(300.0, max(60.0, share)))
     for lvl in [lvl for lvl in args.levels.split(",") if lvl]:
         a, b = (loadtest_result(run.work / "loadtest" / n, lvl) for n in ("marlin", "ours"))
@@ -253,7 +253,8 @@ def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, ar
             run.problem(f"compare c{lvl}: no load-test result at concurrency {lvl} for "
                         + " and ".join(n for n, f in (("marlin", a), ("ours", b)) if f is None))
     for name in up:
-        profile(run, name, ready[name], ckpt, engine, args)
+        if not args.no_profile:
+            profile(run, name, ready[name], ckpt, engine, args)
 
 
 def loadtest_result(folder: Path, level: str) -> Path | None:
@@ -299,7 +300,7 @@ def timers(run: Run, fleet: Fleet, name: str, url: str, ckpt: Path, args) -> Non
     """One wave of streams at the highest level on the timer server, then ``profile timers`` of its dump."""
     if run.skip(f"layer timers {name}", 45):
         return
-    top = max(int(x) for x in args.levels.split(",") if x)
+    top = args.timers_concurrency or max(int(x) for x in args.levels.split(",") if x)
     cli(run, f"timers_load_{name}", ["loadtest", "--url", url, "--concurrency", str(top), "--num-prompts", str(top),
                                      "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                                      "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "90",
@@ -349,5 +350,9 @@ def add_arguments(ap, deadline_s: float = 530.0, recipe: str = "glm5") -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--capture-concurrency", type=int, default=512)
+    ap.add_argument("--no-profile", action="store_true",
+                    help="no profile capture on the measured servers (e.g. a short sweep beside the timer twins)")
+    ap.add_argument("--timers-concurrency", type=int, default=0,
+                    help="streams of the timer twins' wave (default: the highest of --levels)")
     ap.add_argument("--no-timers", action="store_true", help="skip the two layer-timer servers (as --servers ours,marlin)")
     ap.add_argument("--dense-attention", action="store_true", help="serve the dense-attention view from the start")
