@@ -39,7 +39,10 @@ def _register() -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
     from vllm.platforms import current_platform
 
+    from glm5_fp4.engines.logs import route_to
     from glm5_fp4.engines.vllm.config import NAME, Glm5NvFp4Config
+
+    route_to("vllm.glm5_fp4")
 
     if NAME not in QUANTIZATION_METHODS:
         register_quantization_config(NAME)(Glm5NvFp4Config)

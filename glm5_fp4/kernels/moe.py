@@ -19,6 +19,7 @@ from glm5_fp4.kernels import capability
 from glm5_fp4.kernels import configs as cfgs
 from glm5_fp4.kernels import launch as L
 from glm5_fp4.kernels.layout import PreparedExperts
+from glm5_fp4.kernels.slow_calls import WATCH
 from glm5_fp4.reference import MODES, moe_reference
 
 # Set to run the Triton kernels on CPU tensors through Triton's interpreter (tests only; slow).
@@ -265,6 +266,7 @@ def fused_moe(
     """
     check_inputs(x, topk_weights, topk_ids, prepared, mode, expert_map)
     if x.device.type == "cuda" or _interpreting():
-        return fused_moe_triton(x, topk_weights, topk_ids, prepared, mode, out, expert_map=expert_map)
+        with WATCH.call(x.shape[0], x.device):
+            return fused_moe_triton(x, topk_weights, topk_ids, prepared, mode, out, expert_map=expert_map)
     return fused_moe_torch(x, topk_weights, topk_ids, prepared, mode, out, expert_map)
 

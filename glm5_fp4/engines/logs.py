@@ -1,0 +1,35 @@
+"""Inside a server, the package's own log records (``glm5_fp4`` and below: kernels, warm-up, telemetry, layer
+timers) go through the engine's logger, so they appear in the server log with the engine's format and level.
+
+Why: vLLM configures handlers on its ``vllm`` logger only; records of ``glm5_fp4`` reached Python's last-resort
+handler, which drops INFO (on the H200 the warm-up's "compiled the MoE kernels ..." line was missing from every
+vLLM log). SGLang configures the root logger, which already prints them: its plugin does not route.
+"""
+
+from __future__ import annotations
+
+import logging
+
+PACKAGE = "glm5_fp4"
+
+
+class _ToEngine(logging.Handler):
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Logger.handle applies the target's filters and handlers (their levels), not the target's own level.
+        logging.getLogger(self.target).handle(record)
+
+
+def route_to(engine_logger: str) -> None:
+    """Send ``glm5_fp4`` records (INFO and up) to ``engine_logger``; idempotent (one route per process)."""
+    pkg = logging.getLogger(PACKAGE)
+    if any(isinstance(h, _ToEngine) for h in pkg.handlers):
+        return
+    pkg.addHandler(_ToEngine(engine_logger))
+    if pkg.level == logging.NOTSET or pkg.level > logging.INFO:
+        pkg.setLevel(logging.INFO)  # else the root's WARNING drops INFO before any handler sees it
+    # Still propagates: a root without handlers (vLLM's) prints nothing more, and the last-resort handler is
+    # not used once a handler was found.

@@ -1,0 +1,139 @@
+"""A watch on the host side of each eager MoE call, so that a request stall is named where it happens.
+
+Served on the H200 (2026-12-01, GLM-5 at true dimensions), our servers showed first-token stalls that stock Marlin
+did not: ~0.4 s on single requests in SGLang 0.5.15, 2-4 s on the first wave of 512 streams in vLLM 0.26, although
+the load-time warm-up (:mod:`glm5_fp4.kernels.warmup`) had compiled every launch signature and vLLM's own JIT
+monitor reported no compile of ours. A kernel launch costs microseconds of host time; a call that holds the host for
+tens of milliseconds was stopped by something: a Triton compile, a full garbage collection, a device
+synchronisation or an allocation. This watch times every MoE call made outside CUDA-graph capture with
+``perf_counter`` (no device sync) and, for a call over ``GLM5_FP4_SLOW_CALL_MS`` (default 50; 0 switches it off),
+logs one warning that says which of the first two happened during it (the kernels Triton compiled since the last
+check, and whether a generation-2 collection ran); neither means the host waited on the device or the allocator.
+
+Calls replayed from a CUDA graph never run this code; the warm-up's own (compiling) calls are not reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+ENV = "GLM5_FP4_SLOW_CALL_MS"
+DEFAULT_MS = 50.0
+_LOG = logging.getLogger("glm5_fp4")
+LOGGED_IN_FULL = 20  # the first slow calls are logged one by one, then every 100th
+
+
+def threshold_ms() -> float:
+    raw = os.environ.get(ENV, "")
+    try:
+        return float(raw) if raw.strip() else DEFAULT_MS
+    except ValueError:
+        return DEFAULT_MS
+
+
+def compiled_kernels() -> dict[str, int]:
+    """Kernels Triton has compiled in this process, per MoE kernel (its in-memory caches; cheap: a few dozen dicts)."""
+    try:
+        import triton
+    except ImportError:  # pragma: no cover - the CPU path has no Triton kernels to compile
+        return {}
+    from glm5_fp4.kernels import native_fp4, triton_moe
+
+    out: dict[str, int] = {}
+    for mod in (triton_moe, native_fp4):
+        for name, obj in vars(mod).items():
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                caches = getattr(obj, "device_caches", None) or {}
+                out[name] = sum(len(c[0]) for c in caches.values())
+    return out
+
+
+def _capturing() -> bool:
+    # a CPU build of torch has no capture state to ask
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _gen2_collections() -> int:
+    return gc.get_stats()[2]["collections"]
+
+
+@dataclass
+class SlowCall:
+    tokens: int
+    ms: float
+    compiled: dict[str, int]  # kernel -> new compiles during the call
+    full_gc: int  # generation-2 collections during the call
+
+    def cause(self) -> str:
+        parts = []
+        if self.compiled:
+            parts.append("Triton compiled " + ", ".join(f"{k} x{v}" for k, v in sorted(self.compiled.items()))
+                         + " (a specialisation the load-time warm-up missed)")
+        if self.full_gc:
+            parts.append(f"{self.full_gc} full (generation-2) garbage collection(s) ran")
+        return "; ".join(parts) or ("no compile and no full garbage collection: the host waited on the device "
+                                    "(a synchronisation) or on the allocator")
+
+
+@dataclass
+class Watch:
+    """Process-wide: the compile snapshot, the counters and the log policy."""
+
+    snapshot: dict[str, int] | None = None
+    calls: int = 0
+    slow: list[SlowCall] = field(default_factory=list)
+    slow_count: int = 0
+    quiet_depth: int = 0
+
+    def resnapshot(self) -> None:
+        self.snapshot = compiled_kernels()
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Calls inside are not reported (the warm-up compiles on purpose); the snapshot is retaken after."""
+        self.quiet_depth += 1
+        try:
+            yield
+        finally:
+            self.quiet_depth -= 1
+            if self.quiet_depth == 0:
+                self.resnapshot()
+
+    @contextlib.contextmanager
+    def call(self, tokens: int, device: torch.device):
+        limit = threshold_ms()
+        if limit <= 0 or self.quiet_depth or device.type != "cuda" or _capturing():
+            yield
+            return
+        if self.snapshot is None:
+            self.resnapshot()
+        self.calls += 1
+        gc0, t0 = _gen2_collections(), time.perf_counter()
+        yield
+        ms = (time.perf_counter() - t0) * 1e3
+        if ms > limit:
+            self.record(tokens, ms, _gen2_collections() - gc0, limit)
+
+    def record(self, tokens: int, ms: float, full_gc: int, limit: float) -> SlowCall:
+        now = compiled_kernels()
+        before = self.snapshot or {}
+        compiled = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+        self.snapshot = now
+        slow = SlowCall(tokens, ms, compiled, full_gc)
+        self.slow_count += 1
+        if len(self.slow) < 200:
+            self.slow.append(slow)
+        if self.slow_count <= LOGGED_IN_FULL or self.slow_count % 100 == 0:
+            _LOG.warning("glm5_fp4: an MoE call of %d tokens held the host %.0f ms (over %s=%g; slow call %d of "
+                         "%d watched): %s", tokens, ms, ENV, limit, self.slow_count, self.calls, slow.cause())
+        return slow
+
+
+WATCH = Watch()
