@@ -201,3 +201,28 @@ def test_short_sweep_beside_the_timer_twins(tmp_path, monkeypatch):
     load = dict(calls)["timers_load_ours"]
     assert load[load.index("--concurrency") + 1] == "512" and load[load.index("--num-prompts") + 1] == "512"
     assert ap.parse_args([]).timers_concurrency == 0 and not ap.parse_args([]).no_profile
+
+
+def test_sweeps_come_before_profiles_when_time_is_short(tmp_path, monkeypatch):
+    """With ~270 s left for two sweeps and two profiles, each sweep used to get 60 s and die inside its 512-stream
+    level (H200, 2026-12-01); now each gets its half and the deadline takes the profiles."""
+    import argparse
+
+    sys.path[:0] = [str(ROOT / "benchmarks" / "h200")]
+    try:
+        import true_dims
+        from common import Run
+    finally:
+        del sys.path[0]
+    ap = argparse.ArgumentParser()
+    true_dims.add_arguments(ap)
+    args = ap.parse_args([])
+    timeouts = {}
+    monkeypatch.setattr(true_dims, "check_logprobs", lambda *a, **k: None)
+    monkeypatch.setattr(true_dims, "loadtest", lambda run, name, url, ckpt, args, timeout=300.0:
+                        timeouts.__setitem__(name, timeout))
+    monkeypatch.setattr(true_dims, "profile", lambda *a, **k: None)
+    monkeypatch.setattr(true_dims, "cli", lambda *a, **k: 0)
+    run = Run("rehearsal", tmp_path, 270)
+    true_dims.measure_group(run, {"ours": "u1", "marlin": "u2"}, tmp_path, 1000, "vllm", args)
+    assert timeouts["ours"] >= (270 - 30) / 2 - 1 and timeouts["marlin"] >= timeouts["ours"], timeouts  # was 60 and 60
