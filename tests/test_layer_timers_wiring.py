@@ -107,10 +107,13 @@ class ToyForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
 
-def step(model, n_tokens=3):
+def step(model, n_tokens=3, sampled=None):
+    """One engine step: the layers run ``n_tokens`` rows, the logits ``sampled`` of them (vLLM samples one row per
+    request: a prefill's last token)."""
     ids = torch.randint(0, 32, (n_tokens,))
     with torch.no_grad():
-        return model.compute_logits(model(ids))
+        hidden = model(ids)
+        return model.compute_logits(hidden if sampled is None else hidden[-sampled:])
 
 
 def _dummy_sampler_run(model):  # same name as vLLM's sampler warm-up
@@ -149,8 +152,9 @@ def test_vllm_installer_times_every_layer_each_step(installer, tmp_path):
     nn.Linear(2, 2)(torch.zeros(1, 2))  # an unrelated module call must not be taken for the model
     assert installer.recorder is None
     steps = random.randint(3, 6)
-    for _ in range(steps):
-        step(model)
+    tokens = [random.randint(2, 9) for _ in range(steps)]
+    for t in tokens:
+        step(model, n_tokens=t, sampled=1)
     assert global_pre_hooks() == before  # removed itself at the model's first forward
     recs = records(tmp_path / "dumps" / "rank0.jsonl")
     assert len(recs) == steps and [r["step"] for r in recs] == list(range(1, steps + 1))
@@ -166,7 +170,7 @@ def test_vllm_installer_times_every_layer_each_step(installer, tmp_path):
             assert regions[f"layer{i:02d}"] == pytest.approx(sum(parts))
         assert regions[wiring.ALL_LAYERS] == pytest.approx(sum(regions[f"layer{i:02d}"] for i in range(n_layers)))
         assert regions[f"layer{sleepy:02d}/moe"] >= sleep_s * 1e6  # the sleeping experts, against time.sleep
-        assert r["rows"] == 3
+    assert [r["rows"] for r in recs] == [1] * steps and [r["tokens"] for r in recs] == tokens
     # the other regions far below the sleep (median over steps: a shared 2-core box has hiccups)
     medians = read_dumps([tmp_path / "dumps" / "rank0.jsonl"]).summary()
     others = [row["median_us"] for row in medians if row["region"].endswith("/attention")]
@@ -260,8 +264,13 @@ def test_sglang_hooks_time_each_forward(monkeypatch, tmp_path):
     class Runner:  # what the hooks read of SGLang's ModelRunner
         model = ToyForCausalLM(n_layers=2)
 
+    class Mode:
+        name = "DECODE"
+
     class Batch:
         batch_size = 2
+        input_ids = torch.zeros(2, dtype=torch.long)
+        forward_mode = Mode()
 
     runner = Runner()
     wiring.sglang_after_load_model(None, runner)
@@ -270,3 +279,4 @@ def test_sglang_hooks_time_each_forward(monkeypatch, tmp_path):
         wiring.sglang_after_forward(None, runner, Batch())
     recs = records(tmp_path / "sg" / "rank0.jsonl")
     assert len(recs) == 3 and all(r["rows"] == 2 and r["regions_us"]["layer01/moe"] > 0 for r in recs)
+    assert all(r["tokens"] == 2 and r["phase"] == "DECODE" for r in recs)

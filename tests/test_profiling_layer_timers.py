@@ -166,3 +166,40 @@ def test_null_timer_reads_nothing():
     t.mark("layer00")
     t.stop()
     assert t.read() == {} and t.collect() == {}
+
+
+def _dump(path, steps):
+    with path.open("w") as f:
+        for i, (key, val, moe) in enumerate(steps, 1):
+            f.write(json.dumps({"step": i, key: val, "rows": val if key == "tokens" else val,
+                                "regions_us": {"layer03/moe": moe, "all layers": moe + 100.0}}) + "\n")
+
+
+def test_report_keeps_decode_and_prefill_steps_apart(tmp_path):
+    """A timer wave mixes prefill chunks and decode steps (H200, 2026-12-01: 73 steps of 1 to ~4,000 tokens in one
+    SGLang dump, reported as one median). Each batch size gets its own table; the pooled one says it is pooled."""
+    rng = np.random.default_rng(0)
+    steps = [("tokens", 512, 2000.0 + rng.normal(0, 20)) for _ in range(20)]
+    steps += [("tokens", 8192, 17000.0 + rng.normal(0, 100)) for _ in range(5)]
+    steps += [("tokens", 700, 2600.0)]
+    rng.shuffle(steps)
+    _dump(tmp_path / "rank0.jsonl", steps)
+    paths = report_from_files([tmp_path / "rank0.jsonl"], tmp_path / "rep")
+    doc = json.loads(paths["json"].read_text())
+    assert doc["group_by"] == "tokens" and doc["steps"] == 26
+    groups = {g["value"]: g for g in doc["groups"]}
+    assert groups[512]["steps"] == 20 and groups[8192]["steps"] == 5 and groups[700]["steps"] == 1
+    med = {v: next(r["median_us"] for r in g["regions"] if r["region"] == "layer03/moe") for v, g in groups.items()}
+    assert abs(med[512] - 2000) < 30 and abs(med[8192] - 17000) < 150
+    assert [g["value"] for g in doc["groups"]][:2] == [512, 8192]  # most steps first
+    md = paths["markdown"].read_text()
+    assert "## 512 tokens per step (20 steps)" in md and "## 8192 tokens per step (5 steps)" in md
+    assert "pools 3 batch sizes" in md
+
+
+def test_report_of_old_dumps_groups_by_rows(tmp_path):
+    _dump(tmp_path / "old.jsonl", [("rows", 64, 1000.0)] * 4 + [("rows", 512, 2000.0)] * 4)
+    for line in (tmp_path / "old.jsonl").read_text().splitlines():
+        assert "tokens" not in json.loads(line)
+    doc = json.loads(report_from_files([tmp_path / "old.jsonl"], tmp_path / "rep")["json"].read_text())
+    assert doc["group_by"] == "rows" and {g["value"] for g in doc["groups"]} == {64, 512}

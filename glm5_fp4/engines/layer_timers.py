@@ -118,15 +118,25 @@ class StepRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = path.open("a", buffering=1)  # line-buffered: a killed server still leaves whole lines
 
-    def step(self, rows: int | None = None, record: bool = True) -> dict[str, float]:
-        """Read this forward's stamps (synchronises); append them as one JSON line unless ``record`` is False."""
+    def step(self, rows: int | None = None, record: bool = True, tokens: int | None = None,
+             phase: str | None = None) -> dict[str, float]:
+        """Read this forward's stamps (synchronises); append them as one JSON line unless ``record`` is False.
+
+        ``rows``: the engine's batch size (SGLang) or the rows it samples (vLLM); ``tokens``: the rows the decoder
+        layers ran (what their time depends on; the report groups steps by it); ``phase``: the engine's name for
+        the forward (SGLang's forward mode), when it has one."""
         regions = self.timer.read()
         if not record or not regions:
             self.skipped += 1
             return {}
         self.steps += 1
         regions = with_layer_totals(regions)
-        self._fh.write(json.dumps({"step": self.steps, "rows": rows, "regions_us": regions}) + "\n")
+        line = {"step": self.steps, "rows": rows}
+        if tokens is not None:
+            line["tokens"] = tokens
+        if phase is not None:
+            line["phase"] = phase
+        self._fh.write(json.dumps({**line, "regions_us": regions}) + "\n")
         return regions
 
 
@@ -196,6 +206,7 @@ class _VllmInstaller:
     def __init__(self) -> None:
         self.handle = None
         self.recorder: StepRecorder | None = None
+        self.tokens: int | None = None
 
     def install(self) -> None:
         if self.handle is None:
@@ -213,12 +224,26 @@ class _VllmInstaller:
         self.recorder = attach(module)
         if self.recorder is not None:
             module.logits_processor.register_forward_pre_hook(self._before_logits)
+            # The model's own forward runs in Python every step under piecewise graphs and eager (not under a
+            # full-graph replay: the step then records no token count rather than a stale one).
+            module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+            self._before_forward(module, _args, {})  # this first call too
+        return None
+
+    def _before_forward(self, _module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if isinstance(ids, torch.Tensor):
+            self.tokens = int(ids.shape[0])
+        elif isinstance(pos, torch.Tensor):
+            self.tokens = int(pos.shape[-1])  # (3, T) under M-RoPE
         return None
 
     def _before_logits(self, _module, args) -> None:
         hidden = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
+        tokens, self.tokens = self.tokens, None
         self.recorder.step(rows=None if hidden is None else int(hidden.shape[0]),
-                           record=not _called_from(VLLM_WARMUP_FRAMES))
+                           record=not _called_from(VLLM_WARMUP_FRAMES), tokens=tokens)
         return None
 
 
@@ -255,7 +280,11 @@ def sglang_after_forward(result, runner, *args, **kwargs):
     recorder = getattr(runner, "_glm5_fp4_layer_timers", None)
     if recorder is not None:
         batch = args[0] if args else kwargs.get("forward_batch")
-        recorder.step(rows=getattr(batch, "batch_size", None))
+        ids = getattr(batch, "input_ids", None)
+        mode = getattr(batch, "forward_mode", None)
+        recorder.step(rows=getattr(batch, "batch_size", None),
+                      tokens=int(ids.shape[0]) if isinstance(ids, torch.Tensor) else None,
+                      phase=getattr(mode, "name", None))
     return None
 
 

@@ -305,14 +305,17 @@ class TimerStats:
             )
         return rows
 
+    def table(self) -> list[str]:
+        lines = ["| region | n | median (µs) | p90 (µs) | mean (µs) | min (µs) | max (µs) |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in self.summary():
+            lines.append(f"| {r['region']} | {r['n']} | {r['median_us']:.1f} | {r['p90_us']:.1f} | {r['mean_us']:.1f} | "
+                         f"{r['min_us']:.1f} | {r['max_us']:.1f} |")
+        return lines
+
     def to_markdown(self, title: str = "Per-layer timers") -> str:
-        rows = self.summary()
         lines = [f"# {title}", "", f"{self.steps} step(s); GPU %globaltimer stamps (CPU: perf_counter) per region.", ""]
-        lines.append("| region | n | median (µs) | p90 (µs) | mean (µs) | min (µs) | max (µs) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            lines.append(f"| {r['region']} | {r['n']} | {r['median_us']:.1f} | {r['p90_us']:.1f} | {r['mean_us']:.1f} | {r['min_us']:.1f} | {r['max_us']:.1f} |")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + self.table()) + "\n"
 
     def plot(self, path: Path, title: str = "Per-layer timers") -> Path:
         import matplotlib
@@ -348,8 +351,100 @@ class TimerStats:
         return paths
 
 
-def read_dumps(files: list[Path]) -> TimerStats:
-    stats = TimerStats()
+# What a step's layer time depends on is the tokens its layers processed: a prefill chunk of 8,192 tokens and a
+# decode step of 512 streams differ ~8x, so pooling them gives a median of neither. Dumps since 2026-12-01 carry
+# ``tokens`` (rows the decoder layers ran); older ones only ``rows`` (the engine's batch size / sampled rows).
+GROUP_KEYS = ("tokens", "rows")
+GROUP_TABLES = 6  # per-batch tables in the markdown (the groups with the most steps); the JSON has all
+
+
+class TimerReport:
+    """Every step pooled (:attr:`pooled`) and the steps grouped by batch size (:attr:`groups`, most steps first)."""
+
+    def __init__(self) -> None:
+        self.pooled = TimerStats()
+        self.by_key: dict[str, dict[int, TimerStats]] = {k: {} for k in GROUP_KEYS}
+
+    def add(self, record: dict) -> None:
+        regions = record["regions_us"]
+        self.pooled.add(regions)
+        for key in GROUP_KEYS:
+            value = record.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                self.by_key[key].setdefault(value, TimerStats()).add(regions)
+
+    # TimerStats' interface, on the pooled steps (what callers used before the groups existed)
+    @property
+    def samples(self) -> dict[str, list[float]]:
+        return self.pooled.samples
+
+    @property
+    def steps(self) -> int:
+        return self.pooled.steps
+
+    def summary(self) -> list[dict]:
+        return self.pooled.summary()
+
+    @property
+    def group_by(self) -> str | None:
+        """``tokens`` when every step has it, else ``rows`` when every step has that, else None (no groups)."""
+        for key in GROUP_KEYS:
+            if self.by_key[key] and sum(g.steps for g in self.by_key[key].values()) == self.steps:
+                return key
+        return None
+
+    @property
+    def groups(self) -> list[tuple[int, TimerStats]]:
+        key = self.group_by
+        if key is None:
+            return []
+        return sorted(self.by_key[key].items(), key=lambda kv: (-kv[1].steps, kv[0]))
+
+    def _label(self, value: int) -> str:
+        return f"{value} tokens per step" if self.group_by == "tokens" else f"{value} rows per step"
+
+    def to_markdown(self, title: str = "Per-layer timers") -> str:
+        lines = [f"# {title}", "", f"{self.steps} step(s); GPU %globaltimer stamps (CPU: perf_counter) per region.", ""]
+        groups = self.groups
+        if len(groups) > 1:
+            total = "all layers"
+            lines += [f"## Steps by batch size ({self.group_by})", "",
+                      f"| {self.group_by} | steps | median `{total}` (µs) | p90 (µs) |", "|---:|---:|---:|---:|"]
+            for value, g in groups:
+                vals = g.samples.get(total)
+                med = f"{statistics.median(vals):.1f} | {percentile(vals, 90):.1f}" if vals else "- | -"
+                lines.append(f"| {value} | {g.steps} | {med} |")
+            lines.append("")
+            for value, g in groups[:GROUP_TABLES]:
+                lines += [f"## {self._label(value)} ({g.steps} steps)", "", *g.table(), ""]
+            if len(groups) > GROUP_TABLES:
+                lines += [f"({len(groups) - GROUP_TABLES} more batch sizes in the JSON.)", ""]
+            lines += ["## All steps pooled", "",
+                      f"This table pools {len(groups)} batch sizes (prefill chunks and decode steps alike): its "
+                      "medians describe none of them; read the tables above.", ""]
+        lines += self.pooled.table()
+        return "\n".join(lines) + "\n"
+
+    def write(self, out: Path, title: str = "Per-layer timers", png: bool = True) -> dict[str, Path]:
+        out = output_dir(out)
+        paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
+        doc = {"steps": self.steps, "regions": self.summary(), "group_by": self.group_by,
+               "groups": [{"value": v, "steps": g.steps, "regions": g.summary()} for v, g in self.groups]}
+        paths["json"].write_text(json.dumps(doc, indent=1) + "\n")
+        paths["markdown"].write_text(self.to_markdown(title))
+        if png:
+            # the batch size with the most steps (the decode steps of a load wave), or all steps when ungrouped
+            value, stats = self.groups[0] if self.groups else (None, self.pooled)
+            label = title if value is None else f"{title}: {self._label(value)}"
+            try:
+                paths["png"] = stats.plot(out / "layer_timers.png", label)
+            except ImportError:
+                pass
+        return paths
+
+
+def read_dumps(files: list[Path]) -> TimerReport:
+    report = TimerReport()
     for f in files:
         try:
             lines = f.read_text().splitlines()
@@ -360,15 +455,14 @@ def read_dumps(files: list[Path]) -> TimerStats:
                 continue
             try:
                 record = json.loads(line)
-                regions = record["regions_us"]
-                if not isinstance(regions, dict):
+                if not isinstance(record["regions_us"], dict):
                     raise TypeError
             except (ValueError, KeyError, TypeError):
                 raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
-            stats.add(regions)
-    if not stats.samples:
+            report.add(record)
+    if not report.samples:
         raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}")
-    return stats
+    return report
 
 
 def report_from_files(files: list[Path], out: Path) -> dict[str, Path]:
