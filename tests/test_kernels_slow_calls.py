@@ -112,3 +112,17 @@ def test_package_records_reach_the_engine_logger(monkeypatch):
     finally:
         engine.handlers.clear()
     assert got == ["compiled the MoE kernels"]
+
+
+def _held_in_here(seconds):
+    time.sleep(seconds)
+
+
+def test_the_warning_shows_where_the_host_was_held(watch, caplog):
+    w, _ = watch
+    with caplog.at_level(logging.WARNING, logger="glm5_fp4"):
+        with w.call(128, CUDA):
+            _held_in_here(0.1)
+    stack = "\n".join(w.slow[0].stack)
+    assert "_held_in_here" in stack and "time.sleep" in stack, stack
+    assert "_held_in_here" in caplog.records[-1].getMessage()

@@ -9,6 +9,8 @@ synchronisation or an allocation. This watch times every MoE call made outside C
 ``perf_counter`` (no device sync) and, for a call over ``GLM5_FP4_SLOW_CALL_MS`` (default 50; 0 switches it off),
 logs one warning that says which of the first two happened during it (the kernels Triton compiled since the last
 check, and whether a generation-2 collection ran); neither means the host waited on the device or the allocator.
+A sampler thread (started with the first watched call; it wakes every ``SAMPLE_S``) takes the calling thread's
+Python stack once a call has run past the threshold, so the warning also shows where the host was held.
 
 Calls replayed from a CUDA graph never run this code; the warm-up's own (compiling) calls are not reported.
 """
@@ -19,7 +21,10 @@ import contextlib
 import gc
 import logging
 import os
+import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +33,8 @@ ENV = "GLM5_FP4_SLOW_CALL_MS"
 DEFAULT_MS = 50.0
 _LOG = logging.getLogger("glm5_fp4")
 LOGGED_IN_FULL = 20  # the first slow calls are logged one by one, then every 100th
+SAMPLE_S = 0.01
+STACK_FRAMES = 12  # innermost frames kept
 
 
 def threshold_ms() -> float:
@@ -70,6 +77,7 @@ class SlowCall:
     ms: float
     compiled: dict[str, int]  # kernel -> new compiles during the call
     full_gc: int  # generation-2 collections during the call
+    stack: list[str] = field(default_factory=list)  # where the calling thread was once past the threshold
 
     def cause(self) -> str:
         parts = []
@@ -91,6 +99,30 @@ class Watch:
     slow: list[SlowCall] = field(default_factory=list)
     slow_count: int = 0
     quiet_depth: int = 0
+    _open: dict = field(default_factory=dict)  # thread id -> [start, limit_s, stack or None]
+    _sampler: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _sample(self) -> None:
+        while True:
+            time.sleep(SAMPLE_S)
+            now = time.perf_counter()
+            with self._lock:
+                late = [(tid, entry) for tid, entry in self._open.items()
+                        if entry[2] is None and now - entry[0] > entry[1]]
+            if not late:
+                continue
+            frames = sys._current_frames()
+            for tid, entry in late:
+                frame = frames.get(tid)
+                if frame is not None:
+                    entry[2] = [line.rstrip() for line in traceback.format_stack(frame)[-STACK_FRAMES:]]
+
+    def _start_sampler(self) -> None:
+        with self._lock:
+            if self._sampler is None:
+                self._sampler = threading.Thread(target=self._sample, name="glm5_fp4-slow-calls", daemon=True)
+                self._sampler.start()
 
     def resnapshot(self) -> None:
         self.snapshot = compiled_kernels()
@@ -115,24 +147,36 @@ class Watch:
         if self.snapshot is None:
             self.resnapshot()
         self.calls += 1
+        if self._sampler is None:
+            self._start_sampler()
+        tid = threading.get_ident()
         gc0, t0 = _gen2_collections(), time.perf_counter()
-        yield
+        entry = [t0, limit / 1e3, None]
+        with self._lock:  # the sampler iterates the open calls
+            self._open[tid] = entry
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open.pop(tid, None)
         ms = (time.perf_counter() - t0) * 1e3
         if ms > limit:
-            self.record(tokens, ms, _gen2_collections() - gc0, limit)
+            self.record(tokens, ms, _gen2_collections() - gc0, limit, entry[2] or [])
 
-    def record(self, tokens: int, ms: float, full_gc: int, limit: float) -> SlowCall:
+    def record(self, tokens: int, ms: float, full_gc: int, limit: float, stack: list[str] | None = None) -> SlowCall:
         now = compiled_kernels()
         before = self.snapshot or {}
         compiled = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
         self.snapshot = now
-        slow = SlowCall(tokens, ms, compiled, full_gc)
+        slow = SlowCall(tokens, ms, compiled, full_gc, stack or [])
         self.slow_count += 1
         if len(self.slow) < 200:
             self.slow.append(slow)
         if self.slow_count <= LOGGED_IN_FULL or self.slow_count % 100 == 0:
+            where = ("\n  where the host was past the threshold (innermost last):\n" + "\n".join(slow.stack)
+                     if slow.stack else "")
             _LOG.warning("glm5_fp4: an MoE call of %d tokens held the host %.0f ms (over %s=%g; slow call %d of "
-                         "%d watched): %s", tokens, ms, ENV, limit, self.slow_count, self.calls, slow.cause())
+                         "%d watched): %s%s", tokens, ms, ENV, limit, self.slow_count, self.calls, slow.cause(), where)
         return slow
 
 
