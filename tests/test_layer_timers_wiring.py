@@ -280,3 +280,15 @@ def test_sglang_hooks_time_each_forward(monkeypatch, tmp_path):
     recs = records(tmp_path / "sg" / "rank0.jsonl")
     assert len(recs) == 3 and all(r["rows"] == 2 and r["regions_us"]["layer01/moe"] > 0 for r in recs)
     assert all(r["tokens"] == 2 and r["phase"] == "DECODE" for r in recs)
+
+
+def test_stamps_are_ordered_after_the_hidden_states_not_the_positions():
+    """vLLM's GLM-5 layer calls self_attn(positions, hidden_states, ...) positionally: a stamp anchored on positions
+    (ready from the step's start) was hoisted above the previous layer's MoE by Inductor on the H200."""
+    positions = torch.arange(4)
+    hidden = torch.randn(4, HIDDEN)
+    assert wiring._hidden((positions, hidden, None), {}) is hidden
+    assert wiring._hidden((positions,), {"hidden_states": hidden}) is hidden
+    assert wiring._hidden((hidden,), {}) is hidden  # mlp(x)
+    assert wiring._hidden((positions,), {}) is positions  # no float tensor: still something to order after
+    assert wiring._hidden((), {}) is None
