@@ -107,6 +107,8 @@ def quantize(
     share one scale between tensors that engines fuse (gate and up projections).
     """
     _check_blocks(w, "weight")
+    if w.dim() == 3 and w.numel() > QUANTIZE_CHUNK_ELEMENTS and w.shape[0] > 1:
+        return _quantize_by_expert_chunks(w, global_scale)
     wf = w.float()
     if global_scale is None:
         gs = weight_global_scale(wf)
@@ -121,6 +123,21 @@ def quantize(
     scaled = blocks / (block_scale.float()[..., None] * gs_b[..., None])
     packed = pack_fp4(e2m1_encode(scaled).flatten(-2))
     return packed, block_scale, gs
+
+
+# Batched input is quantized a few experts at a time above this size: the float32 temporaries are ~4x the input,
+# and all 256 whole GLM-5 experts at once (39 GB of float weights) asked for 48 GiB more on a 140 GiB H200.
+# Exact: every scale is per expert or per block.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 28
+
+
+def _quantize_by_expert_chunks(w: torch.Tensor, global_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    e = w.shape[0]
+    per = max(1, QUANTIZE_CHUNK_ELEMENTS // (w[0].numel()))
+    gs_all = None if global_scale is None else \
+        torch.as_tensor(global_scale, dtype=torch.float32, device=w.device).expand(w.shape[:-2])
+    parts = [quantize(w[i:i + per], None if gs_all is None else gs_all[i:i + per]) for i in range(0, e, per)]
+    return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
 
 def dequantize(

@@ -197,3 +197,24 @@ def test_swizzle_batched_and_bad_input():
     assert torch.equal(nvfp4.unswizzle_scales(sw, 130, 5), scale)
     with pytest.raises(Glm5Fp4Error, match="padded"):
         nvfp4.unswizzle_scales(torch.zeros(100, 4, dtype=torch.uint8), 100, 4)
+
+
+def test_large_batched_quantize_is_chunked_exactly(monkeypatch):
+    """Whole GLM-5 experts quantized at once needed 48 GiB of scratch on the H200 (test fixture OOM); above a size
+    the experts go a few at a time, with the same bits."""
+    from glm5_fp4 import nvfp4
+
+    w = torch.randn(7, 32, 64) * torch.rand(7, 1, 1) * 3
+    whole = nvfp4.quantize(w)
+    shared = nvfp4.quantize(w, global_scale=0.01)
+    monkeypatch.setattr(nvfp4, "QUANTIZE_CHUNK_ELEMENTS", 2 * 32 * 64 + 5)  # 2 experts per chunk, 4 chunks
+    calls = []
+    real = nvfp4._quantize_by_expert_chunks
+    monkeypatch.setattr(nvfp4, "_quantize_by_expert_chunks", lambda *a: calls.append(1) or real(*a))
+    chunked = nvfp4.quantize(w)
+    assert calls
+    for a, b in zip(whole, chunked):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                                  b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    for a, b in zip(shared, nvfp4.quantize(w, global_scale=0.01)):
+        assert torch.equal(a.float(), b.float())
