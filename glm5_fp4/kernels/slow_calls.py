@@ -9,8 +9,9 @@ synchronisation or an allocation. This watch times every MoE call made outside C
 ``perf_counter`` (no device sync) and, for a call over ``GLM5_FP4_SLOW_CALL_MS`` (default 50; 0 switches it off),
 logs one warning that says which of the first two happened during it (the kernels Triton compiled since the last
 check, and whether a generation-2 collection ran); neither means the host waited on the device or the allocator.
-A sampler thread (started with the first watched call; it wakes every ``SAMPLE_S``) takes the calling thread's
-Python stack once a call has run past the threshold, so the warning also shows where the host was held.
+A sampler thread (started with the first watched call; while a call is open it wakes every ``SAMPLE_S``, otherwise
+it waits on an event) takes the calling thread's Python stack once a call has run past the threshold, so the
+warning also shows where the host was held.
 
 Calls replayed from a CUDA graph never run this code; the warm-up's own (compiling) calls are not reported.
 """
@@ -102,12 +103,16 @@ class Watch:
     _open: dict = field(default_factory=dict)  # thread id -> [start, limit_s, stack or None]
     _sampler: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _wake: threading.Event = field(default_factory=threading.Event)
 
     def _sample(self) -> None:
         while True:
+            self._wake.wait()  # asleep (no GIL wanted) while no call is open
             time.sleep(SAMPLE_S)
             now = time.perf_counter()
             with self._lock:
+                if not self._open:
+                    self._wake.clear()
                 late = [(tid, entry) for tid, entry in self._open.items()
                         if entry[2] is None and now - entry[0] > entry[1]]
             if not late:
@@ -154,6 +159,7 @@ class Watch:
         entry = [t0, limit / 1e3, None]
         with self._lock:  # the sampler iterates the open calls
             self._open[tid] = entry
+        self._wake.set()
         try:
             yield
         finally:
