@@ -132,16 +132,23 @@ def test_true_dims_rehearsal_runs_every_phase(rehearsals):
     assert any("loadtest/marlin/marlin-c4-" in n and n.endswith(".json") for n in names)
 
 
-def test_servers_option_selects_and_orders_the_servers():
+def _true_dims():
+    """benchmarks/h200/true_dims.py, its Run and its argument parser (the scripts import them by folder)."""
     import argparse
 
     sys.path[:0] = [str(ROOT / "benchmarks" / "h200")]
     try:
         import true_dims
+        from common import Run
     finally:
         del sys.path[0]
     ap = argparse.ArgumentParser()
     true_dims.add_arguments(ap)
+    return true_dims, Run, ap
+
+
+def test_servers_option_selects_and_orders_the_servers():
+    true_dims, _, ap = _true_dims()
     assert true_dims.selected(ap.parse_args([])) == ["ours", "marlin", "ours-timers", "marlin-timers"]
     assert true_dims.selected(ap.parse_args(["--servers", "marlin-timers,ours"])) == ["ours", "marlin-timers"]
     assert true_dims.selected(ap.parse_args(["--no-timers"])) == ["ours", "marlin"]
@@ -169,16 +176,7 @@ def test_fleet_gives_sglang_servers_ports_its_vehicle_accepts(monkeypatch):
 def test_short_sweep_beside_the_timer_twins(tmp_path, monkeypatch):
     """``--levels 1,8,32 --no-profile --timers-concurrency 512``: the measured servers' sweep and compare at the
     low levels, no profile capture, and the timer twins still loaded at 512 streams."""
-    import argparse
-
-    sys.path[:0] = [str(ROOT / "benchmarks" / "h200")]
-    try:
-        import true_dims
-        from common import Run
-    finally:
-        del sys.path[0]
-    ap = argparse.ArgumentParser()
-    true_dims.add_arguments(ap)
+    true_dims, Run, ap = _true_dims()
     args = ap.parse_args(["--levels", "1,8,32", "--no-profile", "--timers-concurrency", "512"])
     calls = []
     monkeypatch.setattr(true_dims, "cli", lambda run, name, argv, timeout, log=None: calls.append((name, argv)) or 0)
@@ -206,16 +204,7 @@ def test_short_sweep_beside_the_timer_twins(tmp_path, monkeypatch):
 def test_sweeps_come_before_profiles_when_time_is_short(tmp_path, monkeypatch):
     """With ~270 s left for two sweeps and two profiles, each sweep used to get 60 s and die inside its 512-stream
     level (H200, 2026-12-01); now each gets its half and the deadline takes the profiles."""
-    import argparse
-
-    sys.path[:0] = [str(ROOT / "benchmarks" / "h200")]
-    try:
-        import true_dims
-        from common import Run
-    finally:
-        del sys.path[0]
-    ap = argparse.ArgumentParser()
-    true_dims.add_arguments(ap)
+    true_dims, Run, ap = _true_dims()
     args = ap.parse_args([])
     timeouts = {}
     monkeypatch.setattr(true_dims, "check_logprobs", lambda *a, **k: None)
