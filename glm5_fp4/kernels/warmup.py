@@ -13,7 +13,11 @@ left to the first request.
 batch (checked against every count by tests/test_kernels_warmup.py); :func:`warm_up` runs the layer once at
 each of them, under the expert map its calls will carry (SGLang passes one on every call; vLLM under expert
 parallelism: the map is a constexpr of the align and slot kernels, and it changes the plan), once per process
-and shape. ``GLM5_FP4_WARMUP=0`` skips it (faster start, first-request stalls).
+and shape. ``GLM5_FP4_WARMUP=0`` skips it (faster start; compiles at first use).
+
+On the H200 the next run (2026-12-01) compiled 32 counts up to 16,384 in 10.5 s at load and nothing afterwards
+(tests/gpu/test_warmup_gpu.py), yet first-token stalls of a few hundred ms remained in both engines: they have
+another cause, which :mod:`glm5_fp4.kernels.slow_calls` is there to name.
 """
 
 from __future__ import annotations
