@@ -104,14 +104,24 @@ def test_package_records_reach_the_engine_logger(monkeypatch):
 
     engine = logging.getLogger("fake_engine_for_test")
     engine.addHandler(Keep())
-    engine.propagate = False
+    root_got = []
+
+    class KeepRoot(Keep):
+        def emit(self, record):
+            root_got.append(record.getMessage())
+
+    root = logging.getLogger()
+    at_root = KeepRoot()
+    root.addHandler(at_root)
     try:
         logs.route_to("fake_engine_for_test.glm5_fp4")
         logs.route_to("fake_engine_for_test.glm5_fp4")  # idempotent: one route
         logging.getLogger("glm5_fp4.kernels").info("compiled the MoE kernels")
     finally:
         engine.handlers.clear()
+        root.removeHandler(at_root)
     assert got == ["compiled the MoE kernels"]
+    assert root_got == ["compiled the MoE kernels"]  # once, although the engine's logger propagates to the root
 
 
 def _held_in_here(seconds):

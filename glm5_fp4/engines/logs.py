@@ -19,8 +19,16 @@ class _ToEngine(logging.Handler):
         self.target = target
 
     def emit(self, record: logging.LogRecord) -> None:
-        # Logger.handle applies the target's filters and handlers (their levels), not the target's own level.
-        logging.getLogger(self.target).handle(record)
+        # The handlers from the target up to (not including) the root: the record reaches the root's own handlers
+        # by propagating from ``glm5_fp4`` already, and must not be printed (or captured) twice.
+        logger, root = logging.getLogger(self.target), logging.getLogger()
+        while logger is not None and logger is not root:
+            for handler in logger.handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+            if not logger.propagate:
+                break
+            logger = logger.parent
 
 
 def route_to(engine_logger: str) -> None:
