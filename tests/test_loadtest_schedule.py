@@ -141,8 +141,12 @@ def test_metrics_match_schedule(case: str, tmp_path) -> None:
     problems = []
     for key, want in nominal.items():
         got, done = res[key], executed[key]
+        # The client is judged against what the server executed (its send times); against the nominal schedule
+        # the two deviations add up, so a second bound of TOL against the schedule failed runs whose client was
+        # within TOL of the sends (p99 ITL: client 142.99, sends 140.73, schedule 140.0 ms, once in a loaded
+        # `make test`). The server itself must keep the schedule for the comparison to mean anything.
         if not _close(got, done, key, executed, TOL):
             problems.append(f"{key}: got {got:.4f}, server executed {done:.4f} (nominal {want:.4f})")
-        elif not _close(got, want, key, nominal, TOL) and _close(done, want, key, nominal, TOL / 2):
-            problems.append(f"{key}: got {got:.4f}, schedule says {want:.4f} and the server kept it ({done:.4f})")
+        if not _close(done, want, key, nominal, 5 * TOL):  # a sanity bound: the fake runs on a shared CPU
+            problems.append(f"{key}: the fake server executed {done:.4f} against a schedule of {want:.4f}")
     assert not problems, f"{case}: metrics off by > 2 %:\n" + "\n".join(problems)
