@@ -258,8 +258,8 @@ def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, ar
         elif {"loadtest_ours", "loadtest_marlin"} <= set(run.summary["phases"]):
             run.problem(f"compare c{lvl}: no load-test result at concurrency {lvl} for "
                         + " and ".join(n for n, f in (("marlin", a), ("ours", b)) if f is None))
-    for name in up:
-        if not args.no_profile:
+    if not args.no_profile:
+        for name in up:
             profile(run, name, ready[name], ckpt, engine, args)
 
 

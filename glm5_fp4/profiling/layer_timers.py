@@ -313,9 +313,11 @@ class TimerStats:
                          f"{r['min_us']:.1f} | {r['max_us']:.1f} |")
         return lines
 
+    def header(self, title: str) -> list[str]:
+        return [f"# {title}", "", f"{self.steps} step(s); GPU %globaltimer stamps (CPU: perf_counter) per region.", ""]
+
     def to_markdown(self, title: str = "Per-layer timers") -> str:
-        lines = [f"# {title}", "", f"{self.steps} step(s); GPU %globaltimer stamps (CPU: perf_counter) per region.", ""]
-        return "\n".join(lines + self.table()) + "\n"
+        return "\n".join(self.header(title) + self.table()) + "\n"
 
     def plot(self, path: Path, title: str = "Per-layer timers") -> Path:
         import matplotlib
@@ -337,18 +339,6 @@ class TimerStats:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
-
-    def write(self, out: Path, title: str = "Per-layer timers", png: bool = True) -> dict[str, Path]:
-        out = output_dir(out)
-        paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
-        paths["json"].write_text(json.dumps({"steps": self.steps, "regions": self.summary()}, indent=1) + "\n")
-        paths["markdown"].write_text(self.to_markdown(title))
-        if png:
-            try:
-                paths["png"] = self.plot(out / "layer_timers.png", title)
-            except ImportError:
-                pass
-        return paths
 
 
 # What a step's layer time depends on is the tokens its layers processed: a prefill chunk of 8,192 tokens and a
@@ -404,7 +394,7 @@ class TimerReport:
         return f"{value} tokens per step" if self.group_by == "tokens" else f"{value} rows per step"
 
     def to_markdown(self, title: str = "Per-layer timers") -> str:
-        lines = [f"# {title}", "", f"{self.steps} step(s); GPU %globaltimer stamps (CPU: perf_counter) per region.", ""]
+        lines = self.pooled.header(title)
         groups = self.groups
         if len(groups) > 1:
             total = "all layers"

@@ -18,6 +18,7 @@ import torch
 from glm5_fp4.bench.routing import make_routing
 from glm5_fp4.kernels import fused_moe, prepare_experts
 from glm5_fp4.kernels import warmup as W
+from glm5_fp4.kernels.slow_calls import compiled_kernels
 from glm5_fp4.reference import NvFp4Experts
 
 pytestmark = [
@@ -35,16 +36,12 @@ def _compiled() -> int:
     """Kernels compiled so far in this process, over every Triton kernel of the MoE (in-memory caches)."""
     import triton
 
-    from glm5_fp4.kernels import native_fp4, triton_moe
+    from glm5_fp4.kernels import triton_moe
 
-    n = 0
-    for mod in (triton_moe, native_fp4):
-        for obj in vars(mod).values():
-            if isinstance(obj, triton.runtime.jit.JITFunction):
-                caches = getattr(obj, "device_caches", None)
-                assert caches is not None, "this Triton keeps no device_caches: the test cannot count compiles"
-                n += sum(len(c[0]) for c in caches.values())
-    return n
+    jit = [o for o in vars(triton_moe).values() if isinstance(o, triton.runtime.jit.JITFunction)]
+    assert jit and all(getattr(o, "device_caches", None) is not None for o in jit), \
+        "this Triton keeps no device_caches: the test cannot count compiles"
+    return sum(compiled_kernels().values())
 
 
 @pytest.fixture(scope="module")
