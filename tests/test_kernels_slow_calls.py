@@ -136,3 +136,16 @@ def test_the_warning_shows_where_the_host_was_held(watch, caplog):
     stack = "\n".join(w.slow[0].stack)
     assert "_held_in_here" in stack and "time.sleep" in stack, stack
     assert "_held_in_here" in caplog.records[-1].getMessage()
+
+
+def test_eager_calls_are_counted_per_token_count_for_the_host_sampler(watch, monkeypatch):
+    w, _ = watch
+    monkeypatch.setenv(S.ENV, "0")  # counted even with the timing off
+    for t in (8, 8, 512):
+        with w.call(t, CUDA):
+            pass
+    with w.call(8, torch.device("cpu")):
+        pass
+    with w.quiet(), w.call(8, CUDA):  # the warm-up's calls are not the server's
+        pass
+    assert dict(w.tokens) == {8: 2, 512: 1}

@@ -206,7 +206,7 @@ def parallel_run(run: Run, fleet: Fleet, ckpt: Path, vocab: int, specs_for: Spec
     names = selected(args)
     chosen = lambda c, group: [s for s in specs_for(c, gpu, run.work, any(n in TIMED for n in names))  # noqa: E731
                                if s.name in names and s.name in group]
-    measured = chosen(ckpt, MEASURED)
+    measured = host_samples(run, chosen(ckpt, MEASURED), args)
     if measured:
         label = "servers"
         ready = start_servers(run, fleet, measured, args, label)
@@ -215,11 +215,14 @@ def parallel_run(run: Run, fleet: Fleet, ckpt: Path, vocab: int, specs_for: Spec
             run.summary["dsa_failure"] = {n: run.summary["servers"][n] for n in (s.name for s in measured)}
             stop_named(fleet, [s.name for s in measured])
             ckpt = dense_view(ckpt)
-            measured = chosen(ckpt, MEASURED)
+            measured = host_samples(run, chosen(ckpt, MEASURED), args)
             ready = start_servers(run, fleet, measured, args, "servers_dense_view")
         run.summary["checkpoint_served"] = str(ckpt)
         measure_group(run, ready, ckpt, vocab, engine, args)
         stop_named(fleet, [s.name for s in measured])
+        if args.host_samples:  # after the stop: each process has written its last records
+            for s in measured:
+                stalls_report(run, s.name)
     timed = chosen(ckpt, TIMED)
     if timed and not run.skip("layer-timer servers", 150):
         ready = start_servers(run, fleet, timed, args, "servers_timers")
@@ -232,6 +235,31 @@ def parallel_run(run: Run, fleet: Fleet, ckpt: Path, vocab: int, specs_for: Spec
             if f"{name}-timers" in ready:
                 timers(run, fleet, name, ready[f"{name}-timers"], ckpt, args)
         stop_named(fleet, [s.name for s in timed])
+
+
+def host_samples(run: Run, specs: list, args) -> list:
+    """With --host-samples, each server's processes sample their host side into work/host_samples/<name> (the plugin
+    is loaded into the stock server too: without our quantization flag it claims nothing)."""
+    if args.host_samples:
+        for s in specs:
+            folder = run.work / "host_samples" / s.name
+            folder.mkdir(parents=True, exist_ok=True)
+            s.env = {**s.env, "GLM5_FP4_HOST_SAMPLES": str(folder)}
+            for attr in ("plugin", "load_plugin"):  # vLLM's and SGLang's spec spell it differently
+                if hasattr(s, attr):
+                    setattr(s, attr, True)
+    return specs
+
+
+def stalls_report(run: Run, name: str) -> None:
+    """``profile stalls`` of one server's host samples against its load-test request records."""
+    folder = run.work / "host_samples" / name
+    if not any(folder.glob("host-*.jsonl")):
+        run.problem(f"host samples {name}: no host-<pid>.jsonl in {folder}")
+        return
+    requests = sorted((run.work / "loadtest" / name).glob("*.requests.jsonl*"))
+    cli(run, f"stalls_{name}", ["profile", "stalls", str(folder), *(["--requests", *map(str, requests)] if requests else []),
+                                "--out", str(run.work / "stalls" / name)], timeout=120)
 
 
 def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, args) -> None:
@@ -299,7 +327,8 @@ def profile(run: Run, name: str, url: str, ckpt: Path, engine: str, args) -> Non
 def measure(run: Run, name: str, url: str, ckpt: Path, engine: str, args) -> None:
     """One server alone (the CPU rehearsal): its sweep, then its profile capture."""
     loadtest(run, name, url, ckpt, args)
-    profile(run, name, url, ckpt, engine, args)
+    if not args.no_profile:
+        profile(run, name, url, ckpt, engine, args)
 
 
 def timers(run: Run, fleet: Fleet, name: str, url: str, ckpt: Path, args) -> None:
@@ -362,3 +391,6 @@ def add_arguments(ap, deadline_s: float = 530.0, recipe: str = "glm5") -> None:
                     help="streams of the timer twins' wave (default: the highest of --levels)")
     ap.add_argument("--no-timers", action="store_true", help="skip the two layer-timer servers (as --servers ours,marlin)")
     ap.add_argument("--dense-attention", action="store_true", help="serve the dense-attention view from the start")
+    ap.add_argument("--host-samples", action="store_true",
+                    help="sample the measured servers' host side (GLM5_FP4_HOST_SAMPLES) and report what each process "
+                         "did while no token was delivered (profile stalls)")

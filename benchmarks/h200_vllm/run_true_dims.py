@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             true_dims.parallel_run(run, fleet, ckpt, vocab, specs_for, "vllm", args, gpu)
         else:  # one server at a time: this machine never runs two vLLM servers at once
             names = true_dims.selected(args)
-            for spec in [s for s in specs_for(ckpt, gpu, run.work, not args.no_timers) if s.name in names]:
+            specs = [s for s in specs_for(ckpt, gpu, run.work, not args.no_timers) if s.name in names]
+            for spec in true_dims.host_samples(run, [s for s in specs if not s.name.endswith("-timers")], args) + \
+                    [s for s in specs if s.name.endswith("-timers")]:
                 s = fleet.launch(spec)
                 fleet.wait([s], args.start_timeout_s)
                 true_dims.record_servers(run, [s])
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         true_dims.measure(run, base, s.url, ckpt, "vllm", args)
                 fleet.stop(s)
+                if args.host_samples and not spec.name.endswith("-timers"):
+                    true_dims.stalls_report(run, spec.name)
     return run.finish()
 
 

@@ -15,6 +15,8 @@ What it registers (details and the What/Why/How/Upstream/Remove-when of each hoo
   ``.apply`` that route ModelOpt NVFP4 experts to a glm5-fp4 backend when the runner is ``glm5_fp4`` and
   call SGLang's own code for every other backend.
 
+* with ``GLM5_FP4_HOST_SAMPLES=DIR``, the host sampler in every process (:mod:`glm5_fp4.profiling.host_sampler`).
+
 Backend choice: ``GLM5_FP4_BACKEND`` (auto | triton | dequant | reference) and ``GLM5_FP4_MODE``
 (auto | w4a16 | w4a4), as for vLLM.
 """

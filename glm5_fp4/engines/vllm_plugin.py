@@ -11,6 +11,8 @@ What it registers:
 * on the CPU platform, an NVFP4 linear kernel in vLLM's kernel registry (vLLM's CPU build has none).
 * with ``GLM5_FP4_LAYER_TIMERS=1``, per-layer timers on the model each worker loads
   (:mod:`glm5_fp4.engines.layer_timers`; works with any ``--quantization``).
+* with ``GLM5_FP4_HOST_SAMPLES=DIR``, the host sampler in every process (:mod:`glm5_fp4.profiling.host_sampler`;
+  any ``--quantization`` too).
 
 Backend choice: ``--additional-config '{"glm5_fp4": {"backend": "triton|dequant|reference|auto",
 "mode": "auto|w4a16|w4a4"}}'`` or ``GLM5_FP4_BACKEND`` / ``GLM5_FP4_MODE`` (see ``settings``).
@@ -43,6 +45,9 @@ def _register() -> None:
     from glm5_fp4.engines.vllm.config import NAME, Glm5NvFp4Config
 
     route_to("vllm.glm5_fp4")
+    from glm5_fp4.profiling.host_sampler import start_from_env
+
+    start_from_env()
 
     if NAME not in QUANTIZATION_METHODS:
         register_quantization_config(NAME)(Glm5NvFp4Config)

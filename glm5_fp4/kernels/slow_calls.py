@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +101,7 @@ class Watch:
     slow: list[SlowCall] = field(default_factory=list)
     slow_count: int = 0
     quiet_depth: int = 0
+    tokens: Counter = field(default_factory=Counter)  # eager calls per token count (the host sampler reports it)
     _open: dict = field(default_factory=dict)  # thread id -> [start, limit_s, stack or None]
     _sampler: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -145,8 +147,12 @@ class Watch:
 
     @contextlib.contextmanager
     def call(self, tokens: int, device: torch.device):
+        if self.quiet_depth or device.type != "cuda" or _capturing():
+            yield
+            return
+        self.tokens[tokens] += 1
         limit = threshold_ms()
-        if limit <= 0 or self.quiet_depth or device.type != "cuda" or _capturing():
+        if limit <= 0:
             yield
             return
         if self.snapshot is None:

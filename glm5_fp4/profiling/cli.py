@@ -4,6 +4,7 @@
     glm5-fp4 profile capture --url http://127.0.0.1:8000 --steps N --trace-dir DIR [--out DIR] [--analyze]
     glm5-fp4 profile timers FILE [FILE ...] --out DIR     (per-layer timer dumps -> median / p90 table)
     glm5-fp4 profile trim SRC DST                         (keep only what the analysis reads: small fixtures)
+    glm5-fp4 profile stalls DIR [--requests FILE ...]     (host samples: what each process did, and in stalls)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from glm5_fp4.outputs import output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", required=True, metavar="{analyze,capture,timers,trim}")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{analyze,capture,timers,trim,stalls}")
 
     a = sub.add_parser("analyze", help="decode-time breakdown of Kineto traces (one per rank) vs hardware ceilings")
     a.add_argument("path", help="directory of traces (.json / .json.gz, one per rank) or one trace file")
@@ -39,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t = sub.add_parser("timers", help="aggregate per-layer timer dumps (JSON lines from LayerTimer) into median/p90 tables")
     t.add_argument("files", nargs="+", help="JSONL files written by LayerTimer.dump / GLM5_FP4_LAYER_TIMERS")
     t.add_argument("--out", default="profile-timers", help="output directory (JSON, markdown, PNG)")
+
+    h = sub.add_parser("stalls", help="host samples (GLM5_FP4_HOST_SAMPLES) of a server's processes: busy stacks, GC, "
+                                      "and what each process did while no token reached a client")
+    h.add_argument("path", help="folder of host-<pid>.jsonl files")
+    h.add_argument("--requests", nargs="*", default=[], metavar="FILE",
+                   help="load-test per-request records (*.requests.jsonl[.gz]) run against the server meanwhile")
+    h.add_argument("--min-gap-ms", type=float, default=300.0, help="shortest delivery gap reported as a stall")
+    h.add_argument("--out", default=None, help="output directory (default: PATH/stalls)")
 
     m = sub.add_parser("trim", help="copy traces keeping only what the analysis reads (small fixtures to commit)")
     m.add_argument("src", help="trace file or directory of traces")
@@ -238,6 +247,18 @@ def run(args) -> int:
         from glm5_fp4.profiling.layer_timers import report_from_files
 
         paths = report_from_files([Path(f) for f in args.files], Path(args.out))
+        for kind, p in paths.items():
+            print(f"{kind:>9}: {p}")
+        return 0
+    if args.action == "stalls":
+        from glm5_fp4.profiling import stalls
+
+        result = stalls.analyze(Path(args.path), [Path(f) for f in args.requests], args.min_gap_ms)
+        paths = stalls.write_report(result, output_dir(args.out or str(Path(args.path) / "stalls"), "--out"))
+        for rf in result["request_files"]:
+            longest = max((w["ms"] for w in rf["windows"]), default=0.0)
+            print(f"{rf['path']}: {rf['stalls']} stall(s) >= {rf['min_gap_ms']:g} ms, {rf['stalled_s']:.2f} s in all, "
+                  f"longest {longest:.0f} ms")
         for kind, p in paths.items():
             print(f"{kind:>9}: {p}")
         return 0

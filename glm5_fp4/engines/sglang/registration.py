@@ -34,3 +34,8 @@ def register_all() -> None:
 
     for target, fn in sglang_hooks().items():
         HookRegistry.register(target, fn, HookType.AFTER)
+
+    # 5. the host sampler, only with GLM5_FP4_HOST_SAMPLES=DIR (glm5_fp4/profiling/host_sampler.py).
+    from glm5_fp4.profiling.host_sampler import start_from_env
+
+    start_from_env()

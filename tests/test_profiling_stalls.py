@@ -1,0 +1,236 @@
+"""The host sampler (glm5_fp4.profiling.host_sampler) and `profile stalls` (glm5_fp4.profiling.stalls): a busy
+function, a garbage collection, a GIL-holding C call and a sleep are each seen for what they are; stall windows
+come from load-test request records and name what each process's main thread did in them; bad files get one
+error naming file and line."""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.cli import main as cli_main
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.profiling import host_sampler as H
+from glm5_fp4.profiling import stalls as S
+
+
+def _spin_in_here(seconds: float) -> int:
+    end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def _sleep_in_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _hold_the_gil(n: int) -> float:
+    values = [random.random() for _ in range(n)]
+    t = time.perf_counter()
+    values.sort()  # one C call that never releases the GIL
+    return time.perf_counter() - t
+
+
+@pytest.fixture()
+def sampled(tmp_path):
+    """A real sampler over: spin 0.3 s, a full collection, a GIL-holding sort, sleep 0.3 s (unix marks kept)."""
+    sampler = H.HostSampler(tmp_path, 2.0)
+    sampler.start()
+    marks = {}
+    try:
+        marks["spin"] = (time.time(), None)
+        _spin_in_here(0.3)
+        marks["spin"] = (marks["spin"][0], time.time())
+        gc.collect()
+        marks["sort_s"] = _hold_the_gil(700_000)
+        t = time.time()
+        _sleep_in_here(0.3)
+        marks["sleep"] = (t, time.time())
+    finally:
+        sampler.stop()
+    return tmp_path, sampler, marks
+
+
+def test_the_sampler_sees_busy_code_collections_gil_gaps_and_cpu(sampled):
+    folder, sampler, marks = sampled
+    (proc,) = S.load(folder)
+    assert proc.pid == os.getpid() and proc.complete and not proc.notes
+    summary = S.process_summary(proc)
+    spin = [r for r in summary["main_top_busy"] if "_spin_in_here" in r["stack"]]
+    assert spin and 200 <= spin[0]["ms"] <= 450, summary["main_top_busy"]
+    assert any(g == 2 for _, _, g, _ in proc.gcs)  # gc.collect() is a generation-2 collection
+    if marks["sort_s"] > 0.1:  # the sort held the GIL past the gap threshold: no sample could be taken meanwhile
+        assert max(d for _, d in proc.gaps) >= 0.5 * marks["sort_s"] * 1e3
+    spin_cpu = S.cpu_share(proc, proc.main_tid, *marks["spin"])
+    sleep_cpu = S.cpu_share(proc, proc.main_tid, *marks["sleep"])
+    assert spin_cpu is not None and sleep_cpu is not None
+    assert spin_cpu > sleep_cpu + 0.3, (spin_cpu, sleep_cpu)  # the Python stack alone cannot tell a sleep
+
+
+def test_stopping_twice_writes_one_final_record(sampled):
+    folder, sampler, _ = sampled
+    sampler.stop()
+    kinds = [json.loads(line)["kind"] for line in sampler.path.read_text().splitlines()]
+    assert kinds.count("end") == 1 and kinds[0] == "process"
+
+
+def test_start_from_env_is_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(H.ENV, raising=False)
+    assert H.start_from_env() is None
+
+
+def test_a_forked_child_samples_into_its_own_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(H, "_SAMPLER", None)
+    parent = H.start(tmp_path, 2.0)
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: its own sampler, its own file; never return into pytest
+            ok = H._SAMPLER is not None and H._SAMPLER.pid == os.getpid() and H._SAMPLER is not parent
+            _spin_in_here(0.05)
+            if ok:
+                H._SAMPLER.stop()
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        parent.stop()
+        monkeypatch.setattr(H, "_SAMPLER", None)
+    names = sorted(p.name for p in tmp_path.glob("host-*.jsonl"))
+    assert names == sorted([f"host-{os.getpid()}.jsonl", f"host-{pid}.jsonl"])
+    child = S.load_process(tmp_path / f"host-{pid}.jsonl")
+    assert child.complete and child.runs
+
+
+# ---- synthetic files: stall windows and their attribution --------------------------------------------------------
+T0 = 1_700_000_000.0
+COMPILE = [["/x/triton/compiler.py", "compile", 300], ["/x/glm5_fp4/kernels/moe.py", "fused_moe", 260]]
+STEP = [["/x/vllm/v1/engine/core.py", "step", 220]]
+WAIT = [["/usr/lib/python3.12/threading.py", "wait", 331], ["/x/vllm/v1/engine/core.py", "run_busy_loop", 700]]
+
+
+def _host_file(folder: Path, pid=4242, runs=None, cpu=None, gcs=None, end=True) -> Path:
+    recs = [
+        {"kind": "process", "pid": pid, "ppid": 1, "comm": "VLLM::EngineCore", "argv": ["x"], "main_tid": 1,
+         "t0_unix": T0, "interval_ms": 5.0, "late_ms": 50.0},
+        {"kind": "threads", "threads": {"1": "MainThread", "2": "worker"}},
+        {"kind": "stacks", "stacks": {"0": STEP, "1": COMPILE, "2": WAIT}},
+        # main: stepping 0-1 s, compiling 1-2.5 s, stepping 2.5-4 s; thread 2 waits throughout
+        {"kind": "runs", "runs": runs or [[1, 0, 0, 1000, 200, 1000], [1, 1, 1005, 2500, 300, 1500],
+                                          [1, 0, 2505, 4000, 300, 1500], [2, 2, 0, 4000, 800, 4000]]},
+        {"kind": "cpu", "cpu": cpu or [[0, {"1": 0}], [1000, {"1": 9 * 10**8}], [2500, {"1": 24 * 10**8}],
+                                       [4000, {"1": 39 * 10**8}]]},
+        {"kind": "gc", "gc": gcs or [[1100, 40.0, 2, 10]]},
+        {"kind": "moe_calls", "calls": {"8192": 3}},
+    ]
+    if end:
+        recs.append({"kind": "end", "t_ms": 4000, "samples": 800})
+    path = folder / f"host-{pid}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def _requests(path: Path, starts_and_tokens) -> Path:
+    rows = []
+    for i, (start, tokens) in enumerate(starts_and_tokens):
+        ttft = (tokens[0] - start) * 1e3
+        itl = [(b - a) * 1e3 for a, b in zip(tokens, tokens[1:])]
+        rows.append({"index": i, "status": "ok", "start_unix": T0 + start, "ttft_ms": ttft, "itl_ms": itl,
+                     "e2el_ms": (tokens[-1] - start) * 1e3})
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def test_a_delivery_gap_is_a_stall_and_names_the_main_threads_work(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.mkdir()
+    _host_file(hosts)
+    # two streams: tokens every 50 ms, except nothing between 1.0 and 2.5 s
+    ticks = [0.1 + 0.05 * i for i in range(19)] + [2.5 + 0.05 * i for i in range(20)]
+    req = _requests(tmp_path / "c2.requests.jsonl.gz", [(0.0, ticks), (0.02, [t + 0.01 for t in ticks])])
+    result = S.analyze(hosts, [req], min_gap_ms=300)
+    (rf,) = result["request_files"]
+    assert rf["stalls"] == 1
+    (w,) = rf["windows"]
+    assert w["in_flight"] == 2 and 1450 <= w["ms"] <= 1500 and abs(w["start_s"] - 1.01) < 0.02
+    (p,) = w["processes"]
+    assert "compile (x/triton/compiler.py:300)" in p["top"][0]["stack"] and p["top"][0]["share"] > 0.9
+    assert abs(p["main_cpu"] - 1.0) < 0.01 and abs(p["gc_ms"] - 40.0) < 1e-3  # unix-time float rounding
+    md = S.markdown(result)
+    assert "1 window(s)" in md and "compile" in md and "8192: 3" in md
+
+
+def test_waiting_threads_are_not_busy(tmp_path):
+    (proc,) = S.load(_host_file(tmp_path).parent)
+    summary = S.process_summary(proc)
+    assert summary["threads"][2]["busy"] == 0.0 and summary["threads"][1]["busy"] == 1.0
+    assert S.is_waiting([tuple(f) for f in WAIT]) and not S.is_waiting([tuple(f) for f in STEP])
+
+
+def test_no_stall_when_tokens_keep_coming_or_nothing_is_in_flight(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.mkdir()
+    _host_file(hosts)
+    steady = [0.1 + 0.05 * i for i in range(60)]
+    # a second request that starts after a 2 s idle period: nothing was in flight in the idle period
+    req = _requests(tmp_path / "r.requests.jsonl.gz", [(0.0, steady[:20]), (3.0, [3.05 + 0.05 * i for i in range(10)])])
+    (rf,) = S.analyze(hosts, [req])["request_files"]
+    assert rf["stalls"] == 0
+
+
+def test_a_truncated_last_line_is_kept_with_a_note_and_bad_lines_are_named(tmp_path):
+    path = _host_file(tmp_path, end=False)
+    with path.open("a") as f:
+        f.write('{"kind": "runs", "ru')
+    proc = S.load_process(path)
+    assert proc.runs and any("truncated" in n for n in proc.notes) and any("did not exit" in n for n in proc.notes)
+    lines = path.read_text().splitlines()
+    lines[2] = "not json"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(Glm5Fp4Error, match=rf"{path.name}:3: not a JSON line"):
+        S.load_process(path)
+
+
+def test_bad_inputs_get_one_clear_error(tmp_path):
+    with pytest.raises(Glm5Fp4Error, match="does not exist"):
+        S.load(tmp_path / "nope")
+    with pytest.raises(Glm5Fp4Error, match="holds no host-"):
+        S.load(tmp_path)
+    path = _host_file(tmp_path, runs=[[1, 9, 0, 10, 2, 10]])
+    with pytest.raises(Glm5Fp4Error, match="never defined"):
+        S.load_process(path)
+    bad = tmp_path / "bad.requests.jsonl"
+    bad.write_text('{"status": "ok", "ttft_ms": 3}\n')
+    with pytest.raises(Glm5Fp4Error, match=r"bad.requests.jsonl:1: not a load-test request record"):
+        S.load_requests(bad)
+
+
+def test_cli_writes_the_report(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.mkdir()
+    _host_file(hosts)
+    ticks = [0.1 + 0.05 * i for i in range(19)] + [2.5 + 0.05 * i for i in range(20)]
+    req = _requests(tmp_path / "c1.requests.jsonl.gz", [(0.0, ticks)])
+    assert cli_main(["profile", "stalls", str(hosts), "--requests", str(req), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "1 stall(s)" in out and (tmp_path / "rep" / "stalls.md").is_file()
+    assert json.loads((tmp_path / "rep" / "stalls.json").read_text())["request_files"][0]["stalls"] == 1
+    assert cli_main(["profile", "stalls", str(tmp_path / "missing")]) != 0
+
+
+def test_an_odd_frame_chain_ends_the_stack_instead_of_the_sampler():
+    class Frame:  # what vLLM's worker under torch.compile handed back once: a chain ending in a code object
+        f_code = _spin_in_here.__code__
+        f_lineno = 3
+        f_back = _spin_in_here.__code__
+
+    stack = H._stack(Frame())
+    assert stack[0][1] == "_spin_in_here" and stack[-1] == ("<unknown>", "code", 0)
