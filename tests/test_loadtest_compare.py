@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +169,26 @@ def test_vllm_bench_results_with_detailed_arrays(tmp_path) -> None:
     rows = _by_key(tables[0])
     assert rows["mean_tpot_ms"].method == "bootstrap" and rows["mean_tpot_ms"].verdict == "worse"
     assert rows["mean_ttft_ms"].verdict == "within noise"
+
+
+def test_stalls_are_called_out_beside_the_verdicts(runs, tmp_path) -> None:
+    base, other = runs["fast"], runs["slow"]
+    data = json.loads(Path(other).read_text())
+    data.update(stalls=3, stalled_s=4.5, longest_stall_ms=1800.0)
+    stalled = tmp_path / "stalled.json"
+    stalled.write_text(json.dumps(data))
+    for suffix in (".requests.jsonl", ".requests.jsonl.gz"):  # keep its per-request file beside it
+        src = Path(other).with_name(Path(other).stem + suffix)
+        if src.exists():
+            stalled.with_name("stalled" + suffix).write_bytes(src.read_bytes())
+    _, _, md = compare_files([str(base), f"stalled={stalled}"])
+    assert "**Stalls**" in md and "stalled 3 (4.50 s)" in md and "--num-warmups" in md
+    _, _, md = compare_files([str(base), str(base)])
+    assert "**Stalls**" not in md
+
+
+def test_the_default_warm_up_is_one_full_wave() -> None:
+    from glm5_fp4.loadtest.runner import LoadTestConfig
+
+    assert LoadTestConfig(url="http://127.0.0.1:1", concurrency=512).num_warmups == 512
+    assert LoadTestConfig(url="http://127.0.0.1:1", concurrency=4, num_warmups=0).num_warmups == 0

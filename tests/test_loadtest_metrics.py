@@ -127,3 +127,29 @@ def test_parse_goodput() -> None:
     for bad in (["itl:5"], ["ttft"], ["ttft:abc"], ["tpot:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def _stream(index: int, start: float, chunk_times: list[float], tokens: list[int] | None = None) -> dict:
+    rec = RequestRecord(index, prompt_len=8, requested_output_len=sum(tokens or [1] * len(chunk_times)))
+    rec.status = "ok"
+    rec.start, rec.end = start, chunk_times[-1] + 0.001
+    rec.chunk_times, rec.chunk_tokens = chunk_times, tokens or [1] * len(chunk_times)
+    rec.output_tokens = sum(rec.chunk_tokens)
+    rec.server_prompt_tokens = 8
+    rec.running_usage = True
+    return finalize_request(rec, 0.0, 0.0)
+
+
+def test_a_delivery_gap_with_requests_in_flight_is_counted_as_a_stall() -> None:
+    ticks = [0.05 + 0.02 * i for i in range(20)]  # up to 0.43 s
+    late = [1.43 + 0.02 * i for i in range(10)]  # nothing reached any client for 1.0 s
+    # a multi-token chunk stream (MTP-like) sees the same gap: its chunk arrivals count, not its spread ITLs
+    rows = [_stream(0, 0.0, ticks + late), _stream(1, 0.01, [t + 0.005 for t in ticks + late], [2] * 30)]
+    res = compute_metrics(rows, 2.0)
+    assert res["stalls"] == 1 and res["stalled_s"] == pytest.approx(0.995, abs=0.01)
+    assert res["longest_stall_ms"] == pytest.approx(995, abs=10)
+    steady = compute_metrics([_stream(0, 0.0, ticks)], 1.0)
+    assert steady["stalls"] == 0 and steady["stalled_s"] == 0.0
+    # an idle gap between two requests is no stall: nothing was in flight
+    idle = compute_metrics([_stream(0, 0.0, ticks), _stream(1, 2.0, [2.05 + 0.02 * i for i in range(5)])], 3.0)
+    assert idle["stalls"] == 0

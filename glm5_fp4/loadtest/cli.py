@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--range-ratio", type=float, default=0.0, help="vLLM-style length spread: U[L(1-r), L(1+r)]")
     w.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf = closed loop)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
-    w.add_argument("--num-warmups", type=int, default=None, help="warm-up requests (default min(concurrency, 64))")
+    w.add_argument("--num-warmups", type=int, default=None, help="warm-up requests, sent at the level's concurrency before the clock starts (default: one full wave, = concurrency)")
     w.add_argument("--warmup-output-len", type=int, default=16)
     w.add_argument("--tokenizer", default=None,
                    help="local Hugging Face tokenizer dir for exact-length prompts (default: server /tokenize)")

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loadtest.metrics import STALL_MS
 from glm5_fp4.loadtest.report import describe_run, read_requests, requests_path_for
 
 ITL_PER_REQUEST = 32
@@ -45,7 +46,8 @@ HIGHER_IS_BETTER = {"completed", "request_throughput", "request_goodput", "outpu
 COUNT_KEYS = ("completed", "failed")
 THROUGHPUT_KEYS = ("request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
                    "output_throughput_per_user", "output_throughput_per_gpu", "max_output_tokens_per_s")
-OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tokens_per_chunk")
+OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tokens_per_chunk", "stalls", "stalled_s",
+              "longest_stall_ms")
 CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "num_prompts")
 CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format")
 NOT_COMPARABLE = "not comparable"
@@ -412,6 +414,15 @@ def markdown_block(base: Group, other: Group, rows: list[Row]) -> str:
         files = ", ".join(f"`{p}`" for p in g.paths)
         lines.append(f"- {role} **{g.label}**: {describe_run(g.results[0])} "
                      f"({len(g.results)} run{'s' if len(g.results) > 1 else ''}: {files})")
+    stalled = [(g.label, [r.get("stalls") for r in g.results], [r.get("stalled_s") or 0.0 for r in g.results])
+               for g in (base, other)]
+    if any(any(n for n in counts if n) for _, counts, _ in stalled):
+        told = "; ".join(f"{label} {'/'.join(str(n if n is not None else '?') for n in counts)} "
+                         f"({sum(secs):.2f} s)" for label, counts, secs in stalled)
+        lines.append(f"- **Stalls** (delivery gaps of >= {STALL_MS:g} ms with requests in flight): {told}. A stall is a "
+                     "pause of the server (a first-use compile, a garbage collection, a lock), not decode speed: "
+                     "throughput differences include them. Warm both servers alike first (the load test's "
+                     "warm-up wave, `--num-warmups`); `glm5-fp4 profile stalls` names what held the host.")
     methods = sorted({r.method for r in rows if r.method not in ("-", "none")})
     lines.append(f"- Noise estimate: {', '.join(methods) or 'none (no per-request files, single runs)'}; "
                  "95 % interval of the difference; `~` = Little's-law approximation")

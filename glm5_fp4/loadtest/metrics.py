@@ -197,6 +197,52 @@ def _peak_rates(rows: list[dict[str, Any]]) -> tuple[float, int]:
     return float(tokens.max()), int(conc.max())
 
 
+# A delivery gap this long while requests are in flight is a pause of the server (a first-use compile, a full
+# garbage collection, a lock), not decode speed: a decode step of GLM-5 at 512 streams is ~10-40 ms.
+STALL_MS = 300.0
+
+
+def delivery_times(row: dict[str, Any]) -> list[float]:
+    """Seconds (the run's clock, like ``start_s``) at which each token chunk of a request reached the client."""
+    if row.get("ttft_ms") is None:
+        return []
+    t = float(row["start_s"]) + float(row["ttft_ms"]) / 1e3
+    out = [t]
+    for gap in chunk_itls_of(row) or []:  # chunk arrivals: itl_ms spreads a multi-token chunk over its gap
+        t += float(gap) / 1e3
+        out.append(t)
+    return out
+
+
+def stall_windows(spans: Sequence[tuple[float, float, Sequence[float]]],
+                  min_gap_ms: float = STALL_MS) -> list[tuple[float, float, int]]:
+    """(start, end, requests in flight) of each gap of at least ``min_gap_ms`` between two consecutive deliveries
+    to any client (or from the first request's start to the first delivery) throughout which some request was in
+    flight. ``spans``: (start, end, delivery times) per request, all on one clock in seconds."""
+    spans = [s for s in spans if len(s[2])]
+    if not spans:
+        return []
+    deliveries = sorted({t for _, _, ts in spans for t in ts})
+    marks = [min(s[0] for s in spans)] + deliveries
+    starts = np.array([s[0] for s in spans])
+    ends = np.array([max(s[1], s[2][-1]) for s in spans])
+    out = []
+    for a, b in zip(marks, marks[1:]):
+        if (b - a) * 1e3 < min_gap_ms:
+            continue
+        flying = int(np.count_nonzero((starts <= a) & (ends >= b)))
+        if flying:
+            out.append((a, b, flying))
+    return out
+
+
+def stall_metrics(ok: list[dict[str, Any]], min_gap_ms: float = STALL_MS) -> dict[str, Any]:
+    spans = [(float(r["start_s"]), float(r["start_s"]) + float(r["e2el_ms"]) / 1e3, delivery_times(r)) for r in ok]
+    wins = stall_windows(spans, min_gap_ms)
+    return {"stalls": len(wins), "stalled_s": float(sum(b - a for a, b, _ in wins)),
+            "longest_stall_ms": float(max(((b - a) * 1e3 for a, b, _ in wins), default=0.0))}
+
+
 def compute_metrics(rows: list[dict[str, Any]], duration_s: float, *,
                     percentiles: Sequence[float] = (50, 90, 99),
                     selected: Sequence[str] = METRICS,
@@ -253,6 +299,7 @@ def compute_metrics(rows: list[dict[str, Any]], duration_s: float, *,
     out["not_sent"] = sum(1 for r in failed if r["status"] == "not_sent")
     out["short_outputs"] = sum(1 for r in ok if r["output_tokens"] < r["requested_output_len"])
     out["token_count_method"] = dict(Counter(r.get("token_count_source", "usage") for r in ok))
+    out.update(stall_metrics(ok))
     mismatched = [r for r in counted if r["server_prompt_tokens"] != r["prompt_len"]]
     out["prompt_len_mismatches"] = len(mismatched)
     return out

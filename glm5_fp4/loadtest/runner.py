@@ -113,7 +113,7 @@ class LoadTestConfig:
     range_ratio: float = 0.0
     request_rate: float = math.inf
     burstiness: float = 1.0
-    num_warmups: int | None = None  # None: min(concurrency, 64)
+    num_warmups: int | None = None  # None: one full wave (= concurrency)
     warmup_output_len: int = 16
     tokenizer: str | None = None  # HF tokenizer dir; None: the server's /tokenize
     trust_remote_code: bool = False
@@ -161,7 +161,11 @@ class LoadTestConfig:
         if self.num_prompts is None:
             self.num_prompts = max(16, 4 * self.concurrency)
         if self.num_warmups is None:
-            self.num_warmups = min(self.concurrency, 64)
+            # One full wave: the batch sizes the measured phase brings (decode up to the concurrency, its prefill
+            # chunks) then compile before the clock starts. 64 left vLLM 0.26's DeepGEMM JIT compiling the DSA
+            # indexer's metadata kernel for each new 512-stream batch size inside the measurement (~1.7 s each,
+            # 12 stalls in one 26 s run on the H200, 2026-12-01).
+            self.num_warmups = self.concurrency
         if self.timeout_s is not None and self.timeout_s <= 0:
             self.timeout_s = None
         if self.stall_timeout_s is not None and self.stall_timeout_s < 0:

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loadtest import metrics
 from glm5_fp4.profiling.host_sampler import FILE_PREFIX
 
-DEFAULT_MIN_GAP_MS = 300.0
+DEFAULT_MIN_GAP_MS = metrics.STALL_MS
 TOP_STACKS = 8
 STACK_SHOWN = 7  # innermost frames printed per stack
 MAX_WINDOWS = 12
@@ -198,10 +199,7 @@ def load_requests(path: Path) -> list[Request]:
                 if r.get("status", "ok") != "ok" or r.get("ttft_ms") is None:
                     continue
                 start = float(r["start_unix"])
-                first = start + float(r["ttft_ms"]) / 1e3
-                times = [first]
-                for gap in r.get("itl_ms") or []:
-                    times.append(times[-1] + float(gap) / 1e3)
+                times = metrics.delivery_times({**r, "start_s": start})
                 end = start + float(r["e2el_ms"]) / 1e3 if r.get("e2el_ms") is not None else times[-1]
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise Glm5Fp4Error(f"{path}:{no}: not a load-test request record ({type(exc).__name__}: {exc})") from None
@@ -212,19 +210,8 @@ def load_requests(path: Path) -> list[Request]:
 
 
 def stall_windows(requests: list[Request], min_gap_ms: float = DEFAULT_MIN_GAP_MS) -> list[tuple[float, float, int]]:
-    """(start, end, requests in flight) of every delivery gap of at least ``min_gap_ms`` in which some request was
-    in flight throughout: between two consecutive deliveries to any client, or from the first request's start to
-    the first delivery."""
-    deliveries = sorted({t for r in requests for t in r.tokens})
-    marks = [min(r.start for r in requests)] + deliveries
-    out = []
-    for a, b in zip(marks, marks[1:]):
-        if (b - a) * 1e3 < min_gap_ms:
-            continue
-        flying = sum(1 for r in requests if r.start <= a and r.end >= b)
-        if flying:
-            out.append((a, b, flying))
-    return out
+    """The load test's stall windows (:func:`glm5_fp4.loadtest.metrics.stall_windows`) on unix time."""
+    return metrics.stall_windows([(r.start, r.end, r.tokens) for r in requests], min_gap_ms)
 
 
 # ---------------------------------------------------------------------------------------------------------------
