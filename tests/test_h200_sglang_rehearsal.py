@@ -185,7 +185,15 @@ def test_short_sweep_beside_the_timer_twins(tmp_path, monkeypatch):
     run = Run("rehearsal", tmp_path, 600)
     true_dims.measure_group(run, {"ours": "u1", "marlin": "u2"}, tmp_path, 1000, "sglang", args)
     names = [n for n, _ in calls]
-    assert names == ["loadtest_ours", "loadtest_marlin", "compare_c1", "compare_c8", "compare_c32"]
+    # both servers run the sweep once unmeasured before either is measured (first-use compiles land there)
+    assert names == ["prewarm_ours", "prewarm_marlin", "loadtest_ours", "loadtest_marlin", "compare_c1", "compare_c8",
+                     "compare_c32"]
+    prewarm = dict(calls)["prewarm_ours"]
+    assert prewarm[prewarm.index("--result-dir") + 1] == "" and prewarm[prewarm.index("--concurrency") + 1] == "1,8,32"
+    calls.clear()
+    true_dims.measure_group(run, {"ours": "u1", "marlin": "u2"}, tmp_path, 1000, "sglang",
+                            ap.parse_args(["--levels", "1,8,32", "--no-profile", "--no-prewarm"]))
+    assert [n for n, _ in calls][:2] == ["loadtest_ours", "loadtest_marlin"]
 
     class _Fleet:
         def by_name(self, name):
@@ -205,7 +213,7 @@ def test_sweeps_come_before_profiles_when_time_is_short(tmp_path, monkeypatch):
     """With ~270 s left for two sweeps and two profiles, each sweep used to get 60 s and die inside its 512-stream
     level (H200, 2026-12-01); now each gets its half and the deadline takes the profiles."""
     true_dims, Run, ap = _true_dims()
-    args = ap.parse_args([])
+    args = ap.parse_args(["--no-prewarm"])  # the shares of the sweeps against the profiles (prewarm: its own test)
     timeouts = {}
     monkeypatch.setattr(true_dims, "check_logprobs", lambda *a, **k: None)
     monkeypatch.setattr(true_dims, "loadtest", lambda run, name, url, ckpt, args, timeout=300.0:

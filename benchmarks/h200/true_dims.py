@@ -269,15 +269,23 @@ def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, ar
         except Exception as exc:  # noqa: BLE001 - recorded; the measurements still run
             run.problem(f"logprob check: {type(exc).__name__}: {exc}")
     up = [n for n in MEASURED if n in ready]
-    for i, name in enumerate(up):
+    # Every server runs the whole sweep once unmeasured before any server is measured: engines compile kernels at
+    # the first batch of a new size, and some (vLLM 0.26's DeepGEMM, the DSA indexer's metadata kernel: ~1.7 s with
+    # the GIL held, per new batch size) keep them in a cache on disk that every server shares, so the server measured
+    # first paid the compiles and the one measured second found them done (H200, 2026-12-01: ours 12 stalls / 18 s
+    # at 512 streams, Marlin none; with a one-wave warm-up per level still 6 / 9.5 s against 2 / 0.9 s).
+    rounds = [("prewarm", n) for n in up] if not args.no_prewarm else []
+    rounds += [("loadtest", n) for n in up]
+    for i, (kind, name) in enumerate(rounds):
         # Each sweep gets its share of what is left after the profiles (~90 s each), unless that share is under
         # SWEEP_MIN_S: then the sweeps come first and the deadline takes the profiles (on 2026-12-01 a 60 s share
         # killed both sweeps inside their 512-stream level, so no compare at 512 while both profiles ran).
         left = run.left() - 30
-        share = (left - (0 if args.no_profile else 90) * len(up)) / (len(up) - i)
+        share = (left - (0 if args.no_profile else 90) * len(up)) / (len(rounds) - i)
         if share < SWEEP_MIN_S:
-            share = left / (len(up) - i)
-        loadtest(run, name, ready[name], ckpt, args, timeout=min(300.0, max(60.0, share)))
+            share = left / (len(rounds) - i)
+        (prewarm if kind == "prewarm" else loadtest)(run, name, ready[name], ckpt, args,
+                                                     timeout=min(300.0, max(60.0, share)))
     for lvl in [lvl for lvl in args.levels.split(",") if lvl]:
         a, b = (loadtest_result(run.work / "loadtest" / n, lvl) for n in ("marlin", "ours"))
         if a is not None and b is not None:
@@ -309,6 +317,16 @@ def loadtest(run: Run, name: str, url: str, ckpt: Path, args, timeout: float = 3
                                       "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
                                       "--result-dir", str(run.work / "loadtest" / name), "--label", name,
                                       "--no-progress"], timeout=min(timeout, run.left() - 60))
+
+
+def prewarm(run: Run, name: str, url: str, ckpt: Path, args, timeout: float = 300.0) -> None:
+    """The sweep's workload once, nothing recorded: the batch sizes the measured sweeps bring compile here."""
+    if not run.skip(f"prewarm {name}", 90):
+        cli(run, f"prewarm_{name}", ["loadtest", "--url", url, "--concurrency", args.levels,
+                                     "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                                     "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
+                                     "--result-dir", "", "--no-progress", "--no-telemetry"],
+            timeout=min(timeout, run.left() - 60))
 
 
 def profile(run: Run, name: str, url: str, ckpt: Path, engine: str, args) -> None:
@@ -391,6 +409,9 @@ def add_arguments(ap, deadline_s: float = 530.0, recipe: str = "glm5") -> None:
                     help="streams of the timer twins' wave (default: the highest of --levels)")
     ap.add_argument("--no-timers", action="store_true", help="skip the two layer-timer servers (as --servers ours,marlin)")
     ap.add_argument("--dense-attention", action="store_true", help="serve the dense-attention view from the start")
+    ap.add_argument("--no-prewarm", action="store_true",
+                    help="measure without first running the sweep once unmeasured on every server (first-use compiles "
+                         "then land in whichever server is measured first)")
     ap.add_argument("--host-samples", action="store_true",
                     help="sample the measured servers' host side (GLM5_FP4_HOST_SAMPLES) and report what each process "
                          "did while no token was delivered (profile stalls)")

@@ -6,7 +6,7 @@ when nothing runs on the GPU. The question is what the host was doing then; this
 engine starts, at a cost a diagnostic run can pay.
 
 ``GLM5_FP4_HOST_SAMPLES=DIR`` (read by both engine plugins at registration, in every process they load into; forked
-children restart it) starts one daemon thread per process that, every ``GLM5_FP4_HOST_SAMPLE_MS`` (default 5 ms):
+children restart it) starts one daemon thread per process that, every ``GLM5_FP4_HOST_SAMPLE_MS`` (default 20 ms):
 
 * takes every other thread's Python stack (``sys._current_frames``) and stores it run-length encoded per thread
   (an idle thread waiting on a queue is one record however long it waits);
@@ -24,8 +24,11 @@ children restart it) starts one daemon thread per process that, every ``GLM5_FP4
 the threads' busy stacks, GC pauses, late wake-ups, and, with a load test's per-request records, what each process
 was doing in the windows where no token reached any client.
 
-Overhead: a sample walks the frames of every thread while holding the GIL (tens of µs for a few dozen threads), so a
-busy thread loses a few per cent of its Python time at 5 ms; a diagnostic, not for throughput numbers.
+Overhead: a sample walks the frames of every thread while holding the GIL (tens of µs for a few dozen threads), and a
+thread that wants the GIL makes the running one hand it over at its next switch interval. vLLM 0.26's engine core is
+host-bound at small batches, and with 5 ms sampling its decode steps at 1-8 streams took ~8.5-9.5 ms on the H200 where
+runs without the sampler took ~5-7 ms (different runs, both servers alike; 2026-12-01). Hence the 20 ms default: a 1 s
+stall still gets ~50 samples. A diagnostic: find causes with it, take throughput numbers without it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pathlib import Path
 
 ENV = "GLM5_FP4_HOST_SAMPLES"
 INTERVAL_ENV = "GLM5_FP4_HOST_SAMPLE_MS"
-DEFAULT_INTERVAL_MS = 5.0
+DEFAULT_INTERVAL_MS = 20.0
 LATE_MS = 50.0  # a wake-up this much past due is recorded as a gap in which no Python code ran
 FLUSH_S = 2.0
 CPU_EVERY_MS = 100.0

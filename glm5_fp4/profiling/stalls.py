@@ -110,7 +110,8 @@ def _open_text(path: Path):
 
 def load_process(path: Path) -> Process:
     proc = None
-    lines = path.read_text().splitlines()
+    with _open_text(path) as f:  # .jsonl, or .jsonl.gz as committed beside results
+        lines = f.read().splitlines()
     for no, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -168,7 +169,7 @@ def load(folder: Path) -> list[Process]:
     folder = Path(folder)
     if not folder.is_dir():
         raise Glm5Fp4Error(f"host-sample folder {folder} does not exist")
-    files = sorted(folder.glob(f"{FILE_PREFIX}*.jsonl"))
+    files = sorted([*folder.glob(f"{FILE_PREFIX}*.jsonl"), *folder.glob(f"{FILE_PREFIX}*.jsonl.gz")])
     if not files:
         raise Glm5Fp4Error(f"{folder} holds no {FILE_PREFIX}<pid>.jsonl files (was {'GLM5_FP4_HOST_SAMPLES'} set "
                            "for the server?)")
