@@ -12,6 +12,9 @@ the two default times bound the drift within the row. Variants:
   program of each (N tile, slot) reduces the split-K partials: 2 dependent launches instead of 3.
 * ``parallel_align`` (grouped schedule, T > 4): plan.parallel_align, the routing counted by many programs
   and placed by a scatter kernel instead of one program's serial passes (5 launches instead of 4).
+* ``grouped_split2`` / ``grouped_split4`` (grouped schedule, 4 < T <= 64, W4A16): plan.gemm1_split_k on the
+  grouped schedule, GEMM1 along K in 2 / 4 ranges and the split-K reduce after it (5 launches): for short work
+  lists (all tokens on a few experts: TP8 T=16 same_k ran 84 us against Marlin's 45 on the H200).
 * ``nodecode`` (wrong results, not checked): GEMM1's decode replaced by an int->fp16 conversion plus adds
   (DIAG=1). NOT a lower bound: on the H200 it ran 10-60 % slower than the real decode (the stand-in
   operands cost more than the E4M3 trick); kept only behind --nodecode.
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import copy_bandwidth_gbs
     from glm5_fp4.kernels import prepare_experts
+    from glm5_fp4.kernels.configs import GROUPED_SPLIT_K_MAX_TOKENS
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
     from glm5_fp4.kernels.layout import default_layout
 
@@ -74,7 +78,9 @@ def main(argv=None) -> int:
         # name -> (layers, DIAG, checked against the default, plan change or None, schedule it applies to)
         fuse, par = dict(gemm1_fused_reduce=True), dict(parallel_align=True)
         variants = {other: (alt, 0, True, None, None), "fused_reduce": (lay, 0, True, fuse, "slot"),
-                    "parallel_align": (lay, 0, True, par, "grouped")}
+                    "parallel_align": (lay, 0, True, par, "grouped"),
+                    "grouped_split2": (lay, 0, True, dict(gemm1_split_k=2), "grouped_small"),
+                    "grouped_split4": (lay, 0, True, dict(gemm1_split_k=4), "grouped_small")}
         if args.nodecode:
             variants["nodecode"] = (lay, 1, False, None, None)
         for t in tokens:
@@ -91,7 +97,10 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - the row records it
                     row["errors"]["default"] = repr(exc)[:400]
                 for vname, (layers, diag, check, change, schedule) in variants.items():
-                    if schedule and (plan.schedule != schedule or (schedule == "slot" and plan.gemm1_split_k == 1)):
+                    if schedule == "grouped_small":
+                        if plan.schedule != "grouped" or t > GROUPED_SPLIT_K_MAX_TOKENS:
+                            continue
+                    elif schedule and (plan.schedule != schedule or (schedule == "slot" and plan.gemm1_split_k == 1)):
                         continue
                     vplan = dataclasses.replace(plan, **change) if change else plan
                     try:

@@ -112,3 +112,33 @@ def test_native_fp4_kernels_lower_to_the_fp4_block_scaled_mma(cc, arch, marker):
     for k in builds:
         assert marker in k.ptx, k.kernel
         assert k.shared_bytes <= C.smem_limit(arch)
+
+
+def test_grouped_split_k_launches_a_reduce_after_gemm1():
+    """Plan.gemm1_split_k on the grouped schedule: GEMM1's grid gains the K ranges, the split-K reduce follows it
+    (rows = sorted positions, no expert lookup), and the launch count says five."""
+    import dataclasses
+
+    import torch
+
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import MoECall, count, launches
+    from glm5_fp4.kernels.moe import Workspace
+    from glm5_fp4.sm120 import launches as SL
+
+    shape = {s.name: s for s in SL.shape_classes()}["tp8"]
+    prep = SL.meta_prepared(shape, layout="placed")
+    meta, t, k = torch.device("meta"), 16, 8
+    x = torch.empty(t, prep.hidden_size, dtype=torch.bfloat16, device=meta)
+    call = MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
+                   torch.empty_like(x), Workspace(meta, prep.num_experts, k, prep.hidden_size, prep.intermediate_size, t))
+    base = C.plan("sm90", t, prep.num_experts, k, prep.hidden_size, prep.intermediate_size, sm_count=132)
+    assert base.schedule == "grouped" and base.gemm1_split_k == 1  # opt-in: the default is unchanged
+    split = dataclasses.replace(base, gemm1_split_k=4)
+    names = [ln.name for ln in launches(split, call)]
+    assert names == ["moe_align_kernel", "moe_gemm1_kernel", "moe_splitk_reduce_kernel", "moe_gemm2_grouped_kernel",
+                     "moe_finalize_kernel"] and count(split) == 5 == len(names) and count(base) == 4
+    g1 = launches(split, call)[1]
+    assert g1.grid[2] == 4 and g1.kwargs["SPLIT_K"] == 4 and g1.args[11] == t * k * 2 * prep.intermediate_size
+    red = launches(split, call)[2]
+    assert red.grid[0] == t * k and not red.kwargs["HAS_MAP"] and not red.kwargs["W4A4"]

@@ -66,7 +66,11 @@ class Plan:
     gemm1: Gemm1Config
     gemm2: Gemm2Config
     gemm2_n_split: int
-    # Slot schedule: GEMM1 programs per (N tile, slot) along K; the slot GEMM2 adds the partial sums.
+    # GEMM1 programs per (N tile, rows) along K, their fp32 partial sums added (in split order) and SwiGLU
+    # applied by moe_splitk_reduce_kernel (one launch more). Slot schedule: the default for T <= 4. Grouped
+    # schedule (W4A16, T <= GROUPED_SPLIT_K_MAX_TOKENS): opt-in until measured. A short work list (all tokens on a
+    # few experts: 8 blocks x I/BN tiles = 32 programs at TP8 T=16) leaves most SMs idle with each program
+    # walking all of K; TP8 T=16 same_k ran 84 us against Marlin's 45 (H200, 2026-12-01).
     gemm1_split_k: int = 1
     # Grouped W4A16: the align kernel converts x to fp16 in GEMM1's K order once (False: GEMM1 converts
     # every K tile itself; kept for comparison).
@@ -163,6 +167,8 @@ NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32
 # partial sums live in a static workspace of SPLIT_K_MAX * SPLIT_K_MAX_TOKENS * top_k * 2I floats).
 SPLIT_K_MAX = 4
 SPLIT_K_MAX_TOKENS = 8
+# Grouped schedule with split-K (Plan.gemm1_split_k, opt-in): the partial-sum workspace holds this many tokens.
+GROUPED_SPLIT_K_MAX_TOKENS = 64
 
 # GEMM2 takes K (= I) in chunks of at most this many: GLM-5's TP shards (I = 256, 512) in one tile, whole
 # experts (I = 2048: TP1, expert parallelism) in 4, since a [BN, 2048] decoded tile fits neither registers nor

@@ -12,7 +12,8 @@ Per schedule:
 * ``slot``: [split-K GEMM1 + reduce | GEMM1 (split-K with the reduce fused: plan.gemm1_fused_reduce)],
   GEMM2-with-combine (2-3 launches, no workspace zeroing).
 * ``grouped``: align (+ zero + activation conversion), GEMM1 over the work list, GEMM2 over the work list
-  (atomics into the fp32 workspace), finalize (4 launches; 5 with plan.parallel_align: count + scan, scatter).
+  (atomics into the fp32 workspace), finalize (4 launches; one more with plan.parallel_align: count + scan,
+  scatter; one more with plan.gemm1_split_k > 1: the split-K reduce after GEMM1).
 * ``native`` (SM100/SM120 FP4 MMA, unverified): align, native GEMM1, native GEMM2, finalize.
 """
 
@@ -167,6 +168,15 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                 f"MoE plan {plan}: GEMM1 split-K {plan.gemm1_split_k} needs <= {cfgs.SPLIT_K_MAX} splits of whole "
                 f"{g1.bk}-wide K tiles of H={h}, and <= {cfgs.SPLIT_K_MAX_TOKENS} tokens"
             )
+    if plan.schedule == "grouped" and plan.gemm1_split_k > 1:
+        k, ws = plan.gemm1_split_k, call.workspace
+        if (k > cfgs.SPLIT_K_MAX or h % (k * g1.bk) or call.num_slots > ws.part_rows or call.mode != "w4a16"
+                or call.tokens > cfgs.GROUPED_SPLIT_K_MAX_TOKENS):
+            raise Glm5Fp4Error(
+                f"MoE plan {plan}: grouped GEMM1 split-K {k} needs W4A16 (got {call.mode}), <= {cfgs.SPLIT_K_MAX} "
+                f"splits of whole {g1.bk}-wide K tiles of H={h}, and <= {cfgs.GROUPED_SPLIT_K_MAX_TOKENS} tokens "
+                f"(got {call.tokens})"
+            )
     if plan.schedule != "slot":
         if call.workspace.block_capacity < max_blocks(call.num_slots, call.prepared.num_experts, g1.bm):
             raise Glm5Fp4Error(f"workspace holds {call.workspace.block_capacity} work-list blocks, this call needs "
@@ -237,18 +247,30 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     nblk = max_blocks(call.num_slots, e, g1.bm)
     blocks = (ws.blocks, ws.num_blocks)
     placed = p.layout == "placed"
+    split = plan.gemm1_split_k
+    # Split-K partial rows are sorted slot positions; the reduce runs over all T*k positions (with an expert map
+    # the tail past the placed slots holds stale sums whose act rows no GEMM2 block reads).
+    reduce = [] if split == 1 else [Launch(
+        K.moe_splitk_reduce_kernel, (call.num_slots, i // min(i, 256)),
+        (ws.part, call.num_slots * 2 * i, ws.act, call.topk_ids, _emap(call), g2s),
+        dict(I=i, SPLIT_K=split, BLOCK=min(i, 256), W4A4=False, HAS_MAP=False, KC=cfgs.gemm2_k_chunk(i),
+             num_warps=4),
+        stage="gemm1",
+    )]
     return [
         *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align),
         Launch(
-            K.moe_gemm1_kernel, (nblk, i // g1.bn, 1),
+            K.moe_gemm1_kernel, (nblk, i // g1.bn, split),
             (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
-             ws.act, ws.part, 0, ws.split_count, call.topk_ids, _emap(call), ws.slots, *blocks, k),
+             ws.act, ws.part, call.num_slots * 2 * i if split > 1 else 0, ws.split_count, call.topk_ids,
+             _emap(call), ws.slots, *blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
-                 X_PREP=prep_x, SPLIT_K=1, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=False,
+                 X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
                  num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
         ),
+        *reduce,
         Launch(
             K.moe_gemm2_grouped_kernel, (nblk, plan.gemm2_n_split),
             (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
@@ -327,7 +349,8 @@ def count(plan: cfgs.Plan) -> int:
     """Kernel launches per layer call under ``plan``."""
     if plan.schedule == "slot":
         return 3 if plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce else 2
-    return 5 if plan.parallel_align and plan.schedule == "grouped" else 4
+    grouped = plan.schedule == "grouped"
+    return 4 + (plan.parallel_align and grouped) + (grouped and plan.gemm1_split_k > 1)
 
 
 def kernel_functions() -> dict:

@@ -76,7 +76,7 @@ class Workspace:
         # the activations in fp16, GEMM1's merged K order (grouped W4A16; written by the align kernel)
         self.xq = torch.empty(max_tokens, hidden, dtype=torch.float16, device=device)
         # split-K partial sums of the slot schedule's GEMM1: [split, slot, gate|up]
-        self.part_rows = min(max_tokens, cfgs.SPLIT_K_MAX_TOKENS) * top_k
+        self.part_rows = min(max_tokens, max(cfgs.SPLIT_K_MAX_TOKENS, cfgs.GROUPED_SPLIT_K_MAX_TOKENS)) * top_k
         self.part = torch.empty(cfgs.SPLIT_K_MAX * self.part_rows * 2 * intermediate, dtype=torch.float32, device=device)
         # arrivals per (slot, GEMM1 N tile) of the fused split-K reduce; the last arrival sets it back to zero
         self.split_count = torch.zeros(self.part_rows * (intermediate // 16), **i32)

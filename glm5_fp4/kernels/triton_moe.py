@@ -465,8 +465,9 @@ def moe_gemm1_kernel(
     wrote them), so each K tile is one contiguous [BK] run per token that the pipeliner copies straight into
     the MMA's shared-memory operand; otherwise gather them from ``x_ptr`` and convert (or quantize) per tile.
 
-    ``SPLIT_K > 1`` (slot schedule only): program (n, slot, k) sums 1/SPLIT_K of K and stores alpha * (gate,
-    up) partial sums in fp32 to ``part_ptr`` [SPLIT_K, slots, 2I] (natural i order);
+    ``SPLIT_K > 1``: program (n, slot, k) (grouped: (block, n, k)) sums 1/SPLIT_K of K and stores alpha *
+    (gate, up) partial sums in fp32 to ``part_ptr`` [SPLIT_K, rows, 2I] (natural i order; rows are slot ids or
+    sorted positions as below);
     :func:`moe_splitk_reduce_kernel` adds them and applies SwiGLU, or (``FUSED_REDUCE``, plan option
     ``gemm1_fused_reduce``) the last program of each (N tile, slot) does, counting arrivals in ``cnt_ptr``
     [slots, I/BN] (zero between calls). Otherwise ``act`` is fp16 [T*k, I] with each row in merged K order of one
@@ -769,7 +770,8 @@ def moe_splitk_reduce_kernel(
 ):
     """act[slot] = silu(gate) * up from GEMM1's split-K partial sums (added in split order, so the result
     does not depend on which split finished first), stored like GEMM1's own epilogue would (merged order,
-    W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program."""
+    W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program. For
+    the grouped schedule the rows are sorted slot positions (W4A16 only, HAS_MAP off: no expert is looked up)."""
     slot = tl.program_id(0).to(tl.int64)
     # a remote slot (expert map): GEMM1 wrote no partial sums and GEMM2 skips it; write nothing
     e, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)

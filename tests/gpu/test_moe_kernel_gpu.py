@@ -255,6 +255,29 @@ def test_variant_parallel_align(shape, t, routing):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("shape,t,routing", [(SMALL, 40, "same_k"), (GLM_TP8, 16, "same_k"), (GLM_TP8, 64, "balanced"),
+                                             (GLM_TP8, 64, "zipf1.2")])
+def test_variant_grouped_split_k(shape, t, routing, split):
+    """plan.gemm1_split_k on the grouped schedule (opt-in, W4A16): against the float64 reference and the unsplit
+    plan, and under CUDA-graph replays with new routings equal to eager calls."""
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing)
+    plan = default_plan(x, ids, prep, "w4a16")
+    assert plan.schedule == "grouped"
+    sp = dataclasses.replace(plan, gemm1_split_k=split)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, out=out, plan=sp)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, reference(x, w, ids, ex, "w4a16")) < moe_tolerance("w4a16", x.dtype)
+    assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, out=out, plan=sp), w, ids, out, e, 2):
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("t,variant", [(3, "unmerged"), (3, "nosplit"), (40, "unmerged"), (40, "noprep"),
                                        (300, "unmerged"), (300, "bm64")])

@@ -266,3 +266,52 @@ def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t):
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)
     assert torch.isfinite(out).all()
     assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+@pytest.mark.parametrize("routing,split", [("balanced", 2), ("same_k", 2), ("one_hot", 2), ("zipf2", 2)])
+def test_grouped_split_k(gen, routing, split):
+    """Plan.gemm1_split_k on the grouped schedule (opt-in): GEMM1 programs per (block, N tile, K range) store fp32
+    partials by sorted position, the reduce adds them in split order and applies SwiGLU; a hot expert's several
+    blocks included (40 tokens, block 16)."""
+    out, ref = _run(gen, 40, "w4a16", "grouped", routing, h=256, gemm1_split_k=split)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+def test_grouped_split_k_equals_unsplit_up_to_fp32_order(gen):
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(24, 256, generator=gen).half()
+    w, ids = make_routing("same_k", 24, E, K, gen)
+    outs = []
+    for split in (1, 2):
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=_plan(24, "grouped", 256, gemm1_split_k=split))
+        outs.append(out.float())
+    # the same products summed in another fp32 order, then rounded to fp16 activations: within a few fp16 ulps
+    assert (outs[0] - outs[1]).abs().max() <= 4e-3 * outs[0].abs().max()
+
+
+def test_grouped_split_k_under_expert_parallelism(gen):
+    emap = _emap()
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(20, 256, generator=gen).half()
+    w, ids = make_routing("balanced", 20, 16, K, gen)
+    ids[0] = torch.tensor([0, 2])  # both experts remote: the row must be exactly zero
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=_plan(20, "grouped", 256, gemm1_split_k=2),
+                     expert_map=emap)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+def test_grouped_split_k_refuses_what_it_does_not_serve(gen):
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(8, 256, generator=gen).half()
+    w, ids = make_routing("balanced", 8, E, K, gen)
+    with pytest.raises(Glm5Fp4Error, match="grouped GEMM1 split-K 2 needs W4A16"):
+        fused_moe_triton(x, w, ids, prep, "w4a4", plan=_plan(8, "grouped", 256, gemm1_split_k=2))
+    with pytest.raises(Glm5Fp4Error, match="whole 128-wide K tiles"):
+        fused_moe_triton(x, w, ids, prep, "w4a16", plan=_plan(8, "grouped", 256, gemm1_split_k=4))
