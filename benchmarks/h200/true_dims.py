@@ -309,23 +309,24 @@ def loadtest_result(folder: Path, level: str) -> Path | None:
     return single[-1] if single else None
 
 
+def _workload(url: str, ckpt: Path, args) -> list[str]:
+    """The sweep's load-test workload (prewarm and measurement must be the same one)."""
+    return ["loadtest", "--url", url, "--concurrency", args.levels, "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len), "--tokenizer", str(ckpt), "--prompt-format", "ids",
+            "--timeout", "120", "--no-progress"]
+
+
 def loadtest(run: Run, name: str, url: str, ckpt: Path, args, timeout: float = 300.0) -> None:
     """The load-test sweep (telemetry included)."""
     if not run.skip(f"loadtest {name}", 90):
-        cli(run, f"loadtest_{name}", ["loadtest", "--url", url, "--concurrency", args.levels,
-                                      "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                                      "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
-                                      "--result-dir", str(run.work / "loadtest" / name), "--label", name,
-                                      "--no-progress"], timeout=min(timeout, run.left() - 60))
+        cli(run, f"loadtest_{name}", [*_workload(url, ckpt, args), "--result-dir", str(run.work / "loadtest" / name),
+                                      "--label", name], timeout=min(timeout, run.left() - 60))
 
 
 def prewarm(run: Run, name: str, url: str, ckpt: Path, args, timeout: float = 300.0) -> None:
     """The sweep's workload once, nothing recorded: the batch sizes the measured sweeps bring compile here."""
     if not run.skip(f"prewarm {name}", 90):
-        cli(run, f"prewarm_{name}", ["loadtest", "--url", url, "--concurrency", args.levels,
-                                     "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                                     "--tokenizer", str(ckpt), "--prompt-format", "ids", "--timeout", "120",
-                                     "--result-dir", "", "--no-progress", "--no-telemetry"],
+        cli(run, f"prewarm_{name}", [*_workload(url, ckpt, args), "--result-dir", "", "--no-telemetry"],
             timeout=min(timeout, run.left() - 60))
 
 

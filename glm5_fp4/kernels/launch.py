@@ -185,6 +185,20 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
             raise Glm5Fp4Error(f"{call.x.shape[0]} tokens x hidden {h} exceed the align kernel's 32-bit indexing")
 
 
+def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str) -> Launch:
+    """GEMM1's split-K partial sums added per row (slot id, or sorted position in the grouped schedule)."""
+    from glm5_fp4.kernels import triton_moe as K
+
+    ws, i = call.workspace, call.prepared.intermediate_size
+    rblock = min(i, 256)
+    return Launch(
+        K.moe_splitk_reduce_kernel, (call.num_slots, i // rblock),
+        (ws.part, call.num_slots * 2 * i, ws.act, call.topk_ids, _emap(call), _scales(call)[3]),
+        dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), num_warps=4),
+        stage=stage,
+    )
+
+
 def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
@@ -214,14 +228,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         )
     ]
     if split_k > 1 and not fused:
-        rblock = min(i, 256)
-        out.append(Launch(
-            K.moe_splitk_reduce_kernel, (num_slots, i // rblock),
-            (ws.part, num_slots * 2 * i, ws.act, call.topk_ids, emap, g2s),
-            dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i),
-                 num_warps=4),
-            stage="gemm2",
-        ))
+        out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2"))
     out.append(Launch(
         K.moe_gemm2_slot_kernel, (plan.gemm2_n_split, t),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, call.topk_ids, emap,
@@ -250,13 +257,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     split = plan.gemm1_split_k
     # Split-K partial rows are sorted slot positions; the reduce runs over all T*k positions (with an expert map
     # the tail past the placed slots holds stale sums whose act rows no GEMM2 block reads).
-    reduce = [] if split == 1 else [Launch(
-        K.moe_splitk_reduce_kernel, (call.num_slots, i // min(i, 256)),
-        (ws.part, call.num_slots * 2 * i, ws.act, call.topk_ids, _emap(call), g2s),
-        dict(I=i, SPLIT_K=split, BLOCK=min(i, 256), W4A4=False, HAS_MAP=False, KC=cfgs.gemm2_k_chunk(i),
-             num_warps=4),
-        stage="gemm1",
-    )]
+    reduce = [] if split == 1 else [_splitk_reduce(call, split, False, False, "gemm1")]
     return [
         *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align),
         Launch(

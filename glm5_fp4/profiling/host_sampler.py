@@ -119,6 +119,7 @@ class HostSampler:
         self._next_cpu = 0.0
         self._gc_start: float | None = None
         self._threads: dict[int, str] = {}
+        self._comm: str | None = None  # the process name last written
         # re-entrant: a collection can start inside sample_once (it allocates) and its callback takes the lock too
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -218,7 +219,10 @@ class HostSampler:
             lines.append({"kind": "process", "pid": self.pid, "ppid": os.getppid(), "comm": _comm(),
                           "argv": sys.argv[:8], "main_tid": threading.main_thread().ident,
                           "t0_unix": self.t0, "interval_ms": self.interval * 1e3, "late_ms": LATE_MS})
-        lines.append({"kind": "comm", "comm": _comm()})  # engines rename their processes after start-up
+        comm = _comm()
+        if comm != self._comm:  # engines rename their processes after start-up
+            lines.append({"kind": "comm", "comm": comm})
+            self._comm = comm
         if new_names:
             lines.append({"kind": "threads", "threads": {str(k): v for k, v in new_names.items()}})
         if stacks:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest import metrics
-from glm5_fp4.profiling.host_sampler import FILE_PREFIX
+from glm5_fp4.profiling.host_sampler import ENV, FILE_PREFIX
 
 DEFAULT_MIN_GAP_MS = metrics.STALL_MS
 TOP_STACKS = 8
@@ -171,8 +170,7 @@ def load(folder: Path) -> list[Process]:
         raise Glm5Fp4Error(f"host-sample folder {folder} does not exist")
     files = sorted([*folder.glob(f"{FILE_PREFIX}*.jsonl"), *folder.glob(f"{FILE_PREFIX}*.jsonl.gz")])
     if not files:
-        raise Glm5Fp4Error(f"{folder} holds no {FILE_PREFIX}<pid>.jsonl files (was {'GLM5_FP4_HOST_SAMPLES'} set "
-                           "for the server?)")
+        raise Glm5Fp4Error(f"{folder} holds no {FILE_PREFIX}<pid>.jsonl files (was {ENV} set for the server?)")
     return [load_process(f) for f in files]
 
 
@@ -307,8 +305,7 @@ def window_summary(procs: list[Process], window: tuple[float, float, int], t_ref
 
 def analyze(folder: Path, request_files: list[Path] = (), min_gap_ms: float = DEFAULT_MIN_GAP_MS) -> dict:
     procs = load(folder)
-    out: dict = {"folder": str(folder), "processes": [process_summary(p) for p in procs], "request_files": [],
-                 "windows": []}
+    out: dict = {"folder": str(folder), "processes": [process_summary(p) for p in procs], "request_files": []}
     for path in request_files:
         reqs = load_requests(path)
         t_ref = min(r.start for r in reqs)
@@ -375,7 +372,6 @@ def markdown(result: dict) -> str:
 def write_report(result: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "stalls.json", "markdown": out / "stalls.md"}
-    paths["json"].write_text(json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and
-                                        math.isnan(o) else str(o)))
+    paths["json"].write_text(json.dumps(result, indent=1, default=str))
     paths["markdown"].write_text(markdown(result))
     return paths
