@@ -8,9 +8,8 @@ Two references are built:
 - the nominal schedule (what the server was told to do), and
 - the schedule as the server executed it (its send log: actual send times on the same
   CLOCK_MONOTONIC as the client).
-Every metric must be within 2 % of the executed schedule, and within 2 % of the nominal one
-unless the server itself demonstrably missed its schedule there (executed vs nominal > 1 %):
-on a shared VM a stalled server process must not fail a test of the client.
+Every metric must be within 2 % of the executed schedule (per-token times: plus CLIENT_DELAY_MS, the
+client's read delay), and the executed schedule within 10 % of the nominal one (the fake shares a CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +25,12 @@ from glm5_fp4.loadtest.fake_server import spawn_fake_server
 from glm5_fp4.loadtest.runner import LoadTestConfig, run_loadtest_detailed
 
 TOL = 0.02
+# The client stamps a token when its event loop reads it, the fake server when it wrote it: the difference is
+# loopback plus scheduling delay, a few ms on a loaded 2-core VM whatever the metric's size. A p99 of 36 gaps is
+# nearly one sample, so one late read moves it by the whole delay (client 145.3 vs sends 141.1 ms, a CI run of
+# `make test`). Per-token times get that delay on top of TOL; the schedule's gaps differ by 20 ms, so a client
+# that mixes chunks up, or counts the role chunk as a token, still fails.
+CLIENT_DELAY_MS = 5.0
 PCTS = (50.0, 90.0, 99.0)
 
 
@@ -90,10 +95,11 @@ def _closed_loop_makespan(durations_ms: list[float], concurrency: int) -> float:
     return end
 
 
-def _close(got: float, want: float, key: str, ref: dict, tol: float) -> bool:
+def _close(got: float, want: float, key: str, ref: dict, tol: float, delay_ms: float = 0.0) -> bool:
+    slack = delay_ms if key.endswith("_ms") else 0.0
     if key.startswith("std_"):  # a spread is judged on the scale of its metric
-        return abs(got - want) <= tol * abs(ref["mean_" + key[4:]])
-    return abs(got - want) <= tol * abs(want) + 1e-9
+        return abs(got - want) <= tol * abs(ref["mean_" + key[4:]]) + slack
+    return abs(got - want) <= tol * abs(want) + slack + 1e-9
 
 
 CASES = {
@@ -145,7 +151,7 @@ def test_metrics_match_schedule(case: str, tmp_path) -> None:
         # the two deviations add up, so a second bound of TOL against the schedule failed runs whose client was
         # within TOL of the sends (p99 ITL: client 142.99, sends 140.73, schedule 140.0 ms, once in a loaded
         # `make test`). The server itself must keep the schedule for the comparison to mean anything.
-        if not _close(got, done, key, executed, TOL):
+        if not _close(got, done, key, executed, TOL, CLIENT_DELAY_MS):
             problems.append(f"{key}: got {got:.4f}, server executed {done:.4f} (nominal {want:.4f})")
         if not _close(done, want, key, nominal, 5 * TOL):  # a sanity bound: the fake runs on a shared CPU
             problems.append(f"{key}: the fake server executed {done:.4f} against a schedule of {want:.4f}")

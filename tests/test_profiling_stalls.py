@@ -75,6 +75,26 @@ def test_the_sampler_sees_busy_code_collections_gil_gaps_and_cpu(sampled):
     assert spin_cpu > sleep_cpu + 0.3, (spin_cpu, sleep_cpu)  # the Python stack alone cannot tell a sleep
 
 
+def _cpu_process(readings):
+    """A process whose main thread (tid 1) has the CPU readings ``[(seconds, cpu seconds so far)]``."""
+    proc = S.Process(Path("x"), 1, "x", [], 1000.0, 20.0, 1)
+    proc.cpu = [(t * 1e3, {1: int(round(c * 1e9))}) for t, c in readings]
+    return proc
+
+
+def test_a_windows_cpu_share_comes_from_the_readings_inside_it():
+    # Busy 0.2 s with no reading (a C call held the GIL), then idle through the window [1000.2, 1000.5]: the
+    # readings around the window would charge it the busy time before it (0.2 / 0.55 = 0.36); those inside say 0.
+    proc = _cpu_process([(0.0, 0.0), (0.25, 0.2), (0.35, 0.2), (0.45, 0.2), (0.55, 0.2)])
+    assert S.cpu_share(proc, 1, 1000.2, 1000.5) == pytest.approx(0.0, abs=1e-9)
+    # The whole run, and a window with no reading inside it, still get the bracketing readings.
+    assert S.cpu_share(proc, 1) == pytest.approx(0.2 / 0.55)
+    assert S.cpu_share(proc, 1, 1000.26, 1000.34) == pytest.approx(0.0, abs=1e-9)
+    assert S.cpu_share(proc, 1, 1000.05, 1000.2) == pytest.approx(0.2 / 0.25)
+    busy = _cpu_process([(0.0, 0.0), (0.1, 0.1), (0.2, 0.2), (0.3, 0.3), (0.4, 0.3)])
+    assert S.cpu_share(busy, 1, 1000.05, 1000.32) == pytest.approx(1.0)
+
+
 def test_stopping_twice_writes_one_final_record(sampled):
     folder, sampler, _ = sampled
     sampler.stop()

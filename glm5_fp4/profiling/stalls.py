@@ -233,10 +233,20 @@ def _window_weights(proc: Process, tid: int | None, w0: float, w1: float) -> Cou
 
 
 def cpu_share(proc: Process, tid: int | None, w0: float | None = None, w1: float | None = None) -> float | None:
-    """CPU time / wall time of thread ``tid`` between the CPU readings that bracket [w0, w1] (whole run: None)."""
+    """CPU time / wall time of thread ``tid`` over [w0, w1] (unix s; None: the whole run).
+
+    Readings come every CPU_EVERY_MS, except while a C call holds the GIL (the sampler cannot run), so the readings
+    around a window can reach far back into busy time before it. The readings inside the window are used when they
+    span at least half of it; the ones bracketing it otherwise.
+    """
     pts = [(proc.unix(ms), d[tid]) for ms, d in proc.cpu if tid in d]
     if len(pts) < 2:
         return None
+    if w0 is not None and w1 is not None:
+        inside = [p for p in pts if w0 <= p[0] <= w1]
+        if len(inside) >= 2 and inside[-1][0] - inside[0][0] >= 0.5 * (w1 - w0):
+            pts = inside
+            w0 = w1 = None
     lo = 0 if w0 is None else max([i for i, (t, _) in enumerate(pts) if t <= w0] or [0])
     hi = len(pts) - 1 if w1 is None else min([i for i, (t, _) in enumerate(pts) if t >= w1] or [len(pts) - 1])
     if hi <= lo:
