@@ -98,7 +98,9 @@ def test_sigterm_writes_partial_results_like_ctrl_c(tmp_path):
                "--num-warmups", "0", "--prompt-format", "ids", "--no-progress", "--result-dir", str(out)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(2.5)  # streams are decoding (10 s each)
+        # the measured phase is running (its SIGTERM handler in place) once its 4 streams decode; a cold child
+        # on a loaded VM takes seconds to get there, so wait for the server to see them rather than a clock
+        srv.wait_for(lambda st: st["active"] == 4 and st["tokens_sent"] >= 4, 60, "4 streams decoding")
         proc.send_signal(signal.SIGTERM)
         try:
             _, err = proc.communicate(timeout=20)

@@ -36,7 +36,11 @@ def test_server_killed_mid_run(tmp_path) -> None:
         cfg = LoadTestConfig(url=srv.url, model="fake-model", concurrency=8, num_prompts=n, input_len=16,
                              output_len=30, num_warmups=0, prompt_format="ids", timeout_s=20, progress=False,
                              telemetry=False, result_dir=str(tmp_path))
-        killer = threading.Timer(0.8, srv.kill)  # SIGKILL while 8 streams are half way
+        def kill_mid_stream():  # SIGKILL once all 8 streams are decoding (~5 of 30 tokens each), not on a clock
+            srv.wait_for(lambda st: st["active"] == 8 and st["tokens_sent"] >= 8 * 5, 60, "8 streams decoding")
+            srv.kill()
+
+        killer = threading.Thread(target=kill_mid_stream, daemon=True)
         killer.start()
         t = time.monotonic()
         res, rows = run_loadtest_detailed(cfg)

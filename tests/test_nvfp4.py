@@ -1,6 +1,7 @@
 """NVFP4 format: encode/decode, rounding, quantization error bounds, packing and the swizzled layout."""
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def _half_gap_bound(w: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> t
 
 @pytest.mark.parametrize("case", ["normal", "outliers", "tiny", "zeros", "zero_blocks", "mixed_scale_rows"])
 def test_quantize_dequantize_error_within_nvfp4_bound(case):
-    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(case.encode()))  # hash() differs per process
     w = torch.randn(64, 256, generator=g)
     if case == "outliers":
         w[3, 17] = 1e4

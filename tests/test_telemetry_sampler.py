@@ -32,6 +32,7 @@ def test_lifecycle_with_fake_nvml(tmp_path):
     fake = FakeNvml(n_gpus=3)
     interval, seconds = 0.02, 0.4
     with TelemetrySampler(tmp_path, interval_s=interval, nvml=fake) as s:
+        entered = time.monotonic() - s.run.start_monotonic  # start() takes the first sample before returning
         assert s.available and s.reason is None
         assert "glm5-fp4-telemetry" in _threads()
         time.sleep(seconds)
@@ -41,10 +42,11 @@ def test_lifecycle_with_fake_nvml(tmp_path):
     assert [g.index for g in run.gpus] == [0, 1, 2]
     expected = seconds / interval
     for g in run.gpus:
-        # start and stop each add one sample; a loaded CI box may miss ticks but never adds extra ones
-        assert 0.5 * expected <= len(g) <= expected + 3
+        # start and stop add one sample each; the loop ticks on an absolute schedule and skips the ticks it
+        # missed (a loaded CI box), so it never takes more than one per interval of the run
+        assert 0.5 * expected <= len(g) <= int(run.end_s / interval) + 2
         assert list(g.t) == sorted(g.t)
-        assert g.t[0] < interval and g.t[-1] >= seconds
+        assert g.t[0] <= entered and g.t[-1] >= seconds
     for name in (SAMPLES_FILE, META_FILE, SUMMARY_FILE):
         assert (tmp_path / name).is_file()
     assert json.loads((tmp_path / SUMMARY_FILE).read_text())["available"] is True

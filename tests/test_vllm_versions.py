@@ -96,7 +96,12 @@ print(json.dumps(out))
 @pytest.mark.skipif(not SOURCES["0.26.0"], reason="set GLM5_FP4_VLLM026_SRC (make test does)")
 def test_h200_server_commands_parse_with_vllm_026(tmp_path, monkeypatch):
     """Every server command benchmarks/h200_vllm starts on the H200, through vLLM 0.26.0's own parser."""
-    sys.path[:0] = [str(ROOT / "benchmarks" / "h200_vllm"), str(ROOT / "benchmarks" / "h200")]
+    # benchmarks/h200_sglang has modules of the same names (run_tiny, run_true_dims): this test's own path and
+    # modules for its duration only
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "h200"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "h200_vllm"))
+    for name in ("run_tiny", "run_true_dims"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setenv("GLM5_FP4_TRACE_ROOT", str(tmp_path / "traces"))
     import run_tiny
     import run_true_dims

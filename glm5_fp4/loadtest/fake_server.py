@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -518,6 +518,25 @@ class SpawnedServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    def stats(self) -> dict:
+        """The server's counters (``/fake/stats``): arrivals, active streams, chunks and tokens sent."""
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/fake/stats", timeout=5) as r:
+            return json.load(r)
+
+    def wait_for(self, ready: Callable[[dict], bool], timeout_s: float = 60.0, what: str = "") -> dict:
+        """Poll :meth:`stats` until ``ready(stats)``: tests act on what the server has done, not on a clock (a
+        loaded CI machine starts a client seconds late). Raises TimeoutError naming ``what`` and the last stats."""
+        deadline, last = time.monotonic() + timeout_s, {}
+        while time.monotonic() < deadline:
+            last = self.stats()
+            if ready(last):
+                return last
+            time.sleep(0.01)
+        raise TimeoutError(f"fake server: {what or 'condition'} not reached in {timeout_s:.0f} s (stats {last})")
 
 
 @contextlib.contextmanager
