@@ -8,13 +8,11 @@ the two default times bound the drift within the row. Variants:
 * ``other layout``: weights in the layout that is not the default ("split" while "placed" is the default:
   layout.place_nibbles saves 2 of 7 bit operations per decoded word; SASS counts in
   benchmarks/results/moe_kernel_sass_sm90_placed.json).
-* ``fused_reduce`` (slot schedule with split-K only, T <= 4): plan.gemm1_fused_reduce, the last GEMM1
-  program of each (N tile, slot) reduces the split-K partials: 2 dependent launches instead of 3.
-* ``parallel_align`` (grouped schedule, T > 4): plan.parallel_align, the routing counted by many programs
-  and placed by a scatter kernel instead of one program's serial passes (5 launches instead of 4).
-* ``grouped_split2`` / ``grouped_split4`` (grouped schedule, 4 < T <= 64, W4A16): plan.gemm1_split_k on the
-  grouped schedule, GEMM1 along K in 2 / 4 ranges and the split-K reduce after it (5 launches): for short work
-  lists (all tokens on a few experts: TP8 T=16 same_k ran 84 us against Marlin's 45 on the H200).
+* each opt-in plan form of ``glm5_fp4.kernels.configs.OPT_IN`` where it serves the default plan (its schedule,
+  batch sizes and mode): ``fused_reduce`` (slot split-K reduced by GEMM1's last program), ``slot_dedup`` (one
+  program group per expert instead of per slot, T <= 4: skew re-reads an expert per token), ``parallel_align``,
+  ``grouped_split2`` / ``grouped_split4`` (grouped GEMM1 along K for short work lists, T <= 64). The table is
+  the one home of what is opt-in; this script follows it.
 * ``nodecode`` (wrong results, not checked): GEMM1's decode replaced by an int->fp16 conversion plus adds
   (DIAG=1). NOT a lower bound: on the H200 it ran 10-60 % slower than the real decode (the stand-in
   operands cost more than the E4M3 trick); kept only behind --nodecode.
@@ -54,7 +52,7 @@ def main(argv=None) -> int:
     from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import copy_bandwidth_gbs
     from glm5_fp4.kernels import prepare_experts
-    from glm5_fp4.kernels.configs import GROUPED_SPLIT_K_MAX_TOKENS
+    from glm5_fp4.kernels import configs as C
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
     from glm5_fp4.kernels.layout import default_layout
 
@@ -75,14 +73,10 @@ def main(argv=None) -> int:
         lay = B.make_layers(sh, args.layers, gen)
         other = "split" if default_layout() == "placed" else "placed"
         alt = B.Layers(sh, [prepare_experts(e, layout=other) for e in lay.experts], lay.experts)
-        # name -> (layers, DIAG, checked against the default, plan change or None, schedule it applies to)
-        fuse, par = dict(gemm1_fused_reduce=True), dict(parallel_align=True)
-        variants = {other: (alt, 0, True, None, None), "fused_reduce": (lay, 0, True, fuse, "slot"),
-                    "parallel_align": (lay, 0, True, par, "grouped"),
-                    "grouped_split2": (lay, 0, True, dict(gemm1_split_k=2), "grouped_small"),
-                    "grouped_split4": (lay, 0, True, dict(gemm1_split_k=4), "grouped_small")}
+        # name -> (layers, DIAG, checked against the default, opt-in form or None)
+        variants = {other: (alt, 0, True, None), **{form: (lay, 0, True, form) for form in C.OPT_IN}}
         if args.nodecode:
-            variants["nodecode"] = (lay, 1, False, None, None)
+            variants["nodecode"] = (lay, 1, False, None)
         for t in tokens:
             for routing in routings:
                 t0 = time.time()
@@ -96,13 +90,10 @@ def main(argv=None) -> int:
                     row["us"]["default"] = B.time_ours(lay, x, tw, ids, plan=plan)
                 except Exception as exc:  # noqa: BLE001 - the row records it
                     row["errors"]["default"] = repr(exc)[:400]
-                for vname, (layers, diag, check, change, schedule) in variants.items():
-                    if schedule == "grouped_small":
-                        if plan.schedule != "grouped" or t > GROUPED_SPLIT_K_MAX_TOKENS:
-                            continue
-                    elif schedule and (plan.schedule != schedule or (schedule == "slot" and plan.gemm1_split_k == 1)):
+                for vname, (layers, diag, check, form) in variants.items():
+                    if form and not C.opt_in_serves(form, plan, t, sh.hidden, "w4a16"):
                         continue
-                    vplan = dataclasses.replace(plan, **change) if change else plan
+                    vplan = default_plan(x, ids, lay.prepared[0], "w4a16", form=form) if form else plan
                     try:
                         if check:
                             o = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=vplan)

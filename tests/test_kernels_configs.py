@@ -142,3 +142,39 @@ def test_grouped_split_k_launches_a_reduce_after_gemm1():
     assert g1.grid[2] == 4 and g1.kwargs["SPLIT_K"] == 4 and g1.args[11] == t * k * 2 * prep.intermediate_size
     red = launches(split, call)[2]
     assert red.grid[0] == t * k and not red.kwargs["HAS_MAP"] and not red.kwargs["W4A4"]
+
+
+def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
+    """Plan.slot_dedup (opt-in): GEMM1 keeps the slot grid with DEDUP on; GEMM2 is the grouped kernel over
+    (slot, N range) storing per-slot rows, split along H for the experts a call touches (not per token); the
+    finalize adds k rows per token; one launch more than the slot form."""
+    import torch
+
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import MoECall, count, launches
+    from glm5_fp4.kernels.moe import Workspace
+    from glm5_fp4.sm120 import launches as SL
+
+    shape = {s.name: s for s in SL.shape_classes()}["tp8"]
+    prep = SL.meta_prepared(shape, layout="placed")
+    meta, t, k = torch.device("meta"), 4, 8
+    e, h, i = prep.num_experts, prep.hidden_size, prep.intermediate_size
+    x = torch.empty(t, h, dtype=torch.bfloat16, device=meta)
+    call = MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
+                   torch.empty_like(x), Workspace(meta, e, k, h, i, t))
+    base = C.plan("sm90", t, e, k, h, i, sm_count=132)
+    dedup = C.plan("sm90", t, e, k, h, i, sm_count=132, form="slot_dedup")
+    assert base.schedule == "slot" and not base.slot_dedup and dedup.slot_dedup and not dedup.gemm2_unroll
+    n_tiles = h // dedup.gemm2.bn
+    assert dedup.gemm2_n_split == C.pick_n_split(n_tiles, min(C.expected_active_experts(t, e, k), t * k), 132)
+    assert dedup.gemm2_n_split < base.gemm2_n_split  # 32 groups share the GPU, not 4 tokens
+    todo = launches(dedup, call)
+    names = [ln.name for ln in todo]
+    tail = ["moe_gemm2_grouped_kernel", "moe_finalize_kernel"]
+    assert names == ["moe_gemm1_kernel"] + (["moe_splitk_reduce_kernel"] if dedup.gemm1_split_k > 1 else []) + tail
+    assert count(dedup) == len(names) == count(base) + 1
+    g1, g2, fin = todo[0], todo[-2], todo[-1]
+    assert g1.grid == (i // dedup.gemm1.bn, t * k, dedup.gemm1_split_k) and g1.kwargs["DEDUP"] and g1.kwargs["SP"] == 32
+    assert g2.grid == (t * k, dedup.gemm2_n_split) and g2.kwargs["SLOT_DEDUP"] and g2.kwargs["SP"] == 32
+    assert fin.grid[0] == t and fin.kwargs["ROWS"] == k
+    assert C.plan("sm90", 64, e, k, h, i, sm_count=132, form="slot_dedup").slot_dedup is False  # grouped: no effect

@@ -85,6 +85,12 @@ class Plan:
     # and placed by a second, many-program kernel, instead of one program's serial passes (15 us at T=512,
     # 97 us at T=4096 on the H200). One launch more. Off until measured (benchmarks/moe_variants.py).
     parallel_align: bool = False
+    # Slot schedule: the programs of a group of slots routed to the same expert are one (its first slot's), which
+    # computes all of them, GEMM1 and GEMM2 alike; GEMM2 then writes per-slot fp32 rows and the finalize kernel
+    # adds each token's k rows (one launch more). Under skew the slot form reads and decodes an expert's weights
+    # once per token routed to it: TP1 T=4 same_k 290 us against Marlin's 87 (H200, 2026-12-01); balanced
+    # routing forms groups of one. Off until measured (benchmarks/moe_variants.py, variant "slot_dedup").
+    slot_dedup: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -371,8 +377,13 @@ def plan(
     gemm1: Gemm1Config | None = None,
     gemm2: Gemm2Config | None = None,
     global_experts: int | None = None,
+    form: str | None = None,
 ) -> Plan:
     """The launch plan for one call shape; explicit ``schedule``/``gemm1``/``gemm2`` override the defaults.
+
+    ``form``: one of :data:`OPT_IN` (not yet a default), applied where it serves this call (see
+    :func:`opt_in_serves`; elsewhere the plan is the default one). slot_dedup's GEMM2 is split along H for the
+    experts a call touches rather than per token.
 
     ``global_experts`` (expert parallelism): the router's expert count when this GPU holds only
     ``num_experts`` of them; the block size then follows the tokens a local expert really gets
@@ -385,7 +396,11 @@ def plan(
     bm = 16 if schedule == "slot" else pick_bm(routed, num_experts, top_k)
     g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
     whole = _WHOLE_EXPERT_GEMM2.get(arch, {}) if intermediate > GEMM2_MAX_K_CHUNK else {}
-    g2 = gemm2 or whole.get((schedule, bm)) or _DEFAULT_GEMM2[arch][(schedule, bm)]
+    slot_dedup = form == "slot_dedup" and schedule == "slot"
+    # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
+    # on sm_90: 255 registers, 36 B, at I = 512 and whole experts)
+    g2_key = ("grouped", 16) if slot_dedup else (schedule, bm)
+    g2 = gemm2 or whole.get(g2_key) or _DEFAULT_GEMM2[arch][g2_key]
     # Explicit configs are what the sweep and the compile matrix ask for: kept as given (a misfit then fails
     # there, by name); the defaults must fit any shape the backend serves.
     fg1, fg2 = fit_shared_memory(arch, g1, g2, intermediate)
@@ -400,7 +415,7 @@ def plan(
     n_tiles = hidden // g2.bn
     if g2.n_split is not None and n_tiles % g2.n_split == 0:
         n_split = g2.n_split
-    elif schedule == "slot":
+    elif schedule == "slot" and not slot_dedup:
         n_split = pick_n_split(n_tiles, tokens, sm_count)
     else:
         active = min(expected_active_experts(tokens, num_experts, top_k), tokens * top_k)
@@ -411,7 +426,53 @@ def plan(
         split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count)
     if schedule == "slot":
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
-    return Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll)
+    p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup)
+    if form is not None:
+        if form not in OPT_IN:
+            raise Glm5Fp4Error(f"unknown MoE plan form {form!r}; choose one of {sorted(OPT_IN)}")
+        if opt_in_serves(form, p, tokens, hidden):
+            p = dataclasses.replace(p, **OPT_IN[form].change)
+    return p
+
+
+@dataclass(frozen=True)
+class OptIn:
+    """A plan form that is not a default yet: what it changes, where it can run, what it is for."""
+
+    change: dict
+    schedule: str  # the schedule it modifies
+    max_tokens: int | None  # largest T it serves (None: the schedule's range)
+    modes: tuple[str, ...]
+    needs_split_k: bool = False  # modifies GEMM1's split-K (the plan must already split K)
+    compile_tokens: tuple[int, ...] = ()  # batch sizes the compile matrix builds it for
+    purpose: str = ""
+
+
+# The one list of opt-in forms: benchmarks/moe_variants.py times each against the default in the same run, the
+# compile matrix builds each for every arch, tests/gpu checks each against the reference. One becomes a default
+# when the H200 says so (and the entry goes).
+OPT_IN: dict[str, OptIn] = {
+    "fused_reduce": OptIn(dict(gemm1_fused_reduce=True), "slot", None, ("w4a16", "w4a4"), needs_split_k=True,
+                          compile_tokens=(1,), purpose="split-K partials reduced by GEMM1's last program (2 launches)"),
+    "slot_dedup": OptIn(dict(slot_dedup=True), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
+                        purpose="one program group per expert, not per slot (skewed T <= 4)"),
+    "parallel_align": OptIn(dict(parallel_align=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(512,),
+                            purpose="routing counted and placed by many programs"),
+    "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
+                            compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
+    "grouped_split4": OptIn(dict(gemm1_split_k=4), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
+                            compile_tokens=(16,), purpose="GEMM1 along K in 4 ranges (short work lists)"),
+}
+
+
+def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None = None) -> bool:
+    """Whether opt-in ``form`` can modify plan ``p`` of a ``tokens`` call (in ``mode``, when given): its
+    schedule, batch sizes, mode, and a split-K it sets must cut H into whole K tiles."""
+    o = OPT_IN[form]
+    split = o.change.get("gemm1_split_k", 1)
+    return (p.schedule == o.schedule and (o.max_tokens is None or tokens <= o.max_tokens)
+            and (mode is None or mode in o.modes) and (not o.needs_split_k or p.gemm1_split_k > 1)
+            and split <= SPLIT_K_MAX and hidden % (split * p.gemm1.bk) == 0)
 
 
 def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,

@@ -10,7 +10,8 @@ never from routing, so a CUDA graph captured for a batch size replays the same l
 Per schedule:
 
 * ``slot``: [split-K GEMM1 + reduce | GEMM1 (split-K with the reduce fused: plan.gemm1_fused_reduce)],
-  GEMM2-with-combine (2-3 launches, no workspace zeroing).
+  GEMM2-with-combine (2-3 launches, no workspace zeroing); with plan.slot_dedup, GEMM1 and GEMM2 per group of
+  slots sharing an expert, GEMM2 into per-slot rows, then the finalize adding each token's k rows (3-4).
 * ``grouped``: align (+ zero + activation conversion), GEMM1 over the work list, GEMM2 over the work list
   (atomics into the fp32 workspace), finalize (4 launches; one more with plan.parallel_align: count + scan,
   scatter; one more with plan.gemm1_split_k > 1: the split-K reduce after GEMM1).
@@ -138,13 +139,16 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
                    stage="align")]
 
 
-def _finalize(call: MoECall) -> Launch:
+def _finalize(call: MoECall, rows: int = 1) -> Launch:
+    """The fp32 combine buffer to the output: one row per token (grouped), or k per-slot rows added (slot dedup)."""
     from glm5_fp4.kernels import triton_moe as K
 
     t, h = call.x.shape
     fblock = min(FBLOCK, _pow2(h))
-    return Launch(K.moe_finalize_kernel, (t, -(-h // fblock)), (call.workspace.combine, call.out, call.out.stride(0)),
-                  dict(H=h, BLOCK=fblock, num_warps=4), stage="gemm2")
+    return Launch(K.moe_finalize_kernel, (t, -(-h // fblock)),
+                  (call.workspace.combine, call.out, call.out.stride(0), call.topk_ids, _emap(call)),
+                  dict(H=h, BLOCK=fblock, ROWS=rows, HAS_MAP=rows > 1 and call.expert_map is not None, num_warps=4),
+                  stage="gemm2")
 
 
 def _scales(call: MoECall):
@@ -160,6 +164,9 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
     g1, g2 = plan.gemm1, plan.gemm2
     if i % g1.bn or h % g1.bk or h % g2.bn or (h // g2.bn) % max(plan.gemm2_n_split, 1):
         raise Glm5Fp4Error(f"MoE tile plan {plan} does not divide H={h}, I={i}")
+    if plan.schedule == "slot" and plan.slot_dedup and call.num_slots > call.workspace.combine.shape[0]:
+        raise Glm5Fp4Error(f"MoE plan {plan}: slot dedup needs {call.num_slots} combine rows (T x k), the workspace "
+                           f"holds {call.workspace.combine.shape[0]}")
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         ws = call.workspace
         if (plan.gemm1_split_k > cfgs.SPLIT_K_MAX or h % (plan.gemm1_split_k * g1.bk) or call.num_slots > ws.part_rows
@@ -214,6 +221,8 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     emap = _emap(call)
     placed = p.layout == "placed"
     fused = split_k > 1 and plan.gemm1_fused_reduce
+    dedup = plan.slot_dedup
+    sp = _pow2(num_slots)
     out = [
         Launch(
             K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
@@ -222,13 +231,28 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
              ws.num_blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=has_map,
-                 KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused,
+                 KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=sp,
                  num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
         )
     ]
     if split_k > 1 and not fused:
         out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2"))
+    if dedup:
+        # GEMM2 per (slot group, N range) into per-slot fp32 rows of the combine buffer, then each token's k rows
+        # added in slot order: every expert's W2 read and decoded once however many tokens share it
+        return out + [
+            Launch(
+                K.moe_gemm2_grouped_kernel, (num_slots, plan.gemm2_n_split),
+                (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine,
+                 ws.slots, ws.blocks, ws.num_blocks, call.topk_ids, emap, k),
+                dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
+                     MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=placed, SLOT_DEDUP=True, SP=sp,
+                     HAS_MAP=has_map, num_warps=g2.num_warps, num_stages=g2.num_stages),
+                stage="gemm2",
+            ),
+            _finalize(call, rows=k),
+        ]
     out.append(Launch(
         K.moe_gemm2_slot_kernel, (plan.gemm2_n_split, t),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, call.topk_ids, emap,
@@ -275,7 +299,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         Launch(
             K.moe_gemm2_grouped_kernel, (nblk, plan.gemm2_n_split),
             (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
-             *blocks, k),
+             *blocks, call.topk_ids, _emap(call), k),
             dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
                  MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=placed, num_warps=g2.num_warps,
                  num_stages=g2.num_stages),
@@ -349,7 +373,7 @@ def run(todo: list[Launch]) -> None:
 def count(plan: cfgs.Plan) -> int:
     """Kernel launches per layer call under ``plan``."""
     if plan.schedule == "slot":
-        return 3 if plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce else 2
+        return 2 + (plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce) + plan.slot_dedup
     grouped = plan.schedule == "grouped"
     return 4 + (plan.parallel_align and grouped) + (grouped and plan.gemm1_split_k > 1)
 

@@ -72,7 +72,9 @@ class Workspace:
         self.blocks = torch.zeros(self.block_capacity, 4, **i32)  # triton_moe.BLOCK_FIELDS per block
         self.num_blocks = torch.zeros(1, **i32)
         self.act = torch.empty(max_tokens * top_k, intermediate, dtype=torch.float16, device=device)
-        self.combine = torch.zeros(max_tokens, hidden, dtype=torch.float32, device=device)
+        # one fp32 row per token (grouped), or per slot of a slot-schedule call (Plan.slot_dedup)
+        slot_rows = min(max_tokens, max(cfgs.SLOT_MAX_TOKENS.values())) * top_k
+        self.combine = torch.zeros(max(max_tokens, slot_rows), hidden, dtype=torch.float32, device=device)
         # the activations in fp16, GEMM1's merged K order (grouped W4A16; written by the align kernel)
         self.xq = torch.empty(max_tokens, hidden, dtype=torch.float16, device=device)
         # split-K partial sums of the slot schedule's GEMM1: [split, slot, gate|up]
@@ -146,10 +148,10 @@ def _use_asm(device: torch.device) -> bool:
 
 
 def plan_for(arch: str, sm_count: int, tokens: int, top_k: int, prepared: PreparedExperts, mode: str,
-             expert_map: torch.Tensor | None = None) -> cfgs.Plan:
+             expert_map: torch.Tensor | None = None, form: str | None = None) -> cfgs.Plan:
     """The per-arch default plan for a call of ``tokens`` (the native FP4 path for checkpoint layout); with an
     expert map, sized for the share of tokens the local experts get. The one home of that choice: calls and the
-    load-time warm-up (kernels/warmup.py) both plan here."""
+    load-time warm-up (kernels/warmup.py) both plan here. ``form``: an opt-in form (configs.OPT_IN), benchmarks."""
     e, h, i = prepared.num_experts, prepared.hidden_size, prepared.intermediate_size
     if prepared.layout == "checkpoint":
         if mode != "w4a4" or arch not in cfgs.NATIVE_GEMM1:
@@ -159,15 +161,15 @@ def plan_for(arch: str, sm_count: int, tokens: int, top_k: int, prepared: Prepar
             )
         return cfgs.native_plan(arch, tokens, e, top_k, h, i, sm_count=sm_count)
     return cfgs.plan(arch, tokens, e, top_k, h, i, sm_count=sm_count,
-                     global_experts=None if expert_map is None else int(expert_map.numel()))
+                     global_experts=None if expert_map is None else int(expert_map.numel()), form=form)
 
 
 def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,
-                 expert_map: torch.Tensor | None = None) -> cfgs.Plan:
+                 expert_map: torch.Tensor | None = None, form: str | None = None) -> cfgs.Plan:
     """:func:`plan_for` this call's device and static shapes."""
     arch, sms = device_arch(x.device)
     t, k = topk_ids.shape
-    return plan_for(arch, sms, t, k, prepared, mode, expert_map)
+    return plan_for(arch, sms, t, k, prepared, mode, expert_map, form)
 
 
 def make_call(x, topk_weights, topk_ids, prepared, mode="w4a16", out=None, expert_map=None, use_asm=None, diag=0,

@@ -393,6 +393,33 @@ def _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP: tl.constexpr):
     return tl.maximum(e, 0), count
 
 
+@triton.jit
+def _slot_group(s, ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr):
+    """The slots that share slot ``s``'s expert, for the slot schedule's dedup form (Plan.slot_dedup).
+
+    Returns (local expert, count, same, rank): ``same`` [SP] marks the slots routed to that expert, ``rank``
+    their order; ``count`` is how many there are when ``s`` is the first of them (the group's leader, which
+    computes all its rows, so the expert's weights are read and decoded once per call) and 0 otherwise (a
+    remote slot is in no group). No sorting launch: at most SLOT_MAX_TOKENS * k slots, read by every program.
+    """
+    offs = tl.arange(0, SP)
+    ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < nslots, HAS_MAP)
+    e, local = _slot_expert(s, ids_ptr, emap_ptr, HAS_MAP)
+    same = m & (ids == e) & (local > 0)
+    earlier = tl.sum((same & (offs < s)).to(tl.int32), axis=0)
+    count = tl.where(earlier == 0, tl.sum(same.to(tl.int32), axis=0), 0)
+    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
+    return e, count, same, rank
+
+
+@triton.jit
+def _group_slots(offs_m, same, rank, SP: tl.constexpr):
+    """Slot ids of a group's rows ``offs_m`` (0 past its end: those columns are masked)."""
+    offs = tl.arange(0, SP)
+    hit = same[None, :] & (rank[None, :] == offs_m[:, None])
+    return tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+
+
 # The work list: one int32 quadruple per block, (expert, first sorted row, row count, unused).
 BLOCK_FIELDS = tl.constexpr(4)
 
@@ -458,8 +485,13 @@ def moe_gemm1_kernel(
     KC: tl.constexpr = 0,
     PLACED: tl.constexpr = False,
     FUSED_REDUCE: tl.constexpr = False,
+    DEDUP: tl.constexpr = False,
+    SP: tl.constexpr = 1,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
+
+    ``DEDUP`` (slot mode, Plan.slot_dedup): the program of a group's leader slot computes every slot routed to
+    the same expert, the others none (:func:`_slot_group`; ``SP`` = the slot count rounded up to a power of 2).
 
     ``X_PREP``: read the activations from ``xq_ptr``, fp16 already in the merged K order (the align kernel
     wrote them), so each K tile is one contiguous [BK] run per token that the pipeliner copies straight into
@@ -488,7 +520,10 @@ def moe_gemm1_kernel(
     if SLOT_MODE:
         pid_n = tl.program_id(0)
         start = tl.program_id(1)
-        e, count = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
+        if DEDUP:
+            e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP)
+        else:
+            e, count = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
     else:
         pid_n = tl.program_id(1)
         e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
@@ -516,7 +551,9 @@ def moe_gemm1_kernel(
     for m0 in range(0, count, BM):
         offs_m = m0 + tl.arange(0, BM)
         mmask = offs_m < count
-        if SLOT_MODE:
+        if SLOT_MODE and DEDUP:
+            slot = _group_slots(offs_m, same, rank, SP)
+        elif SLOT_MODE:
             slot = start + offs_m
         else:
             slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
@@ -550,7 +587,10 @@ def moe_gemm1_kernel(
                 acc_u = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_u)
         gate = acc_g * alpha
         up = acc_u * alpha
-        rows = (start + offs_m).to(tl.int64)
+        if SLOT_MODE:
+            rows = slot.to(tl.int64)  # act / partial-sum rows are slot ids
+        else:
+            rows = (start + offs_m).to(tl.int64)  # sorted positions
         if SPLIT_K > 1:
             pp = part_ptr + tl.program_id(2).to(tl.int64) * part_stride + rows[None, :] * (2 * I) + offs_i[:, None]
             tl.store(pp, gate, mask=mmask[None, :])
@@ -578,6 +618,15 @@ def moe_gemm1_kernel(
 
 
 @triton.jit
+def _store_part(ptrs, v, mmask, OWN_ROWS: tl.constexpr):
+    """GEMM2's output tile: stored where each row is this program's alone (slot dedup), else added atomically."""
+    if OWN_ROWS:
+        tl.store(ptrs, v, mask=mmask[None, :])
+    else:
+        tl.atomic_add(ptrs, v, mask=mmask[None, :], sem="relaxed")
+
+
+@triton.jit
 def moe_gemm2_grouped_kernel(
     act_ptr,
     w_ptr,
@@ -589,6 +638,8 @@ def moe_gemm2_grouped_kernel(
     slots_ptr,
     blk_ptr,
     num_blocks_ptr,
+    ids_ptr,
+    emap_ptr,
     TOPK,
     H: tl.constexpr,
     I: tl.constexpr,
@@ -600,16 +651,27 @@ def moe_gemm2_grouped_kernel(
     MERGED: tl.constexpr = True,
     KC: tl.constexpr = 0,
     PLACED: tl.constexpr = False,
+    SLOT_DEDUP: tl.constexpr = False,
+    SP: tl.constexpr = 1,
+    HAS_MAP: tl.constexpr = False,
 ):
     """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
     time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest.
+
+    ``SLOT_DEDUP`` (the slot schedule's dedup form): program (slot, N range) computes the group of slots that
+    share its slot's expert when it leads the group (:func:`_slot_group`), and stores ws[slot, n] (no atomics:
+    every local slot's row is written once); moe_finalize_kernel then adds each token's k rows in slot order.
 
     K (= I) is taken KC at a time: KC == I (GLM-5's TP shards, I <= 512) loads the act tile once per token
     block and reuses it for every N tile; whole experts (I = 2048: TP1, expert parallelism) loop over K
     chunks, whose decoded weight tiles would not fit registers or shared memory at once."""
     NW: tl.constexpr = KC // 8
     pid_s = tl.program_id(1)
-    e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
+    if SLOT_DEDUP:
+        start = tl.program_id(0)
+        e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP)
+    else:
+        e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
     e64 = e.to(tl.int64)
     alpha = tl.load(alpha_ptr + e)
     if W4A4:
@@ -627,12 +689,17 @@ def moe_gemm2_grouped_kernel(
     for m0 in range(0, count, BM):
         offs_m = m0 + tl.arange(0, BM)
         mmask = offs_m < count
-        rows = (start + offs_m).to(tl.int64)
-        slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
-        tok = (slot // TOPK).to(tl.int64)
+        if SLOT_DEDUP:
+            slot = _group_slots(offs_m, same, rank, SP)
+            rows = slot.to(tl.int64)
+            out_row = rows
+        else:
+            rows = (start + offs_m).to(tl.int64)
+            slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
+            out_row = (slot // TOPK).to(tl.int64)
         scale = tl.load(topk_w_ptr + slot, mask=mmask, other=0.0) * alpha
         a_rows = act_ptr + rows[None, :] * I
-        out_ptrs = ws_ptr + tok[None, :] * H + offs_bn[:, None]
+        out_ptrs = ws_ptr + out_row[None, :] * H + offs_bn[:, None]
         if KC == I:
             if MERGED:
                 a = tl.load(a_rows + offs_k[:, None], mask=mmask[None, :], other=0.0)
@@ -647,7 +714,7 @@ def moe_gemm2_grouped_kernel(
                     acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
                 else:
                     acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                tl.atomic_add(out_ptrs + n0, acc * scale[None, :], mask=mmask[None, :], sem="relaxed")
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP)
         else:
             for n0 in range(n_begin, n_begin + n_per, BN):
                 acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -662,7 +729,7 @@ def moe_gemm2_grouped_kernel(
                     else:
                         a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :], NW)
                         acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                tl.atomic_add(out_ptrs + n0, acc * scale[None, :], mask=mmask[None, :], sem="relaxed")
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP)
 
 
 @triton.jit
@@ -921,10 +988,20 @@ def moe_scatter_kernel(ids_ptr, num_slots, emap_ptr, cursor_ptr, slots_ptr, BLOC
 
 
 @triton.jit
-def moe_finalize_kernel(ws_ptr, out_ptr, stride_ot, H: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t, :] = ws[t, :] in the output dtype."""
+def moe_finalize_kernel(ws_ptr, out_ptr, stride_ot, ids_ptr, emap_ptr, H: tl.constexpr, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr = 1, HAS_MAP: tl.constexpr = False):
+    """out[t, :] = the sum of ws rows t*ROWS .. t*ROWS + ROWS - 1 in the output dtype. ROWS = 1: the grouped
+    schedule's combine buffer; ROWS = k: the slot dedup's per-slot rows, added in slot order (a remote slot's
+    row was never written: skipped)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
-    v = tl.load(ws_ptr + t * H + offs, mask=m)
+    if ROWS == 1:
+        v = tl.load(ws_ptr + t * H + offs, mask=m)
+    else:
+        v = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(ROWS):
+            slot = t * ROWS + j
+            _, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
+            v += tl.load(ws_ptr + slot * H + offs, mask=offs < local * H, other=0.0)  # local is 0 or 1
     tl.store(out_ptr + t * stride_ot + offs, v.to(out_ptr.dtype.element_ty), mask=m)

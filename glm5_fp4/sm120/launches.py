@@ -113,6 +113,7 @@ def selections(
             for t in tokens:
                 p = C.plan(arch, t, *dims)
                 out.append(Selection(arch, shape, mode, p, t, ("align", "gemm1", "gemm2"), f"picked T={t}", use_asm))
+            out += opt_in_selections(arch, shape, mode, use_asm)
             if not (candidates and shape.candidates):
                 continue
             # The sweep (benchmarks/moe_kernel.py) runs a candidate under the slot schedule only with 16
@@ -128,6 +129,24 @@ def selections(
                     p = C.plan(arch, t, *dims, schedule=sched, gemm2=g2)
                     out.append(Selection(arch, shape, mode, p, t, ("gemm2",), "gemm2 candidate", use_asm))
         out += native_selections(arch, shape, modes, tokens)
+    return out
+
+
+def opt_in_selections(arch: str, shape: ShapeClass, mode: str, use_asm: bool = True) -> list[Selection]:
+    """Each opt-in plan form (configs.OPT_IN) at the batch sizes it is built for, where it serves the picker's
+    plan: a form must compile and fit before the H200 can make it a default."""
+    from glm5_fp4.kernels import configs as C
+
+    dims = (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate)
+    out = []
+    for name, o in C.OPT_IN.items():
+        if mode not in o.modes:
+            continue
+        for t in o.compile_tokens:
+            p = C.plan(arch, t, *dims, form=name)
+            if p != C.plan(arch, t, *dims):  # the form applies here
+                out.append(Selection(arch, shape, mode, p, t, ("align", "gemm1", "gemm2"), f"opt-in {name} T={t}",
+                                     use_asm))
     return out
 
 

@@ -278,6 +278,32 @@ def test_variant_grouped_split_k(shape, t, routing, split):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
 
 
+@pytest.mark.parametrize("shape,t,routing,mode", [
+    (SMALL, 4, "same_k", "w4a16"), (SMALL, 3, "zipf2", "w4a4"), (GLM_TP8, 4, "same_k", "w4a16"),
+    (GLM_TP8, 4, "balanced", "w4a4"), (GLM_TP8, 2, "one_hot", "w4a16"), (GLM_TP4, 4, "same_k", "w4a4"),
+    (GLM_TP1, 4, "same_k", "w4a16")])
+def test_variant_slot_dedup(shape, t, routing, mode):
+    """Plan.slot_dedup (opt-in): against the float64 reference and the per-slot form (the same products in the
+    same order: equal, up to the fp32 MMA's own column independence), and under CUDA-graph replays with new
+    routings equal to eager calls of the per-slot form."""
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing)
+    plan = default_plan(x, ids, prep, mode)
+    dedup = default_plan(x, ids, prep, mode, form="slot_dedup")
+    assert plan.schedule == "slot" and dedup.slot_dedup
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=dedup)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
+    assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode, plan=plan)) < moe_tolerance(mode, x.dtype)
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode, out=out, plan=dedup), w, ids,
+                                       out, e, 2):
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode, plan=plan)) < moe_tolerance(mode, x.dtype)
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("t,variant", [(3, "unmerged"), (3, "nosplit"), (40, "unmerged"), (40, "noprep"),
                                        (300, "unmerged"), (300, "bm64")])

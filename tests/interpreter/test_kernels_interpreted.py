@@ -23,7 +23,7 @@ from glm5_fp4.kernels import configs as C
 from glm5_fp4.kernels import prepare_experts
 from glm5_fp4.kernels.moe import fused_moe_triton
 from glm5_fp4.kernels.native_fp4 import _quant_fp4
-from glm5_fp4.kernels.triton_moe import _decode_code, _round_e4m3
+from glm5_fp4.kernels.triton_moe import _decode_code, _group_slots, _round_e4m3, _slot_group
 from glm5_fp4.reference import moe_reference, random_experts
 from glm5_fp4.tolerances import moe_tolerance, rel_error
 
@@ -249,8 +249,8 @@ def test_native_path_activation_quantizer_matches_nvfp4(gen):
     assert torch.equal(nvfp4.unpack_fp4(q), codes)
 
 
-@pytest.mark.parametrize("schedule,t", [("grouped", 20), ("slot", 2)])
-def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t):
+@pytest.mark.parametrize("schedule,t,form", [("grouped", 20, None), ("slot", 2, None), ("slot", 3, "slot_dedup")])
+def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t, form):
     """I > GEMM2_MAX_K_CHUNK (whole experts: TP1 and expert parallelism have I = 2048): GEMM2 loops over K
     chunks and GEMM1 stores act in the chunked merged order; here I = 1024, two chunks of 512."""
     assert C.gemm2_k_chunk(1024) == 512
@@ -260,7 +260,8 @@ def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t):
     x = torch.randn(t, h, generator=gen).half()
     w, ids = make_routing("zipf2", t, e, k, gen)
     plan = C.plan("sm90", t, e, k, h, i, schedule=schedule, gemm1=C.Gemm1Config(16, 16, 128, 4, 2),
-                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=schedule == "slot"))
+                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=schedule == "slot"), form=form)
+    assert plan.slot_dedup == (form == "slot_dedup")
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)
@@ -315,3 +316,93 @@ def test_grouped_split_k_refuses_what_it_does_not_serve(gen):
         fused_moe_triton(x, w, ids, prep, "w4a4", plan=_plan(8, "grouped", 256, gemm1_split_k=2))
     with pytest.raises(Glm5Fp4Error, match="whole 128-wide K tiles"):
         fused_moe_triton(x, w, ids, prep, "w4a16", plan=_plan(8, "grouped", 256, gemm1_split_k=4))
+
+
+# -- slot dedup (Plan.slot_dedup, opt-in) -------------------------------------------------------------
+
+@pytest.mark.parametrize("routing,mode,split", [("same_k", "w4a16", 1), ("one_hot", "w4a4", 1), ("zipf2", "w4a16", 2),
+                                                ("balanced", "w4a4", 2)])
+def test_slot_dedup_matches_reference(gen, routing, mode, split):
+    """Each group of slots sharing an expert is computed by its first slot's programs, GEMM1 and GEMM2 alike;
+    GEMM2 stores per-slot rows that the finalize adds per token. Skewed routings put all 4 tokens on the same
+    experts (groups of 4), balanced ones form groups of one; with split-K the partial sums go by slot id."""
+    out, ref = _run(gen, 4, mode, "slot", routing, h=256, gemm1_split_k=split, slot_dedup=True)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
+
+
+def test_slot_dedup_computes_what_the_slot_form_computes(gen):
+    """The same products in the same order (each column's MMA is its own; the k rows added in slot order):
+    equal to the per-slot form bit for bit, with the fused split-K reduce too."""
+    from glm5_fp4.kernels import launch as L
+
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(3, 256, generator=gen).half()
+    w, ids = make_routing("same_k", 3, E, K, gen)
+    base = _plan(3, "slot", 256, gemm1_split_k=2, gemm1_fused_reduce=True)
+    dedup = dataclasses.replace(base, slot_dedup=True)
+    assert L.count(dedup) == L.count(base) + 1
+    want = fused_moe_triton(x, w, ids, prep, "w4a16", plan=base)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=dedup)
+    assert torch.equal(out, want)
+
+
+def test_slot_dedup_groups_longer_than_a_block(gen):
+    """A group of more slots than GEMM's token block (20 tokens on the same experts, block 16) is walked a block
+    at a time; 40 slots round up to 64 in the group search."""
+    out, ref = _run(gen, 20, "w4a16", "slot", "same_k", slot_dedup=True)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_slot_dedup_under_expert_parallelism(gen, split):
+    """Remote slots are in no group and their rows are skipped by the finalize; a token with only remote
+    experts comes out exactly zero."""
+    emap = _emap()
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(4, 256, generator=gen).half()
+    w, ids = make_routing("same_k", 4, 16, K, gen)
+    ids[1:] = torch.tensor([3, 9])  # three tokens share two local experts
+    ids[0] = torch.tensor([0, 2])  # both experts remote
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a16", out=out,
+                     plan=_plan(4, "slot", 256, gemm1_split_k=split, slot_dedup=True), expert_map=emap)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+@triton.jit
+def _group_kernel(ids_ptr, emap_ptr, count_ptr, rows_ptr, SP: tl.constexpr, BM: tl.constexpr, HAS_MAP: tl.constexpr):
+    s = tl.program_id(0)
+    _, count, same, rank = _slot_group(s, ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP)
+    tl.store(count_ptr + s, count)
+    offs_m = tl.arange(0, BM)
+    tl.store(rows_ptr + s * BM + offs_m, tl.where(offs_m < count, _group_slots(offs_m, same, rank, SP), -1))
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_slot_groups_have_one_leader_each(gen, with_map):
+    """The first slot of each expert leads a group of every slot routed to that expert, in slot order; every
+    other slot (and every remote one) leads none. Checked against groups formed here."""
+    emap = _emap() if with_map else None
+    n_exp = 16 if with_map else E
+    _, ids = make_routing("zipf2", 12, n_exp, K, gen)
+    ids[:2] = torch.tensor([[1, 3], [1, 4]])  # one group of two for certain (1, 3, 4 are local under the map)
+    ids = ids.to(torch.int32).flatten().contiguous()
+    n = ids.numel()
+    count = torch.full((n,), -7, dtype=torch.int32)
+    rows = torch.full((n, 32), -7, dtype=torch.int32)
+    _group_kernel[(n,)](ids, emap if with_map else ids, count, rows, SP=32, BM=32, HAS_MAP=with_map)
+    local = emap[ids.long()] if with_map else ids
+    want_count, want_rows = [], []
+    for s in range(n):
+        members = [j for j in range(n) if local[j] == local[s]] if local[s] >= 0 else []
+        lead = bool(members) and members[0] == s
+        want_count.append(len(members) if lead else 0)
+        want_rows.append((members if lead else []) + [-1] * (32 - (len(members) if lead else 0)))
+    assert count.tolist() == want_count
+    assert rows.tolist() == want_rows
+    assert sum(want_count) == int((local >= 0).sum()) and max(want_count) > 1

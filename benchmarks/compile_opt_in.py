@@ -1,0 +1,26 @@
+"""Compile only the kernels the opt-in plan forms (configs.OPT_IN) add, for sm_120/sm_100/sm_90, on a CPU: the rows
+of the compile matrix whose every origin is an opt-in selection (the full matrix takes over 25 min on 2 cores).
+
+    python benchmarks/compile_opt_in.py [sm120,sm100,sm90]   # exit 1 if any fails to compile, spills or overflows
+"""
+import json, sys, tempfile, time
+from triton import knobs
+from glm5_fp4.sm120 import matrix as M
+archs = tuple(sys.argv[1].split(",")) if len(sys.argv) > 1 else ("sm120", "sm100", "sm90")
+t0 = time.time()
+todo = M.plan_rows(archs, candidates=False)
+opt = [(r, sp) for r, sp in todo if any("opt-in" in o for o in r.origins) and all("opt-in" in o for o in r.origins)]
+print(len(todo), "rows;", len(opt), "only from opt-in forms", flush=True)
+with tempfile.TemporaryDirectory() as tmp, knobs.cache.scope():
+    knobs.cache.dir = tmp
+    rows = M._compile_all(opt, 2)
+bad = []
+for r in rows:
+    b = r.build or {}
+    print(f"{r.arch} {r.kernel} {sorted((k, v) for k, v in r.constexprs.items() if k in ('DEDUP','SLOT_DEDUP','SPLIT_K','SP','ROWS','FUSED_REDUCE','PAR','BM','BN','KC'))} "
+          f"w={r.num_warps} s={r.num_stages} smem={b.get('shared_bytes')} regs={b.get('registers')} spill={b.get('spill_store_bytes')} "
+          f"err={r.error and r.error[:200]} problems={r.problems}", flush=True)
+    if r.error or r.problems:
+        bad.append(r)
+print("elapsed", round(time.time() - t0), "s; bad", len(bad))
+sys.exit(1 if bad else 0)
