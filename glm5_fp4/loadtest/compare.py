@@ -12,9 +12,19 @@ Whether a difference is real:
   `ITL_PER_REQUEST` ITLs per request - this widens the interval a little, never narrows it.
   Throughputs have no per-request sample; a closed loop obeys Little's law (throughput =
   concurrency / mean E2EL x tokens), so their interval scales with the bootstrap of mean E2EL
-  (approximate, and marked so);
+  (approximate, and marked so). Each run needs at least `MIN_BOOTSTRAP_REQUESTS` (20) completed
+  requests: with fewer the bootstrap interval is too narrow to trust (simulated on log-normal
+  latencies, a nominal 95 % interval of a mean difference covers ~69 % at 2 requests, ~85 % at 5,
+  ~89 % at 10, ~92 % at 20), and at 1 request it has zero width;
 - with neither, the difference is shown without a verdict.
-A difference whose interval contains 0 is reported as "within noise".
+A difference whose interval contains 0 is reported as "within noise". An interval of zero width (no
+spread between the repeats, or in the resamples) is no estimate: no verdict. Nor is there one for a
+metric that is NaN or infinite in a summary (the field and file are named, the command exits 1).
+
+The per-request file is the summary's `requests_file` beside it, or that name + `.gz` (how results
+are committed). It must hold the summary's run: as many ok rows as `completed` and other rows as
+`failed`, and no other summary may name it. A repeat must be a different run: the same file, or a
+copy of it, is refused.
 
 Runs that are not comparable get no verdict at all (every row says "not comparable", the reasons
 head the table, the command exits 1): different workloads (model, concurrency, rate, prompt count,
@@ -24,6 +34,7 @@ Groups are labelled with short unique names (the parts of the file names that di
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -36,9 +47,11 @@ import numpy as np
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest.metrics import STALL_MS
-from glm5_fp4.loadtest.report import describe_run, read_requests, requests_path_for
+from glm5_fp4.loadtest.report import (check_request_row, describe_run, is_count, is_finite_number, read_requests,
+                                      requests_path_for)
 
 ITL_PER_REQUEST = 32
+MIN_BOOTSTRAP_REQUESTS = 20  # see the module docstring for why 20
 LATENCIES = ("ttft", "tpot", "itl", "e2el", "chunk_itl")
 HIGHER_IS_BETTER = {"completed", "request_throughput", "request_goodput", "output_throughput",
                     "total_token_throughput", "output_throughput_per_user", "output_throughput_per_gpu",
@@ -51,6 +64,7 @@ OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tok
 CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "num_prompts")
 CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format")
 NOT_COMPARABLE = "not comparable"
+NOT_FINITE = "not finite"
 MAX_LABEL = 20
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
@@ -72,12 +86,21 @@ class Group:
     paths: list[Path]
     results: list[dict[str, Any]]
     rows: list[list[dict[str, Any]] | None] = field(default_factory=list)
+    # Per run: the per-request file read (None: inline vLLM arrays or none), and why there is no data if so.
+    requests_paths: list[Path | None] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
 
     def value(self, key: str) -> float | None:
         vals = [r.get(key) for r in self.results]
         if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in vals):
             return None
         return float(np.mean(vals))
+
+    def nonis_finite_number(self, key: str) -> list[str]:
+        """'<value> in <file>' for each run whose `key` is NaN or infinite."""
+        return [f"{r[key]} in `{p}`" for p, r in zip(self.paths, self.results)
+                if isinstance(r.get(key), float) and not math.isfinite(r[key])]
 
 
 def load_group(spec: str, label: str | None = None) -> Group:
@@ -87,21 +110,106 @@ def load_group(spec: str, label: str | None = None) -> Group:
     paths = [Path(p) for p in spec.split(",") if p]
     if not paths:
         raise Glm5Fp4Error(f"compare: empty result group {spec!r}")
-    results, rows = [], []
+    group = Group("", paths, [])
+    seen: dict[Path, Path] = {}
+    by_digest: dict[str, Path] = {}
     for p in paths:
-        if not p.is_file():
-            raise Glm5Fp4Error(f"compare: result file {str(p)!r} does not exist")
-        try:
-            res = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise Glm5Fp4Error(f"compare: {p} is not JSON ({exc})") from None
-        if not isinstance(res, dict) or "completed" not in res:
-            raise Glm5Fp4Error(f"compare: {p} is not a load-test summary (no 'completed' key)")
-        results.append(res)
-        req = requests_path_for(p, res)
-        rows.append(read_requests(req) if req.is_file() else rows_from_vllm_detailed(res))
-    name = label or results[0].get("label") or paths[0].stem
-    return Group(name, paths, results, rows)
+        res, digest = _read_summary(p)
+        real = p.resolve()
+        # A repeat is there to show run-to-run spread; the same run twice shows none and fakes certainty.
+        if real in seen:
+            raise Glm5Fp4Error(f"compare: {p} is given twice in one group of repeats; give distinct runs")
+        if digest in by_digest:
+            raise Glm5Fp4Error(f"compare: {p} has the same content as {by_digest[digest]}: a copy is not a "
+                               "repeat run; give distinct runs")
+        seen[real], by_digest[digest] = p, p
+        rows, req, note = _per_request_rows(p, res)
+        group.results.append(res)
+        group.rows.append(rows)
+        group.requests_paths.append(req)
+        group.digests.append(digest)
+        if note:
+            group.notes.append(note)
+    given = group.results[0].get("label")
+    group.label = label or (given if isinstance(given, str) and given else "") or paths[0].stem
+    return group
+
+
+def _read_summary(p: Path) -> tuple[dict[str, Any], str]:
+    if p.is_dir():
+        raise Glm5Fp4Error(f"compare: {p} is a directory; give the summary .json file of a run")
+    if not p.is_file():
+        raise Glm5Fp4Error(f"compare: result file {str(p)!r} does not exist")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise Glm5Fp4Error(f"compare: cannot read {p} ({exc.strerror or exc})") from None
+    if data[:2] == b"\x1f\x8b":
+        raise Glm5Fp4Error(f"compare: {p} is gzip-compressed; give the summary .json (a .requests.jsonl.gz "
+                           "beside it is found on its own)")
+    try:
+        res = json.loads(data.decode())
+    except UnicodeDecodeError:
+        raise Glm5Fp4Error(f"compare: {p} is binary, not a JSON summary") from None
+    except json.JSONDecodeError as exc:
+        raise Glm5Fp4Error(f"compare: {p} is not JSON ({exc})") from None
+    if not isinstance(res, dict) or "completed" not in res:
+        raise Glm5Fp4Error(f"compare: {p} is not a load-test summary (no 'completed' key)")
+    _check_summary_fields(p, res)
+    return res, hashlib.sha256(data).hexdigest()
+
+
+
+
+def _check_summary_fields(p: Path, res: dict[str, Any]) -> None:
+    """The fields compare relies on for comparability and for finding the per-request data."""
+    for key in ("completed", "failed"):
+        if key in res and not is_count(res[key]):
+            raise Glm5Fp4Error(f"compare: {p}: field {key!r} is {json.dumps(res[key])}, "
+                               "expected a count (integer >= 0)")
+    if "metadata" in res and not isinstance(res["metadata"], dict):
+        raise Glm5Fp4Error(f"compare: {p}: field 'metadata' is {json.dumps(res['metadata'])}, expected an object")
+    name = res.get("requests_file")
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise Glm5Fp4Error(f"compare: {p}: field 'requests_file' is {json.dumps(name)}, expected a file name")
+        # The load test writes a bare name; a path would let a summary point compare at any file on the host.
+        if Path(name).name != name or name in (".", ".."):
+            raise Glm5Fp4Error(f"compare: {p}: field 'requests_file' is {name!r}; it must name a file beside "
+                               "the summary, without folders")
+
+
+def _per_request_rows(p: Path, res: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Path | None, str | None]:
+    """(rows, file read, note when there are none): the per-request file, its .gz twin, or vLLM's inline arrays."""
+    named = requests_path_for(p, res)
+    candidates = [named] if named.name.endswith(".gz") else [named, named.with_name(named.name + ".gz")]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is not None:
+        rows = read_requests(found)
+    else:
+        rows = rows_from_vllm_detailed(res, p)
+        if rows is None:
+            looked = " or ".join(f"`{c}`" for c in candidates)
+            return None, None, f"no per-request file for `{p}` (looked for {looked})"
+    _check_counts(p, res, rows, found)
+    return rows, found, None
+
+
+def _check_counts(p: Path, res: dict[str, Any], rows: list[dict[str, Any]], found: Path | None) -> None:
+    ok = sum(1 for r in rows if r.get("status") == "ok")
+    other = len(rows) - ok
+    failed = res.get("failed")
+    if ok != res["completed"] or (failed is not None and other != failed):
+        where = str(found) if found else f"{p} (inline per-request arrays)"
+        raise Glm5Fp4Error(f"compare: {where} has {len(rows)} rows ({ok} ok, {other} not), but {p} says "
+                           f"completed {res['completed']}, failed {failed}: the per-request data is not this "
+                           "run's, or is incomplete")
+
+
+
+
+
+
 
 
 def _tokens(path: Path) -> list[str]:
@@ -134,19 +242,30 @@ def short_labels(groups: Sequence[Group], explicit: Sequence[bool]) -> None:
         g.label = label
 
 
-def rows_from_vllm_detailed(result: dict[str, Any]) -> list[dict[str, Any]] | None:
+def rows_from_vllm_detailed(result: dict[str, Any], path: Path | str = "result") -> list[dict[str, Any]] | None:
     """Per-request rows from a `vllm bench serve --save-detailed` result (arrays inline, seconds)."""
     need = ("ttfts", "itls", "latencies", "output_lens", "errors")
     if not all(isinstance(result.get(k), list) for k in need):
         return None
+    lengths = {k: len(result[k]) for k in need}
+    if len(set(lengths.values())) != 1:  # zip would silently drop the tail of the longer arrays
+        raise Glm5Fp4Error(f"compare: {path}: per-request arrays of different lengths "
+                           f"({', '.join(f'{k} {n}' for k, n in lengths.items())})")
     rows = []
-    for ttft, itl, lat, out, err in zip(*(result[k] for k in need)):
+    for i, (ttft, itl, lat, out, err) in enumerate(zip(*(result[k] for k in need))):
         if err or not ttft:
             rows.append({"status": "failed", "error": err})
             continue
-        rows.append({"status": "ok", "ttft_ms": ttft * 1e3, "e2el_ms": lat * 1e3, "output_tokens": out,
-                     "tpot_ms": (lat - ttft) * 1e3 / (out - 1) if out > 1 else 0.0,
-                     "itl_ms": [x * 1e3 for x in itl]})
+        where = f"{path}: request {i} of the inline arrays"
+        if not (is_finite_number(ttft) and is_finite_number(lat) and is_count(out) and isinstance(itl, list)
+                and all(is_finite_number(x) for x in itl)):
+            raise Glm5Fp4Error(f"compare: {where}: ttft {ttft!r}, latency {lat!r}, output_len {out!r}, itls "
+                               "must be finite numbers, a count and a list of numbers")
+        row = {"status": "ok", "ttft_ms": ttft * 1e3, "e2el_ms": lat * 1e3, "output_tokens": out,
+               "tpot_ms": (lat - ttft) * 1e3 / (out - 1) if out > 1 else 0.0,
+               "itl_ms": [x * 1e3 for x in itl]}
+        check_request_row(row, where)
+        rows.append(row)
     return rows
 
 
@@ -320,12 +439,16 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
     if not repeats and len(base.results) == 1 and len(other.results) == 1:
         for gi, g in enumerate((base, other)):
             pcts = sorted({float(s[1:]) for s in _latency_stats(g.results[0], "ttft") if s.startswith("p")})
-            boots[gi] = _Bootstrap(g.rows[0], n_boot, rng, pcts) if g.rows and g.rows[0] else None
+            enough = bool(g.rows and g.rows[0]) and _ok_count(g.rows[0]) >= MIN_BOOTSTRAP_REQUESTS
+            boots[gi] = _Bootstrap(g.rows[0], n_boot, rng, pcts) if enough else None
     rows = []
     for key in metric_keys(base.results[0]):
         a, b = base.value(key), other.value(key)
         if a is None or b is None:
             rows.append(Row(key, a, b, None, None, None, "-", "missing"))
+            continue
+        if base.nonis_finite_number(key) or other.nonis_finite_number(key):
+            rows.append(Row(key, a, b, None, None, None, "-", NOT_COMPARABLE if blocked else NOT_FINITE))
             continue
         delta = b - a
         rel = delta / abs(a) if a else None
@@ -338,8 +461,12 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
             se = math.sqrt(sa + sb)
             df = (sa + sb) ** 2 / ((sa**2 / (va.size - 1) if sa else 0) + (sb**2 / (vb.size - 1) if sb else 0)) \
                 if (sa or sb) else math.inf
-            h = _t95(df) * se
-            ci, method = (delta - h, delta + h), f"repeats {va.size}v{vb.size}"
+            method = f"repeats {va.size}v{vb.size}"
+            if se > 0:
+                h = _t95(df) * se
+                ci = (delta - h, delta + h)
+            else:
+                method += " (no spread)"
         elif boots:
             ra = _replicates_for(key, base, 0, boots.get(0))
             rb = _replicates_for(key, other, 0, boots.get(1))
@@ -349,9 +476,12 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
                 if d.size:
                     # Percentile interval of the bootstrap differences, re-centred on the observed delta.
                     lo, hi = np.percentile(d - d.mean(), [2.5, 97.5])
-                    ci = (delta + lo, delta + hi)
                     approx = key in THROUGHPUT_KEYS and key != "output_throughput_per_user"
                     method = "bootstrap~" if approx else "bootstrap"
+                    if hi > lo:
+                        ci = (delta + lo, delta + hi)
+                    else:
+                        method += " (no spread)"
         direction = _direction(key)
         if key in COUNT_KEYS:
             verdict = "same" if delta == 0 else ("better" if delta * (1 if key == "completed" else -1) > 0 else "worse")
@@ -365,6 +495,39 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
             verdict = "better" if delta * direction > 0 else "worse"
         rows.append(Row(key, a, b, delta, rel, ci, method, NOT_COMPARABLE if blocked else verdict))
     return rows
+
+
+def _ok_count(rows: list[dict[str, Any]]) -> int:
+    return sum(1 for r in rows if r.get("status") == "ok")
+
+
+def noise_notes(base: Group, other: Group, rows: list[Row]) -> list[str]:
+    """Why some or all differences have no noise estimate, for the reader of the table."""
+    notes = []
+    if len(base.results) == 1 and len(other.results) == 1:
+        for g in (base, other):
+            notes += g.notes
+            if g.rows and g.rows[0] is not None and _ok_count(g.rows[0]) < MIN_BOOTSTRAP_REQUESTS:
+                n = _ok_count(g.rows[0])
+                notes.append(f"`{g.paths[0]}` has {n} completed request{'' if n == 1 else 's'}, fewer than "
+                             f"{MIN_BOOTSTRAP_REQUESTS}: too few for a bootstrap interval")
+    elif (len(base.results) >= 2) != (len(other.results) >= 2):
+        notes.append("repeat runs on one side only: give >= 2 runs on both sides for run-to-run noise")
+    flat = [r.key for r in rows if r.method.endswith("(no spread)") and r.delta]
+    if flat:
+        src = "run-to-run" if rows and any(r.method.startswith("repeats") for r in rows) else "resampled"
+        notes.append(f"no {src} spread for {', '.join(flat)}: a zero-width interval is no estimate, no verdict")
+    return notes
+
+
+def non_finite_notes(base: Group, other: Group) -> list[str]:
+    """'<field> is <value> in <file>' for every metric that is NaN or infinite in either group."""
+    out = []
+    for key in metric_keys(base.results[0]):
+        bad = base.nonis_finite_number(key) + other.nonis_finite_number(key)
+        if bad:
+            out.append(f"{key} is {', '.join(bad)}")
+    return out
 
 
 def config_differences(base: Group, other: Group) -> list[str]:
@@ -424,8 +587,16 @@ def markdown_block(base: Group, other: Group, rows: list[Row]) -> str:
                      "throughput differences include them. Warm both servers alike first (the load test's "
                      "warm-up wave, `--num-warmups`); `glm5-fp4 profile stalls` names what held the host.")
     methods = sorted({r.method for r in rows if r.method not in ("-", "none")})
-    lines.append(f"- Noise estimate: {', '.join(methods) or 'none (no per-request files, single runs)'}; "
-                 "95 % interval of the difference; `~` = Little's-law approximation")
+    notes = noise_notes(base, other, rows)
+    if methods:
+        lines.append(f"- Noise estimate: {', '.join(methods)}; 95 % interval of the difference; "
+                     "`~` = Little's-law approximation")
+    else:
+        lines.append("- Noise estimate: none (differences shown without a verdict)")
+    lines += [f"  - {n}" for n in notes]
+    bad = non_finite_notes(base, other)
+    if bad:
+        lines.append(f"- **Not finite**, so no verdict: {'; '.join(bad)}")
     good = [r for r in rows if r.verdict in ("better", "worse") and r.key not in COUNT_KEYS
             and not r.key.startswith("std_")]
     if good:
@@ -458,6 +629,10 @@ def print_table(base: Group, other: Group, rows: list[Row], console: Any = None)
     console.print(t)
     for g in (base, other):
         console.print(f"{g.label}: {', '.join(str(p) for p in g.paths)}", highlight=False)
+    for note in noise_notes(base, other, rows):
+        console.print(f"noise: {note}", highlight=False, markup=False)
+    for note in non_finite_notes(base, other):
+        console.print(f"not finite, no verdict: {note}", highlight=False, markup=False)
 
 
 def compare_files(specs: Sequence[str], *, n_boot: int = 500, seed: int = 0,
@@ -465,8 +640,27 @@ def compare_files(specs: Sequence[str], *, n_boot: int = 500, seed: int = 0,
     if len(specs) < 2:
         raise Glm5Fp4Error("compare: give at least two result files (baseline first)")
     groups = [load_group(s, labels[i] if labels and i < len(labels) else None) for i, s in enumerate(specs)]
+    _check_shared_requests_files(groups)
     short_labels(groups, [bool(labels and i < len(labels)) or ("=" in s and not Path(s).exists())
                           for i, s in enumerate(specs)])
     tables = [compare_groups(groups[0], g, n_boot=n_boot, seed=seed) for g in groups[1:]]
     md = "\n\n".join(markdown_block(groups[0], g, rows) for g, rows in zip(groups[1:], tables))
     return groups, tables, md
+
+
+def _check_shared_requests_files(groups: Sequence[Group]) -> None:
+    """Two different summaries naming one per-request file would get the same bootstrap and look alike."""
+    owners: dict[Path, tuple[str, Path]] = {}
+    for g in groups:
+        for p, req, digest in zip(g.paths, g.requests_paths, g.digests):
+            if req is None:
+                continue
+            first = owners.setdefault(req.resolve(), (digest, p))
+            if first[0] != digest:  # the same summary in two groups (a run against itself) is fine
+                raise Glm5Fp4Error(f"compare: {req} is the per-request file of both {first[1]} and {p}; each "
+                                   "summary needs its own run's file")
+
+
+def input_files(groups: Sequence[Group]) -> list[Path]:
+    """Every file compare read: summaries and per-request files."""
+    return [p for g in groups for p in [*g.paths, *(r for r in g.requests_paths if r is not None)]]

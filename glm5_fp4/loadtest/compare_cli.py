@@ -25,23 +25,73 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from glm5_fp4.errors import Glm5Fp4Error
-    from glm5_fp4.loadtest.compare import compare_files, not_comparable, print_table
+    from glm5_fp4.loadtest.compare import compare_files, input_files, non_finite_notes, not_comparable, print_table
 
     if args.bootstrap < 50:
         raise Glm5Fp4Error(f"--bootstrap {args.bootstrap}: use at least 50 resamples")
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        _check_out(out)  # before any work: a bad --out must not cost a table printed for nothing
     labels = [x for x in args.labels.split(",")] if args.labels else None
     groups, tables, md = compare_files(args.results, n_boot=args.bootstrap, seed=args.seed, labels=labels)
+    if out is not None:
+        for p in input_files(groups):
+            if p.resolve() == out.resolve():
+                raise Glm5Fp4Error(f"--out {out} is one of the inputs ({p}); refusing to overwrite it")
     if args.markdown:
         print(md)
     else:
         for g, rows in zip(groups[1:], tables):
             print_table(groups[0], g, rows)
-    if args.out:
-        Path(args.out).write_text(md + "\n")
-        print(f"markdown: {args.out}")
-    blocked = [(g, not_comparable(groups[0], g)) for g in groups[1:]]
-    for g, reasons in blocked:
+    if out is not None:
+        _write_atomically(out, md + "\n")
+        print(f"markdown: {out}")
+    status = 0
+    for g in groups[1:]:
+        reasons = not_comparable(groups[0], g)
         if reasons:
             print(f"compare: {g.label} vs {groups[0].label} not comparable, no verdicts: {'; '.join(reasons)}",
                   file=sys.stderr)
-    return 1 if any(reasons for _, reasons in blocked) else 0
+            status = 1
+        bad = non_finite_notes(groups[0], g)
+        if bad:
+            print(f"compare: {g.label} vs {groups[0].label}: not finite, no verdict: {'; '.join(bad)}",
+                  file=sys.stderr)
+            status = 1
+    return status
+
+
+def _check_out(out: Path) -> None:
+    import os
+
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    if out.is_dir():
+        raise Glm5Fp4Error(f"--out {out} is a directory; give a file name, e.g. {out / 'compare.md'}")
+    parent = out.parent
+    if not parent.exists():
+        raise Glm5Fp4Error(f"--out {out}: its folder {parent} does not exist")
+    if not parent.is_dir():
+        raise Glm5Fp4Error(f"--out {out}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise Glm5Fp4Error(f"--out {out}: not writable")
+
+
+def _write_atomically(out: Path, text: str) -> None:
+    """A temporary file renamed over `out`: a failed write leaves no half-written markdown."""
+    import os
+    import tempfile
+
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the markdown private, unlike a plain write
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise Glm5Fp4Error(f"--out {out}: cannot write ({exc.strerror or exc})") from None

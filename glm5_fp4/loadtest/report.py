@@ -8,12 +8,15 @@ Files for a run with stem S, side by side so `compare` can find the per-request 
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest.metrics import METRICS
 
 LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL", "chunk_itl": "chunk ITL"}
@@ -70,9 +73,57 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+def is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def is_finite_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def read_requests(path: str | Path) -> list[dict[str, Any]]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a .requests.jsonl (or .jsonl.gz), each checked; errors name file:line and the field. The one
+    reader of the per-request files: compare and `profile stalls` read them through it."""
+    path = Path(path)
+    gz = path.name.endswith(".gz")
+    rows = []
+    try:
+        with (gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise Glm5Fp4Error(f"{path}:{n}: not JSON ({exc.msg}); the file is truncated or "
+                                       "corrupt") from None
+                check_request_row(row, f"{path}:{n}")
+                rows.append(row)
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
+        what = "corrupt or truncated gzip" if gz and not isinstance(exc, UnicodeDecodeError) else "unreadable"
+        raise Glm5Fp4Error(f"{path}: {what} per-request file ({exc})") from None
+    return rows
+
+
+def check_request_row(row: Any, where: str) -> None:
+    """An ok row needs every number the bootstrap resamples; a failed row only its status."""
+    if not isinstance(row, dict):
+        raise Glm5Fp4Error(f"{where}: a request row must be a JSON object, not {type(row).__name__}")
+    if not isinstance(row.get("status"), str):
+        raise Glm5Fp4Error(f"{where}: field 'status' is {json.dumps(row.get('status'))}, expected a string")
+    if row["status"] != "ok":
+        return
+    for key in ("ttft_ms", "e2el_ms", "tpot_ms"):
+        if key not in row:
+            raise Glm5Fp4Error(f"{where}: an ok request has no field {key!r}")
+        if not is_finite_number(row[key]):
+            raise Glm5Fp4Error(f"{where}: field {key!r} is {json.dumps(row[key])}, expected a finite number")
+    if not is_count(row.get("output_tokens")):
+        raise Glm5Fp4Error(f"{where}: field 'output_tokens' is {json.dumps(row.get('output_tokens'))}, "
+                           "expected a count (integer >= 0)")
+    for key in ("itl_ms", "chunk_itl_ms"):
+        if key in row and not (isinstance(row[key], list) and all(is_finite_number(x) for x in row[key])):
+            raise Glm5Fp4Error(f"{where}: field {key!r} must be a list of finite numbers")
 
 
 def _fmt(value: Any, fmt: str) -> str:
