@@ -63,3 +63,51 @@ def test_bad_writeups_name_the_file_and_field(workdir):
     before = sorted(workdir.iterdir())
     assert main(["improvements", "new", "--title", "t", "--from", "/nonexistent.md", "--dir", str(workdir)]) == 1
     assert sorted(workdir.iterdir()) == before, "a failed `new` must not leave a half-written file"
+
+
+def test_new_without_index_markers_leaves_nothing_behind(workdir, capsys):
+    (workdir / "README.md").write_text("# Improvements\n\nno markers here\n")
+    for _ in range(2):  # a rerun must not skip a number either
+        assert main(["improvements", "new", "--title", "x test", "--dir", str(workdir)]) == 1
+        assert "index markers not found" in capsys.readouterr().err
+        assert sorted(p.name for p in workdir.glob("*.md")) == ["README.md", "TEMPLATE.md"]
+
+
+def test_not_comparable_compare_block_does_not_mark_measured(workdir, tmp_path, capsys):
+    compare = tmp_path / "compare.md"
+    compare.write_text(
+        "### b vs a\n\n**Not comparable**, so no verdicts: failed requests differ: 0 vs 32.\n\n"
+        "| Metric | a | b | verdict |\n|---|---|---|---|\n| completed | 32 | 0 | not comparable |\n"
+    )
+    assert main(["improvements", "new", "--title", "bad run", "--from", str(compare), "--dir", str(workdir)]) == 0
+    w = read_writeup(workdir / "01-bad-run.md")
+    assert w.status == "proposed"
+    assert "not comparable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "front, culprit",
+    [
+        ("number: three\ntitle: x\nstatus: proposed\nheadline: y\n", "field 'number' is 'three', expected an integer"),
+        ("- a\n- b\n", "front matter is a YAML list"),
+    ],
+)
+def test_malformed_front_matter_is_one_clear_error(workdir, capsys, front, culprit):
+    (workdir / "01-bad.md").write_text(f"---\n{front}---\nbody\n")
+    assert main(["improvements", "index", "--dir", str(workdir)]) == 1
+    err = capsys.readouterr().err
+    assert "01-bad.md" in err and culprit in err and "Traceback" not in err
+
+
+def test_non_utf8_writeup_is_one_clear_error(workdir, capsys):
+    (workdir / "01-latin.md").write_bytes("---\nnumber: 1\ntitle: t\nstatus: proposed\nheadline: café\n---\n".encode("latin-1"))
+    assert main(["improvements", "index", "--dir", str(workdir)]) == 1
+    err = capsys.readouterr().err
+    assert "01-latin.md: not UTF-8" in err and "Traceback" not in err
+
+
+def test_from_a_directory_is_one_clear_error(workdir, tmp_path, capsys):
+    assert main(["improvements", "new", "--title", "y", "--from", str(tmp_path), "--dir", str(workdir)]) == 1
+    err = capsys.readouterr().err
+    assert "is a directory" in err and "Traceback" not in err
+    assert not list(workdir.glob("01-*.md"))

@@ -58,6 +58,8 @@ def build_config(arch: str, sizes: dict | None = None, eos_token_id: int = 1, pa
         if key not in TINY_SIZES:
             raise Glm5Fp4Error(f"unknown size field {key!r}; known: {', '.join(sorted(TINY_SIZES))}")
         s[key] = value
+    # shapes first: the NVFP4 divisibility rule below and the layout both assume positive integers
+    check_config({**s, "model_type": "glm_moe_dsa" if arch == "glm5" else "glm4_moe"}, "--size")
     if s["moe_intermediate_size"] % 32 or s["hidden_size"] % 32 or s["intermediate_size"] % 32:
         raise Glm5Fp4Error("hidden_size, intermediate_size and moe_intermediate_size must be multiples of 32 "
                            "(NVFP4 blocks of 16 along K, two codes per byte)")
@@ -149,3 +151,80 @@ def dense_attention_view(config: dict) -> dict:
     for key in DSA_ONLY_KEYS:
         view.pop(key, None)
     return view
+
+
+# Sizes every GLM-5-family config needs; each must be a positive integer (0 makes empty tensors that
+# loaders index into, a string or float is not a shape).
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "moe_intermediate_size",
+             "n_routed_experts", "num_experts_per_tok", "vocab_size")
+_NON_NEGATIVE = ("first_k_dense_replace", "n_shared_experts")
+_MLA_POSITIVE = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_DSA_POSITIVE = ("index_topk", "index_n_heads", "index_head_dim")
+_GQA_POSITIVE = ("num_key_value_heads", "head_dim")
+
+
+def check_config(config: object, where: str) -> None:
+    """Raise one Glm5Fp4Error naming the field if ``config`` cannot describe a servable GLM-5-family MoE model.
+
+    The one home of these rules: make-checkpoint runs it before writing anything, inspect on what it reads, so
+    a checkpoint the one writes the other accepts, and neither passes a model no engine can build (top-64 of
+    16 experts, all layers dense, a vocabulary smaller than its tokenizer's...). ``where`` names the source in
+    messages (a config.json path, or "--size").
+    """
+    from glm5_fp4.checkpoint.layout import MLA_TYPES
+
+    if not isinstance(config, dict):
+        raise Glm5Fp4Error(f"{where}: expected a JSON object, got {type(config).__name__}")
+
+    def integer(key: str, minimum: int, required: bool = True) -> int | None:
+        if key not in config:
+            if required:
+                raise Glm5Fp4Error(f"{where}: field {key!r} missing (not a GLM-5-family MoE config)")
+            return None
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Glm5Fp4Error(f"{where}: field {key!r} is {value!r}, expected an integer")
+        if value < minimum:
+            raise Glm5Fp4Error(f"{where}: field {key!r} is {value}, expected an integer >= {minimum}")
+        return value
+
+    for key in _POSITIVE:
+        integer(key, 1)
+    for key in _NON_NEGATIVE:
+        integer(key, 0, required=False)
+    mla = config.get("model_type") in MLA_TYPES
+    for key in _MLA_POSITIVE if mla else _GQA_POSITIVE:
+        integer(key, 1)
+    if mla and "index_n_heads" in config:
+        for key in _DSA_POSITIVE:
+            integer(key, 1)
+    if not mla and config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise Glm5Fp4Error(f"{where}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
+                           f"num_key_value_heads {config['num_key_value_heads']}")
+    experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
+    if top_k > experts:
+        raise Glm5Fp4Error(f"{where}: num_experts_per_tok {top_k} is more than n_routed_experts {experts} "
+                           "(each token cannot be routed to more experts than there are)")
+    layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 0)
+    if dense >= layers:
+        raise Glm5Fp4Error(f"{where}: first_k_dense_replace {dense} leaves no MoE layer in a "
+                           f"{layers}-layer model (expected < num_hidden_layers)")
+    n_group = integer("n_group", 1, required=False)
+    topk_group = integer("topk_group", 1, required=False)
+    if n_group is not None:
+        if experts % n_group:
+            raise Glm5Fp4Error(f"{where}: n_routed_experts {experts} is not a multiple of n_group {n_group}")
+        if topk_group is not None and topk_group > n_group:
+            raise Glm5Fp4Error(f"{where}: topk_group {topk_group} is more than n_group {n_group}")
+    for key in ("mlp_layer_types", "layer_types", "indexer_types"):
+        value = config.get(key)
+        if value is not None and (not isinstance(value, list) or len(value) != layers):
+            raise Glm5Fp4Error(f"{where}: field {key!r} must list one entry per layer ({layers}), "
+                               f"got {value if not isinstance(value, list) else f'{len(value)} entries'}")
+
+
+def check_tokenizer_fits(vocab_size: int, tokenizer_ids: int, where: str) -> None:
+    """A token id at or past vocab_size indexes outside the embedding: the first prompt using it crashes."""
+    if tokenizer_ids > vocab_size:
+        raise Glm5Fp4Error(f"{where}: vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_ids} ids "
+                           "(ids past vocab_size would index outside the embedding)")

@@ -19,6 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glm5_fp4.checkpoint.configs import check_config, check_tokenizer_fits
+from glm5_fp4.checkpoint.tokenizer import tokenizer_id_count
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.nvfp4 import BLOCK_SIZE
 
@@ -105,6 +107,8 @@ def _human(n: float) -> str:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    if not path.is_file():
+        raise Glm5Fp4Error(f"{path}: not a regular file (a directory?), so not a safetensors file")
     try:
         with path.open("rb") as f:
             raw_len = f.read(8)
@@ -116,15 +120,25 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise Glm5Fp4Error(f"{path}: corrupt safetensors header") from None
+    except OSError as exc:
+        raise Glm5Fp4Error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not isinstance(header, dict):
+        raise Glm5Fp4Error(f"{path}: corrupt safetensors header (not a JSON object)")
     size = path.stat().st_size
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        end = meta["data_offsets"][1]
+        try:
+            end = meta["data_offsets"][1]
+            dtype, shape = meta["dtype"], tuple(meta["shape"])
+            if not isinstance(end, int) or not isinstance(dtype, str) or not all(isinstance(d, int) for d in shape):
+                raise TypeError
+        except (KeyError, IndexError, TypeError):
+            raise Glm5Fp4Error(f"{path}: corrupt safetensors header entry for tensor {name}") from None
         if 8 + n + end > size:
             raise Glm5Fp4Error(f"{path}: tensor {name} extends past the end of the file (truncated download?)")
-        out[name] = TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name)
+        out[name] = TensorInfo(dtype, shape, path.name)
     return out
 
 
@@ -141,7 +155,12 @@ def read_tensor_index(ckpt: Path, notes: list[str] | None = None) -> dict[str, T
             raise Glm5Fp4Error(f"{ckpt}: no *.safetensors files")
         tensors: dict[str, TensorInfo] = {}
         for f in files:
-            tensors.update(read_safetensors_header(f))
+            for name, info in read_safetensors_header(f).items():
+                # Without an index nothing says which copy a loader takes: refuse rather than pick one.
+                if name in tensors:
+                    raise Glm5Fp4Error(f"{ckpt}: tensor {name} is in both {tensors[name].file} and {f.name} "
+                                       f"(a leftover shard? remove one, or add {INDEX_FILE})")
+                tensors[name] = info
         return tensors
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -336,9 +355,14 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise Glm5Fp4Error(f"{cfg_path}: not valid JSON ({exc})") from None
-    for key in ("hidden_size", "num_hidden_layers", "n_routed_experts", "moe_intermediate_size"):
-        if key not in config:
-            raise Glm5Fp4Error(f"{cfg_path}: field {key!r} missing (not a GLM-5-family MoE config)")
+    check_config(config, str(cfg_path))
+    tok_path = ckpt / "tokenizer.json"
+    if tok_path.is_file():
+        try:
+            ids = tokenizer_id_count(tok_path)
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as exc:
+            raise Glm5Fp4Error(f"{tok_path}: not a tokenizer.json ({exc})") from None
+        check_tokenizer_fits(config["vocab_size"], ids, f"{cfg_path} with {tok_path.name}")
     quant_algo, group_size, excluded = read_quant_config(ckpt, config)
     if require_nvfp4 and (quant_algo or "").upper() != "NVFP4":
         raise Glm5Fp4Error(f"{ckpt}: not an NVFP4 checkpoint (quant_algo={quant_algo!r}; expected 'NVFP4')")

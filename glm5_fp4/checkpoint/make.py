@@ -16,6 +16,7 @@ arguments. ``dequantized=True`` writes the BF16 twin: each NVFP4 weight replaced
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -25,9 +26,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from glm5_fp4 import nvfp4
-from glm5_fp4.checkpoint.configs import build_config, dense_attention_view
+from glm5_fp4.checkpoint.configs import build_config, check_tokenizer_fits, dense_attention_view
 from glm5_fp4.checkpoint.layout import RECIPES, TensorSpec, exclude_modules, model_tensors
-from glm5_fp4.checkpoint.tokenizer import save_tokenizer
+from glm5_fp4.checkpoint.tokenizer import MIN_VOCAB_SIZE, save_tokenizer
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.outputs import output_dir
 
@@ -96,6 +97,14 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _match_umask(path: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600); give the weights the same mode as the
+    config and tokenizer next to them, or another user (a server's account) can read all but the weights."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def write_safetensors(tensors, out_dir: Path, total: int, shard_bytes: int = SHARD_BYTES) -> None:
     """Write tensors as one ``model.safetensors`` or as shards with an index, keeping memory to one shard."""
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -107,6 +116,7 @@ def write_safetensors(tensors, out_dir: Path, total: int, shard_bytes: int = SHA
         idx = len(files) + 1
         fname = "model.safetensors" if final and idx == 1 else f"model-{idx:05d}.safetensors"
         save_file(shards[-1], str(out_dir / fname), metadata={"format": "pt"})
+        _match_umask(out_dir / fname)
         files.append(fname)
         weight_map.update({k: fname for k in shards[-1]})
         shards[-1] = {}
@@ -163,6 +173,7 @@ def make_checkpoint(
     except (RuntimeError, AssertionError) as exc:
         raise Glm5Fp4Error(f"--device {device!r} is not usable here: {str(exc).splitlines()[0]}") from None
     cfg = build_config(arch, sizes)
+    check_tokenizer_fits(cfg["vocab_size"], MIN_VOCAB_SIZE, "--size")
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
     try:

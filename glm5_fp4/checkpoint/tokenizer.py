@@ -11,6 +11,8 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 EOS_TOKEN = "<|endoftext|>"
+# Byte-level BPE starts from all 256 bytes plus the special tokens; a smaller vocab_size still gets these ids.
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
@@ -72,6 +74,18 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def tokenizer_id_count(path: Path) -> int:
+    """1 + the highest id a tokenizer.json assigns (base vocabulary and added tokens)."""
+    import json
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    return max(ids) + 1 if ids else 0
 
 
 def save_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> int:

@@ -19,11 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from glm5_fp4.improvements.writeups import new_writeup, regenerate_index
+    from glm5_fp4.improvements.writeups import new_writeup, read_writeup, regenerate_index
 
     if args.action == "new":
         path = new_writeup(args.dir, args.title, args.compare_md, args.status)
         print(f"created {path}; index regenerated")
+        if args.compare_md is not None and read_writeup(path).status == args.status == "proposed":
+            print(f"status left 'proposed': {args.compare_md} says the runs are not comparable")
         return 0
     ok = regenerate_index(args.dir, check=args.check)
     if args.check and not ok:

@@ -37,25 +37,45 @@ def slugify(title: str) -> str:
     return slug[:60].rstrip("-") or "untitled"
 
 
+def _read_text(path: Path, what: str) -> str:
+    """Text of a file the command needs, or one error naming it (write-ups are UTF-8 markdown)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise Glm5Fp4Error(f"{path}: no such {what}") from None
+    except IsADirectoryError:
+        raise Glm5Fp4Error(f"{path}: is a directory; expected a {what} file") from None
+    except UnicodeDecodeError as exc:
+        raise Glm5Fp4Error(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                           "save it as UTF-8") from None
+    except OSError as exc:
+        raise Glm5Fp4Error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+
+
 def read_writeup(path: Path) -> Writeup:
     m = _FILE_RE.match(path.name)
     if not m:
         raise Glm5Fp4Error(f"{path}: write-up files are named NN-slug.md (lowercase slug)")
-    front = _FRONT_RE.match(path.read_text())
+    front = _FRONT_RE.match(_read_text(path, "write-up"))
     if not front:
         raise Glm5Fp4Error(f"{path}: missing the YAML front matter block (--- number/title/status/headline ---)")
     try:
         meta = yaml.safe_load(front.group(1)) or {}
     except yaml.YAMLError as exc:
         raise Glm5Fp4Error(f"{path}: front matter is not valid YAML ({exc})") from None
+    if not isinstance(meta, dict):
+        raise Glm5Fp4Error(f"{path}: front matter is a YAML {type(meta).__name__}, expected number/title/status/headline fields")
     for field in ("number", "title", "status", "headline"):
         if field not in meta:
             raise Glm5Fp4Error(f"{path}: front matter field {field!r} missing")
     if meta["status"] not in STATUSES:
         raise Glm5Fp4Error(f"{path}: field 'status' is {meta['status']!r}; allowed: {', '.join(STATUSES)}")
-    if int(meta["number"]) != int(m.group(1)):
-        raise Glm5Fp4Error(f"{path}: field 'number' is {meta['number']} but the file name says {int(m.group(1))}")
-    return Writeup(path, int(meta["number"]), str(meta["title"]), meta["status"], str(meta["headline"]))
+    number = meta["number"]
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise Glm5Fp4Error(f"{path}: field 'number' is {number!r}, expected an integer (the file name says {int(m.group(1))})")
+    if number != int(m.group(1)):
+        raise Glm5Fp4Error(f"{path}: field 'number' is {number} but the file name says {int(m.group(1))}")
+    return Writeup(path, number, str(meta["title"]), meta["status"], str(meta["headline"]))
 
 
 def list_writeups(directory: Path) -> list[Writeup]:
@@ -76,35 +96,47 @@ def render_index(writeups: list[Writeup]) -> str:
     return "\n".join(lines)
 
 
-def regenerate_index(directory: Path, check: bool = False) -> bool:
-    """Rewrite the index block of README.md; with ``check`` only report whether it is up to date."""
+def _indexed_readme(directory: Path, writeups: list[Writeup]) -> tuple[Path, str, str]:
+    """(README path, its text now, its text with the index of ``writeups``); checks the markers."""
     readme = directory / "README.md"
     if not readme.exists():
         raise Glm5Fp4Error(f"{readme}: missing (it holds the index between the marker lines)")
-    text = readme.read_text()
+    text = _read_text(readme, "README")
     if INDEX_BEGIN not in text or INDEX_END not in text:
         raise Glm5Fp4Error(f"{readme}: index markers not found; expected the line {INDEX_BEGIN!r} and {INDEX_END!r}")
     head, rest = text.split(INDEX_BEGIN, 1)
     _, tail = rest.split(INDEX_END, 1)
-    new = head + render_index(list_writeups(directory)) + tail
+    return readme, text, head + render_index(writeups) + tail
+
+
+def regenerate_index(directory: Path, check: bool = False) -> bool:
+    """Rewrite the index block of README.md; with ``check`` only report whether it is up to date."""
+    readme, text, new = _indexed_readme(directory, list_writeups(directory))
     if check:
         return new == text
-    readme.write_text(new)
+    readme.write_text(new, encoding="utf-8")
     return True
+
+
+NOT_COMPARABLE = "**Not comparable**"  # what `glm5-fp4 compare` prints when it gives no verdicts
 
 
 def extract_compare_block(compare_md: Path) -> str:
     """The markdown a `glm5-fp4 compare` run wrote (its tables), to paste into the results section."""
-    try:
-        text = compare_md.read_text().strip()
-    except FileNotFoundError:
-        raise Glm5Fp4Error(f"{compare_md}: no such compare output") from None
+    text = _read_text(compare_md, "compare output").strip()
     if "|" not in text:
         raise Glm5Fp4Error(f"{compare_md}: holds no markdown table; expected the output of `glm5-fp4 compare`")
     return text
 
 
+def is_comparable(compare_block: str) -> bool:
+    return NOT_COMPARABLE not in compare_block
+
+
 def new_writeup(directory: Path, title: str, compare_md: Path | None = None, status: str = "proposed") -> Path:
+    """Create the next write-up and re-index. Everything that can fail (template, compare block, existing
+    write-ups, README markers) is read and checked first, so a failure leaves no half-made write-up whose
+    number the next attempt would skip."""
     if status not in STATUSES:
         raise Glm5Fp4Error(f"--status {status!r}; allowed: {', '.join(STATUSES)}")
     template = directory / "TEMPLATE.md"
@@ -113,14 +145,23 @@ def new_writeup(directory: Path, title: str, compare_md: Path | None = None, sta
     existing = list_writeups(directory)
     number = max((w.number for w in existing), default=0) + 1
     path = directory / f"{number:02d}-{slugify(title)}.md"
-    body = template.read_text()
+    body = _read_text(template, "template")
     body = _FRONT_RE.sub("", body, count=1)
     body = body.replace("{{title}}", title).replace("{{date}}", date.today().isoformat())
     if compare_md is not None:
-        body = body.replace(RESULTS_PLACEHOLDER, extract_compare_block(compare_md))
-        status = "measured" if status == "proposed" else status
-    front = yaml.safe_dump({"number": number, "title": title, "status": status,
-                            "headline": "TODO: one line with the measured number"}, sort_keys=False)
-    path.write_text(f"---\n{front}---\n{body}")
-    regenerate_index(directory)
+        block = extract_compare_block(compare_md)
+        body = body.replace(RESULTS_PLACEHOLDER, block)
+        # A block without verdicts measured nothing, so it does not promote the write-up.
+        if status == "proposed" and is_comparable(block):
+            status = "measured"
+    headline = "TODO: one line with the measured number"
+    front = yaml.safe_dump({"number": number, "title": title, "status": status, "headline": headline},
+                           sort_keys=False)
+    readme, _, indexed = _indexed_readme(directory, [*existing, Writeup(path, number, title, status, headline)])
+    path.write_text(f"---\n{front}---\n{body}", encoding="utf-8")
+    try:
+        readme.write_text(indexed, encoding="utf-8")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     return path

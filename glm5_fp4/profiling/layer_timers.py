@@ -38,7 +38,9 @@ The vLLM and SGLang plugins do this for the model they load: :mod:`glm5_fp4.engi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -433,13 +435,34 @@ class TimerReport:
         return paths
 
 
+def _check_regions(regions: dict, where: str) -> None:
+    """LayerTimer writes only finite durations >= 0 (an end stamped before its begin is dropped), so anything
+    else is a corrupt or foreign file; summarising it would print negative or NaN medians as if measured."""
+    for name, us in regions.items():
+        if isinstance(us, bool) or not isinstance(us, (int, float)):
+            raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r}, expected a number of µs")
+        if not math.isfinite(us) or us < 0:
+            raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r} µs; a duration is finite and >= 0")
+
+
 def read_dumps(files: list[Path]) -> TimerReport:
     report = TimerReport()
+    seen: dict[bytes, Path] = {}
     for f in files:
         try:
-            lines = f.read_text().splitlines()
+            raw = f.read_bytes()
         except OSError as exc:
             raise Glm5Fp4Error(f"{f}: cannot read ({exc.strerror})") from None
+        # Each dump is its own steps (one per rank or run); the same one twice would double every count.
+        digest = hashlib.sha256(raw).digest()
+        if digest in seen:
+            same = "given twice" if seen[digest].resolve() == f.resolve() else f"has the same content as {seen[digest]}"
+            raise Glm5Fp4Error(f"{f}: {same}; each dump may be counted once")
+        seen[digest] = f
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise Glm5Fp4Error(f"{f}: not a layer-timer dump (not UTF-8 text)") from None
         for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -449,6 +472,7 @@ def read_dumps(files: list[Path]) -> TimerReport:
                     raise TypeError
             except (ValueError, KeyError, TypeError):
                 raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
+            _check_regions(record["regions_us"], f"{f}:{i}")
             report.add(record)
     if not report.samples:
         raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}")

@@ -108,9 +108,10 @@ def _record(args: argparse.Namespace) -> int:
         summary = files.summary
         where = files.markdown_path
     if summary["available"]:
+        energy = "energy not measurable" if summary["energy_j"] is None else f"{summary['energy_j']:.0f} J"
         print(
             f"telemetry: {len(summary['gpus'])} GPU(s), {summary['window']['duration_s']:.1f} s, "
-            f"{summary['energy_j']:.0f} J -> {where}",
+            f"{energy} -> {where}",
             file=sys.stderr,
         )
     else:
@@ -125,6 +126,12 @@ def _report(args: argparse.Namespace) -> int:
         raise Glm5Fp4Error(f"--tokens {args.tokens}: must be >= 0")
     files = render_report(args.dir, tokens=args.tokens, phase=args.phase, plot=not args.no_plot)
     print(files.markdown_path.read_text(), end="")
+    summary = files.summary
+    if not summary.get("complete", True):
+        # the table is printed for what it is worth, but the headline number the report exists for is missing
+        why = summary.get("reason") or "energy could not be computed"
+        print(f"telemetry report: {args.dir}: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -108,17 +108,25 @@ def summary_markdown(summary: dict[str, Any], png_name: str | None = None, headi
     if not summary or not summary.get("available"):
         lines.append(f"_{(summary or {}).get('message') or NO_TELEMETRY}_")
         return "\n".join(lines) + "\n"
+    # Problems with the log come first: they qualify every number below.
+    for w in summary.get("warnings") or []:
+        lines.append(f"**Warning:** {w}")
+    if summary.get("warnings"):
+        lines.append("")
 
     w = summary["window"]
     where = f"phase `{w['phase']}`" if w.get("phase") else "whole run"
-    source = "NVML energy counter" if summary["energy_source"] == "nvml_counter" else "integrated power samples"
-    head = (
-        f"{where}, {_fmt(w['duration_s'], 1)} s, sampled every {summary['interval_s']:g} s. "
-        f"Energy **{_fmt(summary['energy_j'], 0)} J** ({source}; power-sample integral "
-        f"{_fmt(summary['energy_trapezoid_j'], 0)} J), mean power {_fmt(summary['mean_power_w'], 0)} W (all GPUs)."
-    )
+    head = f"{where}, {_fmt(w['duration_s'], 1)} s, sampled every {summary['interval_s']:g} s. "
+    if summary["energy_j"] is None:
+        head += "Energy **not measurable** (see the warnings above)."
+    else:
+        source = "NVML energy counter" if summary["energy_source"] == "nvml_counter" else "integrated power samples"
+        head += (
+            f"Energy **{_fmt(summary['energy_j'], 0)} J** ({source}; power-sample integral "
+            f"{_fmt(summary['energy_trapezoid_j'], 0)} J), mean power {_fmt(summary['mean_power_w'], 0)} W (all GPUs)."
+        )
     lines.append(head)
-    if summary.get("tokens") is not None:
+    if summary.get("tokens") is not None and summary["energy_j"] is not None:
         lines.append(
             f"Tokens {summary['tokens']:,}: **{_fmt(summary['tokens_per_joule'], 3)} tokens/J**, "
             f"{_fmt(summary['joules_per_token'], 3)} J/token."

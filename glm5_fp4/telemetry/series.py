@@ -45,6 +45,8 @@ METRICS: dict[str, tuple[str, int]] = {
     "energy_j": ("J", 3),  # NVML total-energy counter, relative to the run's first sample
 }
 NAN = float("nan")
+_ABSENT = object()
+_isfinite = math.isfinite
 
 
 @dataclass
@@ -59,13 +61,21 @@ class GpuSeries:
     t: array = field(default_factory=lambda: array("d"))
     values: dict[str, array] = field(default_factory=lambda: {m: array("d") for m in METRICS})
     throttle: list[tuple[str, ...] | None] = field(default_factory=list)  # None: not read in that sample
+    # metric -> readings present but null/NaN/inf; absent metrics (slow, unsupported) are not counted
+    nonfinite: dict[str, int] = field(default_factory=dict)
 
     def append(self, t: float, sample: dict[str, Any]) -> None:
         self.t.append(t)
         get = sample.get
         for key, column in self.values.items():
-            v = get(key)
-            column.append(NAN if v is None else v)
+            v = get(key, _ABSENT)
+            if v is _ABSENT:
+                column.append(NAN)
+            elif v is None or not _isfinite(v):
+                self.nonfinite[key] = self.nonfinite.get(key, 0) + 1
+                column.append(NAN)
+            else:
+                column.append(v)
         reasons = get("throttle")
         self.throttle.append(None if reasons is None else tuple(reasons))
 
@@ -80,6 +90,7 @@ class GpuSeries:
             t=self.t[:],
             values={k: v[:] for k, v in self.values.items()},
             throttle=self.throttle[:],
+            nonfinite=dict(self.nonfinite),
         )
 
     def info(self) -> dict[str, Any]:
@@ -106,6 +117,7 @@ class TelemetryRun:
     gpus: list[GpuSeries] = field(default_factory=list)
     marks: list[tuple[float, str]] = field(default_factory=list)
     sampler: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # problems found while loading, for the summary
 
     @property
     def duration_s(self) -> float:
@@ -117,7 +129,13 @@ class TelemetryRun:
 
     def snapshot(self) -> TelemetryRun:
         """A copy that later samples and marks do not change."""
-        return replace(self, gpus=[g.copy() for g in self.gpus], marks=list(self.marks), sampler=dict(self.sampler))
+        return replace(
+            self,
+            gpus=[g.copy() for g in self.gpus],
+            marks=list(self.marks),
+            sampler=dict(self.sampler),
+            warnings=list(self.warnings),
+        )
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -137,9 +155,6 @@ class TelemetryRun:
 
 # key -> formatter of its value as a JSON number, rounded to what the sensor resolves
 _FORMAT = {key: ("{:.%df}" % decimals).format for key, (_, decimals) in METRICS.items()}
-_isfinite = math.isfinite
-
-
 def sample_line(t: float, gpu: int, sample: dict[str, Any]) -> str:
     """One compact JSONL line. Runs for every sample of every GPU, so it formats by hand (~7 µs,
     against ~12 µs for round() + json); keys are our own identifiers and throttle names are
@@ -165,6 +180,76 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _number(value: Any, where: str, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise Glm5Fp4Error(f"{where} is {value!r}, expected a number")
+    return float(value)
+
+
+def _run_from_meta(meta: Any, meta_path: Path) -> TelemetryRun:
+    """The run described by telemetry_meta.json, every field checked: a hand-edited or foreign file
+    gets one error naming the field instead of a TypeError from deep in the summary."""
+    if not isinstance(meta, dict):
+        raise Glm5Fp4Error(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+    interval = _number(meta.get("interval_s"), f"{meta_path}: field 'interval_s'", allow_none=True)
+    if interval is not None and interval <= 0:
+        raise Glm5Fp4Error(f"{meta_path}: field 'interval_s' is {interval!r}, expected a positive number")
+    marks_raw = meta.get("marks") or []
+    gpus_raw = meta.get("gpus") or []
+    if not isinstance(marks_raw, list):
+        raise Glm5Fp4Error(f"{meta_path}: field 'marks' is {marks_raw!r}, expected a list of {{t, name}}")
+    if not isinstance(gpus_raw, list):
+        raise Glm5Fp4Error(f"{meta_path}: field 'gpus' is {gpus_raw!r}, expected a list of GPU objects")
+    marks = []
+    for i, m in enumerate(marks_raw):
+        if not isinstance(m, dict) or not isinstance(m.get("name"), str):
+            raise Glm5Fp4Error(f"{meta_path}: marks[{i}] is {m!r}, expected {{\"t\": seconds, \"name\": text}}")
+        marks.append((_number(m.get("t"), f"{meta_path}: marks[{i}].t"), m["name"]))
+    sampler = meta.get("sampler") or {}
+    if not isinstance(sampler, dict):
+        raise Glm5Fp4Error(f"{meta_path}: field 'sampler' is {sampler!r}, expected an object")
+    run = TelemetryRun(
+        available=bool(meta.get("available")),
+        reason=meta.get("reason"),
+        interval_s=interval or 0.1,
+        start_unix=_number(meta.get("start_unix"), f"{meta_path}: field 'start_unix'", allow_none=True),
+        start_monotonic=_number(meta.get("start_monotonic"), f"{meta_path}: field 'start_monotonic'", allow_none=True),
+        end_s=_number(meta.get("end_s"), f"{meta_path}: field 'end_s'", allow_none=True),
+        driver=meta.get("driver"),
+        marks=marks,
+        sampler=sampler,
+    )
+    seen: set[int] = set()
+    for i, g in enumerate(gpus_raw):
+        where = f"{meta_path}: gpus[{i}]"
+        if not isinstance(g, dict):
+            raise Glm5Fp4Error(f"{where} is {g!r}, expected an object with 'index'")
+        index = g.get("index")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise Glm5Fp4Error(f"{where}.index is {index!r}, expected an integer")
+        if index in seen:
+            raise Glm5Fp4Error(f"{where}.index {index} is listed twice")
+        seen.add(index)
+        lists = {}
+        for key in ("metrics", "unsupported"):
+            value = g.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                raise Glm5Fp4Error(f"{where}.{key} is {value!r}, expected a list of metric names")
+            lists[key] = value
+        run.gpus.append(
+            GpuSeries(
+                index=index,
+                name=str(g.get("name", "")),
+                uuid=str(g.get("uuid", "")),
+                metrics=list(lists["metrics"]),
+                unsupported=list(lists["unsupported"]),
+            )
+        )
+    return run
+
+
 def load_run(run_dir: str | os.PathLike) -> TelemetryRun:
     """Read a run directory written by TelemetrySampler (or `glm5-fp4 telemetry record`)."""
     run_dir = Path(run_dir)
@@ -179,28 +264,8 @@ def load_run(run_dir: str | os.PathLike) -> TelemetryRun:
         raise Glm5Fp4Error(f"{meta_path}: not valid JSON ({exc})") from exc
     if meta.get("format") != FORMAT:
         raise Glm5Fp4Error(f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
-    run = TelemetryRun(
-        available=bool(meta.get("available")),
-        reason=meta.get("reason"),
-        interval_s=float(meta.get("interval_s") or 0.1),
-        start_unix=meta.get("start_unix"),
-        start_monotonic=meta.get("start_monotonic"),
-        end_s=meta.get("end_s"),
-        driver=meta.get("driver"),
-        marks=[(float(m["t"]), str(m["name"])) for m in meta.get("marks", [])],
-        sampler=meta.get("sampler") or {},
-    )
-    by_index: dict[int, GpuSeries] = {}
-    for g in meta.get("gpus", []):
-        series = GpuSeries(
-            index=int(g["index"]),
-            name=g.get("name", ""),
-            uuid=g.get("uuid", ""),
-            metrics=list(g.get("metrics", [])),
-            unsupported=list(g.get("unsupported", [])),
-        )
-        by_index[series.index] = series
-        run.gpus.append(series)
+    run = _run_from_meta(meta, meta_path)
+    by_index = {g.index: g for g in run.gpus}
     samples_path = run_dir / SAMPLES_FILE
     if run.available:
         if not samples_path.is_file():
@@ -213,6 +278,8 @@ def load_run(run_dir: str | os.PathLike) -> TelemetryRun:
                 row = json.loads(line)
                 gpu = int(row["gpu"])
                 t = float(row["t"])
+                if not _isfinite(t):
+                    raise ValueError(f"time {row['t']!r} is not finite")
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 # A recording killed mid-write leaves a torn last line; anything else is corruption.
                 if lineno == len(lines):

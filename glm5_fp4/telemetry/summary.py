@@ -6,6 +6,14 @@ the board measured and is preferred as the headline `energy_j` when every GPU ha
 integrated over the same window, interpolating at window edges, so phase energies add up to the
 run's total. Pure Python on purpose: it runs wherever the sampler runs (numpy or not), and a few
 hundred thousand samples summarise in about a second.
+
+Logs are not always clean: lines duplicated by a copy, a hole where the sampler stalled, NaN
+readings, a counter that jumped back. Each GPU's samples are therefore put in time order with
+repeated timestamps dropped before anything is computed, and every such repair (and every gap)
+is listed in the summary's `warnings`, so a number is never silently made from a broken log.
+Statistics are time-weighted (each sample stands for the time to halfway to its neighbours), the
+same linear bridging the energy integral uses: without that, a hole in a busy phase would leave
+the idle samples a majority and drag the median down to idle power.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.telemetry.series import FORMAT, METRICS, NO_TELEMETRY, TelemetryRun
+from glm5_fp4.telemetry.series import FORMAT, METRICS, NO_TELEMETRY, GpuSeries, TelemetryRun
 
 STAT_METRICS = [m for m in METRICS if m != "energy_j"]  # a cumulative counter has no useful median
 
@@ -30,6 +38,32 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, n - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def weighted_percentile(pairs: Sequence[tuple[float, float]], q: float) -> float:
+    """q in [0, 100] of (value, weight) pairs sorted by value.
+
+    Each value sits at the centre of its weight's share of the cumulative total, and positions are
+    rescaled so the first value is q=0 and the last q=100: with equal weights this is exactly
+    numpy's default linear interpolation, so uniformly sampled runs give the familiar numbers.
+    """
+    n = len(pairs)
+    if n == 0:
+        return math.nan
+    if n == 1:
+        return pairs[0][0]
+    centres, acc = [], 0.0
+    for _, w in pairs:
+        centres.append(acc + w / 2)
+        acc += w
+    lo_c, hi_c = centres[0], centres[-1]
+    if hi_c <= lo_c:
+        return percentile([v for v, _ in pairs], q)
+    x = lo_c + (hi_c - lo_c) * q / 100.0
+    i = min(max(bisect.bisect_right(centres, x), 1), n - 1)
+    c0, c1 = centres[i - 1], centres[i]
+    v0, v1 = pairs[i - 1][0], pairs[i][0]
+    return v0 if c1 == c0 else v0 + (v1 - v0) * (x - c0) / (c1 - c0)
 
 
 def _finite_points(t: Sequence[float], y: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -110,22 +144,101 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def _window_values(t: Sequence[float], y: Sequence[float], a: float, b: float, last: bool) -> list[float]:
-    return sorted(v for tt, v in zip(t, y) if (a <= tt < b or (last and tt == b)) and math.isfinite(v))
+def gap_threshold_s(interval_s: float) -> float:
+    """A hole between samples longer than this is reported: well past a late tick or two."""
+    return max(5.0 * interval_s, 0.5)
 
 
-def _stats(values: list[float]) -> dict[str, float] | None:
-    if not values:
+def _spans(t: list[float]) -> list[float]:
+    """The time each sample stands for: halfway to each neighbour; the ends mirror their one neighbour,
+    so uniformly spaced samples all weigh the same."""
+    n = len(t)
+    if n < 2:
+        return [1.0] * n
+    return [
+        ((t[1] - t[0]) if i == 0 else (t[i] - t[i - 1])) / 2 + ((t[-1] - t[-2]) if i == n - 1 else (t[i + 1] - t[i])) / 2
+        for i in range(n)
+    ]
+
+
+def _window_values(t: Sequence[float], y: Sequence[float], a: float, b: float, last: bool) -> list[tuple[float, float]]:
+    """(value, weight) of the finite samples in [a, b), sorted by value; weights come from the finite
+    samples only, so a NaN reading's time goes to its neighbours as in the integral."""
+    ts, ys = _finite_points(t, y)
+    return sorted(
+        (v, w) for tt, v, w in zip(ts, ys, _spans(ts)) if a <= tt < b or (last and tt == b)
+    )
+
+
+def _stats(pairs: list[tuple[float, float]]) -> dict[str, float] | None:
+    if not pairs:
         return None
-    return {"median": percentile(values, 50), "p90": percentile(values, 90), "max": values[-1]}
+    return {"median": weighted_percentile(pairs, 50), "p90": weighted_percentile(pairs, 90), "max": pairs[-1][0]}
 
 
-def unavailable_summary(reason: str | None, tokens: int | None = None) -> dict[str, Any]:
+def _median(pairs: list[tuple[float, float]]) -> float | None:
+    return weighted_percentile(pairs, 50) if pairs else None
+
+
+class _Samples:
+    """One GPU's samples in time order without repeated timestamps, plus what was wrong with them."""
+
+    def __init__(self, g: GpuSeries, interval_s: float, warnings: list[str]):
+        n = len(g.t)
+        order = sorted(range(n), key=g.t.__getitem__)  # stable: of equal timestamps the first line wins
+        who = f"GPU {g.index}"
+        keep, last = [], None
+        for i in order:
+            if last is not None and g.t[i] == last:
+                continue
+            keep.append(i)
+            last = g.t[i]
+        # a log repeated wholesale goes back in time only through its repeats; that is reported below
+        if any(j < i for i, j in zip(keep, keep[1:])):
+            warnings.append(f"{who}: samples are not in time order in the log; sorted them")
+        if len(keep) < n:
+            warnings.append(
+                f"{who}: {n - len(keep)} sample(s) repeat an earlier timestamp (duplicated lines?); "
+                "kept the first of each, so they are not counted twice"
+            )
+        self.t = [g.t[i] for i in keep]
+        self.values = {k: [col[i] for i in keep] for k, col in g.values.items()}
+        self.throttle = [g.throttle[i] for i in keep]
+        for metric, count in sorted(g.nonfinite.items()):
+            warnings.append(f"{who}: {count} {metric} reading(s) were null, NaN or infinite; left out")
+        self.gaps: list[tuple[float, float]] = []
+        limit = gap_threshold_s(interval_s)
+        for t0, t1 in zip(self.t, self.t[1:]):
+            if t1 - t0 > limit:
+                self.gaps.append((t0, t1))
+                warnings.append(
+                    f"{who}: no samples for {t1 - t0:.2f} s ({t0:.2f}-{t1:.2f} s); "
+                    "energy and statistics bridge the gap linearly"
+                )
+        self.counter_ok = "energy_j" in g.metrics
+        if self.counter_ok:
+            _, e = _finite_points(self.t, self.values["energy_j"])
+            drops = sum(1 for e0, e1 in zip(e, e[1:]) if e1 < e0)
+            if drops:
+                # a cumulative counter that decreases was reset or misread: no difference of it is energy
+                self.counter_ok = False
+                warnings.append(
+                    f"{who}: the NVML energy counter goes backwards {drops} time(s); "
+                    "using the power-sample integral instead"
+                )
+        self.finite_power = len(_finite_points(self.t, self.values["power_w"])[0])
+
+
+def unavailable_summary(reason: str | None, tokens: int | None = None, complete: bool = True) -> dict[str, Any]:
+    """`complete` is False when telemetry was recorded but holds nothing to summarise: a failure,
+    unlike a machine without NVML, where having no telemetry is the expected outcome."""
     return {
         "format": FORMAT,
         "available": False,
+        "complete": complete,
         "reason": reason,
         "message": f"{NO_TELEMETRY}: {reason}" if reason else NO_TELEMETRY,
+        "warnings": [],
         "gpus": [],
         "phases": [],
         "energy_j": None,
@@ -136,12 +249,25 @@ def unavailable_summary(reason: str | None, tokens: int | None = None) -> dict[s
     }
 
 
+# counter and integral further apart than this are worth a look (they agree to ~1 % on a sound log)
+COUNTER_MISMATCH_PCT = 10.0
+
+
 def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = None) -> dict[str, Any]:
     """Summary dict (JSON-ready). `phase` restricts stats and energy to that marked phase."""
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
         raise Glm5Fp4Error(f"tokens must be a non-negative integer, got {tokens!r}")
     if not run.available:
         return unavailable_summary(run.reason, tokens)
+    if not any(len(g) for g in run.gpus):
+        return unavailable_summary("telemetry was recorded but the log holds no samples", tokens, complete=False)
+
+    warnings: list[str] = list(run.warnings)
+    clean = {g.index: _Samples(g, run.interval_s, warnings) for g in run.gpus}
+    # Fewer than two power readings integrate to nothing: a 0 J headline would be a made-up number.
+    short = [g.index for g in run.gpus if clean[g.index].finite_power < 2]
+    for i in short:
+        warnings.append(f"GPU {i}: fewer than two power samples; no energy or rate can be computed")
 
     all_phases = phases(run)
     if phase is None:
@@ -156,30 +282,38 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
 
     gpus = []
     for g in run.gpus:
-        t = list(g.t)
+        c = clean[g.index]
+        t = c.t
         metrics = {}
         for m in STAT_METRICS:
             if m in g.metrics:
-                metrics[m] = _stats(_window_values(t, g.values[m], a, b, last=True))
+                metrics[m] = _stats(_window_values(t, c.values[m], a, b, last=True))
         in_window = [i for i, tt in enumerate(t) if a <= tt <= b]
         # clock-event reasons are a slow metric: shares are of the samples that read them
-        throttle_read = [g.throttle[i] for i in in_window if g.throttle[i] is not None]
+        throttle_read = [c.throttle[i] for i in in_window if c.throttle[i] is not None]
         throttle: dict[str, float] = {}
         for reasons in throttle_read:
             for name in reasons:
                 throttle[name] = throttle.get(name, 0) + 1
-        trap = integrate(t, g.values["power_w"], a, b)
-        counter = counter_delta(t, g.values["energy_j"], a, b) if "energy_j" in g.metrics else None
-        inst = integrate(t, g.values["power_inst_w"], a, b) if "power_inst_w" in g.metrics else None
+        trap = integrate(t, c.values["power_w"], a, b) if g.index not in short else None
+        counter = counter_delta(t, c.values["energy_j"], a, b) if c.counter_ok else None
+        inst = integrate(t, c.values["power_inst_w"], a, b) if "power_inst_w" in g.metrics else None
+        mismatch = (100.0 * (trap - counter) / counter) if counter and trap is not None else None
+        if mismatch is not None and abs(mismatch) > COUNTER_MISMATCH_PCT:
+            warnings.append(
+                f"GPU {g.index}: the NVML energy counter ({counter:,.0f} J) and the power-sample integral "
+                f"({trap:,.0f} J) differ by {mismatch:+.0f} %; one of them is wrong"
+            )
         gpus.append(
             {
                 "index": g.index,
                 "name": g.name,
                 "uuid": g.uuid,
                 "samples": len(in_window),
+                "gaps": [{"start_s": g0, "end_s": g1} for g0, g1 in c.gaps if g1 > a and g0 < b],
                 "metrics": metrics,
                 "energy_j": {"trapezoid": trap, "counter": counter, "trapezoid_instant_power": inst},
-                "counter_vs_trapezoid_pct": (100.0 * (trap - counter) / counter) if counter else None,
+                "counter_vs_trapezoid_pct": mismatch,
                 "throttle_fraction": {k: v / len(throttle_read) for k, v in sorted(throttle.items())},
                 "throttle_samples": len(throttle_read),
                 "unsupported": list(g.unsupported),
@@ -187,7 +321,8 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
         )
 
     duration = max(b - a, 0.0)
-    trap_total = sum(g["energy_j"]["trapezoid"] for g in gpus)
+    traps = [g["energy_j"]["trapezoid"] for g in gpus]
+    trap_total = sum(traps) if gpus and all(x is not None for x in traps) else None
     counters = [g["energy_j"]["counter"] for g in gpus]
     counter_total = sum(counters) if gpus and all(c is not None for c in counters) else None
     energy = counter_total if counter_total is not None else trap_total
@@ -196,23 +331,19 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
     for name, pa, pb in all_phases:
         per_gpu = []
         for g in run.gpus:
-            t = list(g.t)
-            e = (
-                counter_delta(t, g.values["energy_j"], pa, pb)
-                if counter_total is not None
-                else integrate(t, g.values["power_w"], pa, pb)
-            )
-            pw = _window_values(t, g.values["power_w"], pa, pb, last=pb >= run.duration_s)
-            sm = _window_values(t, g.values["sm_mhz"], pa, pb, last=pb >= run.duration_s)
+            c = clean[g.index]
+            t = c.t
+            if counter_total is not None:
+                e = counter_delta(t, c.values["energy_j"], pa, pb)
+            else:
+                e = integrate(t, c.values["power_w"], pa, pb) if g.index not in short else None
+            pw = _window_values(t, c.values["power_w"], pa, pb, last=pb >= run.duration_s)
+            sm = _window_values(t, c.values["sm_mhz"], pa, pb, last=pb >= run.duration_s)
             per_gpu.append(
-                {
-                    "index": g.index,
-                    "energy_j": e,
-                    "median_power_w": percentile(pw, 50) if pw else None,
-                    "median_sm_mhz": percentile(sm, 50) if sm else None,
-                }
+                {"index": g.index, "energy_j": e, "median_power_w": _median(pw), "median_sm_mhz": _median(sm)}
             )
-        e_total = sum(x["energy_j"] or 0.0 for x in per_gpu)
+        energies = [x["energy_j"] for x in per_gpu]
+        e_total = sum(energies) if all(x is not None for x in energies) else None
         phase_rows.append(
             {
                 "name": name,
@@ -220,7 +351,7 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
                 "end_s": pb,
                 "duration_s": pb - pa,
                 "energy_j": e_total,
-                "mean_power_w": e_total / (pb - pa) if pb > pa else None,
+                "mean_power_w": e_total / (pb - pa) if e_total is not None and pb > pa else None,
                 "gpus": per_gpu,
             }
         )
@@ -230,8 +361,10 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
     out = {
         "format": FORMAT,
         "available": True,
+        "complete": energy is not None,
         "reason": None,
         "message": None,
+        "warnings": warnings,
         "window": {"phase": phase, "start_s": a, "end_s": b, "duration_s": duration},
         "interval_s": run.interval_s,
         "start_unix": run.start_unix,
@@ -239,13 +372,13 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
         "gpus": gpus,
         "phases": phase_rows,
         "energy_j": energy,
-        "energy_source": "nvml_counter" if counter_total is not None else "power_trapezoid",
+        "energy_source": None if energy is None else "nvml_counter" if counter_total is not None else "power_trapezoid",
         "energy_trapezoid_j": trap_total,
         "energy_counter_j": counter_total,
-        "mean_power_w": energy / duration if duration > 0 else None,
+        "mean_power_w": energy / duration if energy is not None and duration > 0 else None,
         "tokens": tokens,
-        "tokens_per_joule": (tokens / energy) if tokens is not None and energy > 0 else None,
-        "joules_per_token": (energy / tokens) if tokens else None,
+        "tokens_per_joule": (tokens / energy) if tokens is not None and energy else None,
+        "joules_per_token": (energy / tokens) if tokens and energy is not None else None,
         "sampler": {
             **run.sampler,
             "cpu_fraction_of_one_core": (cpu_s / wall) if cpu_s is not None and wall > 0 else None,

@@ -1,0 +1,89 @@
+"""One config check shared by make-checkpoint (before writing) and inspect (on what it reads): a checkpoint no
+engine can build is refused by both, with one error naming the field; inspect also refuses ambiguous shards."""
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from glm5_fp4.checkpoint.make import make_checkpoint
+from glm5_fp4.cli import main
+
+SMALL = {"n_routed_experts": 4, "num_hidden_layers": 2, "hidden_size": 128, "vocab_size": 512}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("valid") / "ck", "glm5", seed=1, sizes=SMALL)
+
+
+def _copy(made, tmp_path):
+    return Path(shutil.copytree(made, tmp_path / "ck"))
+
+
+@pytest.mark.parametrize(
+    "size, culprit",
+    [
+        ("num_experts_per_tok=64", "num_experts_per_tok 64 is more than n_routed_experts 16"),
+        ("first_k_dense_replace=10", "first_k_dense_replace 10 leaves no MoE layer"),
+        ("vocab_size=1", "vocab_size 1 is smaller than the tokenizer's"),
+        ("hidden_size=0", "'hidden_size' is 0"),
+        ("num_hidden_layers=0", "'num_hidden_layers' is 0"),
+    ],
+)
+def test_make_checkpoint_refuses_unservable_sizes_before_writing(tmp_path, capsys, size, culprit):
+    out = tmp_path / "new" / "ck"
+    assert main(["make-checkpoint", "--out", str(out), "--size", size]) == 1
+    err = capsys.readouterr().err
+    assert culprit in err and "Traceback" not in err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, culprit",
+    [
+        ({"num_experts_per_tok": 64}, "num_experts_per_tok 64 is more than n_routed_experts 4"),
+        ({"first_k_dense_replace": 10}, "first_k_dense_replace 10"),
+        ({"num_hidden_layers": "2"}, "'num_hidden_layers' is '2', expected an integer"),
+        ({"vocab_size": 100}, "vocab_size 100 is smaller than the tokenizer's 512 ids"),
+    ],
+)
+def test_inspect_refuses_an_inconsistent_config(made, tmp_path, capsys, edit, culprit):
+    ck = _copy(made, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(edit)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert culprit in err and "config.json" in err and "Traceback" not in err
+
+
+def test_inspect_refuses_a_shard_repeating_tensors(made, tmp_path, capsys):
+    ck = _copy(made, tmp_path)
+    tensors = load_file(str(ck / "model.safetensors"))
+    name = "model.norm.weight"
+    save_file({name: tensors[name][:8].clone()}, str(ck / "a.safetensors"))  # a stale copy, wrong shape
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert name in err and "a.safetensors" in err and "model.safetensors" in err
+
+
+def test_inspect_a_directory_named_like_a_shard_is_a_clear_error(made, tmp_path, capsys):
+    ck = _copy(made, tmp_path)
+    (ck / "model.safetensors").unlink()
+    (ck / "model.safetensors").mkdir()
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "not a regular file" in err and "Traceback" not in err
+
+
+def test_weights_get_the_same_mode_as_the_other_files(made):
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in made.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+    umask = os.umask(0)
+    os.umask(umask)
+    assert modes["model.safetensors"] == 0o666 & ~umask
