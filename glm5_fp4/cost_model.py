@@ -177,7 +177,7 @@ class Interconnect:
     @classmethod
     def of(cls, gpu: GpuSpec, allreduce_gbs: float | None = None, allreduce_latency_us: float | None = None) -> "Interconnect":
         """The hardware table's figures (glm5_fp4/data/hardware.yaml, each with its source), with overrides."""
-        ar = allreduce_gbs or gpu.allreduce_bus_bandwidth_gbs
+        ar = allreduce_gbs if allreduce_gbs is not None else gpu.allreduce_bus_bandwidth_gbs
         lat = allreduce_latency_us if allreduce_latency_us is not None else gpu.allreduce_latency_us
         overridden = allreduce_gbs is not None or allreduce_latency_us is not None
         return cls(ar, lat, gpu.p2p_bandwidth_gbs or ar,
@@ -499,8 +499,8 @@ def decode_step(spec: Glm5Spec, gpu: GpuSpec, layout: Layout, batch: int, contex
         raise Glm5Fp4Error(f"batch ({batch}) and tokens_per_seq ({tokens_per_seq}) must be >= 1, context ({context}) >= 0")
     if not 0 < efficiency <= 1:
         raise Glm5Fp4Error(f"efficiency {efficiency} must be in (0, 1]")
-    if expert_skew < 0:
-        raise Glm5Fp4Error(f"expert skew {expert_skew} must be >= 0")
+    if not 0 <= expert_skew < math.inf:  # NaN fails this test, where `expert_skew < 0` would let it through
+        raise Glm5Fp4Error(f"expert skew {expert_skew} must be a finite number >= 0")
     net = interconnect or Interconnect.of(gpu)
     expert_math = precisions.expert_math or math_dtype(precisions.experts, gpu)
     if gpu.peak_tflops(expert_math) is None or gpu.peak_tflops("bf16") is None:

@@ -96,8 +96,27 @@ class Glm5Spec:
         "num_nextn_predict_layers": "num_mtp_layers",
     }
 
+    # config.json keys a config must carry to describe a model at all; every other field defaults to GLM-5's own value.
+    # Without these, a JSON file that is no model config (a load-test summary, `{}`) would silently plan GLM-5 with
+    # whatever few keys it happens to share.
+    REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts",
+                     "num_experts_per_tok")
+
     @classmethod
-    def from_config(cls, config: dict, name: str = "config") -> "Glm5Spec":
+    def from_config(cls, config: dict, name: str = "config", where: str | None = None) -> "Glm5Spec":
+        """``where``: how errors name the source (default ``name``)."""
+        where = where or name
+        if not isinstance(config, dict):
+            raise Glm5Fp4Error(f"{where}: not a model config (not a JSON object but {type(config).__name__})")
+        missing = [k for k in cls.REQUIRED_KEYS if k not in config]
+        if len(missing) == len(cls.REQUIRED_KEYS):
+            raise Glm5Fp4Error(f"{where}: not a model config (no {', '.join(missing)})")
+        if missing:
+            raise Glm5Fp4Error(f"{where}: model config lacks {', '.join(missing)} (required: "
+                               f"{', '.join(cls.REQUIRED_KEYS)}; other fields default to GLM-5's)")
+        for k in cls.REQUIRED_KEYS:
+            if type(config[k]) is not int:  # bool is an int subclass: reject it too
+                raise Glm5Fp4Error(f"{where}: field {k} must be an integer, got {config[k]!r}")
         known = {f.name for f in fields(cls)}
         kwargs: dict = {}
         for key, value in config.items():
@@ -111,16 +130,16 @@ class Glm5Spec:
             kwargs["index_topk"] = None  # dense-attention view or a GQA model: no DSA indexer
         if config.get("model_type") == "glm4_moe" or "num_key_value_heads" in config and "kv_lora_rank" not in config:
             raise Glm5Fp4Error(
-                f"{name}: model_type {config.get('model_type')!r} has no MLA; Glm5Spec describes GLM-5 (glm_moe_dsa)"
+                f"{where}: model_type {config.get('model_type')!r} has no MLA; Glm5Spec describes GLM-5 (glm_moe_dsa)"
             )
         spec = cls(**kwargs)
-        spec.validate(name)
+        spec.validate(where)
         return spec
 
     @classmethod
     def from_config_json(cls, path: str | Path) -> "Glm5Spec":
         path, config = read_config_json(path)
-        return cls.from_config(config, name=str(path.parent.name or path))
+        return cls.from_config(config, name=str(path.parent.name or path), where=str(path))
 
     def validate(self, name: str = "config") -> None:
         for f in ("hidden_size", "num_layers", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):

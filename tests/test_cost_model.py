@@ -349,3 +349,14 @@ def test_profile_analyze_layout_and_tp_do_not_mix(tmp_path, capsys):
     rc = main(["profile", "analyze", str(TRACES), "--out", str(tmp_path / "b"), "--no-png", "--jobs", "1",
                "--batch", "8", "--layout", "dp8xx"])
     assert rc == 1 and "--layout: 'dp8xx'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("skew", [float("nan"), float("inf"), -0.1])
+def test_expert_skew_must_be_finite_and_non_negative(skew):
+    from glm5_fp4.cost_model import Layout, decode_step
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.hardware import get_gpu
+    from glm5_fp4.spec import Glm5Spec
+
+    with pytest.raises(Glm5Fp4Error, match="expert skew"):
+        decode_step(Glm5Spec(), get_gpu("rtx-pro-6000-ws"), Layout(8, ep=8), 8, 128, expert_skew=skew)

@@ -260,3 +260,81 @@ def test_plan_prices_bf16_shared_experts_and_dense_mlps(tmp_path):
     assert _weights_gib(from_ckpt) == pytest.approx(_weights_gib(_plan_one_json("--config", cfg, "--dense-dtype", "bf16",
                                                                                  layout="tp2")))
     assert _weights_gib(_plan_one_json("--config", cfg, "--dense-dtype", "nvfp4", layout="tp2")) < _weights_gib(from_ckpt)
+
+
+# -- bad input: one clear error, never a plan of some other model or an impossible number --------------------------
+
+@pytest.mark.parametrize("content,culprit", [
+    ({}, "hidden_size"),
+    # a load-test summary: valid JSON, no model in it
+    ({"num_prompts": 512, "duration": 26.1, "output_throughput": 4100.0}, "hidden_size"),
+    ([1, 2], "not a JSON object"),
+])
+def test_plan_config_that_is_not_a_model_config_is_one_error(tmp_path, capsys, content, culprit):
+    from glm5_fp4.cli import main
+
+    cfg = tmp_path / "summary.json"
+    cfg.write_text(json.dumps(content))
+    assert main(["plan", "--config", str(cfg)]) == 1
+    out, err = capsys.readouterr()
+    assert not out and str(cfg) in err and culprit in err and "Traceback" not in err
+
+
+def test_plan_config_missing_a_required_field_names_it(tmp_path, capsys):
+    from glm5_fp4.cli import main
+
+    cfg = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 256,
+           "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 128, "kv_lora_rank": 512}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "num_hidden_layers" in err
+    path.write_text(json.dumps({**cfg, "num_hidden_layers": "78"}))
+    assert main(["plan", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "num_hidden_layers" in err and "integer" in err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--allreduce-gbs", "-1"], "--allreduce-gbs"),
+    (["--allreduce-gbs", "0"], "--allreduce-gbs"),
+    (["--allreduce-gbs", "nan"], "--allreduce-gbs"),
+    (["--allreduce-latency-us", "-100"], "--allreduce-latency-us"),
+    (["--allreduce-latency-us", "inf"], "--allreduce-latency-us"),
+    (["--expert-skew", "inf", "--layouts", "tp8ep8"], "--expert-skew"),
+    (["--expert-skew", "-0.5", "--layouts", "tp8ep8"], "--expert-skew"),
+    (["--reserve-gib", "-50"], "--reserve-gib"),
+    (["--reserve-gib", "nan"], "--reserve-gib"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--context", "-1"], "--context"),
+    (["--mem-util", "nan"], "--mem-util"),
+    (["--efficiency", "1.5"], "--efficiency"),
+])
+def test_plan_rejects_impossible_numbers_while_parsing(capsys, argv, option):
+    from glm5_fp4.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *argv])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert not out and option in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("layouts", [",", " , ,", ""])
+def test_plan_layouts_naming_no_layout_is_one_error(capsys, layouts):
+    from glm5_fp4.cli import main
+
+    assert main(["plan", "--layouts", layouts]) == 1
+    out, err = capsys.readouterr()
+    assert not out and "--layouts" in err
+
+
+def test_make_plan_rejects_impossible_inputs_given_programmatically():
+    for kw, culprit in (({"reserve_gib": float("nan")}, "reserve"), ({"reserve_gib": -1.0}, "reserve"),
+                        ({"allreduce_gbs": -1.0, "allreduce_latency_us": 10.0}, "all-reduce"),
+                        ({"allreduce_gbs": 0.0, "allreduce_latency_us": 10.0}, "all-reduce"),
+                        ({"allreduce_gbs": 38.0, "allreduce_latency_us": -100.0}, "all-reduce"),
+                        ({"allreduce_gbs": float("nan"), "allreduce_latency_us": 10.0}, "all-reduce")):
+        with pytest.raises(Glm5Fp4Error, match=culprit):
+            plan(8, 1, **kw)

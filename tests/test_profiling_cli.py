@@ -254,3 +254,80 @@ def test_capture_reports_an_unreachable_server(tmp_path):
     cfg = CaptureConfig(url="http://127.0.0.1:9", steps=3, trace_dir=tmp_path, out=tmp_path / "o", request_timeout_s=2)
     with pytest.raises(Glm5Fp4Error, match="not reachable"):
         capture(cfg)
+
+
+# -- traces that are not one capture: one error naming the files, not numbers from mismatched ranks -----------------
+
+def _one_line_error(capsys) -> str:
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_ranks_from_captures_far_apart_in_time_are_refused(tmp_path, capsys):
+    """Rank 1's trace starts a minute after rank 0's ends (another capture, e.g. eager vs graph): no wait/work
+    split can be made from them."""
+    files, _ = make_decode_traces(n_ranks=2, n_steps=4, layers=2, graph="full", clock_offset_us={1: 60e6})
+    for name, trace in files:
+        write_trace(trace, tmp_path / name)
+    assert main(["profile", "analyze", str(tmp_path), "--no-png", "--jobs", "1"]) == 1
+    err = _one_line_error(capsys)
+    assert all(name in err for name, _ in files) and "overlap" in err
+    assert not (tmp_path / "breakdown").exists()
+
+
+def test_ranks_written_to_different_capture_folders_are_refused(tmp_path, capsys):
+    """Disjoint windows a little apart could be clock skew between hosts, unless the profiler wrote the ranks into
+    different folders: then they are two captures put side by side."""
+    files, _ = make_decode_traces(n_ranks=2, n_steps=4, layers=2, graph="full", clock_offset_us={1: 20_000.0})
+    for (name, trace), run in zip(files, ("eager", "graph")):
+        trace["traceName"] = f"/tmp/traces/tp2/{run}/{name[:-3]}"
+        write_trace(trace, tmp_path / name)
+    assert main(["profile", "analyze", str(tmp_path), "--no-png", "--jobs", "1"]) == 1
+    err = _one_line_error(capsys)
+    assert all(name in err for name, _ in files) and "/tmp/traces/tp2/eager" in err and "/tmp/traces/tp2/graph" in err
+
+
+@pytest.mark.parametrize("with_trace_id", [True, False])
+def test_one_trace_saved_twice_is_not_two_ranks(tmp_path, capsys, with_trace_id):
+    (name, trace), = make_decode_traces(n_ranks=1, n_steps=4, layers=2, graph="full")[0]
+    del trace["distributedInfo"]  # nothing but the file order would tell the ranks apart
+    if with_trace_id:
+        trace["trace_id"] = "B35BDA7FF0BA4026B2D08F539343017D"
+    write_trace(trace, tmp_path / "r.pt.trace.json")
+    write_trace(trace, tmp_path / ("r.pt.trace.json.gz" if with_trace_id else "copy.pt.trace.json.gz"))
+    assert main(["profile", "analyze", str(tmp_path), "--batch", "8", "--context", "128", "--no-png",
+                 "--jobs", "1"]) == 1
+    err = _one_line_error(capsys)
+    assert "r.pt.trace.json" in err and ("r.pt.trace.json.gz" if with_trace_id else "copy.pt.trace.json.gz") in err
+    assert "same trace" in err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--batch", "8", "--layout", "tp8ep8", "--expert-skew", "nan"], "--expert-skew"),
+    (["--batch", "8", "--layout", "tp8ep8", "--expert-skew", "-1"], "--expert-skew"),
+    (["--step-gap-us", "0"], "--step-gap-us"),
+    (["--step-gap-us", "-5"], "--step-gap-us"),
+    (["--step-gap-us", "nan"], "--step-gap-us"),
+    (["--batch", "0"], "--batch"),
+    (["--batch", "8", "--context", "-1"], "--context"),
+    (["--batch", "8", "--tp", "0"], "--tp"),
+    (["--tokens-per-seq", "0"], "--tokens-per-seq"),
+    (["--jobs", "0"], "--jobs"),
+])
+def test_analyze_rejects_impossible_numbers_while_parsing(tmp_path, capsys, argv, option):
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "analyze", str(tmp_path), "--no-png", *argv])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert not out and option in err and "Traceback" not in err
+
+
+def test_ranks_of_different_world_sizes_are_refused(tmp_path, capsys):
+    files, _ = make_decode_traces(n_ranks=2, n_steps=4, layers=2, graph="full")
+    files[1][1]["distributedInfo"]["world_size"] = 4  # rank 1 of a TP4 run beside rank 0 of a TP2 one
+    for name, trace in files:
+        write_trace(trace, tmp_path / name)
+    assert main(["profile", "analyze", str(tmp_path), "--no-png", "--jobs", "1"]) == 1
+    err = _one_line_error(capsys)
+    assert all(name in err for name, _ in files) and "world_size" in err

@@ -254,3 +254,80 @@ def test_an_odd_frame_chain_ends_the_stack_instead_of_the_sampler():
 
     stack = H._stack(Frame())
     assert stack[0][1] == "_spin_in_here" and stack[-1] == ("<unknown>", "code", 0)
+
+
+# ---- bad inputs: one clear error (or what was read, with a note), never numbers from impossible data -------------
+STEADY = [0.1 + 0.05 * i for i in range(19)] + [2.5 + 0.05 * i for i in range(20)]
+
+
+@pytest.mark.parametrize("gap", ["nan", "0", "-5", "inf"])
+def test_min_gap_must_be_a_positive_number(tmp_path, capsys, gap):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["profile", "stalls", str(tmp_path), "--min-gap-ms", gap])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert not out and "--min-gap-ms" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("field,value", [("itl_ms", [50.0, float("nan"), 50.0]), ("ttft_ms", float("inf")),
+                                         ("start_unix", float("nan")), ("e2el_ms", float("nan")),
+                                         ("itl_ms", [50.0, -20.0, 50.0])])
+def test_non_finite_request_times_are_refused_naming_file_and_line(tmp_path, field, value):
+    good = {"status": "ok", "start_unix": T0, "ttft_ms": 100.0, "itl_ms": [50.0, 50.0, 50.0], "e2el_ms": 250.0}
+    path = tmp_path / "r.requests.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, field: value}) + "\n")
+    with pytest.raises(Glm5Fp4Error, match=rf"r.requests.jsonl:2: .*{field}"):
+        S.load_requests(path)
+
+
+def test_requests_outside_every_sampled_process_are_refused(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.mkdir()
+    _host_file(hosts)  # sampled T0 .. T0 + 4 s
+    late = _requests(tmp_path / "late.requests.jsonl.gz", [(3600.0, [3600.1 + t for t in STEADY])])
+    with pytest.raises(Glm5Fp4Error, match="late.requests.jsonl.gz.*outside"):
+        S.analyze(hosts, [late])
+    assert cli_main(["profile", "stalls", str(hosts), "--requests", str(late), "--out", str(tmp_path / "rep")]) == 1
+    assert "outside" in capsys.readouterr().err and not (tmp_path / "rep").exists()
+
+
+@pytest.mark.parametrize("copy_name", ["host-4242.jsonl.gz", "host-4243.jsonl"])
+def test_one_process_saved_twice_is_one_error_naming_both_files(tmp_path, copy_name):
+    path = _host_file(tmp_path)
+    data = path.read_bytes()
+    if copy_name.endswith(".gz"):
+        with gzip.open(tmp_path / copy_name, "wb") as f:
+            f.write(data)
+    else:
+        (tmp_path / copy_name).write_bytes(data)
+    with pytest.raises(Glm5Fp4Error, match=rf"{path.name}.*{copy_name}|{copy_name}.*{path.name}"):
+        S.load(tmp_path)
+
+
+def test_a_truncated_gzip_host_file_keeps_what_was_read_with_a_note(tmp_path):
+    rng = random.Random(0)
+    cpu = [[i * 5, {"1": i * 10**6 + rng.randrange(10**6)}] for i in range(20_000)]  # incompressible enough
+    path = _host_file(tmp_path, cpu=cpu, end=False)
+    gz = tmp_path / "host-4242.jsonl.gz"
+    with gzip.open(gz, "wb") as f:
+        f.write(path.read_bytes())
+    path.unlink()
+    data = gz.read_bytes()
+    gz.write_bytes(data[: len(data) * 2 // 3])
+    (proc,) = S.load(tmp_path)
+    assert proc.pid == 4242 and proc.stacks and any("truncated" in n for n in proc.notes)
+
+
+def test_a_corrupt_gzip_requests_file_is_one_error(tmp_path):
+    req = _requests(tmp_path / "r.requests.jsonl.gz", [(0.0, STEADY)] * 200)
+    data = req.read_bytes()
+    req.write_bytes(data[: len(data) // 2])
+    with pytest.raises(Glm5Fp4Error, match="r.requests.jsonl.gz"):
+        S.load_requests(req)
+
+
+def test_a_directory_named_like_a_host_file_is_one_error(tmp_path):
+    _host_file(tmp_path)
+    (tmp_path / "host-1.jsonl").mkdir()
+    with pytest.raises(Glm5Fp4Error, match="host-1.jsonl.*directory"):
+        S.load(tmp_path)

@@ -180,3 +180,64 @@ def test_markdown_names_failing_configs():
     assert "selected by the picker" in md
     assert "picked T=256..512 (2)" in md
     assert "| sm_120 (RTX PRO 6000 Blackwell) | 1 | 0 | 1 |" in md
+
+
+# -- CLI validation: everything is checked before the first compile (no test here compiles anything) -------------
+
+@pytest.fixture()
+def no_compiling(monkeypatch):
+    """Fails the test if the CLI reaches the compiler (the options must have been refused before)."""
+    import glm5_fp4.sm120.matrix as M
+
+    def refuse(**kw):
+        raise AssertionError("compile-matrix compiled before validating its options")
+
+    monkeypatch.setattr(M, "run_matrix", refuse)
+
+
+QUICK = ["compile-matrix", "--picked-only", "--shapes", "tiny", "--arch", "sm120", "--modes", "w4a16", "--quiet"]
+
+
+@pytest.mark.parametrize("what", ["out_is_a_file", "out_under_a_file", "gpu", "alt_gpu"])
+def test_compile_matrix_refuses_bad_out_and_gpus_before_compiling(tmp_path, capsys, no_compiling, what):
+    from glm5_fp4.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    argv = {"out_is_a_file": ["--out", str(afile)], "out_under_a_file": ["--out", str(afile / "sub")],
+            "gpu": ["--out", str(tmp_path / "o"), "--gpu", "nosuch"],
+            "alt_gpu": ["--out", str(tmp_path / "o"), "--alt-gpu", "nosuch"]}[what]
+    assert main([*QUICK, *argv]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (str(afile) in err) if what.startswith("out") else ("nosuch" in err and f"--{what.replace('_', '-')}" in err)
+    assert afile.read_text() == "keep me" and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("option", ["--arch", "--shapes", "--modes"])
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_compile_matrix_empty_selection_is_a_usage_error(capsys, no_compiling, option, value):
+    from glm5_fp4.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["compile-matrix", "--strict", option, value])
+    assert exc.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_compile_matrix_jobs_must_be_positive(capsys, no_compiling):
+    from glm5_fp4.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*QUICK, "--jobs", "0"])
+    assert exc.value.code == 2 and "--jobs" in capsys.readouterr().err
+
+
+def test_compile_matrix_that_compiled_no_kernel_is_an_error_not_a_pass(tmp_path, capsys, monkeypatch):
+    """Whatever the selection, a run that compiled nothing checked nothing: --strict must not read it as a pass."""
+    import glm5_fp4.sm120.matrix as M
+    from glm5_fp4.cli import main
+
+    monkeypatch.setattr(M, "run_matrix", lambda **kw: MatrixResult({"archs": ["sm120"], "distinct_kernels": 0,
+                                                                     "elapsed_s": 0.0}, {"sm120": SM120_LIMIT}, []))
+    assert main([*QUICK, "--strict", "--out", str(tmp_path / "o")]) == 1
+    assert "no kernel" in capsys.readouterr().err and not (tmp_path / "o").exists()

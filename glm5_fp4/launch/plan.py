@@ -8,6 +8,7 @@ sequences fit. Every modelling choice is an entry of :attr:`Plan.assumptions`, p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from glm5_fp4 import cost_model
@@ -157,6 +158,14 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
         raise Glm5Fp4Error("tp, pp, concurrency and context must be positive")
     if not 0 < inputs.mem_util <= 1:
         raise Glm5Fp4Error(f"--mem-util {inputs.mem_util} must be in (0, 1]")
+    # `not x >= 0` rather than `x < 0`: NaN compares false either way and would pass as a reserve or a link speed
+    if not 0 <= inputs.reserve_gib < math.inf:
+        raise Glm5Fp4Error(f"--reserve-gib {inputs.reserve_gib} must be a finite number >= 0")
+    if inputs.allreduce_gbs is not None and not 0 < inputs.allreduce_gbs < math.inf:
+        raise Glm5Fp4Error(f"all-reduce bandwidth (--allreduce-gbs) {inputs.allreduce_gbs} must be a finite number > 0")
+    if inputs.allreduce_latency_us is not None and not 0 <= inputs.allreduce_latency_us < math.inf:
+        raise Glm5Fp4Error(f"all-reduce latency (--allreduce-latency-us) {inputs.allreduce_latency_us} must be a "
+                           "finite number >= 0")
     net = cost_model.Interconnect.of(gpu, inputs.allreduce_gbs, inputs.allreduce_latency_us)
     if (tp > 1 or pp > 1) and not net.known:
         raise Glm5Fp4Error(f"the hardware table has no all-reduce numbers for {gpu.name}; pass --allreduce-gbs "

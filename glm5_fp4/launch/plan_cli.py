@@ -19,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+from glm5_fp4.argtypes import fraction, nonneg_float, positive_float, positive_int
 from glm5_fp4.errors import Glm5Fp4Error
 
 DEFAULT_LAYOUTS = ("tp8", "tp4pp2")
@@ -27,17 +28,17 @@ DEFAULT_LAYOUTS = ("tp8", "tp4pp2")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, help="launch profile YAML (default: GLM-5 on vLLM, TP8, c512)")
     parser.add_argument("--gpu", default="rtx-pro-6000-ws", help="GPU from the hardware table (glm5_fp4/data/hardware.yaml)")
-    parser.add_argument("--concurrency", type=int, default=None, help="running sequences (default: max_concurrency)")
-    parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
+    parser.add_argument("--concurrency", type=positive_int, default=None, help="running sequences (default: max_concurrency)")
+    parser.add_argument("--context", type=positive_int, default=2048, help="tokens of context per sequence (default 2048)")
     parser.add_argument("--layouts", default=None,
                         help="comma-separated, e.g. tp8,tp4pp2,tp8ep8,dp8ep8,dp8ep8agrs "
                              "(default: the profile's, tp8, tp4pp2)")
     parser.add_argument("--config", default=None,
                         help="model config.json (default: the profile's model dir if it has one, else GLM-5's)")
-    parser.add_argument("--mem-util", type=float, default=0.90, help="fraction of GPU memory the engine may use")
-    parser.add_argument("--reserve-gib", type=float, default=2.0,
+    parser.add_argument("--mem-util", type=fraction, default=0.90, help="fraction of GPU memory the engine may use")
+    parser.add_argument("--reserve-gib", type=nonneg_float, default=2.0,
                         help="GiB kept for activations, CUDA graphs and NCCL buffers")
-    parser.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak bandwidth/FLOPS reached")
+    parser.add_argument("--efficiency", type=fraction, default=1.0, help="fraction of peak bandwidth/FLOPS reached")
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="the engine's KV-cache dtype (default: the profile's, else auto = FP8 DSA row)")
     parser.add_argument("--expert-math", choices=("nvfp4", "bf16"), default=None,
@@ -46,12 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="storage of the shared experts and dense MLPs (default: the --config/profile "
                              "checkpoint's quantization config, else as the routed experts, as in "
                              "nvidia/GLM-5-NVFP4; GLM-5.1/5.2-NVFP4 keep them bf16)")
-    parser.add_argument("--expert-skew", type=float, default=0.0,
+    parser.add_argument("--expert-skew", type=nonneg_float, default=0.0,
                         help="expert parallelism: the hottest GPU's token-slots over the mean, minus 1 (default 0)")
     parser.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="all-to-all dispatch precision for DP-attention + EP layouts (combine is BF16)")
-    parser.add_argument("--allreduce-gbs", type=float, default=None, help="all-reduce bus bandwidth override (GB/s)")
-    parser.add_argument("--allreduce-latency-us", type=float, default=None, help="all-reduce latency override (us)")
+    parser.add_argument("--allreduce-gbs", type=positive_float, default=None, help="all-reduce bus bandwidth override (GB/s)")
+    parser.add_argument("--allreduce-latency-us", type=nonneg_float, default=None, help="all-reduce latency override (us)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
 
 
@@ -109,9 +110,11 @@ def build_plans(args: argparse.Namespace):
     gpu = get_gpu(args.gpu)
     engine = profile.engine if profile else "vllm"
     kv = args.kv_cache_dtype or (profile.kv_cache_dtype if profile else "auto")
-    concurrency = args.concurrency or (profile.max_concurrency if profile else 512)
-    if args.layouts:
+    concurrency = args.concurrency if args.concurrency is not None else (profile.max_concurrency if profile else 512)
+    if args.layouts is not None:
         layouts = [parse_layout(t) for t in args.layouts.split(",") if t.strip()]
+        if not layouts:
+            raise Glm5Fp4Error(f"--layouts {args.layouts!r} names no layout; e.g. tp8,tp4pp2,tp8ep8,dp8ep8")
     else:
         layouts = [profile_layout(profile)] if profile else []
         layouts += [parse_layout(t) for t in DEFAULT_LAYOUTS]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from glm5_fp4.argtypes import nonneg_float, nonneg_int, positive_float, positive_int
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.outputs import output_dir
 
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("path", help="folder of host-<pid>.jsonl files")
     h.add_argument("--requests", nargs="*", default=[], metavar="FILE",
                    help="load-test per-request records (*.requests.jsonl[.gz]) run against the server meanwhile")
-    h.add_argument("--min-gap-ms", type=float, default=300.0, help="shortest delivery gap reported as a stall")
+    h.add_argument("--min-gap-ms", type=positive_float, default=300.0, help="shortest delivery gap reported as a stall")
     h.add_argument("--out", default=None, help="output directory (default: PATH/stalls)")
 
     m = sub.add_parser("trim", help="copy traces keeping only what the analysis reads (small fixtures to commit)")
@@ -63,24 +64,24 @@ def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     g.add_argument("--step-annotation", metavar="REGEX",
                    help="annotations (record_function ranges) whose names match REGEX are the steps, e.g. 'decode_step_\\d+' "
                         "(default: ProfilerStep#/vLLM's ranges, else a repeating top-level annotation)")
-    g.add_argument("--step-gap-us", type=float, help="idle gap that separates steps (implies --steps-by gap)")
+    g.add_argument("--step-gap-us", type=positive_float, help="idle gap that separates steps (implies --steps-by gap)")
     g.add_argument("--stage", help="SGLang per-stage traces: DECODE (default when both exist), EXTEND or all")
     g.add_argument("--taxonomy", help="kernel taxonomy YAML (default: the packaged glm5_fp4/data/taxonomy.yaml)")
     g.add_argument("--mode", choices=["auto", "gpu", "cpu"], default="auto", help="gpu kernels, or cpu ops for a CPU run")
-    g.add_argument("--jobs", type=int, help="processes parsing traces in parallel (default: CPUs, at most 4)")
+    g.add_argument("--jobs", type=positive_int, help="processes parsing traces in parallel (default: CPUs, at most 4)")
     g.add_argument("--no-png", action="store_true", help="skip the PNG plots")
     h = p.add_argument_group("ceilings (FLOPs / bytes of the step vs the GPU's peaks)")
     h.add_argument("--gpu", help="hardware table entry (default: detected from the trace's device name)")
-    h.add_argument("--batch", type=int, help="sequences decoding per step (all data-parallel ranks together, as plan's "
+    h.add_argument("--batch", type=positive_int, help="sequences decoding per step (all data-parallel ranks together, as plan's "
                                           "--concurrency); needed for the ceilings")
-    h.add_argument("--context", type=int, default=0, help="mean context length of those sequences")
-    h.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks per pipeline stage in the traces)")
-    h.add_argument("--pp", type=int, help="pipeline-parallel size (default: stages in the traces)")
+    h.add_argument("--context", type=nonneg_int, default=0, help="mean context length of those sequences")
+    h.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: ranks per pipeline stage in the traces)")
+    h.add_argument("--pp", type=positive_int, help="pipeline-parallel size (default: stages in the traces)")
     h.add_argument("--layout", help="the layout as `glm5-fp4 plan --layouts` names it (tp8, tp4pp2, tp8ep8, dp8ep8, "
                                     "dp8ep8agrs) instead of --tp/--pp: expert parallelism, data-parallel attention")
-    h.add_argument("--expert-skew", type=float, default=0.0,
+    h.add_argument("--expert-skew", type=nonneg_float, default=0.0,
                    help="expert parallelism: the hottest GPU's token-slots over the mean, minus 1 (as plan)")
-    h.add_argument("--tokens-per-seq", type=int, default=1, help="tokens per sequence per step (>1 with MTP)")
+    h.add_argument("--tokens-per-seq", type=positive_int, default=1, help="tokens per sequence per step (>1 with MTP)")
     h.add_argument("--config", help="the served checkpoint's config.json or directory (default: GLM-5); its "
                                     "quantization config (hf_quant_config.json, else config.json's) sets the MLP "
                                     "weight dtypes that --expert-dtype / --dense-dtype leave unset")
@@ -253,8 +254,10 @@ def run(args) -> int:
     if args.action == "stalls":
         from glm5_fp4.profiling import stalls
 
+        out = args.out or str(Path(args.path) / "stalls")
+        output_dir(out, "--out", create=False)  # before reading every sample file
         result = stalls.analyze(Path(args.path), [Path(f) for f in args.requests], args.min_gap_ms)
-        paths = stalls.write_report(result, output_dir(args.out or str(Path(args.path) / "stalls"), "--out"))
+        paths = stalls.write_report(result, output_dir(out, "--out"))
         for rf in result["request_files"]:
             longest = max((w["ms"] for w in rf["windows"]), default=0.0)
             print(f"{rf['path']}: {rf['stalls']} stall(s) >= {rf['min_gap_ms']:g} ms, {rf['stalled_s']:.2f} s in all, "
@@ -263,12 +266,9 @@ def run(args) -> int:
             print(f"{kind:>9}: {p}")
         return 0
     if args.action == "trim":
-        from glm5_fp4.profiling.traces import find_trace_files, trim_trace
+        from glm5_fp4.profiling.traces import trim_traces
 
-        files = find_trace_files(args.src)
-        dst = output_dir(args.dst, "DST")
-        for f in files:
-            kept, total = trim_trace(f, dst / f.name, keep_cpu_ops=args.keep_cpu_ops)
-            print(f"{f.name}: kept {kept} of {total} events -> {(dst / f.name).stat().st_size / 1e3:.0f} kB")
+        for name, kept, total, size in trim_traces(args.src, args.dst, keep_cpu_ops=args.keep_cpu_ops):
+            print(f"{name}: kept {kept} of {total} events -> {size / 1e3:.0f} kB")
         return 0
     raise Glm5Fp4Error(f"unknown action {args.action!r}")

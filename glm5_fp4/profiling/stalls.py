@@ -18,8 +18,11 @@ Times are on one clock: the samplers and the load-test client run on the same ma
 
 from __future__ import annotations
 
+import datetime as dt
 import gzip
 import json
+import math
+import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,10 +110,24 @@ def _open_text(path: Path):
     return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
 
 
+def _read_lines(path: Path) -> tuple[list[str], bool]:
+    """The file's lines (.jsonl, or .jsonl.gz as committed beside results) and whether a gzip stream ended early:
+    what a process killed mid-write (or a copy cut short) leaves, whose lines up to there are still good."""
+    lines: list[str] = []
+    try:
+        with _open_text(path) as f:
+            for line in f:
+                lines.append(line)
+    except EOFError:
+        return lines, True
+    except (OSError, zlib.error, UnicodeDecodeError) as exc:
+        raise Glm5Fp4Error(f"{path}: cannot read ({exc})") from None
+    return lines, False
+
+
 def load_process(path: Path) -> Process:
     proc = None
-    with _open_text(path) as f:  # .jsonl, or .jsonl.gz as committed beside results
-        lines = f.read().splitlines()
+    lines, cut = _read_lines(path)
     for no, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -154,7 +171,9 @@ def load_process(path: Path) -> Process:
         except (KeyError, TypeError, ValueError) as exc:
             raise Glm5Fp4Error(f"{path}:{no}: malformed {kind!r} record ({type(exc).__name__}: {exc})") from None
     if proc is None:
-        raise Glm5Fp4Error(f"{path}: empty host-sample file")
+        raise Glm5Fp4Error(f"{path}: empty host-sample file" + (" (or truncated before its first record)" if cut else ""))
+    if cut:
+        proc.notes.append("file truncated (its gzip stream ends early): samples up to the last complete line")
     proc.cpu.sort(key=lambda c: c[0])
     missing = {s for _, s, *_ in proc.runs} - set(proc.stacks)
     if missing:
@@ -171,7 +190,19 @@ def load(folder: Path) -> list[Process]:
     files = sorted([*folder.glob(f"{FILE_PREFIX}*.jsonl"), *folder.glob(f"{FILE_PREFIX}*.jsonl.gz")])
     if not files:
         raise Glm5Fp4Error(f"{folder} holds no {FILE_PREFIX}<pid>.jsonl files (was {ENV} set for the server?)")
-    return [load_process(f) for f in files]
+    for f in files:
+        if f.is_dir():
+            raise Glm5Fp4Error(f"{f}: a directory, not a host-sample file")
+    procs = [load_process(f) for f in files]
+    # one process saved twice (.jsonl beside its .jsonl.gz, a renamed copy) would be reported twice, and its samples
+    # counted twice in every stall window
+    seen: dict[tuple[int, float], Process] = {}
+    for p in procs:
+        first = seen.setdefault((p.pid, p.t0_unix), p)
+        if first is not p:
+            raise Glm5Fp4Error(f"{first.path.name} and {p.path.name} hold the same process (pid {p.pid}, sampled "
+                               f"from unix time {p.t0_unix:.3f}); keep one of them")
+    return procs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -189,23 +220,42 @@ def load_requests(path: Path) -> list[Request]:
     if not path.is_file():
         raise Glm5Fp4Error(f"request records {path} do not exist")
     out = []
-    with _open_text(path) as f:
-        for no, raw in enumerate(f, 1):
-            if not raw.strip():
+    lines, cut = _read_lines(path)
+    if cut:
+        raise Glm5Fp4Error(f"{path}: truncated (its gzip stream ends early)")
+    for no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            r = json.loads(raw)
+            if r.get("status", "ok") != "ok" or r.get("ttft_ms") is None:
                 continue
-            try:
-                r = json.loads(raw)
-                if r.get("status", "ok") != "ok" or r.get("ttft_ms") is None:
-                    continue
-                start = float(r["start_unix"])
-                times = metrics.delivery_times({**r, "start_s": start})
-                end = start + float(r["e2el_ms"]) / 1e3 if r.get("e2el_ms") is not None else times[-1]
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise Glm5Fp4Error(f"{path}:{no}: not a load-test request record ({type(exc).__name__}: {exc})") from None
-            out.append(Request(start, max(end, times[-1]), times))
+            start = float(r["start_unix"])
+            bad = _bad_time(r, start)
+            times = metrics.delivery_times({**r, "start_s": start})
+            end = start + float(r["e2el_ms"]) / 1e3 if r.get("e2el_ms") is not None else times[-1]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise Glm5Fp4Error(f"{path}:{no}: not a load-test request record ({type(exc).__name__}: {exc})") from None
+        if bad:
+            raise Glm5Fp4Error(f"{path}:{no}: {bad}")
+        out.append(Request(start, max(end, times[-1]), times))
     if not out:
         raise Glm5Fp4Error(f"{path}: no successful request with a first token")
     return out
+
+
+def _bad_time(r: dict, start: float) -> str | None:
+    """What makes a record's times unusable, or None. One NaN gap puts every later delivery of the request at NaN,
+    which sorts anywhere and turns into minutes of invented stall."""
+    if not math.isfinite(start):
+        return f"start_unix is {start!r}, not a finite time"
+    key = "chunk_itl_ms" if "chunk_itl_ms" in r else "itl_ms"
+    named = [("ttft_ms", r["ttft_ms"]), ("e2el_ms", r.get("e2el_ms"))]
+    named += [(f"{key}[{i}]", v) for i, v in enumerate(metrics.chunk_itls_of(r) or [])]
+    for name, value in named:
+        if value is not None and not 0 <= float(value) < math.inf:
+            return f"{name} is {value!r}, not a finite time >= 0"
+    return None
 
 
 def stall_windows(requests: list[Request], min_gap_ms: float = DEFAULT_MIN_GAP_MS) -> list[tuple[float, float, int]]:
@@ -319,8 +369,13 @@ def analyze(folder: Path, request_files: list[Path] = (), min_gap_ms: float = DE
     for path in request_files:
         reqs = load_requests(path)
         t_ref = min(r.start for r in reqs)
-        wins = stall_windows(reqs, min_gap_ms)
         span = max(r.end for r in reqs) - t_ref
+        if not any(_overlap(p.unix(0), p.unix(p.end_ms), t_ref, t_ref + span) > 0 for p in procs):
+            # every window would list no process: a report of stalls with nothing to say about them
+            lo, hi = min(p.unix(0) for p in procs), max(p.unix(p.end_ms) for p in procs)
+            raise Glm5Fp4Error(f"{path}: its requests ({_utc(t_ref)} + {span:.0f} s) lie outside the sampled time of "
+                               f"every process in {folder} ({_utc(lo)} + {hi - lo:.0f} s); records of another run?")
+        wins = stall_windows(reqs, min_gap_ms)
         covered = [p.label for p in procs if p.unix(0) <= t_ref and p.unix(p.end_ms) >= t_ref + span]
         out["request_files"].append({
             "path": str(path), "requests": len(reqs), "seconds": span, "min_gap_ms": min_gap_ms,
@@ -328,6 +383,10 @@ def analyze(folder: Path, request_files: list[Path] = (), min_gap_ms: float = DE
             "windows": [window_summary(procs, w, t_ref) for w in sorted(wins, key=lambda w: w[0] - w[1])[:MAX_WINDOWS]],
         })
     return out
+
+
+def _utc(unix: float) -> str:
+    return dt.datetime.fromtimestamp(unix, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _pct(x: float) -> str:

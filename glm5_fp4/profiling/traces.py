@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import gc
 import gzip
+import hashlib
 import json
 import os
 import re
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -58,6 +59,10 @@ _SGLANG_NAME = re.compile(r"-TP-(\d+)(?:-DP-(\d+))?(?:-PP-(\d+))?(?:-EP-(\d+))?(
 _RANK_NAME = re.compile(r"(?:^|[._-])rank[_-]?(\d+)(?:[._-]|$)")
 _TRACE_SUFFIXES = (".json", ".json.gz")
 MAX_JOBS = 4
+# Hosts' clocks may disagree (collectives.py matches the ranks' collectives across that), so disjoint profiling
+# windows closer than this are not taken for two captures on timing alone. One capture starts the profiler on every
+# rank at once; two captures (another load, a restarted server) lie seconds to hours apart.
+MAX_CLOCK_SKEW_S = 1.0
 
 
 @dataclass
@@ -120,6 +125,9 @@ class RankTrace:
     threads: list[str] = field(default_factory=list)  # "pid P tid T"
     launch_thread: np.ndarray | None = None  # thread index of each launch call, aligned with launch_corr
     n_python_events: int = 0
+    digest: str = ""  # of the trace's JSON text
+    trace_id: str | None = None  # Kineto's id of this trace (one per rank and capture)
+    trace_name: str | None = None  # the path the profiler wrote the trace to, whatever it is called now
 
     @property
     def n_kernels(self) -> int:
@@ -181,7 +189,11 @@ def load_trace(path: str | Path, mode: str = "auto") -> RankTrace:
 
 
 def _load_trace(path: Path, mode: str) -> RankTrace:
-    data = _parse_json(_read_bytes(path), path)
+    raw = _read_bytes(path)
+    # of the JSON text, so a .json and its .json.gz (or a copy) agree; ranks of one capture never do (rank, device)
+    digest = hashlib.blake2b(raw, digest_size=16).hexdigest()
+    data = _parse_json(raw, path)
+    del raw  # the text of a large trace is gigabytes; free it before the columns are built
     events = data["traceEvents"]
     if not events:
         raise Glm5Fp4Error(f"{path}: trace has no events")
@@ -321,6 +333,9 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         threads=[f"pid {pid} tid {tid}" for pid, tid in thread_index],
         launch_thread=launch[:, 2].astype(np.int64),
         n_python_events=n_python,
+        digest=digest,
+        trace_id=str(data["trace_id"]) if data.get("trace_id") else None,
+        trace_name=data["traceName"] if isinstance(data.get("traceName"), str) else None,
     )
 
 
@@ -418,6 +433,7 @@ def load_rank_traces(
         if t.pp_rank is None:
             t.pp_rank = 0
 
+    _refuse_copies(traces)
     by_rank: dict[int, RankTrace] = {}
     for t in traces:
         if t.rank in by_rank:
@@ -426,7 +442,65 @@ def load_rank_traces(
                 "put each capture in its own directory"
             )
         by_rank[t.rank] = t
-    return [by_rank[r] for r in sorted(by_rank)], notes
+    ranked = [by_rank[r] for r in sorted(by_rank)]
+    _refuse_mixed_captures(ranked)
+    return ranked, notes
+
+
+def _refuse_copies(traces: list[RankTrace]) -> None:
+    """One trace saved twice (``x.json`` beside ``x.json.gz``, a copy) would be analysed as two ranks of a TP group
+    whose collectives line up perfectly: ceilings for the wrong TP size, no wait at all. Kineto gives every trace
+    its own trace_id; without one, equal JSON is looked for where only the file order numbers the ranks (a copy
+    whose name or distributedInfo carries a rank collides on that rank instead)."""
+    seen: dict[tuple[str, str], RankTrace] = {}
+    for t in traces:
+        keys = ([("trace_id", t.trace_id)] if t.trace_id else []) + \
+            ([("content", t.digest)] if t.rank_source == "file order" else [])
+        for key in keys:
+            first = seen.setdefault(key, t)
+            if first is not t:
+                why = f"trace_id {t.trace_id}" if key[0] == "trace_id" else "the same JSON"
+                raise Glm5Fp4Error(f"{first.path.name} and {t.path.name} are the same trace ({why}), saved twice; "
+                                   "keep one of them")
+
+
+def _window_ns(t: RankTrace) -> tuple[int, int]:
+    """The span of the trace's records on the absolute clock the profiler writes (ns)."""
+    return t.origin_ns, t.origin_ns + (int(float(t.end.max()) * 1000.0) if t.n_kernels else 0)
+
+
+def _capture_dir(t: RankTrace) -> str | None:
+    if not t.trace_name or "/" not in t.trace_name:
+        return None
+    return str(PurePosixPath(t.trace_name).parent)
+
+
+def _refuse_mixed_captures(traces: list[RankTrace]) -> None:
+    """Ranks of one capture were profiled together: a directory holding ranks of different captures (rank 0 of one
+    run, rank 1 of another) would pair collectives that never met and report their timing gap as wait."""
+    if len(traces) < 2:
+        return
+    sizes = {t.distributed.get("world_size"): t for t in traces if t.distributed and t.distributed.get("world_size")}
+    if len(sizes) > 1:
+        (na, a), (nb, b) = list(sizes.items())[:2]
+        raise Glm5Fp4Error(f"{a.path.name} (world_size {na}) and {b.path.name} (world_size {nb}) come from "
+                           "different captures; put each capture in its own directory")
+    late = max(traces, key=lambda t: _window_ns(t)[0])
+    early = min(traces, key=lambda t: _window_ns(t)[1])
+    gap_s = (_window_ns(late)[0] - _window_ns(early)[1]) / 1e9
+    if gap_s <= 0:
+        return  # some moment every rank was being profiled: one capture, whatever else differs
+    dirs = {d: t for t in traces if (d := _capture_dir(t)) is not None}
+    if len(dirs) > 1:
+        (da, a), (db, b) = list(dirs.items())[:2]
+        raise Glm5Fp4Error(f"{a.path.name} (rank {a.rank}) and {b.path.name} (rank {b.rank}) come from different "
+                           f"captures: their profiling windows do not overlap and the profiler wrote them to {da} and "
+                           f"{db}; put each capture in its own directory")
+    if gap_s > MAX_CLOCK_SKEW_S:
+        raise Glm5Fp4Error(f"{early.path.name} (rank {early.rank}) and {late.path.name} (rank {late.rank}) do not "
+                           f"overlap in time: the second starts {gap_s:.1f} s after the first ends, yet one capture "
+                           "profiles all its ranks at once (or do the hosts' clocks differ by more than "
+                           f"{MAX_CLOCK_SKEW_S:g} s?); put each capture in its own directory")
 
 
 def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> tuple[int, int]:
@@ -444,6 +518,40 @@ def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> 
     ]
     write_trace({**data, "traceEvents": kept}, dst)
     return len(kept), len(events)
+
+
+def trim_traces(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> list[tuple[str, int, int, int]]:
+    """trim_trace for every trace of ``src`` into directory ``dst``, all or nothing: the files are written to a
+    temporary directory next to ``dst`` and moved in only when every one trimmed. A capture missing a rank would
+    otherwise be read later as a complete capture with fewer ranks. Returns (name, kept, total, bytes) per file."""
+    import shutil
+    import tempfile
+
+    from glm5_fp4.outputs import output_dir
+
+    files = find_trace_files(src)
+    dst = output_dir(dst, "DST", create=False)
+    created = next((p for p in reversed([dst, *dst.parents]) if not p.exists()), None)  # the topmost new one
+    output_dir(dst.parent, "DST")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.trim-", dir=dst.parent))
+    try:
+        done = []
+        for f in files:
+            try:
+                kept, total = trim_trace(f, tmp / f.name, keep_cpu_ops=keep_cpu_ops)
+            except Glm5Fp4Error as exc:
+                raise Glm5Fp4Error(f"{exc} (nothing written to {dst}: a trim keeps every rank or none)") from None
+            done.append((f.name, kept, total, (tmp / f.name).stat().st_size))
+        output_dir(dst, "DST")
+        for name, *_ in done:
+            os.replace(tmp / name, dst / name)
+        return done
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_trace(data: dict, path: str | Path) -> Path:

@@ -13,6 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from glm5_fp4.argtypes import positive_int
+from glm5_fp4.errors import Glm5Fp4Error
+
 FLOOR_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -22,6 +25,8 @@ def _csv(choices):
         bad = [v for v in vals if v not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
+        if not vals:  # an empty selection compiles nothing, and --strict would pass it
+            raise argparse.ArgumentTypeError(f"{text!r} names nothing; choose from {', '.join(choices)}")
         return vals
 
     return parse
@@ -40,18 +45,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-cache", action="store_true", help="use Triton's cache (faster reruns; compile times meaningless)")
     p.add_argument("--gpu", default="rtx-pro-6000-ws", help="hardware-table GPU for the predicted floors")
     p.add_argument("--alt-gpu", default="rtx-pro-6000-server", help="second GPU for a bandwidth-floor column ('' for none)")
-    p.add_argument("--jobs", type=int, default=1, help="parallel compiler processes (default 1)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="parallel compiler processes (default 1)")
     p.add_argument("--strict", action="store_true", help="exit 3 if any kernel fails a check")
     p.add_argument("--quiet", action="store_true")
 
 
-def floors_section(gpu_name: str, alt_name: str | None) -> dict:
+def _gpu(name: str, flag: str):
     from glm5_fp4.hardware import get_gpu
+
+    try:
+        return get_gpu(name)
+    except Glm5Fp4Error as exc:
+        raise Glm5Fp4Error(f"{flag}: {exc}") from None
+
+
+def floors_section(gpu_name: str, alt_name: str | None) -> dict:
     from glm5_fp4.kernels import configs as C
     from glm5_fp4.sm120.floors import floors
 
-    gpu = get_gpu(gpu_name)
-    alt = (get_gpu(alt_name),) if alt_name else ()
+    gpu = _gpu(gpu_name, "--gpu")
+    alt = (_gpu(alt_name, "--alt-gpu"),) if alt_name else ()
     arch = C.arch_of(gpu.compute_capability)
     return {
         "gpu": gpu.name, "gpu_display": gpu.display_name, "arch": arch, "bandwidth_gbs": gpu.mem_bandwidth_gbs,
@@ -72,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
     from glm5_fp4.sm120 import launches as L
     from glm5_fp4.sm120.matrix import run_matrix
 
+    from glm5_fp4.outputs import output_dir
+
+    # everything that can refuse the run is asked before the compiles, which take minutes
+    output_dir(args.out, "--out", create=False)
+    floors = floors_section(args.gpu, args.alt_gpu or None)
     shapes = [s for s in L.shape_classes() if s.name in args.shapes]
     t0 = time.time()
 
@@ -85,8 +103,12 @@ def run(args: argparse.Namespace) -> int:
         archs=tuple(args.arch), shapes=shapes, modes=tuple(args.modes), candidates=not args.picked_only,
         use_asm=not args.no_asm, fresh_cache=not args.reuse_cache, jobs=args.jobs, progress=progress,
     )
+    if not res.rows:
+        raise Glm5Fp4Error(f"no kernel to compile for --arch {','.join(args.arch)} --shapes {','.join(args.shapes)} "
+                           f"--modes {','.join(args.modes)}" + (" --picked-only" if args.picked_only else "")
+                           + ": nothing was checked")
     result = res.to_dict()
-    result["floors"] = floors_section(args.gpu, args.alt_gpu or None)
+    result["floors"] = floors
     js, md = write(result, Path(args.out))
     failed = res.failures()
     for arch in args.arch:
