@@ -22,37 +22,21 @@ def _number(text: str, kind: type) -> float | int:
     return value
 
 
-def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
+def _ranged(name: str, kind: type, ok, rule: str):
+    """A parser of ``kind`` numbers for which ``ok(value)`` holds (``rule`` says which, in the error)."""
+
+    def parse(text: str):
+        value = _number(text, kind)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {rule}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
 
 
-def nonneg_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A share of a whole: in (0, 1]."""
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
-
-
-def nonneg_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+positive_float = _ranged("positive_float", float, lambda v: v > 0, "> 0")
+nonneg_float = _ranged("nonneg_float", float, lambda v: v >= 0, ">= 0")
+fraction = _ranged("fraction", float, lambda v: 0 < v <= 1, "in (0, 1]")  # a share of a whole
+positive_int = _ranged("positive_int", int, lambda v: v >= 1, ">= 1")
+nonneg_int = _ranged("nonneg_int", int, lambda v: v >= 0, ">= 0")
