@@ -37,18 +37,21 @@ def rehearsals(tmp_path_factory):
     ckpts = base / "ckpt"
     done = base / "prewarm-done.json"  # a finished pre-warm, as prewarm_jit.py writes it
     done.write_text(json.dumps({"state": "done", "pid": 1, "modules": {"moe_wna16_marlin": {"ok": True, "s": 1.0}}}))
+    # Deadlines far above a rehearsal's own time (15 s alone): the runs budget each stage with the H200's
+    # estimates (the dense-view wave needs ~150 s), and three at once on a loaded 2-core CI machine took 172 s to
+    # reach that wave, which a 300 s deadline then skipped.
     runs = {
-        "tiny": _start("run_tiny.py", base / "tiny", "--ckpt-root", str(ckpts / "a"), "--deadline-s", "300",
+        "tiny": _start("run_tiny.py", base / "tiny", "--ckpt-root", str(ckpts / "a"), "--deadline-s", "900",
                        env={"GLM5_FP4_PREWARM_STATUS": str(done)}),
-        "tiny_failing": _start("run_tiny.py", base / "failing", "--ckpt-root", str(ckpts / "b"), "--deadline-s", "300",
+        "tiny_failing": _start("run_tiny.py", base / "failing", "--ckpt-root", str(ckpts / "b"), "--deadline-s", "900",
                                env={"GLM5_FP4_FAKE_SGLANG_FAIL": "^glm5-", "GLM5_FP4_FAKE_SGLANG_OFF": "^glm4moe-ours$"}),
-        "true": _start("run_true_dims.py", base / "true", "--ckpt", str(ckpts / "glm5-true"), "--deadline-s", "400",
+        "true": _start("run_true_dims.py", base / "true", "--ckpt", str(ckpts / "glm5-true"), "--deadline-s", "900",
                        "--levels", "4", "--capture-concurrency", "4", "--input-len", "16", "--output-len", "8",
                        "--start-together", "1", env={"GLM5_FP4_PREWARM_STATUS": str(base / "none.json")}),
     }
     out = {}
     for name, proc in runs.items():
-        log, _ = proc.communicate(timeout=600)
+        log, _ = proc.communicate(timeout=1200)
         folder = base / {"tiny": "tiny", "tiny_failing": "failing", "true": "true"}[name] / "out"
         run = "h200_sglang_true_dims" if name == "true" else "h200_sglang_tiny"
         out[name] = {"rc": proc.returncode, "log": log, "out": folder, "run": run,
