@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     tokens = [int(v) for v in args.tokens.split(",") if v]
     routings = [r for r in args.routings.split(",") if r]
     meta = result_metadata(benchmark="moe_variants", layers=args.layers, shards=shards, tokens=tokens,
-                           routings=routings, copy_gbs=round(copy_bandwidth_gbs(), 1))
+                           routings=routings, copy_gbs=round(copy_bandwidth_gbs(), 1),
+                           opt_in={name: o.purpose for name, o in C.OPT_IN.items()})  # what each variant is for
     rows: list[dict] = []
 
     def save():

@@ -351,6 +351,11 @@ def pick_n_split(n_tiles: int, programs_per_split: float, sm_count: int, waves: 
     return n_tiles
 
 
+def split_k_fits(split: int, hidden: int, bk: int) -> bool:
+    """Whether GEMM1 can take K (= H) in ``split`` ranges: at most SPLIT_K_MAX, each of whole ``bk``-wide tiles."""
+    return split <= SPLIT_K_MAX and hidden % (split * bk) == 0
+
+
 def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0) -> int:
     """Largest power of two <= SPLIT_K_MAX dividing ``k_tiles`` that keeps programs <= ``waves`` per SM.
 
@@ -469,10 +474,9 @@ def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None
     """Whether opt-in ``form`` can modify plan ``p`` of a ``tokens`` call (in ``mode``, when given): its
     schedule, batch sizes, mode, and a split-K it sets must cut H into whole K tiles."""
     o = OPT_IN[form]
-    split = o.change.get("gemm1_split_k", 1)
     return (p.schedule == o.schedule and (o.max_tokens is None or tokens <= o.max_tokens)
             and (mode is None or mode in o.modes) and (not o.needs_split_k or p.gemm1_split_k > 1)
-            and split <= SPLIT_K_MAX and hidden % (split * p.gemm1.bk) == 0)
+            and split_k_fits(o.change.get("gemm1_split_k", 1), hidden, p.gemm1.bk))
 
 
 def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,

@@ -169,7 +169,7 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                            f"holds {call.workspace.combine.shape[0]}")
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         ws = call.workspace
-        if (plan.gemm1_split_k > cfgs.SPLIT_K_MAX or h % (plan.gemm1_split_k * g1.bk) or call.num_slots > ws.part_rows
+        if (not cfgs.split_k_fits(plan.gemm1_split_k, h, g1.bk) or call.num_slots > ws.part_rows
                 or call.num_slots * (i // g1.bn) > ws.split_count.numel()):
             raise Glm5Fp4Error(
                 f"MoE plan {plan}: GEMM1 split-K {plan.gemm1_split_k} needs <= {cfgs.SPLIT_K_MAX} splits of whole "
@@ -177,7 +177,7 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
             )
     if plan.schedule == "grouped" and plan.gemm1_split_k > 1:
         k, ws = plan.gemm1_split_k, call.workspace
-        if (k > cfgs.SPLIT_K_MAX or h % (k * g1.bk) or call.num_slots > ws.part_rows or call.mode != "w4a16"
+        if (not cfgs.split_k_fits(k, h, g1.bk) or call.num_slots > ws.part_rows or call.mode != "w4a16"
                 or call.tokens > cfgs.GROUPED_SPLIT_K_MAX_TOKENS):
             raise Glm5Fp4Error(
                 f"MoE plan {plan}: grouped GEMM1 split-K {k} needs W4A16 (got {call.mode}), <= {cfgs.SPLIT_K_MAX} "
@@ -206,6 +206,26 @@ def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage
     )
 
 
+def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool = False) -> Launch:
+    """The grouped GEMM2 over ``rows`` work-list blocks, or (``slot_dedup``) over the call's slots, each leading
+    a group or idle; into the fp32 combine buffer (atomics per token, or stores per slot)."""
+    from glm5_fp4.kernels import triton_moe as K
+
+    p, ws, g2 = call.prepared, call.workspace, plan.gemm2
+    h, i = p.hidden_size, p.intermediate_size
+    a2 = _scales(call)[1]
+    return Launch(
+        K.moe_gemm2_grouped_kernel, (rows, plan.gemm2_n_split),
+        (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
+         ws.blocks, ws.num_blocks, call.topk_ids, _emap(call), call.top_k),
+        dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
+             USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout == "placed",
+             SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
+             HAS_MAP=slot_dedup and call.expert_map is not None, num_warps=g2.num_warps, num_stages=g2.num_stages),
+        stage="gemm2",
+    )
+
+
 def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
@@ -222,7 +242,6 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     placed = p.layout == "placed"
     fused = split_k > 1 and plan.gemm1_fused_reduce
     dedup = plan.slot_dedup
-    sp = _pow2(num_slots)
     out = [
         Launch(
             K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
@@ -231,7 +250,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
              ws.num_blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=has_map,
-                 KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=sp,
+                 KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
         )
@@ -241,18 +260,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     if dedup:
         # GEMM2 per (slot group, N range) into per-slot fp32 rows of the combine buffer, then each token's k rows
         # added in slot order: every expert's W2 read and decoded once however many tokens share it
-        return out + [
-            Launch(
-                K.moe_gemm2_grouped_kernel, (num_slots, plan.gemm2_n_split),
-                (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine,
-                 ws.slots, ws.blocks, ws.num_blocks, call.topk_ids, emap, k),
-                dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
-                     MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=placed, SLOT_DEDUP=True, SP=sp,
-                     HAS_MAP=has_map, num_warps=g2.num_warps, num_stages=g2.num_stages),
-                stage="gemm2",
-            ),
-            _finalize(call, rows=k),
-        ]
+        return out + [_gemm2_grouped(plan, call, num_slots, slot_dedup=True), _finalize(call, rows=k)]
     out.append(Launch(
         K.moe_gemm2_slot_kernel, (plan.gemm2_n_split, t),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, call.topk_ids, emap,
@@ -271,9 +279,9 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     p, ws = call.prepared, call.workspace
     t, h = call.x.shape
     k, i, e = call.top_k, p.intermediate_size, p.num_experts
-    g1, g2 = plan.gemm1, plan.gemm2
+    g1 = plan.gemm1
     w4a4 = call.mode == "w4a4"
-    a13, a2, g13, g2s = _scales(call)
+    a13, _, g13, g2s = _scales(call)
     prep_x = plan.prep_x and not w4a4
     nblk = max_blocks(call.num_slots, e, g1.bm)
     blocks = (ws.blocks, ws.num_blocks)
@@ -296,15 +304,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             stage="gemm1",
         ),
         *reduce,
-        Launch(
-            K.moe_gemm2_grouped_kernel, (nblk, plan.gemm2_n_split),
-            (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
-             *blocks, call.topk_ids, _emap(call), k),
-            dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
-                 MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=placed, num_warps=g2.num_warps,
-                 num_stages=g2.num_stages),
-            stage="gemm2",
-        ),
+        _gemm2_grouped(plan, call, nblk),
         _finalize(call),
     ]
 
