@@ -97,7 +97,7 @@ class Group:
             return None
         return float(np.mean(vals))
 
-    def nonis_finite_number(self, key: str) -> list[str]:
+    def non_finite(self, key: str) -> list[str]:
         """'<value> in <file>' for each run whose `key` is NaN or infinite."""
         return [f"{r[key]} in `{p}`" for p, r in zip(self.paths, self.results)
                 if isinstance(r.get(key), float) and not math.isfinite(r[key])]
@@ -204,12 +204,6 @@ def _check_counts(p: Path, res: dict[str, Any], rows: list[dict[str, Any]], foun
         raise Glm5Fp4Error(f"compare: {where} has {len(rows)} rows ({ok} ok, {other} not), but {p} says "
                            f"completed {res['completed']}, failed {failed}: the per-request data is not this "
                            "run's, or is incomplete")
-
-
-
-
-
-
 
 
 def _tokens(path: Path) -> list[str]:
@@ -447,7 +441,7 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
         if a is None or b is None:
             rows.append(Row(key, a, b, None, None, None, "-", "missing"))
             continue
-        if base.nonis_finite_number(key) or other.nonis_finite_number(key):
+        if base.non_finite(key) or other.non_finite(key):
             rows.append(Row(key, a, b, None, None, None, "-", NOT_COMPARABLE if blocked else NOT_FINITE))
             continue
         delta = b - a
@@ -524,7 +518,7 @@ def non_finite_notes(base: Group, other: Group) -> list[str]:
     """'<field> is <value> in <file>' for every metric that is NaN or infinite in either group."""
     out = []
     for key in metric_keys(base.results[0]):
-        bad = base.nonis_finite_number(key) + other.nonis_finite_number(key)
+        bad = base.non_finite(key) + other.non_finite(key)
         if bad:
             out.append(f"{key} is {', '.join(bad)}")
     return out
