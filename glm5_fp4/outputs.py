@@ -7,6 +7,8 @@ refuse bad output paths before a long run without leaving an empty directory beh
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
@@ -26,3 +28,26 @@ def output_dir(path: str | Path, flag: str = "--out", *, create: bool = True) ->
         except OSError as exc:
             raise Glm5Fp4Error(f"{flag} {p}: cannot create the directory ({exc.strerror or exc})") from None
     return p
+
+
+def plain_file_mode(path: str | Path) -> None:
+    """Give ``path`` the mode a plain ``open(path, "w")`` would (0666 less the umask): files written through a
+    private temporary file (mkstemp, safetensors) are 0600, which another account (a server's) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``: a reader (a report run while
+    recording) or a failed write never sees a half-written file. Errors: one Glm5Fp4Error naming ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        plain_file_mode(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise Glm5Fp4Error(f"{path}: cannot write ({exc.strerror or exc})") from None

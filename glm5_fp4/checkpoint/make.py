@@ -16,7 +16,6 @@ arguments. ``dequantized=True`` writes the BF16 twin: each NVFP4 weight replaced
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zlib
 from pathlib import Path
@@ -30,7 +29,7 @@ from glm5_fp4.checkpoint.configs import build_config, check_tokenizer_fits, dens
 from glm5_fp4.checkpoint.layout import RECIPES, TensorSpec, exclude_modules, model_tensors
 from glm5_fp4.checkpoint.tokenizer import MIN_VOCAB_SIZE, save_tokenizer
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.outputs import output_dir
+from glm5_fp4.outputs import output_dir, plain_file_mode
 
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.42.0 (layout); written by glm5-fp4"}
 SHARD_BYTES = 2 * 1024**3
@@ -97,14 +96,6 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _match_umask(path: Path) -> None:
-    """safetensors writes through a private temporary file (mode 0600); give the weights the same mode as the
-    config and tokenizer next to them, or another user (a server's account) can read all but the weights."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
-
-
 def write_safetensors(tensors, out_dir: Path, total: int, shard_bytes: int = SHARD_BYTES) -> None:
     """Write tensors as one ``model.safetensors`` or as shards with an index, keeping memory to one shard."""
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -116,7 +107,7 @@ def write_safetensors(tensors, out_dir: Path, total: int, shard_bytes: int = SHA
         idx = len(files) + 1
         fname = "model.safetensors" if final and idx == 1 else f"model-{idx:05d}.safetensors"
         save_file(shards[-1], str(out_dir / fname), metadata={"format": "pt"})
-        _match_umask(out_dir / fname)
+        plain_file_mode(out_dir / fname)  # safetensors writes through a private (0600) temporary file
         files.append(fname)
         weight_map.update({k: fname for k in shards[-1]})
         shards[-1] = {}

@@ -118,7 +118,6 @@ def regenerate_index(directory: Path, check: bool = False) -> bool:
     return True
 
 
-NOT_COMPARABLE = "**Not comparable**"  # what `glm5-fp4 compare` prints when it gives no verdicts
 
 
 def extract_compare_block(compare_md: Path) -> str:
@@ -130,7 +129,9 @@ def extract_compare_block(compare_md: Path) -> str:
 
 
 def is_comparable(compare_block: str) -> bool:
-    return NOT_COMPARABLE not in compare_block
+    from glm5_fp4.loadtest.compare import NOT_COMPARABLE_MARK
+
+    return NOT_COMPARABLE_MARK not in compare_block
 
 
 def new_writeup(directory: Path, title: str, compare_md: Path | None = None, status: str = "proposed") -> Path:

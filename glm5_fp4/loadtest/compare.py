@@ -64,6 +64,7 @@ OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tok
 CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "num_prompts")
 CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format")
 NOT_COMPARABLE = "not comparable"
+NOT_COMPARABLE_MARK = "**Not comparable**"  # heads a markdown block without verdicts (improvements reads it)
 NOT_FINITE = "not finite"
 MAX_LABEL = 20
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -565,7 +566,7 @@ def markdown_block(base: Group, other: Group, rows: list[Row]) -> str:
     lines = [f"### {other.label} vs {base.label}", ""]
     blocked = not_comparable(base, other)
     if blocked:
-        lines.append(f"**Not comparable**, so no verdicts: {'; '.join(blocked)}.")
+        lines.append(f"{NOT_COMPARABLE_MARK}, so no verdicts: {'; '.join(blocked)}.")
         lines.append("")
     for role, g in (("Baseline", base), ("Candidate", other)):
         files = ", ".join(f"`{p}`" for p in g.paths)

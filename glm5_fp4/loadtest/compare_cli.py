@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     from glm5_fp4.errors import Glm5Fp4Error
     from glm5_fp4.loadtest.compare import compare_files, input_files, non_finite_notes, not_comparable, print_table
+    from glm5_fp4.outputs import write_text_atomic
 
     if args.bootstrap < 50:
         raise Glm5Fp4Error(f"--bootstrap {args.bootstrap}: use at least 50 resamples")
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         for g, rows in zip(groups[1:], tables):
             print_table(groups[0], g, rows)
     if out is not None:
-        _write_atomically(out, md + "\n")
+        write_text_atomic(out, md + "\n")
         print(f"markdown: {out}")
     status = 0
     for g in groups[1:]:
@@ -75,23 +76,3 @@ def _check_out(out: Path) -> None:
         raise Glm5Fp4Error(f"--out {out}: {parent} is not a folder")
     if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise Glm5Fp4Error(f"--out {out}: not writable")
-
-
-def _write_atomically(out: Path, text: str) -> None:
-    """A temporary file renamed over `out`: a failed write leaves no half-written markdown."""
-    import os
-    import tempfile
-
-    from glm5_fp4.errors import Glm5Fp4Error
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the markdown private, unlike a plain write
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise Glm5Fp4Error(f"--out {out}: cannot write ({exc.strerror or exc})") from None

@@ -82,8 +82,8 @@ def is_finite_number(v: Any) -> bool:
 
 
 def read_requests(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a .requests.jsonl (or .jsonl.gz), each checked; errors name file:line and the field. The one
-    reader of the per-request files: compare and `profile stalls` read them through it."""
+    """The rows of a .requests.jsonl (or .jsonl.gz), each checked for what `compare` resamples; errors name
+    file:line and the field. (`profile stalls` reads the same files for other fields, with its own checks.)"""
     path = Path(path)
     gz = path.name.endswith(".gz")
     rows = []

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import write_text_atomic
 
 FORMAT = "glm5-fp4-telemetry/1"
 SAMPLES_FILE = "telemetry.jsonl"
@@ -155,6 +156,8 @@ class TelemetryRun:
 
 # key -> formatter of its value as a JSON number, rounded to what the sensor resolves
 _FORMAT = {key: ("{:.%df}" % decimals).format for key, (_, decimals) in METRICS.items()}
+
+
 def sample_line(t: float, gpu: int, sample: dict[str, Any]) -> str:
     """One compact JSONL line. Runs for every sample of every GPU, so it formats by hand (~7 µs,
     against ~12 µs for round() + json); keys are our own identifiers and throttle names are
@@ -175,9 +178,7 @@ def sample_line(t: float, gpu: int, sample: dict[str, Any]) -> str:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Readers (a report run while recording) never see a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 def _number(value: Any, where: str, allow_none: bool = False) -> float | None:
