@@ -8,11 +8,12 @@ the two default times bound the drift within the row. Variants:
 * ``other layout``: weights in the layout that is not the default ("split" while "placed" is the default:
   layout.place_nibbles saves 2 of 7 bit operations per decoded word; SASS counts in
   benchmarks/results/moe_kernel_sass_sm90_placed.json).
-* each opt-in plan form of ``glm5_fp4.kernels.configs.OPT_IN`` where it serves the default plan (its schedule,
-  batch sizes and mode): ``fused_reduce`` (slot split-K reduced by GEMM1's last program), ``slot_dedup`` (one
-  program group per expert instead of per slot, T <= 4: skew re-reads an expert per token), ``parallel_align``,
-  ``grouped_split2`` / ``grouped_split4`` (grouped GEMM1 along K for short work lists, T <= 64). The table is
-  the one home of what is opt-in; this script follows it.
+* each alternative plan form of ``glm5_fp4.kernels.configs.OPT_IN`` where it serves and changes the default
+  plan (its schedule, batch sizes and mode): ``fused_reduce`` (slot split-K reduced by GEMM1's last program),
+  ``slot_dedup`` (one program group per expert below T = 3, where it is not the default), ``per_slot`` (the
+  per-slot form the dedup default replaced), ``parallel_align``, ``grouped_split2`` and ``grouped_unsplit``
+  (grouped GEMM1 in 2 K ranges / all of K, against the skew-sized default). The table is the one home of the
+  alternatives; this script follows it.
 * ``nodecode`` (wrong results, not checked): GEMM1's decode replaced by an int->fp16 conversion plus adds
   (DIAG=1). NOT a lower bound: on the H200 it ran 10-60 % slower than the real decode (the stand-in
   operands cost more than the E4M3 trick); kept only behind --nodecode.
@@ -95,6 +96,8 @@ def main(argv=None) -> int:
                     if form and not C.opt_in_serves(form, plan, t, sh.hidden, "w4a16"):
                         continue
                     vplan = default_plan(x, ids, lay.prepared[0], "w4a16", form=form) if form else plan
+                    if form and vplan == plan:
+                        continue  # the form is the default here (or changes nothing): nothing to compare
                     try:
                         if check:
                             o = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=vplan)

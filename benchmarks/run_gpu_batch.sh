@@ -5,9 +5,8 @@
 # Usage (repo root): OUT=/dir bash benchmarks/run_gpu_batch.sh [steps...]   (default: all steps)
 set -u
 OUT=${OUT:-/tmp/gpu_batch}
-# The GPU image lacks pydantic (glm5_fp4.hardware needs it): its wheels travel in .whl/ (carry it).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+. benchmarks/gpu_deps.sh || exit 2
+export PYTHONUNBUFFERED=1
 R=$OUT/batch; mkdir -p "$R"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv | tee "$R/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$R/gpu.txt"

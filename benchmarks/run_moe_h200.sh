@@ -8,7 +8,8 @@
 # $OUT/sweep.json; 'bench' uses it (or $PLANS) for the swept regimes. vLLM's Marlin MoE is measured beside
 # ours when vLLM's CUDA build is importable (PYTHONPATH with the shipped vLLM: benchmarks/h200_vllm/).
 set -u
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+. benchmarks/gpu_deps.sh || exit 2
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 # The device copy's .git is stale: pass the commit sent (GLM5_FP4_GIT_SHA=$(git rev-parse HEAD) here) for the results.
 [ -n "${GLM5_FP4_GIT_SHA:-}" ] || echo "note: GLM5_FP4_GIT_SHA unset, results will record the stale .git of the device copy"
 OUT=${OUT:-/tmp/moe_out}

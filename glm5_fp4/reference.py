@@ -120,10 +120,18 @@ class NvFp4Experts:
         p2, s2, g2 = nvfp4.quantize(w2)
         return cls(p13, s13, g13, p2, s2, g2, a13_scale, a2_scale)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(self, dtype: torch.dtype = torch.float32, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13, w2)`` in ``dtype``: all experts, or only ``expert`` (``[2I, H]``, ``[H, I]``). One expert at
+        a time is what a reference needs: GLM-5's 256 whole experts are 51 GB in float64."""
+        if expert is None:
+            return (
+                nvfp4.dequantize(self.w13, self.w13_scale, self.w13_global, dtype),
+                nvfp4.dequantize(self.w2, self.w2_scale, self.w2_global, dtype),
+            )
+        e = expert
         return (
-            nvfp4.dequantize(self.w13, self.w13_scale, self.w13_global, dtype),
-            nvfp4.dequantize(self.w2, self.w2_scale, self.w2_global, dtype),
+            nvfp4.dequantize(self.w13[e], self.w13_scale[e], self.w13_global[e], dtype),
+            nvfp4.dequantize(self.w2[e], self.w2_scale[e], self.w2_global[e], dtype),
         )
 
     def to(self, device: torch.device | str) -> "NvFp4Experts":
@@ -155,7 +163,8 @@ def moe_reference(
     """Routed experts (+ shared expert) on NVFP4 weights; ``x [T, H]``, result in ``x.dtype``.
 
     ``topk_weights`` must already include ``routed_scaling_factor`` (as :func:`route` returns them). Computes
-    in ``compute_dtype`` (float32, or float64 for exact comparisons), expert by expert, tokens gathered.
+    in ``compute_dtype`` (float32, or float64 for exact comparisons), expert by expert, tokens gathered; only the
+    experts the routing touches are dequantized, one at a time.
     ``expert_map`` (expert parallelism): ``experts`` are this rank's, ``topk_ids`` global, and
     ``expert_map[global] = local id`` or -1 for an expert of another rank, which contributes nothing.
     """
@@ -178,7 +187,6 @@ def moe_reference(
         topk_ids = emap[topk_ids.long()]
         if topk_ids.numel() and int(topk_ids.max()) >= experts.num_experts:
             raise Glm5Fp4Error(f"expert_map points past the {experts.num_experts} local experts")
-    w13, w2 = experts.dequantized(compute_dtype)
     xc = x.to(compute_dtype)
     out = torch.zeros_like(xc)
     for e in torch.unique(topk_ids).tolist():
@@ -187,7 +195,8 @@ def moe_reference(
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         a13 = experts.a13_scale[e] if w4a4 else None
         a2 = experts.a2_scale[e] if w4a4 else None
-        y = _swiglu(xc[tok], w13[e], w2[e], a13, a2)
+        # Only the experts the routing touches, one at a time (the whole set would not fit beside the kernel's).
+        y = _swiglu(xc[tok], *experts.dequantized(compute_dtype, e), a13, a2)
         out.index_add_(0, tok, y * topk_weights[tok, slot].to(compute_dtype)[:, None])
     if shared is not None:
         s13, s2 = shared.dequantized(compute_dtype)

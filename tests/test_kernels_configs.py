@@ -115,7 +115,7 @@ def test_native_fp4_kernels_lower_to_the_fp4_block_scaled_mma(cc, arch, marker):
 
 
 def test_grouped_split_k_launches_a_reduce_after_gemm1():
-    """Plan.gemm1_split_k on the grouped schedule: GEMM1's grid gains the K ranges, the split-K reduce follows it
+    """Plan.gemm1_split_k on the grouped schedule (the TP8 shard's default at T <= 64): GEMM1's grid gains the K ranges, the split-K reduce follows it
     (rows = sorted positions, no expert lookup), and the launch count says five."""
     import dataclasses
 
@@ -132,9 +132,11 @@ def test_grouped_split_k_launches_a_reduce_after_gemm1():
     x = torch.empty(t, prep.hidden_size, dtype=torch.bfloat16, device=meta)
     call = MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
                    torch.empty_like(x), Workspace(meta, prep.num_experts, k, prep.hidden_size, prep.intermediate_size, t))
-    base = C.plan("sm90", t, prep.num_experts, k, prep.hidden_size, prep.intermediate_size, sm_count=132)
-    assert base.schedule == "grouped" and base.gemm1_split_k == 1  # opt-in: the default is unchanged
+    dims = (prep.num_experts, k, prep.hidden_size, prep.intermediate_size)
+    base = C.plan("sm90", t, *dims, sm_count=132, form="grouped_unsplit")
+    assert base.schedule == "grouped" and base.gemm1_split_k == 1
     split = dataclasses.replace(base, gemm1_split_k=4)
+    assert C.plan("sm90", t, *dims, sm_count=132) == split  # the default at the TP8 shard
     names = [ln.name for ln in launches(split, call)]
     assert names == ["moe_align_kernel", "moe_gemm1_kernel", "moe_splitk_reduce_kernel", "moe_gemm2_grouped_kernel",
                      "moe_finalize_kernel"] and count(split) == 5 == len(names) and count(base) == 4
@@ -145,7 +147,7 @@ def test_grouped_split_k_launches_a_reduce_after_gemm1():
 
 
 def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
-    """Plan.slot_dedup (opt-in): GEMM1 keeps the slot grid with DEDUP on; GEMM2 is the grouped kernel over
+    """Plan.slot_dedup (the default at T = 3-4): GEMM1 keeps the slot grid with DEDUP on; GEMM2 is the grouped kernel over
     (slot, N range) storing per-slot rows, split along H for the experts a call touches (not per token); the
     finalize adds k rows per token; one launch more than the slot form."""
     import torch
@@ -162,8 +164,8 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     x = torch.empty(t, h, dtype=torch.bfloat16, device=meta)
     call = MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
                    torch.empty_like(x), Workspace(meta, e, k, h, i, t))
-    base = C.plan("sm90", t, e, k, h, i, sm_count=132)
-    dedup = C.plan("sm90", t, e, k, h, i, sm_count=132, form="slot_dedup")
+    base = C.plan("sm90", t, e, k, h, i, sm_count=132, form="per_slot")
+    dedup = C.plan("sm90", t, e, k, h, i, sm_count=132)
     assert base.schedule == "slot" and not base.slot_dedup and dedup.slot_dedup and not dedup.gemm2_unroll
     n_tiles = h // dedup.gemm2.bn
     assert dedup.gemm2_n_split == C.pick_n_split(n_tiles, min(C.expected_active_experts(t, e, k), t * k), 132)
@@ -178,3 +180,36 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     assert g2.grid == (t * k, dedup.gemm2_n_split) and g2.kwargs["SLOT_DEDUP"] and g2.kwargs["SP"] == 32
     assert fin.grid[0] == t and fin.kwargs["ROWS"] == k
     assert C.plan("sm90", 64, e, k, h, i, sm_count=132, form="slot_dedup").slot_dedup is False  # grouped: no effect
+
+
+@pytest.mark.parametrize("arch,sms", [("sm90", 132), ("sm120", 188)])
+def test_default_forms_are_sized_for_skewed_routing(arch, sms):
+    """The plan is fixed per batch size before the routing is known (CUDA graphs), so it is sized for skew
+    (configs.SLOT_DEDUP_MIN_TOKENS, pick_grouped_split_k; H200 2026-12-02): one program group per expert at
+    T = 3-4, never at T <= 2; grouped GEMM1 split along K (W4A16, T <= 64) until the all-on-k work list fills the
+    SMs: the TP8 shard (I/BN = 4 tiles per expert) in 4, never whole experts (TP1: 32 tiles x 8 experts > SMs);
+    W4A4 never (the launcher refuses it), nor past T = 64."""
+    from glm5_fp4.kernels import configs as C
+
+    dims = {"tp8": (256, 8, 6144, 256), "tp4": (256, 8, 6144, 512), "tp1": (256, 8, 6144, 2048)}
+    for t in (1, 2, 3, 4):
+        for name, d in dims.items():
+            p = C.plan(arch, t, *d, sm_count=sms)
+            assert p.schedule == "slot" and p.slot_dedup == (t >= 3), (name, t)
+            assert C.plan(arch, t, *d, sm_count=sms, form="per_slot").slot_dedup is False
+            if t <= 2:
+                assert C.plan(arch, t, *d, sm_count=sms, form="slot_dedup").slot_dedup
+    for t in (8, 16, 64, 65, 512):
+        for name, d in dims.items():
+            p = C.plan(arch, t, *d, sm_count=sms)
+            tiles = d[3] // p.gemm1.bn
+            want = 1
+            while t <= C.GROUPED_SPLIT_K_MAX_TOKENS and want < C.SPLIT_K_MAX and 8 * tiles * want < sms \
+                    and C.split_k_fits(want * 2, 6144, p.gemm1.bk):
+                want *= 2
+            assert p.gemm1_split_k == want, (name, t, tiles)
+            assert C.plan(arch, t, *d, sm_count=sms, mode="w4a4").gemm1_split_k == 1
+            if name == "tp1" or t > 64:
+                assert want == 1
+            if name == "tp8" and t <= 64:
+                assert want == 4

@@ -112,3 +112,26 @@ def test_reference_moe_rejects_bad_input():
     bad = NvFp4Experts(**{**experts.__dict__, "w2_scale": experts.w2_scale[:, :, :1]})
     with pytest.raises(Glm5Fp4Error, match="w2_scale"):
         bad.validate()
+
+
+def test_reference_dequantizes_only_the_touched_experts_one_at_a_time(monkeypatch):
+    """The GPU gate's reference for GLM-5's 256 whole experts (TP1) asked for 48 GiB at once (H200, 2026-12-02): the
+    reference must dequantize only the experts the routing picks, one at a time, and give the same layer."""
+    g = torch.Generator().manual_seed(5)
+    ex = random_experts(16, 64, 32, generator=g)
+    x = torch.randn(3, 64, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[2, 7], [7, 11], [2, 11]])
+    w = torch.rand(3, 2, generator=g, dtype=torch.float64)
+    w13, w2 = ex.dequantized(torch.float64)
+    want = torch.zeros_like(x)
+    for t in range(3):
+        for s in range(2):
+            e = int(ids[t, s])
+            gate, up = (x[t] @ w13[e].T).chunk(2)
+            want[t] += w[t, s] * ((F.silu(gate) * up) @ w2[e].T)
+    seen = []
+    real = nvfp4.dequantize
+    monkeypatch.setattr(nvfp4, "dequantize", lambda packed, *a, **k: (seen.append(tuple(packed.shape)), real(packed, *a, **k))[1])
+    got = moe_reference(x, w, ids, ex, compute_dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert sorted(seen) == sorted([(64, 32), (64, 16)] * 3), seen  # w13 [2I, H/2] and w2 [H, I/2] of 3 experts

@@ -68,9 +68,9 @@ class Plan:
     gemm2_n_split: int
     # GEMM1 programs per (N tile, rows) along K, their fp32 partial sums added (in split order) and SwiGLU
     # applied by moe_splitk_reduce_kernel (one launch more). Slot schedule: the default for T <= 4. Grouped
-    # schedule (W4A16, T <= GROUPED_SPLIT_K_MAX_TOKENS): opt-in until measured. A short work list (all tokens on a
-    # few experts: 8 blocks x I/BN tiles = 32 programs at TP8 T=16) leaves most SMs idle with each program
-    # walking all of K; TP8 T=16 same_k ran 84 us against Marlin's 45 (H200, 2026-12-01).
+    # schedule (W4A16, T <= GROUPED_SPLIT_K_MAX_TOKENS): the default where the skewed case's work list would not
+    # fill the GPU (pick_grouped_split_k). A short work list (all tokens on a few experts: 8 blocks x I/BN tiles
+    # = 32 programs at TP8 T=16) leaves most SMs idle with each program walking all of K.
     gemm1_split_k: int = 1
     # Grouped W4A16: the align kernel converts x to fp16 in GEMM1's K order once (False: GEMM1 converts
     # every K tile itself; kept for comparison).
@@ -89,7 +89,7 @@ class Plan:
     # computes all of them, GEMM1 and GEMM2 alike; GEMM2 then writes per-slot fp32 rows and the finalize kernel
     # adds each token's k rows (one launch more). Under skew the slot form reads and decodes an expert's weights
     # once per token routed to it: TP1 T=4 same_k 290 us against Marlin's 87 (H200, 2026-12-01); balanced
-    # routing forms groups of one. Off until measured (benchmarks/moe_variants.py, variant "slot_dedup").
+    # routing forms groups of one. The default from SLOT_DEDUP_MIN_TOKENS on.
     slot_dedup: bool = False
 
 
@@ -173,8 +173,16 @@ NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32
 # partial sums live in a static workspace of SPLIT_K_MAX * SPLIT_K_MAX_TOKENS * top_k * 2I floats).
 SPLIT_K_MAX = 4
 SPLIT_K_MAX_TOKENS = 8
-# Grouped schedule with split-K (Plan.gemm1_split_k, opt-in): the partial-sum workspace holds this many tokens.
+# Grouped schedule with split-K (Plan.gemm1_split_k; pick_grouped_split_k): the partial-sum workspace holds this
+# many tokens.
 GROUPED_SPLIT_K_MAX_TOKENS = 64
+# Slot schedule: one program group per expert (Plan.slot_dedup) from this many tokens on. The plan is fixed per
+# batch size (CUDA graphs) before the routing is known, so it is sized for skew, which costs little on balanced
+# routing (H200, 2026-12-02, benchmarks/results/moe_variants_h200_dedup_split.json, us per layer, per-slot ->
+# dedup): TP8 T=4 same_k 52.1 -> 37.6, balanced 59.5 -> 60.2; TP1 T=4 same_k 287.9 -> 105.5, balanced
+# 286.3 -> 309.2. At T=2 the TP8 shard loses both ways (33.5 -> 35.7 same_k: the finalize launch costs more than
+# one token's re-read of 8 small experts); at T=1 no two slots share an expert.
+SLOT_DEDUP_MIN_TOKENS = 3
 
 # GEMM2 takes K (= I) in chunks of at most this many: GLM-5's TP shards (I = 256, 512) in one tile, whole
 # experts (I = 2048: TP1, expert parallelism) in 4, since a [BN, 2048] decoded tile fits neither registers nor
@@ -370,6 +378,22 @@ def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0)
     return s
 
 
+def pick_grouped_split_k(top_k: int, n_tiles: int, hidden: int, bk: int, sm_count: int) -> int:
+    """GEMM1 split-K of the grouped schedule (W4A16, T <= GROUPED_SPLIT_K_MAX_TOKENS), sized for the skewed case.
+
+    All tokens on ``top_k`` experts make a work list of ``top_k`` blocks x ``n_tiles`` (I / BN) programs; where
+    that does not fill the SMs, split K (powers of two up to SPLIT_K_MAX) until it does. H200, 2026-12-02
+    (benchmarks/results/moe_variants_h200_dedup_split.json, us per layer, unsplit -> 4 splits): the TP8 shard (32
+    programs) same_k T=8 56.1 -> 37.6, T=16 81.1 -> 46.4, T=32 74.6 -> 56.4, T=64 99.2 -> 78.1; balanced T=8
+    73.3 -> 77.1, T=16 125.3 -> 117.3, T=32 154.5 -> 167.0, T=64 225.0 -> 231.4 (still 1.19-1.41x Marlin's).
+    Whole experts (TP1: 256 programs) lost 4-7 % balanced and gained <= 5 % skewed: not split.
+    """
+    s = 1
+    while s < SPLIT_K_MAX and top_k * n_tiles * s < sm_count and split_k_fits(s * 2, hidden, bk):
+        s *= 2
+    return s
+
+
 def plan(
     arch: str,
     tokens: int,
@@ -383,12 +407,13 @@ def plan(
     gemm2: Gemm2Config | None = None,
     global_experts: int | None = None,
     form: str | None = None,
+    mode: str = "w4a16",
 ) -> Plan:
     """The launch plan for one call shape; explicit ``schedule``/``gemm1``/``gemm2`` override the defaults.
 
-    ``form``: one of :data:`OPT_IN` (not yet a default), applied where it serves this call (see
+    ``form``: one of :data:`OPT_IN` (an alternative to the default form), applied where it serves this call (see
     :func:`opt_in_serves`; elsewhere the plan is the default one). slot_dedup's GEMM2 is split along H for the
-    experts a call touches rather than per token.
+    experts a call touches rather than per token. ``mode``: the grouped split-K serves W4A16 only.
 
     ``global_experts`` (expert parallelism): the router's expert count when this GPU holds only
     ``num_experts`` of them; the block size then follows the tokens a local expert really gets
@@ -401,7 +426,7 @@ def plan(
     bm = 16 if schedule == "slot" else pick_bm(routed, num_experts, top_k)
     g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
     whole = _WHOLE_EXPERT_GEMM2.get(arch, {}) if intermediate > GEMM2_MAX_K_CHUNK else {}
-    slot_dedup = form == "slot_dedup" and schedule == "slot"
+    slot_dedup = schedule == "slot" and (tokens >= SLOT_DEDUP_MIN_TOKENS or form == "slot_dedup") and form != "per_slot"
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
     # on sm_90: 255 registers, 36 B, at I = 512 and whole experts)
     g2_key = ("grouped", 16) if slot_dedup else (schedule, bm)
@@ -429,20 +454,24 @@ def plan(
     unroll = False
     if schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
         split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count)
+    elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
+        split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
     if schedule == "slot":
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
-    p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup)
+    p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
+             slot_dedup=slot_dedup)
     if form is not None:
         if form not in OPT_IN:
             raise Glm5Fp4Error(f"unknown MoE plan form {form!r}; choose one of {sorted(OPT_IN)}")
-        if opt_in_serves(form, p, tokens, hidden):
+        if opt_in_serves(form, p, tokens, hidden, mode):
             p = dataclasses.replace(p, **OPT_IN[form].change)
     return p
 
 
 @dataclass(frozen=True)
 class OptIn:
-    """A plan form that is not a default yet: what it changes, where it can run, what it is for."""
+    """A plan form other than the default (one not yet a default, or a former default kept to measure the
+    default against): what it changes, where it can run, what it is for."""
 
     change: dict
     schedule: str  # the schedule it modifies
@@ -453,20 +482,23 @@ class OptIn:
     purpose: str = ""
 
 
-# The one list of opt-in forms: benchmarks/moe_variants.py times each against the default in the same run, the
-# compile matrix builds each for every arch, tests/gpu checks each against the reference. One becomes a default
-# when the H200 says so (and the entry goes).
+# The one list of alternative forms: benchmarks/moe_variants.py times each against the default in the same run,
+# the compile matrix builds each for every arch, tests/gpu checks each against the reference. One becomes a
+# default when the H200 says so; the form it replaces stays here while the choice rests on a trade-off.
 OPT_IN: dict[str, OptIn] = {
     "fused_reduce": OptIn(dict(gemm1_fused_reduce=True), "slot", None, ("w4a16", "w4a4"), needs_split_k=True,
                           compile_tokens=(1,), purpose="split-K partials reduced by GEMM1's last program (2 launches)"),
-    "slot_dedup": OptIn(dict(slot_dedup=True), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
-                        purpose="one program group per expert, not per slot (skewed T <= 4)"),
+    "slot_dedup": OptIn(dict(slot_dedup=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
+                        compile_tokens=(2,), purpose="one program group per expert below SLOT_DEDUP_MIN_TOKENS"),
+    "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
+                      purpose="one program group per slot (the default before 2026-12-02; costs skewed T=3-4 up to 2.7x)"),
     "parallel_align": OptIn(dict(parallel_align=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(512,),
                             purpose="routing counted and placed by many programs"),
     "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
-    "grouped_split4": OptIn(dict(gemm1_split_k=4), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
-                            compile_tokens=(16,), purpose="GEMM1 along K in 4 ranges (short work lists)"),
+    "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
+                             compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
+                                                           "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
 }
 
 

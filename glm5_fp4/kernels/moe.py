@@ -161,7 +161,7 @@ def plan_for(arch: str, sm_count: int, tokens: int, top_k: int, prepared: Prepar
             )
         return cfgs.native_plan(arch, tokens, e, top_k, h, i, sm_count=sm_count)
     return cfgs.plan(arch, tokens, e, top_k, h, i, sm_count=sm_count,
-                     global_experts=None if expert_map is None else int(expert_map.numel()), form=form)
+                     global_experts=None if expert_map is None else int(expert_map.numel()), form=form, mode=mode)
 
 
 def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,

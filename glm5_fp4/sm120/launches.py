@@ -111,7 +111,7 @@ def selections(
         dims = (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate)
         for mode in modes:
             for t in tokens:
-                p = C.plan(arch, t, *dims)
+                p = C.plan(arch, t, *dims, mode=mode)
                 out.append(Selection(arch, shape, mode, p, t, ("align", "gemm1", "gemm2"), f"picked T={t}", use_asm))
             out += opt_in_selections(arch, shape, mode, use_asm)
             if not (candidates and shape.candidates):
@@ -121,12 +121,12 @@ def selections(
             for g1 in g1_all:
                 for sched in ("slot", "grouped") if g1.bm == 16 else ("grouped",):
                     t = slot_tokens if sched == "slot" else 64
-                    p = C.plan(arch, t, *dims, schedule=sched, gemm1=g1)
+                    p = C.plan(arch, t, *dims, schedule=sched, gemm1=g1, mode=mode)
                     out.append(Selection(arch, shape, mode, p, t, ("gemm1",), "gemm1 candidate", use_asm))
             for g2 in g2_all:
                 for sched in ("slot", "grouped") if g2.bm == 16 else ("grouped",):
                     t = slot_tokens if sched == "slot" else 64
-                    p = C.plan(arch, t, *dims, schedule=sched, gemm2=g2)
+                    p = C.plan(arch, t, *dims, schedule=sched, gemm2=g2, mode=mode)
                     out.append(Selection(arch, shape, mode, p, t, ("gemm2",), "gemm2 candidate", use_asm))
         out += native_selections(arch, shape, modes, tokens)
     return out
@@ -143,8 +143,8 @@ def opt_in_selections(arch: str, shape: ShapeClass, mode: str, use_asm: bool = T
         if mode not in o.modes:
             continue
         for t in o.compile_tokens:
-            p = C.plan(arch, t, *dims, form=name)
-            if p != C.plan(arch, t, *dims):  # the form applies here
+            p = C.plan(arch, t, *dims, form=name, mode=mode)
+            if p != C.plan(arch, t, *dims, mode=mode):  # the form applies here
                 out.append(Selection(arch, shape, mode, p, t, ("align", "gemm1", "gemm2"), f"opt-in {name} T={t}",
                                      use_asm))
     return out

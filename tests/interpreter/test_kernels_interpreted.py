@@ -36,8 +36,11 @@ def _experts(gen, h=H):
 
 
 def _plan(t, schedule, h=H, bm=16, merged=True, **flags):
+    """A pinned plan: the per-slot / unsplit forms unless ``flags`` ask for dedup or split-K (the defaults moved
+    to them at T >= 3 / short grouped lists; each test here names the form it checks)."""
     plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, 128, 4, 2, merged),
-                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged))
+                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged),
+                  form="per_slot" if schedule == "slot" else "grouped_unsplit")
     return dataclasses.replace(plan, **flags)
 
 
