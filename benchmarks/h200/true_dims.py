@@ -274,18 +274,12 @@ def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, ar
     # the GIL held, per new batch size) keep them in a cache on disk that every server shares, so the server measured
     # first paid the compiles and the one measured second found them done (H200, 2026-12-01: ours 12 stalls / 18 s
     # at 512 streams, Marlin none; with a one-wave warm-up per level still 6 / 9.5 s against 2 / 0.9 s).
-    rounds = [("prewarm", n) for n in up] if not args.no_prewarm else []
-    rounds += [("loadtest", n) for n in up]
+    rounds = sweep_rounds(up, args)
     for i, (kind, name) in enumerate(rounds):
-        # Each sweep gets its share of what is left after the profiles (~90 s each), unless that share is under
-        # SWEEP_MIN_S: then the sweeps come first and the deadline takes the profiles (on 2026-12-01 a 60 s share
-        # killed both sweeps inside their 512-stream level, so no compare at 512 while both profiles ran).
-        left = run.left() - 30
-        share = (left - (0 if args.no_profile else 90) * len(up)) / (len(rounds) - i)
-        if share < SWEEP_MIN_S:
-            share = left / (len(rounds) - i)
         (prewarm if kind == "prewarm" else loadtest)(run, name, ready[name], ckpt, args,
-                                                     timeout=min(300.0, max(60.0, share)))
+                                                     timeout=round_timeout(run.left(), len(rounds) - i, len(up), args))
+    if args.prewarm_only:
+        return
     for lvl in [lvl for lvl in args.levels.split(",") if lvl]:
         a, b = (loadtest_result(run.work / "loadtest" / n, lvl) for n in ("marlin", "ours"))
         if a is not None and b is not None:
@@ -297,6 +291,29 @@ def measure_group(run: Run, ready: dict, ckpt: Path, vocab: int, engine: str, ar
     if not args.no_profile:
         for name in up:
             profile(run, name, ready[name], ckpt, engine, args)
+
+
+def sweep_rounds(up: list[str], args) -> list[tuple[str, str]]:
+    """The sweeps in order: every server's unmeasured prewarm (unless --no-prewarm), then every measured sweep
+    (unless --prewarm-only: a cold machine's call that starts the servers and fills the shared compile caches, so
+    the next call on the warm machine measures; on 2026-12-02 a cold start took 327 s of a 555 s call and left each
+    prewarm 60 s and no measurement)."""
+    rounds = [("prewarm", n) for n in up] if not args.no_prewarm else []
+    if not args.prewarm_only:
+        rounds += [("loadtest", n) for n in up]
+    return rounds
+
+
+def round_timeout(left_s: float, rounds_left: int, servers: int, args) -> float:
+    """A sweep's time limit: its share of what is left after the profiles (~90 s each), unless that share is under
+    SWEEP_MIN_S: then the sweeps come first and the deadline takes the profiles (on 2026-12-01 a 60 s share killed
+    both sweeps inside their 512-stream level, so no compare at 512 while both profiles ran)."""
+    left = left_s - 30
+    profiles = 0 if (args.no_profile or args.prewarm_only) else 90 * servers
+    share = (left - profiles) / rounds_left
+    if share < SWEEP_MIN_S:
+        share = left / rounds_left
+    return min(300.0, max(60.0, share))
 
 
 def loadtest_result(folder: Path, level: str) -> Path | None:
@@ -413,6 +430,17 @@ def add_arguments(ap, deadline_s: float = 530.0, recipe: str = "glm5") -> None:
     ap.add_argument("--no-prewarm", action="store_true",
                     help="measure without first running the sweep once unmeasured on every server (first-use compiles "
                          "then land in whichever server is measured first)")
+    ap.add_argument("--prewarm-only", action="store_true",
+                    help="start the servers, run the logprob check and every server's prewarm sweep, measure nothing "
+                         "(the first call on a cold machine; the next call on the warm machine measures)")
     ap.add_argument("--host-samples", action="store_true",
                     help="sample the measured servers' host side (GLM5_FP4_HOST_SAMPLES) and report what each process "
                          "did while no token was delivered (profile stalls)")
+
+
+def parse_arguments(ap, argv=None):
+    """``ap.parse_args`` plus the combinations add_arguments' options refuse (one usage error, exit 2)."""
+    args = ap.parse_args(argv)
+    if args.prewarm_only and args.no_prewarm:
+        ap.error("--prewarm-only and --no-prewarm together would run no sweep at all")
+    return args

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     true_dims.add_arguments(ap, recipe="routed-only")
     add_fake_servers_option(ap)
-    args = ap.parse_args(argv)
+    args = true_dims.parse_arguments(ap, argv)
     gpu, fake = gpu_and_fake(ap, args)
     if fake:
         args.no_timers = True  # a fake has no layers to time

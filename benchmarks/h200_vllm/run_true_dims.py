@@ -72,7 +72,7 @@ def specs_for(ckpt: Path, gpu: bool, work: Path, timers: bool) -> list[ServerSpe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     true_dims.add_arguments(ap)
-    args = ap.parse_args(argv)
+    args = true_dims.parse_arguments(ap, argv)
 
     run = Run("h200_true_dims", args.out, args.deadline_s)
     gpu = cuda_available()
