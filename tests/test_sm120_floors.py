@@ -40,7 +40,7 @@ def test_padded_columns_match_simulated_routing(tokens, bm):
 def test_floors_on_rtx_pro_6000():
     gpu = get_gpu("rtx-pro-6000-ws")
     spec = Glm5Spec()
-    rows = floors(gpu, (1, 16, 256, 1024), tps=(8,), spec=spec)
+    rows = floors(gpu, (1, 4, 16, 256, 1024), tps=(8,), spec=spec)
     by_t = {r.tokens: r for r in rows}
     i, h = 256, 6144
     # T=1: 8 experts, each 3*I*H weights at 4.5 bits, plus x and out in bf16, at 1792 GB/s
@@ -72,6 +72,16 @@ def test_floors_on_rtx_pro_6000():
     assert row.compute_floor_us == pytest.approx(mma / (gpu.peak_tflops("bf16") * 1e12) * 1e6, rel=0.02)
     active = (counts > 0).sum(1).double().mean().item()
     assert row.programs_gemm1 == pytest.approx((i // row.gemm1["bn"]) * active, rel=0.01)
+    # the small-batch defaults (configs.SLOT_DEDUP_MIN_TOKENS, pick_grouped_split_k): at T=4 one program group
+    # per touched expert, at T=16 GEMM1's K in ranges; the programs with work count them
+    from glm5_fp4.kernels import configs as C
+
+    for t in (4, 16):
+        r = by_t[t]
+        p = C.plan("sm120", t, 256, 8, h, i, sm_count=gpu.sm_count)
+        assert (p.slot_dedup, p.gemm1_split_k > 1) == ((True, True) if t == 4 else (False, True))
+        assert r.programs_gemm1 == pytest.approx((i // r.gemm1["bn"]) * r.experts_touched * p.gemm1_split_k)
+        assert r.programs_gemm2 == pytest.approx(r.gemm2_n_split * r.experts_touched)
 
 
 def test_mma_flops_grouped_pads_per_expert():

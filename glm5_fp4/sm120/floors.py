@@ -116,12 +116,15 @@ def floors(
             layer = routed_experts(spec, t, Layout(tp=tp))
             need, useful = layer.bytes, layer.flops
             p = C.plan(arch, t, e, k, h, i, sm_count=gpu.sm_count)
-            mma = mma_flops(t, e, k, h, i, p.schedule, p.gemm1.bm, p.gemm2.bm)
+            # per slot: every routing slot its own block; slot dedup and the grouped schedule: one per expert
+            per_slot = p.schedule == "slot" and not p.slot_dedup
+            mma = mma_flops(t, e, k, h, i, "slot" if per_slot else "grouped", p.gemm1.bm, p.gemm2.bm)
             bw_us = need / gpu.bandwidth_bytes_per_s * 1e6
             cf_us = mma / (peak16 * 1e12) * 1e6
             slot = p.schedule == "slot"
-            prog1 = (i // p.gemm1.bn) * (t * k if slot else touched)
-            prog2 = p.gemm2_n_split * (t if slot else touched)
+            # programs with work: GEMM1 per (N tile, slot or expert, K range), GEMM2 per (N range, token or expert)
+            prog1 = (i // p.gemm1.bn) * (t * k if per_slot else touched) * p.gemm1_split_k
+            prog2 = p.gemm2_n_split * (t if per_slot else touched)
             by_bm = {}
             if not slot:
                 for bm in bms:
