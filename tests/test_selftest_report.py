@@ -154,6 +154,14 @@ def test_a_case_runs_end_to_end_on_the_cpu_path():
     # the CPU path is the reference rounded to bf16: only that rounding, within even the (tighter) W4A16 bound
     assert r["rel_err"] < moe_tolerance("w4a16", torch.bfloat16), r
     assert r["plan"]["schedule"] in ("slot", "grouped")
+    # the plan reported is the one this mode runs: W4A4 never splits the grouped GEMM1's K, W4A16 may
+    assert r["plan"]["schedule"] == "grouped" and r["plan"]["gemm1_split_k"] == 1 and not r["plan"]["slot_dedup"]
+    from glm5_fp4.kernels import configs as C
+
+    w16 = checks.run_case(checks.Case("tiny", 5, "w4a16", "int32"), shape, ex, prepared["split"], sm_count=188,
+                          arch="sm120", seed=0, device="cpu")
+    want = C.plan("sm120", 5, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sm_count=188)
+    assert w16["plan"]["gemm1_split_k"] == want.gemm1_split_k > 1
 
     import glm5_fp4.kernels as K
 
@@ -179,3 +187,13 @@ def test_touched_experts_reference_equals_the_full_reference():
     assert sub.num_experts == len(torch.unique(ids)) < 16
     for mode in ("w4a16", "w4a4"):
         torch.testing.assert_close(moe_reference(x, w, local, sub, mode=mode), moe_reference(x, w, ids, ex, mode=mode))
+
+
+def test_the_report_names_the_plans_form():
+    """The correctness table says which form ran (slot dedup, GEMM1 split-K), not only the schedule; older results
+    without those fields still render."""
+    from glm5_fp4.selftest.report import _schedule
+
+    assert _schedule({"schedule": "slot", "slot_dedup": True, "gemm1_split_k": 4}) == "slot dedup K/4"
+    assert _schedule({"schedule": "grouped", "gemm1_split_k": 1}) == "grouped"
+    assert _schedule({"schedule": "grouped"}) == "grouped" and _schedule({}) == "—"

@@ -129,9 +129,10 @@ def run_case(case: Case, shape: ShapeClass, experts, prepared, sm_count: int, ar
     if case.layout == "checkpoint":
         res["plan"] = {"schedule": "native", "gemm1": asdict(C.NATIVE_GEMM1[arch]), "gemm2": asdict(C.NATIVE_GEMM2[arch])}
     else:
-        p = C.plan(arch, case.tokens, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sm_count=sm_count)
+        p = C.plan(arch, case.tokens, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sm_count=sm_count,
+                   mode=case.mode)
         res["plan"] = {"schedule": p.schedule, "gemm1": asdict(p.gemm1), "gemm2": asdict(p.gemm2),
-                       "gemm2_n_split": p.gemm2_n_split}
+                       "gemm2_n_split": p.gemm2_n_split, "gemm1_split_k": p.gemm1_split_k, "slot_dedup": p.slot_dedup}
     try:
         gen = torch.Generator(device=device).manual_seed(seed)
         x = torch.randn(case.tokens, shape.hidden, device=device, generator=gen).to(torch.bfloat16)

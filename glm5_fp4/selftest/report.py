@@ -81,7 +81,7 @@ def markdown(result: dict) -> str:
             res += " (native FP4 path, not enabled: informational)"
         lines.append(
             f"| {c['shape']} | {c['tokens']} | {c.get('routing', 'balanced')} | {c['mode']} | {c.get('ids_dtype', '')} | "
-            f"{p.get('schedule', '—')} | {_cfg(p.get('gemm1'))} | {_cfg(p.get('gemm2'))} ({p.get('gemm2_n_split', '—')}) | "
+            f"{_schedule(p)} | {_cfg(p.get('gemm1'))} | {_cfg(p.get('gemm2'))} ({p.get('gemm2_n_split', '—')}) | "
             f"{_f(c.get('rel_err'), '{:.2e}')} | {_f(c.get('tolerance'), '{:.0e}')} | {c.get('finite', '—')} | {res} |"
         )
     if corr.get("informational_failed") or corr.get("informational_passed"):
@@ -144,3 +144,13 @@ def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
     from glm5_fp4.bench.meta import write_result
 
     return write_result(out_dir, "selftest", result, markdown(result))
+
+
+def _schedule(p: dict) -> str:
+    """The schedule with the plan's form: "slot dedup" (one program group per expert), "K/4" (GEMM1 split-K)."""
+    label = p.get("schedule", "—")
+    if p.get("slot_dedup"):
+        label += " dedup"
+    if (p.get("gemm1_split_k") or 1) > 1:
+        label += f" K/{p['gemm1_split_k']}"
+    return label
