@@ -93,11 +93,9 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - the row records it
                     row["errors"]["default"] = repr(exc)[:400]
                 for vname, (layers, diag, check, form) in variants.items():
-                    if form and not C.opt_in_serves(form, plan, t, sh.hidden, "w4a16"):
-                        continue
                     vplan = default_plan(x, ids, lay.prepared[0], "w4a16", form=form) if form else plan
                     if form and vplan == plan:
-                        continue  # the form is the default here (or changes nothing): nothing to compare
+                        continue  # the form does not serve here, or is the default: nothing to compare
                     try:
                         if check:
                             o = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=vplan)

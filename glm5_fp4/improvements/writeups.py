@@ -118,8 +118,6 @@ def regenerate_index(directory: Path, check: bool = False) -> bool:
     return True
 
 
-
-
 def extract_compare_block(compare_md: Path) -> str:
     """The markdown a `glm5-fp4 compare` run wrote (its tables), to paste into the results section."""
     text = _read_text(compare_md, "compare output").strip()

@@ -419,6 +419,9 @@ def plan(
     ``num_experts`` of them; the block size then follows the tokens a local expert really gets
     (T k / E_global), not T k / E_local -- 8x too many at EP8.
     """
+    if form is not None and form not in OPT_IN:
+        raise Glm5Fp4Error(f"unknown MoE plan form {form!r}; choose one of {sorted(OPT_IN)}")
+    change = OPT_IN[form].change if form is not None else {}
     sm_count = sm_count or sm_count_guess(arch)
     if schedule is None:
         schedule = "slot" if tokens <= SLOT_MAX_TOKENS.get(arch, 4) else "grouped"
@@ -426,7 +429,8 @@ def plan(
     bm = 16 if schedule == "slot" else pick_bm(routed, num_experts, top_k)
     g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
     whole = _WHOLE_EXPERT_GEMM2.get(arch, {}) if intermediate > GEMM2_MAX_K_CHUNK else {}
-    slot_dedup = schedule == "slot" and (tokens >= SLOT_DEDUP_MIN_TOKENS or form == "slot_dedup") and form != "per_slot"
+    # A form that sets slot_dedup decides it here: GEMM2's config, split and unroll below follow from it.
+    slot_dedup = schedule == "slot" and change.get("slot_dedup", tokens >= SLOT_DEDUP_MIN_TOKENS)
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
     # on sm_90: 255 registers, 36 B, at I = 512 and whole experts)
     g2_key = ("grouped", 16) if slot_dedup else (schedule, bm)
@@ -460,11 +464,8 @@ def plan(
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
              slot_dedup=slot_dedup)
-    if form is not None:
-        if form not in OPT_IN:
-            raise Glm5Fp4Error(f"unknown MoE plan form {form!r}; choose one of {sorted(OPT_IN)}")
-        if opt_in_serves(form, p, tokens, hidden, mode):
-            p = dataclasses.replace(p, **OPT_IN[form].change)
+    if form is not None and opt_in_serves(form, p, tokens, hidden, mode):
+        p = dataclasses.replace(p, **change)
     return p
 
 

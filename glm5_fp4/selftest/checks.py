@@ -129,8 +129,9 @@ def run_case(case: Case, shape: ShapeClass, experts, prepared, sm_count: int, ar
     if case.layout == "checkpoint":
         res["plan"] = {"schedule": "native", "gemm1": asdict(C.NATIVE_GEMM1[arch]), "gemm2": asdict(C.NATIVE_GEMM2[arch])}
     else:
-        p = C.plan(arch, case.tokens, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sm_count=sm_count,
-                   mode=case.mode)
+        from glm5_fp4.kernels.moe import plan_for  # the plan fused_moe will pick for this case (its one home)
+
+        p = plan_for(arch, sm_count, case.tokens, shape.top_k, prepared, case.mode)
         res["plan"] = {"schedule": p.schedule, "gemm1": asdict(p.gemm1), "gemm2": asdict(p.gemm2),
                        "gemm2_n_split": p.gemm2_n_split, "gemm1_split_k": p.gemm1_split_k, "slot_dedup": p.slot_dedup}
     try:
