@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
