@@ -69,8 +69,9 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     return out
 
 
-def run_sweep(shards, tokens, routing, layers_n, progress) -> list[dict]:
-    """Whole-layer time of each variant at each (shard, T); the best GEMM1 and GEMM2 choices combined last."""
+def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None) -> list[dict]:
+    """Whole-layer time of each variant at each (shard, T); the best GEMM1 and GEMM2 choices combined last.
+    ``on_point(results so far)`` after each (shard, T), so a run cut by its time limit keeps what it measured."""
     import torch
 
     from glm5_fp4.bench import moe as B
@@ -116,6 +117,8 @@ def run_sweep(shards, tokens, routing, layers_n, progress) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001
                     res["runs"].append({"name": "best", "plan": dataclasses.asdict(best), "error": repr(exc)[:400]})
             out.append(res)
+            if on_point:
+                on_point(out)
         del lay
         torch.cuda.empty_cache()
     return out
@@ -226,7 +229,8 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - compiling in the timed run instead only costs time
             traceback.print_exc()
     if args.sweep:
-        out = {"sweeps": run_sweep(shards, tokens, args.sweep_routing, args.layers, progress)}
+        out = {"sweeps": run_sweep(shards, tokens, args.sweep_routing, args.layers, progress,
+                                   on_point=lambda sw: save({"sweeps": sw}))}
         save(out)
         return 0
     lookup = plans_from_sweep(args.plans) if args.plans and Path(args.plans).exists() else None

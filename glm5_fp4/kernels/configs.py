@@ -116,6 +116,17 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (128, 64, 128, 8, 2),
             (128, 128, 128, 8, 3),
             (128, 128, 128, 8, 2),
+            # Prefill tiles that do not spill on sm_90 (the 128x128x128 one above spills 172 B at 255
+            # registers: two 128x128 fp32 accumulators and the decoded operand; ahead-of-time compile, Triton
+            # 3.9, 2026-12-02): half the gate/up rows per tile, or 64-wide K tiles.
+            (64, 64, 64, 4, 4),
+            (64, 64, 128, 8, 3),
+            (64, 128, 128, 8, 3),
+            (64, 128, 64, 8, 4),
+            (64, 128, 64, 8, 3),
+            (64, 128, 64, 4, 4),
+            (32, 128, 64, 4, 4),
+            (128, 128, 64, 8, 4),
         ]
     ],
     "sm120": [
@@ -147,6 +158,11 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 64, 8, 2, False),
             (128, 64, 8, 2, False),
             (128, 64, 8, 3, False),
+            # prefill: 128-token blocks in one pass (the work list's block at T >= 4096)
+            (64, 128, 8, 2, False),
+            (64, 128, 8, 3, False),
+            (64, 128, 4, 3, False),
+            (256, 64, 8, 2, False),
         ]
     ],
     # sm_120: eight MMAs per tile (merged=False); the merged operand spills at I = 512 on sm_120's mma.sync

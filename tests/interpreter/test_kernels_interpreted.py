@@ -35,10 +35,10 @@ def _experts(gen, h=H):
     return ex, prepare_experts(ex)
 
 
-def _plan(t, schedule, h=H, bm=16, merged=True, **flags):
+def _plan(t, schedule, h=H, bm=16, merged=True, bk=128, **flags):
     """A pinned plan: the per-slot / unsplit forms unless ``flags`` ask for dedup or split-K (the defaults moved
     to them at T >= 3 / short grouped lists; each test here names the form it checks)."""
-    plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, 128, 4, 2, merged),
+    plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, bk, 4, 2, merged),
                   gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged),
                   form="per_slot" if schedule == "slot" else "grouped_unsplit")
     return dataclasses.replace(plan, **flags)
@@ -75,6 +75,15 @@ def test_skewed_routing_spans_several_blocks(gen, routing):
 def test_grouped_kernel_forms(gen, variant):
     mode = "w4a16"
     out, ref = _run(gen, 40, mode, "grouped", **variant)
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("schedule,t", [("grouped", 40), ("slot", 3)])
+def test_gemm1_k_tile_of_64(gen, mode, schedule, t):
+    """The prefill candidates' 64-wide K tile (eight code columns per decoded set): two K tiles at H = 128."""
+    out, ref = _run(gen, t, mode, schedule, bk=64)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
 
 
