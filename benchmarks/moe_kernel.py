@@ -138,44 +138,72 @@ def plans_from_sweep(path: str):
     return lookup
 
 
-def precompile(shards, tokens, jobs: int, progress) -> None:
-    """Compile every kernel the default plans will launch, ``jobs`` processes at a time, into Triton's
-    on-disk cache (the timed runs then load them): compilation dominates a short benchmark's wall time."""
+def precompile(shards, tokens, jobs: int, progress, sweep: bool = False) -> None:
+    """Compile every kernel the default plans will launch (``sweep``: every sweep variant's too), ``jobs``
+    processes at a time, into Triton's on-disk cache (the timed runs then load them): compilation dominates a
+    short benchmark's wall time, and a sweep compiles ~20 plans per (shard, T) one after another."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    work = [(s, t) for s in shards for t in tokens]
+    work = [(s, t, None) for s in shards for t in tokens]
+    if sweep:
+        work = [(s, t, name) for s, t, _ in work for name in _sweep_plans(s, t)]
     t0 = time.time()
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
         kernels = sum(ex.map(_precompile_one, work))
-    progress(f"precompiled {kernels} launches of {len(work)} shapes with {jobs} processes in {time.time() - t0:.0f}s")
+    progress(f"precompiled {kernels} launches of {len(work)} plans with {jobs} processes in {time.time() - t0:.0f}s")
 
 
-def _precompile_one(item) -> int:
+def _empty_call(shard: str, t: int):
+    """A call of ``shard``'s shapes at ``t`` tokens with uninitialised weights: the kernels specialise on shapes,
+    dtypes, alignment and the expert layout, not on values."""
     import torch
 
     from glm5_fp4.bench import moe as B
-    from glm5_fp4.kernels.launch import launches
-    from glm5_fp4.kernels.layout import PreparedExperts
-    from glm5_fp4.kernels.moe import Workspace, default_plan, make_call
+    from glm5_fp4.kernels.layout import PreparedExperts, default_layout
+    from glm5_fp4.kernels.moe import Workspace, make_call
 
-    shard, t = item
     sh = B.glm5_shard(shard)
     dev = torch.device("cuda")
     e, h, i, k = sh.num_experts, sh.hidden, sh.intermediate, sh.top_k
     u8 = lambda *s: torch.empty(*s, dtype=torch.uint8, device=dev)  # noqa: E731
     f32 = lambda: torch.ones(e, dtype=torch.float32, device=dev)  # noqa: E731
+    # the layout the timed runs prepare (placed nibbles by default): a kernel specialised for another one is a
+    # cache miss there
     prep = PreparedExperts(u8(e, 2 * i, h // 2), u8(e, 2 * i, h // 16), f32(), u8(e, h, i // 2), u8(e, h, i // 16),
-                           f32(), f32(), f32(), f32(), f32())
+                           f32(), f32(), f32(), f32(), f32(), layout=default_layout())
     x = torch.zeros(t, h, dtype=torch.bfloat16, device=dev)
     ids = torch.zeros(t, k, dtype=torch.int32, device=dev)
     tw = torch.zeros(t, k, dtype=torch.float32, device=dev)
-    ws = Workspace(dev, e, k, h, i, t)
-    call = make_call(x, tw, ids, prep, "w4a16", workspace=ws)
+    return sh, x, ids, prep, make_call(x, tw, ids, prep, "w4a16", workspace=Workspace(dev, e, k, h, i, t))
+
+
+def _sweep_plans(shard: str, t: int, made=None) -> dict:
+    """The sweep's plans at (``shard``, ``t``) by name (``made``: an :func:`_empty_call` of them to reuse)."""
+    import torch
+
+    from glm5_fp4.kernels.moe import default_plan, device_arch
+
+    sh, x, ids, prep, _ = made or _empty_call(shard, t)
+    arch, _ = device_arch(torch.device("cuda"))
+    return sweep_variants(default_plan(x, ids, prep, "w4a16"), sh.hidden, sh.intermediate, arch)
+
+
+def _precompile_one(item) -> int:
+    from glm5_fp4.kernels.launch import launches
+    from glm5_fp4.kernels.moe import default_plan
+
+    shard, t, variant = item
+    made = _empty_call(shard, t)
+    _, x, ids, prep, call = made
+    plan = default_plan(x, ids, prep, "w4a16") if variant is None else _sweep_plans(shard, t, made)[variant]
     n = 0
-    for launch in launches(default_plan(x, ids, prep, "w4a16"), call):
-        launch.fn.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
-        n += 1
+    try:
+        for launch in launches(plan, call):
+            launch.fn.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
+            n += 1
+    except Exception as exc:  # noqa: BLE001 - a variant that does not build fails again, by name, in the sweep
+        print(f"precompile {shard} T={t} {variant or 'default'}: {exc!r}"[:300], flush=True)
     return n
 
 
@@ -193,7 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-routing", default="balanced")
     ap.add_argument("--plans", help="a --sweep JSON whose best plans replace the defaults where swept")
     ap.add_argument("--precompile", type=int, default=0, metavar="JOBS", help="compile the default plans' kernels "
-                    "in JOBS processes first")
+                    "(with --sweep: every variant's) in JOBS processes first")
     ap.add_argument("--json", default=str(RESULTS / "moe_kernel_h200.json"))
     ap.add_argument("--md", default=str(RESULTS / "moe_kernel_h200.md"))
     args = ap.parse_args(argv)
@@ -225,7 +253,7 @@ def main(argv=None) -> int:
 
     if args.precompile:
         try:
-            precompile(shards, tokens, args.precompile, progress)
+            precompile(shards, tokens, args.precompile, progress, sweep=args.sweep)
         except Exception:  # noqa: BLE001 - compiling in the timed run instead only costs time
             traceback.print_exc()
     if args.sweep:

@@ -1,0 +1,56 @@
+"""One fused MoE call under Nsight Compute: what limits the kernels at a given shape (issue 13's "what limits
+it, from ncu"). Compiles and runs the call once outside the profiled range, then once inside it
+(torch.cuda.profiler.start/stop, so ncu's --profile-from-start off skips the warm-up and the weight set-up).
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats --section LaunchStats --csv --page details \\
+        python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 8192 --routing balanced > ncu.csv
+
+``--plans SWEEP.json`` profiles the sweep's best plan at that (shard, T) instead of the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shard", default="tp8")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--routing", default="balanced")
+    ap.add_argument("--plans", help="a moe_kernel.py --sweep JSON: its best plan at this (shard, T)")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("ncu_moe_call needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench import routing as R
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sh = B.glm5_shard(args.shard)
+    lay = B.make_layers(sh, 1, gen)
+    x = torch.randn(args.tokens, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    tw, ids = R.make_routing(args.routing, args.tokens, sh.global_experts, sh.top_k, gen, "cuda")
+    plan = default_plan(x, ids, lay.prepared[0], "w4a16")
+    if args.plans:
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+        from moe_kernel import plans_from_sweep
+
+        plan = plans_from_sweep(args.plans)(sh, args.tokens) or plan
+    print(f"plan: {plan}", file=sys.stderr)
+    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
