@@ -17,8 +17,11 @@ case $cmd in
     if running; then echo "[bg] a job is running (pid $(cat $BG/pid))" >&2; exit 1; fi
     rm -rf $BG && mkdir -p $BG/out $BG/repo
     tar --exclude=./.ship --exclude=./.ship-sglang --exclude=./.git -cf - . | tar -xf - -C $BG/repo
-    (cd $BG/repo && OUT=$BG/out setsid nohup bash "$@" > $BG/log 2>&1 < /dev/null & echo $! > $BG/pid)
-    sleep 1; echo "[bg] started pid $(cat $BG/pid): $*" ;;
+    # the job writes its own pid: setsid forks when its caller leads a process group, so $! can be a parent
+    # that has already exited (2026-12-02: 'done' reported while the job ran on)
+    (cd $BG/repo && OUT=$BG/out setsid bash -c 'echo $$ > /tmp/bg/pid; exec bash "$@"' job "$@" > $BG/log 2>&1 < /dev/null &)
+    for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s $BG/pid ] && break; sleep 0.5; done
+    echo "[bg] started pid $(cat $BG/pid 2>/dev/null): $*" ;;
   wait)
     end=$((SECONDS + ${1:?seconds})); while running && [ $SECONDS -lt $end ]; do sleep 5; done
     running && echo "[bg] still running after ${1} s" || echo "[bg] done, rc=$(cat $BG/rc 2>/dev/null || echo '?')"

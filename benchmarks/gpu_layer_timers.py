@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
-import io
 import json
 import os
 import shutil

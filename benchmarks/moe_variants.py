@@ -17,6 +17,9 @@ the two default times bound the drift within the row. Variants:
 * ``nodecode`` (wrong results, not checked): GEMM1's decode replaced by an int->fp16 conversion plus adds
   (DIAG=1). NOT a lower bound: on the H200 it ran 10-60 % slower than the real decode (the stand-in
   operands cost more than the E4M3 trick); kept only behind --nodecode.
+* ``noatomic`` (wrong results, not checked; --noatomic): the grouped GEMM2 stores its output tiles where it
+  would add them atomically into the fp32 combine workspace (DIAG_PLAIN_STORES): the same bytes, so the
+  difference is what the atomics cost (at prefill sizes the workspace, T*H*4 bytes, outgrows L2).
 
 The H200 run that made "placed" the default: benchmarks/results/moe_variants_h200.json (its layout names
 are absolute: "default" there was split).
@@ -42,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="distinct expert sets per graph (defeats L2 reuse)")
     ap.add_argument("--json", default="moe_variants.json")
     ap.add_argument("--nodecode", action="store_true", help="also time the DIAG=1 stand-in (see above)")
+    ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
+                    "atomic adds (wrong results, not checked): the combine's cost")
     args = ap.parse_args(argv)
     import torch
 
@@ -55,6 +60,7 @@ def main(argv=None) -> int:
     from glm5_fp4.kernels import prepare_experts
     from glm5_fp4.kernels import configs as C
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+    from glm5_fp4.kernels.launch import DIAG_NO_DECODE, DIAG_PLAIN_STORES
     from glm5_fp4.kernels.layout import default_layout
 
     shards = [s for s in args.shards.split(",") if s]
@@ -78,7 +84,9 @@ def main(argv=None) -> int:
         # name -> (layers, DIAG, checked against the default, opt-in form or None)
         variants = {other: (alt, 0, True, None), **{form: (lay, 0, True, form) for form in C.OPT_IN}}
         if args.nodecode:
-            variants["nodecode"] = (lay, 1, False, None)
+            variants["nodecode"] = (lay, DIAG_NO_DECODE, False, None)
+        if args.noatomic:
+            variants["noatomic"] = (lay, DIAG_PLAIN_STORES, False, None)
         for t in tokens:
             for routing in routings:
                 t0 = time.time()

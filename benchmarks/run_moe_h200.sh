@@ -33,7 +33,7 @@ for s in $SECTIONS; do
              ${BENCH2_ARGS:---no-baselines} --json "$OUT/moe_kernel_h200_tp4_ep8.json" --md "$OUT/moe_kernel_h200_tp4_ep8.md" ;;
     variants) step variants "${T_VARIANTS:-240}" python3 benchmarks/moe_variants.py --shards "${VARIANTS_SHARDS:-tp8}" \
              --tokens "${VARIANTS_TOKENS:-1,4,64,512,4096}" --routings "${VARIANTS_ROUTINGS:-balanced,same_k}" \
-             --json "$OUT/variants.json" ;;
+             ${VARIANTS_ARGS:-} --json "$OUT/variants.json" ;;
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-60}" compute-sanitizer --tool memcheck \
              --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
     memcheck_placed) GLM5_FP4_PLACED_NIBBLES=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck_placed "${T_MEMCHECK:-60}" \

@@ -301,7 +301,12 @@ _DEFAULT_GEMM1 = {
         ("slot", 16): Gemm1Config(64, 16, 256, 4, 4),
         ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
         ("grouped", 32): Gemm1Config(64, 32, 256, 4, 3),
-        ("grouped", 64): Gemm1Config(128, 64, 128, 8, 3),
+        # 64-token blocks (T ~ 1,300-2,560 on the shards): the 2026-12-02 prefill sweep
+        # (benchmarks/results/moe_kernel_h200_prefill_sweep.json, whole layer, TP8 T=2048): 64x64x128/4 warps 868 us
+        # vs 911 for 128x64x128/8 warps (TP1 T=2048: 5,292 vs 5,538)
+        ("grouped", 64): Gemm1Config(64, 64, 128, 4, 3),
+        # 128-token blocks: the 2026-12-02 sweep's non-spilling tiles (64-row or 64-wide K) all lost to this one,
+        # which spills 172 B (TP8 T=4096: 64x128x64/4 warps 1,527 us vs 1,306)
         ("grouped", 128): Gemm1Config(128, 128, 128, 8, 3),
     },
     # sm120: unmeasured; small tiles that fit 99 KB of shared memory (tests/test_kernels_configs.py).
@@ -324,10 +329,12 @@ _DEFAULT_GEMM2 = {
         ("slot", 16): Gemm2Config(64, 16, 4, 3),
         ("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
         ("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
-        ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
-        # GEMM2 walks its own token blocks: 64 beat 128 at T=4096; 3 stages beat 2 (2026-12-01 sweep, TP8 T=4096:
-        # 1,328 vs 1,461 us per layer)
-        ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False),
+        # GEMM2 walks its own token blocks, any bm up to the work list's. 2026-12-02 prefill sweep
+        # (benchmarks/results/moe_kernel_h200_prefill_sweep.json, TP8 whole layer): T=2048 32-token steps 816 us vs
+        # 911 (128x64/8 warps/2 stages); T=4096 a 64x128 tile of 4 warps split 6 ways along H 1,203 us vs 1,306
+        # (128x64/8 warps/3 stages, split 3), T=8192 2,083 vs 2,343. Whole experts keep theirs (_WHOLE_EXPERT_GEMM2).
+        ("grouped", 64): Gemm2Config(128, 32, 8, 3, merged=False),
+        ("grouped", 128): Gemm2Config(64, 128, 4, 3, n_split=6, merged=False),
     },
     "sm120": {
         ("slot", 16): Gemm2Config(64, 16, 4, 2, merged=False),
@@ -345,7 +352,13 @@ _DEFAULT_GEMM2["sm80"] = _DEFAULT_GEMM2["sm120"]
 # Triton 3.6); with 3 stages it does not (69,632 B of 101,376, 146 registers). Unmeasured on an SM120 GPU.
 _WHOLE_EXPERT_GEMM2 = {
     "sm120": {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False)},
+    # sm90: the shards' prefill GEMM2 tiles lose on whole experts (2026-12-02 prefill sweep, TP1 T=2048: 32-token
+    # steps 5,846 us vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the former defaults (fitted
+    # to shared memory by plan(): 2 stages)
+    "sm90": {("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
+             ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)},
 }
+_WHOLE_EXPERT_GEMM2["sm100"] = _WHOLE_EXPERT_GEMM2["sm90"]
 
 # Experts receiving at least one token under uniform random routing (the one home of the formula: spec.py).
 expected_active_experts = expected_distinct_experts

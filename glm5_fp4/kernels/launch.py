@@ -57,6 +57,11 @@ class Launch:
         self.fn[self.grid](*self.args, **self.kwargs)
 
 
+# MoECall.diag bits (benchmarks only; the results are wrong): time a stage's share by leaving its work out.
+DIAG_NO_DECODE = 1  # GEMM1 feeds the packed words to the MMA undecoded
+DIAG_PLAIN_STORES = 2  # the grouped GEMM2 stores its tiles instead of adding them atomically into the workspace
+
+
 @dataclass
 class MoECall:
     """Everything one layer call hands the kernels (tensors already contiguous / in the kernel dtypes)."""
@@ -70,7 +75,7 @@ class MoECall:
     workspace: object  # glm5_fp4.kernels.moe.Workspace
     expert_map: torch.Tensor | None = None  # [E_global] int32: local id or -1 (expert parallelism)
     use_asm: bool = True
-    diag: int = 0  # benchmarks only: 1 skips the decode (wrong results)
+    diag: int = 0  # benchmarks only, wrong results: DIAG_* bits
 
     @property
     def tokens(self) -> int:
@@ -221,7 +226,8 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout == "placed",
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
-             HAS_MAP=slot_dedup and call.expert_map is not None, num_warps=g2.num_warps, num_stages=g2.num_stages),
+             HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & DIAG_PLAIN_STORES,
+             num_warps=g2.num_warps, num_stages=g2.num_stages),
         stage="gemm2",
     )
 
@@ -249,7 +255,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
              ws.act, ws.part, num_slots * 2 * i, ws.split_count, call.topk_ids, emap, ws.slots, ws.blocks,
              ws.num_blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
-                 X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=has_map,
+                 X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",
@@ -298,7 +304,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
              ws.act, ws.part, call.num_slots * 2 * i if split > 1 else 0, ws.split_count, call.topk_ids,
              _emap(call), ws.slots, *blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
-                 X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag, HAS_MAP=False,
+                 X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
                  num_warps=g1.num_warps, num_stages=g1.num_stages),
             stage="gemm1",

@@ -618,9 +618,11 @@ def moe_gemm1_kernel(
 
 
 @triton.jit
-def _store_part(ptrs, v, mmask, OWN_ROWS: tl.constexpr):
-    """GEMM2's output tile: stored where each row is this program's alone (slot dedup), else added atomically."""
-    if OWN_ROWS:
+def _store_part(ptrs, v, mmask, OWN_ROWS: tl.constexpr, DIAG: tl.constexpr = 0):
+    """GEMM2's output tile: stored where each row is this program's alone (slot dedup), else added atomically.
+    DIAG (launch.DIAG_PLAIN_STORES; benchmarks only, wrong sums) stores anyway: the time difference is the
+    atomics' cost over plain stores of the same bytes."""
+    if OWN_ROWS or DIAG != 0:
         tl.store(ptrs, v, mask=mmask[None, :])
     else:
         tl.atomic_add(ptrs, v, mask=mmask[None, :], sem="relaxed")
@@ -654,6 +656,7 @@ def moe_gemm2_grouped_kernel(
     SLOT_DEDUP: tl.constexpr = False,
     SP: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
+    DIAG: tl.constexpr = 0,
 ):
     """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
     time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest.
@@ -714,7 +717,7 @@ def moe_gemm2_grouped_kernel(
                     acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
                 else:
                     acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP)
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG)
         else:
             for n0 in range(n_begin, n_begin + n_per, BN):
                 acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -729,7 +732,7 @@ def moe_gemm2_grouped_kernel(
                     else:
                         a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :], NW)
                         acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP)
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG)
 
 
 @triton.jit
