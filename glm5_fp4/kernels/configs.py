@@ -332,7 +332,7 @@ _DEFAULT_GEMM2 = {
         # GEMM2 walks its own token blocks, any bm up to the work list's. 2026-12-02 prefill sweep
         # (benchmarks/results/moe_kernel_h200_prefill_sweep.json, TP8 whole layer): T=2048 32-token steps 816 us vs
         # 911 (128x64/8 warps/2 stages); T=4096 a 64x128 tile of 4 warps split 6 ways along H 1,203 us vs 1,306
-        # (128x64/8 warps/3 stages, split 3), T=8192 2,083 vs 2,343. Whole experts keep theirs (_WHOLE_EXPERT_GEMM2).
+        # (128x64/8 warps/3 stages, split 3), T=8192 2,083 vs 2,343. TP4 and whole experts: _GEMM2_BY_INTERMEDIATE.
         ("grouped", 64): Gemm2Config(128, 32, 8, 3, merged=False),
         ("grouped", 128): Gemm2Config(64, 128, 4, 3, n_split=6, merged=False),
     },
@@ -347,18 +347,45 @@ _DEFAULT_GEMM2 = {
 _DEFAULT_GEMM2["sm100"] = _DEFAULT_GEMM2["sm90"]
 _DEFAULT_GEMM2["sm80"] = _DEFAULT_GEMM2["sm120"]
 
-# Whole experts (I > GEMM2_MAX_K_CHUNK: TP1, the EP layouts), where they differ from the shards' table. sm120:
-# the 4-warp 2-stage bm16 GEMM2 spills 16 B at N_SPLIT 3/6/24 on the placed layout (compile matrix, tp1 shape,
-# Triton 3.6); with 3 stages it does not (69,632 B of 101,376, 146 registers). Unmeasured on an SM120 GPU.
-_WHOLE_EXPERT_GEMM2 = {
-    "sm120": {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False)},
-    # sm90: the shards' prefill GEMM2 tiles lose on whole experts (2026-12-02 prefill sweep, TP1 T=2048: 32-token
-    # steps 5,846 us vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the former defaults (fitted
-    # to shared memory by plan(): 2 stages)
-    "sm90": {("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
-             ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)},
+# GEMM2 where the expert's intermediate size I (GEMM2's K) changes the best tile: (above, up to, table) for I in
+# (above, up to] (None: no upper bound); keys a table lacks, and sizes no range covers (the TP8 shard, I = 256, on
+# which _DEFAULT_GEMM2 is tuned), use _DEFAULT_GEMM2.
+_GEMM2_BY_INTERMEDIATE = {
+    "sm90": [
+        # the TP4 shard: 8-warp 128x64 tiles in 3 stages beat the TP8 shard's prefill picks (2026-12-02 sweep,
+        # benchmarks/results/moe_kernel_h200_prefill_sweep_tp4.json, whole layer: T=2048 1,338 us vs 1,444 for
+        # 32-token steps, T=4096 2,202 vs 2,250 for the 64x128 tile)
+        (256, GEMM2_MAX_K_CHUNK, {("grouped", 64): Gemm2Config(128, 64, 8, 3, merged=False),
+                                  ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
+        # whole experts (TP1, the EP layouts): the shards' prefill tiles lose (TP1 T=2048: 32-token steps 5,846 us
+        # vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the former defaults (fitted to shared
+        # memory by plan(): 2 stages)
+        (GEMM2_MAX_K_CHUNK, None, {("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
+                                   ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
+    ],
+    # sm120 whole experts: the 4-warp 2-stage bm16 GEMM2 spills 16 B at N_SPLIT 3/6/24 on the placed layout (compile
+    # matrix, tp1 shape, Triton 3.6); with 3 stages it does not (69,632 B of 101,376, 146 registers). Unmeasured on
+    # an SM120 GPU.
+    "sm120": [(GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False)})],
 }
-_WHOLE_EXPERT_GEMM2["sm100"] = _WHOLE_EXPERT_GEMM2["sm90"]
+_GEMM2_BY_INTERMEDIATE["sm100"] = _GEMM2_BY_INTERMEDIATE["sm90"]
+
+
+def _gemm2_override(arch: str, intermediate: int, key: tuple) -> Gemm2Config | None:
+    """The intermediate-size-specific GEMM2 default for ``key``, if any (see _GEMM2_BY_INTERMEDIATE)."""
+    for above, up_to, table in _GEMM2_BY_INTERMEDIATE.get(arch, []):
+        if intermediate > above and (up_to is None or intermediate <= up_to):
+            return table.get(key)
+    return None
+
+
+# Grouped schedule: the routing counted and placed by many programs (Plan.parallel_align) from this many tokens
+# on. H200, 2026-12-02 (benchmarks/results/moe_variants_h200_prefill.json, TP8, us per layer, serial -> parallel):
+# T=2048 balanced 775.4 -> 766.3, same_k 555.1 -> 541.0; T=4096 1,211.7 -> 1,187.0, 892.4 -> 867.0; T=8192
+# 2,104.2 -> 2,058.8, 1,824.6 -> 1,817.7 (the serial align took 181 us of T=8192's 2,071). At T=512 the two were
+# within noise (moe_variants_h200.json).
+PARALLEL_ALIGN_MIN_TOKENS = 2048
+
 
 # Experts receiving at least one token under uniform random routing (the one home of the formula: spec.py).
 expected_active_experts = expected_distinct_experts
@@ -457,13 +484,12 @@ def plan(
     routed = tokens if not global_experts else tokens * num_experts / global_experts  # tokens that stay here
     bm = 16 if schedule == "slot" else pick_bm(routed, num_experts, top_k)
     g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
-    whole = _WHOLE_EXPERT_GEMM2.get(arch, {}) if intermediate > GEMM2_MAX_K_CHUNK else {}
     # A form that sets slot_dedup decides it here: GEMM2's config, split and unroll below follow from it.
     slot_dedup = schedule == "slot" and change.get("slot_dedup", tokens >= SLOT_DEDUP_MIN_TOKENS)
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
     # on sm_90: 255 registers, 36 B, at I = 512 and whole experts)
     g2_key = ("grouped", 16) if slot_dedup else (schedule, bm)
-    g2 = gemm2 or whole.get(g2_key) or _DEFAULT_GEMM2[arch][g2_key]
+    g2 = gemm2 or _gemm2_override(arch, intermediate, g2_key) or _DEFAULT_GEMM2[arch][g2_key]
     # Explicit configs are what the sweep and the compile matrix ask for: kept as given (a misfit then fails
     # there, by name); the defaults must fit any shape the backend serves.
     fg1, fg2 = fit_shared_memory(arch, g1, g2, intermediate)
@@ -492,7 +518,7 @@ def plan(
     if schedule == "slot":
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
-             slot_dedup=slot_dedup)
+             slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS)
     if form is not None and opt_in_serves(form, p, tokens, hidden, mode):
         p = dataclasses.replace(p, **change)
     return p
@@ -523,7 +549,11 @@ OPT_IN: dict[str, OptIn] = {
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                       purpose="one program group per slot (the default before 2026-12-02; costs skewed T=3-4 up to 2.7x)"),
     "parallel_align": OptIn(dict(parallel_align=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(512,),
-                            purpose="routing counted and placed by many programs"),
+                            purpose="routing counted and placed by many programs (the default from "
+                                    "PARALLEL_ALIGN_MIN_TOKENS on)"),
+    "serial_align": OptIn(dict(parallel_align=False), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(4096,),
+                          purpose="routing counted and placed by one program (the default below "
+                                  "PARALLEL_ALIGN_MIN_TOKENS; 1-3 % slower at T = 2,048-8,192)"),
     "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
@@ -560,7 +590,8 @@ def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: in
 def all_configs(arch: str) -> tuple[list[Gemm1Config], list[Gemm2Config]]:
     """Every configuration the picker or the sweep may use on ``arch`` (for the static smem check)."""
     g1 = list(GEMM1_CANDIDATES[arch]) + list(_DEFAULT_GEMM1[arch].values())
-    g2 = list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values()) + list(_WHOLE_EXPERT_GEMM2.get(arch, {}).values())
+    g2 = (list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values())
+          + [c for _, _, table in _GEMM2_BY_INTERMEDIATE.get(arch, []) for c in table.values()])
     return g1, g2
 
 

@@ -232,15 +232,16 @@ def test_variant_fused_split_k_reduce(shape, t, mode):
 @pytest.mark.parametrize("shape,t,routing", [(SMALL, 40, "balanced"), (SMALL, 40, "same_k"), (SMALL, 300, "zipf1.2"),
                                              (GLM_TP8, 512, "balanced"), (GLM_TP8, 4096, "same_k")])
 def test_variant_parallel_align(shape, t, routing):
-    """plan.parallel_align (opt-in): many-program count + scan, then a scatter kernel. The work list equals
-    the serial align's, the layer matches the float64 reference, and CUDA-graph replays with new routings
-    match eager calls (the counts and the arrival counter reset)."""
+    """plan.parallel_align (the default from configs.PARALLEL_ALIGN_MIN_TOKENS on): many-program count + scan,
+    then a scatter kernel. The work list equals the serial align's, the layer matches the float64 reference, and
+    CUDA-graph replays with new routings match eager calls (the counts and the arrival counter reset)."""
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, get_workspace
 
     e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
     ex, prep = experts(**shape)
     x, w, ids = inputs(t, e, h, k, routing=routing)
-    plan = default_plan(x, ids, prep, "w4a16")  # the plan a call would use (mode does not change it)
+    # the plan a call would use (mode does not change it), with each align
+    plan = dataclasses.replace(default_plan(x, ids, prep, "w4a16"), parallel_align=False)
     par = dataclasses.replace(plan, parallel_align=True)
     ws = get_workspace(x.device, e, k, h, i, t)
     fused_moe_triton(x, w, ids, prep, plan=plan, stages=("align",))
