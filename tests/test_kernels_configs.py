@@ -51,6 +51,32 @@ def test_picked_plans_fit_shared_memory(arch, tp):
         assert C.gemm2_smem_bytes(p.gemm2, i) <= limit, (t, p.gemm2, C.gemm2_smem_bytes(p.gemm2, i))
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_gemm2_defaults_follow_the_intermediate_size(arch):
+    """Prefill GEMM2 tiles are picked per shard width: the TP8 shard (I = 256) the shards' table, the TP4 shard
+    (I = 512) its own 128-row tiles, whole experts (I = 2048) theirs; decode sizes share one table."""
+    spec = Glm5Spec()
+    h, e, k = spec.hidden_size, spec.n_routed_experts, spec.num_experts_per_tok
+    g2 = {tp: {t: C.plan(arch, t, e, k, h, spec.moe_intermediate_size // tp).gemm2 for t in (512, 2048, 8192)}
+          for tp in (1, 4, 8)}
+    assert g2[8][8192] == C._DEFAULT_GEMM2[arch][("grouped", 128)] and g2[8][8192].n_split == 6
+    assert (g2[4][2048].bn, g2[4][2048].bm, g2[4][8192].bn, g2[4][8192].bm) == (128, 64, 128, 64)
+    assert g2[1][8192].bm == 64 and g2[1][8192].num_stages == 2  # the whole-expert tile, fitted to shared memory
+    assert g2[8][512] == g2[4][512] == C._DEFAULT_GEMM2[arch][("grouped", 32)]
+    assert len({g2[1][8192], g2[4][8192], g2[8][8192]}) == 3
+
+
+def test_parallel_align_from_its_threshold_in_the_grouped_schedule_only():
+    spec = Glm5Spec()
+    h, i, e, k = spec.hidden_size, spec.moe_intermediate_size // 8, spec.n_routed_experts, spec.num_experts_per_tok
+    lo = C.PARALLEL_ALIGN_MIN_TOKENS
+    assert not C.plan("sm90", lo - 1, e, k, h, i).parallel_align and C.plan("sm90", lo, e, k, h, i).parallel_align
+    assert not C.plan("sm90", 2, e, k, h, i).parallel_align
+    # the replaced form stays reachable by name, and changes the plan where the default uses the parallel form
+    assert not C.plan("sm90", 4096, e, k, h, i, form="serial_align").parallel_align
+    assert C.plan("sm90", 512, e, k, h, i, form="parallel_align").parallel_align
+
+
 def test_bm_grows_with_tokens_per_expert():
     bms = [C.pick_bm(t, 256, 8) for t in (1, 16, 256, 512, 1024, 4096)]
     assert bms == sorted(bms) and bms[0] == 16 and bms[-1] == 128

@@ -303,7 +303,7 @@ _DEFAULT_GEMM1 = {
         ("grouped", 32): Gemm1Config(64, 32, 256, 4, 3),
         # 64-token blocks (T ~ 1,300-2,560 on the shards): the 2026-12-02 prefill sweep
         # (benchmarks/results/moe_kernel_h200_prefill_sweep.json, whole layer, TP8 T=2048): 64x64x128/4 warps 868 us
-        # vs 911 for 128x64x128/8 warps (TP1 T=2048: 5,292 vs 5,538)
+        # vs 911 for 128x64x128/8 warps (TP1 T=2048, moe_kernel_h200_prefill_sweep_tp1.json: 5,292 vs 5,538)
         ("grouped", 64): Gemm1Config(64, 64, 128, 4, 3),
         # 128-token blocks: the 2026-12-02 sweep's non-spilling tiles (64-row or 64-wide K) all lost to this one,
         # which spills 172 B (TP8 T=4096: 64x128x64/4 warps 1,527 us vs 1,306)
@@ -357,9 +357,9 @@ _GEMM2_BY_INTERMEDIATE = {
         # 32-token steps, T=4096 2,202 vs 2,250 for the 64x128 tile)
         (256, GEMM2_MAX_K_CHUNK, {("grouped", 64): Gemm2Config(128, 64, 8, 3, merged=False),
                                   ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
-        # whole experts (TP1, the EP layouts): the shards' prefill tiles lose (TP1 T=2048: 32-token steps 5,846 us
-        # vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the former defaults (fitted to shared
-        # memory by plan(): 2 stages)
+        # whole experts (TP1, the EP layouts): the shards' prefill tiles lose (moe_kernel_h200_prefill_sweep_tp1.json,
+        # TP1 T=2048: 32-token steps 5,846 us vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the
+        # former defaults (fitted to shared memory by plan(): 2 stages)
         (GEMM2_MAX_K_CHUNK, None, {("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
                                    ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
     ],
@@ -383,7 +383,8 @@ def _gemm2_override(arch: str, intermediate: int, key: tuple) -> Gemm2Config | N
 # on. H200, 2026-12-02 (benchmarks/results/moe_variants_h200_prefill.json, TP8, us per layer, serial -> parallel):
 # T=2048 balanced 775.4 -> 766.3, same_k 555.1 -> 541.0; T=4096 1,211.7 -> 1,187.0, 892.4 -> 867.0; T=8192
 # 2,104.2 -> 2,058.8, 1,824.6 -> 1,817.7 (the serial align took 181 us of T=8192's 2,071). At T=512 the two were
-# within noise (moe_variants_h200.json).
+# within noise (moe_variants_h200.json); whole experts (TP1) within noise at T=2048 and 8192 either way
+# (moe_variants_h200_prefill_tp1.json).
 PARALLEL_ALIGN_MIN_TOKENS = 2048
 
 
