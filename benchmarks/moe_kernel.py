@@ -36,13 +36,14 @@ def _plan_of(d: dict):
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     """The default plan and one-change variants: every GEMM1 / GEMM2 candidate of the arch (GEMM1 at the
-    same token block or the next larger one: fewer blocks per expert, each weight decoded fewer times),
-    split-K around the pick for the slot schedule."""
+    same token block, the next larger one: fewer blocks per expert, each weight decoded fewer times, or the next
+    smaller one: smaller tiles, more CTAs per SM), split-K around the pick for the slot schedule."""
     from glm5_fp4.kernels import configs as C
 
     rep = dataclasses.replace
     out = {"default": base}
-    bms = {base.gemm1.bm} if base.schedule == "slot" else {base.gemm1.bm, min(128, base.gemm1.bm * 2)}
+    bm = base.gemm1.bm
+    bms = {bm} if base.schedule == "slot" else {bm, min(128, bm * 2), max(C.MIN_BLOCK_M, bm // 2)}
     for g1 in C.GEMM1_CANDIDATES[arch]:
         if g1.bm in bms and intermediate % g1.bn == 0 and hidden % g1.bk == 0 and g1 != base.gemm1:
             if base.schedule == "slot" and (hidden // g1.bk) % base.gemm1_split_k:
