@@ -384,7 +384,9 @@ def _gemm2_override(arch: str, intermediate: int, key: tuple) -> Gemm2Config | N
 # T=2048 balanced 775.4 -> 766.3, same_k 555.1 -> 541.0; T=4096 1,211.7 -> 1,187.0, 892.4 -> 867.0; T=8192
 # 2,104.2 -> 2,058.8, 1,824.6 -> 1,817.7 (the serial align took 181 us of T=8192's 2,071). At T=512 the two were
 # within noise (moe_variants_h200.json); whole experts (TP1) within noise at T=2048 and 8192 either way
-# (moe_variants_h200_prefill_tp1.json).
+# (moe_variants_h200_prefill_tp1.json); TP4 0.2-0.5 % faster at T=2048 and 8192 (moe_variants_h200_prefill_tp4.json,
+# where the 2026-12-01 run, older tiles, had it 4 % slower at T=8192: not reproduced). The align's work does not
+# depend on the expert shard at all.
 PARALLEL_ALIGN_MIN_TOKENS = 2048
 
 
