@@ -131,7 +131,7 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
         hprog = -(-num_slots // PAR_BLOCK)
         return [
             Launch(K.moe_align_kernel, (max(grid, hprog),), args,
-                   dict(common, BLOCK=PAR_BLOCK, PAR=True, HPROG=hprog, num_warps=4), stage="align"),
+                   dict(common, BLOCK=PAR_BLOCK, PAR=True, num_warps=4), stage="align"),
             Launch(K.moe_scatter_kernel, (-(-num_slots // SCATTER_BLOCK),),
                    (call.topk_ids, num_slots, _emap(call), ws.cursor, ws.slots),
                    dict(BLOCK=SCATTER_BLOCK, HAS_MAP=has_map, num_warps=4), stage="align"),

@@ -916,7 +916,6 @@ def moe_align_kernel(
     PREP_X: tl.constexpr = False,
     HAS_MAP: tl.constexpr = False,
     PAR: tl.constexpr = False,
-    HPROG: tl.constexpr = 1,
 ):
     """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks.
 
@@ -924,23 +923,26 @@ def moe_align_kernel(
     Programs 1..: zero the fp32 combine workspace (GEMM2 adds into it) and, with ``PREP_X``, write the
     activations as fp16 in GEMM1's merged K order (tiles of BK) to ``xq_ptr`` [T, H].
 
-    ``PAR`` (plan option ``parallel_align``): programs 0..HPROG-1 each count BLOCK slots into ``pcounts_ptr``
-    ([E] counts + 1 arrival counter, zero between calls); the last to arrive writes offsets, cursors and the
-    work list and zeroes the counts again; :func:`moe_scatter_kernel` (the next launch) then places the slots
+    ``PAR`` (plan option ``parallel_align``): the first ceil(num_slots / BLOCK) programs each count BLOCK slots
+    into ``pcounts_ptr`` ([E] counts + 1 arrival counter, zero between calls); the last to arrive writes offsets,
+    cursors and the work list and zeroes the counts again; :func:`moe_scatter_kernel` (the next launch) then places the slots
     with many programs instead of program 0's serial passes.
     """
     pid = tl.program_id(0)
     offs_e = tl.arange(0, E_POW2)
     emask = offs_e < E
     if PAR:
-        if pid < HPROG:
+        # a runtime count, not a constexpr: one compiled kernel for every batch size (as a constexpr it made a
+        # new kernel every BLOCK / k tokens, which the load-time warm-up cannot cover: tests/test_kernels_warmup.py)
+        hprog = tl.cdiv(num_slots, BLOCK)
+        if pid < hprog:
             offs = pid * BLOCK + tl.arange(0, BLOCK)
             ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
             tl.atomic_add(pcounts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
             # every thread's counts before the gpu-scope release (the fused split-K reduce's semaphore)
             tl.debug_barrier()
             done = tl.atomic_add(pcounts_ptr + E, 1, sem="acq_rel", scope="gpu")
-            if done == HPROG - 1:
+            if done == hprog - 1:
                 tl.atomic_xchg(pcounts_ptr + E, 0, sem="relaxed", scope="gpu")
                 # read through the atomic unit (no stale L1 line) and leave zeros for the next call
                 counts = tl.atomic_xchg(pcounts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask,
