@@ -146,9 +146,13 @@ def precompile(shards, tokens, jobs: int, progress, sweep: bool = False) -> None
     import concurrent.futures as cf
     import multiprocessing as mp
 
+    import torch
+
+    # the plans are made here once and handed to the workers (None: the worker's default plan)
     work = [(s, t, None) for s in shards for t in tokens]
     if sweep:
-        work = [(s, t, name) for s, t, _ in work for name in _sweep_plans(s, t)]
+        work = [(s, t, plan) for s, t, _ in work for plan in _sweep_plans(s, t).values()]
+        torch.cuda.empty_cache()  # the plans' empty weights: nothing of them is needed past this point
     t0 = time.time()
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
         kernels = sum(ex.map(_precompile_one, work))
@@ -179,13 +183,13 @@ def _empty_call(shard: str, t: int):
     return sh, x, ids, prep, make_call(x, tw, ids, prep, "w4a16", workspace=Workspace(dev, e, k, h, i, t))
 
 
-def _sweep_plans(shard: str, t: int, made=None) -> dict:
-    """The sweep's plans at (``shard``, ``t``) by name (``made``: an :func:`_empty_call` of them to reuse)."""
+def _sweep_plans(shard: str, t: int) -> dict:
+    """The sweep's plans at (``shard``, ``t``) by name."""
     import torch
 
     from glm5_fp4.kernels.moe import default_plan, device_arch
 
-    sh, x, ids, prep, _ = made or _empty_call(shard, t)
+    sh, x, ids, prep, _ = _empty_call(shard, t)
     arch, _ = device_arch(torch.device("cuda"))
     return sweep_variants(default_plan(x, ids, prep, "w4a16"), sh.hidden, sh.intermediate, arch)
 
@@ -194,17 +198,15 @@ def _precompile_one(item) -> int:
     from glm5_fp4.kernels.launch import launches
     from glm5_fp4.kernels.moe import default_plan
 
-    shard, t, variant = item
-    made = _empty_call(shard, t)
-    _, x, ids, prep, call = made
-    plan = default_plan(x, ids, prep, "w4a16") if variant is None else _sweep_plans(shard, t, made)[variant]
+    shard, t, plan = item
+    _, x, ids, prep, call = _empty_call(shard, t)
     n = 0
     try:
-        for launch in launches(plan, call):
+        for launch in launches(plan or default_plan(x, ids, prep, "w4a16"), call):
             launch.fn.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
             n += 1
-    except Exception as exc:  # noqa: BLE001 - a variant that does not build fails again, by name, in the sweep
-        print(f"precompile {shard} T={t} {variant or 'default'}: {exc!r}"[:300], flush=True)
+    except Exception as exc:  # noqa: BLE001 - a plan that does not build fails again, by name, in the sweep
+        print(f"precompile {shard} T={t} {plan or 'default plan'}: {exc!r}"[:300], flush=True)
     return n
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv=None) -> int:
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     tw, ids = R.make_routing(args.routing, args.tokens, sh.global_experts, sh.top_k, gen, "cuda")
     plan = default_plan(x, ids, lay.prepared[0], "w4a16")
     if args.plans:
-        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from moe_kernel import plans_from_sweep
 
         plan = plans_from_sweep(args.plans)(sh, args.tokens) or plan

@@ -6,8 +6,8 @@
 set -u
 export T_VARIANTS=${T_VARIANTS:-300} VARIANTS_TOKENS=${VARIANTS_TOKENS:-2048,4096,8192} VARIANTS_ARGS=${VARIANTS_ARGS:---noatomic}
 OUT=$OUT/gate bash benchmarks/run_moe_h200.sh ${GATE_SECTIONS:-variants tests memcheck}
-end=$((SECONDS + ${WAIT_VLLM:-600})); while [ ! -f /tmp/site/.glm5_fp4_installed ] && [ $SECONDS -lt $end ]; do sleep 5; done
-if [ -f /tmp/site/.glm5_fp4_installed ]; then . benchmarks/h200_vllm/env.sh; else echo "vLLM not installed: no Marlin"; fi
+# Marlin needs the shipped vLLM
+. benchmarks/h200_vllm/wait_env.sh
 export T_BENCH=${T_BENCH:-420} T_BENCH2=${T_BENCH2:-240} BENCH2_SHARDS=${BENCH2_SHARDS:-tp4} \
        BENCH2_TOKENS=${BENCH2_TOKENS:-64,512,2048,4096} BENCH2_ROUTINGS=${BENCH2_ROUTINGS:-balanced,same_k} \
        BENCH2_ARGS=${BENCH2_ARGS:---layers 4}

@@ -22,9 +22,8 @@ ncu_one() { local name=$1; shift; timeout 240 ncu --clock-control none --profile
     2> "$OUT/logs/$name.err"; echo "== $name rc=$?"; }
 ncu_one ncu_tp8_t8192 --shard tp8 --tokens 8192
 ncu_one ncu_tp8_t8192_best --shard tp8 --tokens 8192 --plans "$OUT/sweep_tp8.json"
-# Marlin needs the shipped vLLM: wait for install.sh's marker (at most WAIT_VLLM seconds)
-end=$((SECONDS + ${WAIT_VLLM:-600})); while [ ! -f /tmp/site/.glm5_fp4_installed ] && [ $SECONDS -lt $end ]; do sleep 5; done
-if [ -f /tmp/site/.glm5_fp4_installed ]; then . benchmarks/h200_vllm/env.sh; else echo "vLLM not installed: no Marlin"; fi
+# Marlin needs the shipped vLLM
+. benchmarks/h200_vllm/wait_env.sh
 run table_tp8 benchmarks/moe_kernel.py --shards tp8 --tokens 2048,4096,8192 --routings balanced,same_k,zipf1.2 \
     --layers 2 --stages --plans "$OUT/sweep_tp8.json" --json "$OUT/prefill_tp8.json" --md "$OUT/logs/prefill_tp8.md"
 run table_tp1 benchmarks/moe_kernel.py --shards tp1 --tokens 1024,2048,4096,8192 --routings balanced,zipf1.2 \

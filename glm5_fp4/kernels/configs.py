@@ -359,9 +359,9 @@ _GEMM2_BY_INTERMEDIATE = {
                                   ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
         # whole experts (TP1, the EP layouts): the shards' prefill tiles lose (moe_kernel_h200_prefill_sweep_tp1.json,
         # TP1 T=2048: 32-token steps 5,846 us vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the
-        # former defaults (fitted to shared memory by plan(): 2 stages)
+        # former defaults, in the 2 stages that fit at I = 2048 (the 128-token entry said 3, which plan() cut to 2)
         (GEMM2_MAX_K_CHUNK, None, {("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
-                                   ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
+                                   ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False)}),
     ],
     # sm120 whole experts: the 4-warp 2-stage bm16 GEMM2 spills 16 B at N_SPLIT 3/6/24 on the placed layout (compile
     # matrix, tp1 shape, Triton 3.6); with 3 stages it does not (69,632 B of 101,376, 146 registers). Unmeasured on
