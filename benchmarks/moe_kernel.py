@@ -31,7 +31,8 @@ def _plan_of(d: dict):
     return C.Plan(d["schedule"], C.Gemm1Config(**d["gemm1"]), C.Gemm2Config(**d["gemm2"]), d["gemm2_n_split"],
                   gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True),
                   gemm2_unroll=d.get("gemm2_unroll", False), gemm1_fused_reduce=d.get("gemm1_fused_reduce", False),
-                  parallel_align=d.get("parallel_align", False))
+                  parallel_align=d.get("parallel_align", False), slot_dedup=d.get("slot_dedup", False),
+                  pdl=d.get("pdl", False))
 
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
@@ -64,9 +65,21 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     if base.schedule == "slot" and base.gemm2_unroll:
         out["g2 not unrolled"] = rep(base, gemm2_unroll=False)
     if base.schedule == "slot":
-        for s in (1, 2, 4):
-            if s != base.gemm1_split_k and (hidden // base.gemm1.bk) % s == 0:
+        # up to SLOT_SPLIT_K_MAX ranges: at T=1 a program per 1-2 K tiles (the picker stops at SPLIT_K_MAX)
+        for s in (1, 2, 4, 6, 8, 12, 24):
+            if s != base.gemm1_split_k and C.split_k_fits(s, hidden, base.gemm1.bk, slot=True):
                 out[f"splitK{s}"] = rep(base, gemm1_split_k=s)
+                if s >= 8:
+                    out[f"splitK{s} fused"] = rep(base, gemm1_split_k=s, gemm1_fused_reduce=True)
+    return out
+
+
+def launch_forms(plan) -> dict:
+    """The best plan with programmatic dependent launch, and (split-K slot schedule) with the fused reduce too."""
+    rep = dataclasses.replace
+    out = {"+pdl": rep(plan, pdl=True)}
+    if plan.schedule == "slot" and plan.gemm1_split_k > 1:
+        out["+pdl fused"] = rep(plan, pdl=True, gemm1_fused_reduce=True)
     return out
 
 
@@ -117,6 +130,18 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None) -> lis
                     progress(f"  sweep {name} T={t} best ({g1} + {g2}): {us:.1f} (default {timed.get('default')})")
                 except Exception as exc:  # noqa: BLE001
                     res["runs"].append({"name": "best", "plan": dataclasses.asdict(best), "error": repr(exc)[:400]})
+                for fname, fplan in launch_forms(best).items():
+                    try:
+                        diff = B.rel_err(fused_moe_triton(x, tw, ids, lay.prepared[0], plan=fplan), ref)
+                        if not diff < 2e-3:
+                            raise AssertionError(f"output differs from the default plan's by {diff:.2e}")
+                        us = B.time_ours(lay, x, tw, ids, plan=fplan)
+                        res["runs"].append({"name": f"best {fname}", "plan": dataclasses.asdict(fplan), "us": us,
+                                            "rel_diff": diff})
+                        progress(f"  sweep {name} T={t} best {fname}: {us:.1f}")
+                    except Exception as exc:  # noqa: BLE001
+                        res["runs"].append({"name": f"best {fname}", "plan": dataclasses.asdict(fplan),
+                                            "error": repr(exc)[:400]})
             out.append(res)
             if on_point:
                 on_point(out)

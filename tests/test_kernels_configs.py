@@ -239,3 +239,96 @@ def test_default_forms_are_sized_for_skewed_routing(arch, sms):
                 assert want == 1
             if name == "tp8" and t <= 64:
                 assert want == 4
+
+
+def _meta_call(shape_name: str, t: int, use_asm: bool):
+    import torch
+
+    from glm5_fp4.kernels.launch import MoECall
+    from glm5_fp4.kernels.moe import Workspace
+    from glm5_fp4.sm120 import launches as SL
+
+    shape = {s.name: s for s in SL.shape_classes()}[shape_name]
+    prep = SL.meta_prepared(shape, layout="placed")
+    meta, k = torch.device("meta"), 8
+    x = torch.empty(t, prep.hidden_size, dtype=torch.bfloat16, device=meta)
+    return MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
+                   torch.empty_like(x), Workspace(meta, prep.num_experts, k, prep.hidden_size, prep.intermediate_size, t),
+                   use_asm=use_asm)
+
+
+@pytest.mark.parametrize("t,form", [(1, "pdl"), (1, "pdl_fused"), (4, "pdl"), (64, "pdl"), (4096, "pdl")])
+def test_pdl_form_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, form):
+    """Plan.pdl: every launch of the call carries launch_pdl and USE_PDL (each kernel waits at its top); GEMM2
+    prefetches whole rows of its experts (slot: all of a program's rows; grouped: its first N tile) in 128-byte
+    requests; where inline PTX is off (the interpreter) the same plan launches plainly."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import count, launches
+
+    call = _meta_call("tp8", t, use_asm=True)
+    p = call.prepared
+    h, i = p.hidden_size, p.intermediate_size
+    plan = C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132, form=form)
+    assert plan.pdl and plan == C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132).__class__(
+        **{**C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132).__dict__, **C.OPT_IN[form].change})
+    todo = launches(plan, call)
+    assert len(todo) == count(plan)
+    assert all(ln.kwargs.get("launch_pdl") is True and ln.kwargs.get("USE_PDL") is True for ln in todo), \
+        [ln.name for ln in todo if not ln.kwargs.get("launch_pdl")]
+    g2 = [ln for ln in todo if ln.name.startswith("moe_gemm2")]
+    assert len(g2) == 1
+    rows = h // plan.gemm2_n_split if g2[0].name == "moe_gemm2_slot_kernel" else min(plan.gemm2.bn, h // plan.gemm2_n_split)
+    assert g2[0].kwargs["PF_ROWS"] == rows
+    lines_w, lines_s = rows * (i // 2) / 128, rows * (i // 16) / 128  # bytes per row / 128-byte requests
+    assert lines_w <= g2[0].kwargs["PF_W"] < 2 * lines_w and max(lines_s, 1) <= g2[0].kwargs["PF_S"] < 2 * max(lines_s, 1)
+    if form == "pdl_fused":
+        assert [ln.name for ln in todo] == ["moe_gemm1_kernel", "moe_gemm2_slot_kernel"]
+    plain = launches(plan, _meta_call("tp8", t, use_asm=False))
+    assert [ln.name for ln in plain] == [ln.name for ln in todo]
+    assert not any("launch_pdl" in ln.kwargs or "USE_PDL" in ln.kwargs or "PF_ROWS" in ln.kwargs for ln in plain)
+    default = launches(C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132), call)
+    assert not any("launch_pdl" in ln.kwargs for ln in default)
+
+
+def test_pdl_gemm2_prefetches_nothing_for_whole_experts():
+    """Whole experts (I = 2048) take GEMM2's K in chunks: a row's first chunk is no contiguous run, so no prefetch."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import launches
+
+    call = _meta_call("tp1", 64, use_asm=True)
+    p = call.prepared
+    assert p.intermediate_size > C.GEMM2_MAX_K_CHUNK
+    plan = C.plan("sm90", 64, p.num_experts, 8, p.hidden_size, p.intermediate_size, sm_count=132, form="pdl")
+    todo = launches(plan, call)
+    assert all(ln.kwargs.get("launch_pdl") for ln in todo)
+    assert not any("PF_ROWS" in ln.kwargs for ln in todo)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_slot_split_k_beyond_the_grouped_limit_fits_the_workspace(t):
+    """The slot schedule takes up to SLOT_SPLIT_K_MAX K ranges (sweep candidates: one K tile per program at T=1);
+    the workspace's partial sums hold them at the largest slot T; more ranges, or ranges of part tiles, are refused."""
+    import dataclasses
+
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import launches
+
+    call = _meta_call("tp8", t, use_asm=True)
+    p = call.prepared
+    h, i = p.hidden_size, p.intermediate_size
+    base = C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132, form="per_slot")
+    assert base.schedule == "slot" and base.gemm1_split_k <= C.SPLIT_K_MAX  # the picker stays within the old limit
+    k_tiles = h // base.gemm1.bk
+    for s in (8, 12, C.SLOT_SPLIT_K_MAX):
+        assert k_tiles % s == 0
+        g1 = launches(dataclasses.replace(base, gemm1_split_k=s), call)[0]
+        assert g1.grid[2] == s and g1.kwargs["SPLIT_K"] == s
+        assert s * t * 8 * 2 * i <= call.workspace.part.numel()
+    with pytest.raises(Glm5Fp4Error, match="split-K"):
+        launches(dataclasses.replace(base, gemm1_split_k=2 * C.SLOT_SPLIT_K_MAX), call)
+    with pytest.raises(Glm5Fp4Error, match="split-K"):
+        launches(dataclasses.replace(base, gemm1_split_k=16), call)  # 24 K tiles do not split 16 ways
+    with pytest.raises(Glm5Fp4Error, match="split-K"):  # the grouped schedule keeps SPLIT_K_MAX
+        launches(dataclasses.replace(C.plan("sm90", 16, p.num_experts, 8, h, i, sm_count=132), gemm1_split_k=8),
+                 _meta_call("tp8", 16, use_asm=True))

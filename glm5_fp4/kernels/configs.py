@@ -91,6 +91,11 @@ class Plan:
     # once per token routed to it: TP1 T=4 same_k 290 us against Marlin's 87 (H200, 2026-12-01); balanced
     # routing forms groups of one. The default from SLOT_DEDUP_MIN_TOKENS on.
     slot_dedup: bool = False
+    # Programmatic dependent launch (SM90+): every kernel of the call after the first is launched before its
+    # predecessor ends; each waits (griddepcontrol.wait) at its top and then lets its own successor launch, so
+    # launch latency and the next kernel's ramp overlap the current one's tail, and the GEMM2 kernels prefetch
+    # their first weight tiles into L2 before they wait. Off until measured (benchmarks/moe_variants.py "pdl").
+    pdl: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,9 +190,12 @@ GEMM2_CANDIDATES["sm80"] = GEMM2_CANDIDATES["sm120"]
 NATIVE_GEMM1 = {"sm120": Gemm1Config(32, 32, 128, 4, 2), "sm100": Gemm1Config(128, 32, 128, 4, 2)}
 NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32, 4, 2)}
 
-# Split-K of the slot schedule's GEMM1: at most this many K ranges, for at most this many tokens (the
-# partial sums live in a static workspace of SPLIT_K_MAX * SPLIT_K_MAX_TOKENS * top_k * 2I floats).
+# Split-K of GEMM1: at most SPLIT_K_MAX K ranges (grouped schedule) or SLOT_SPLIT_K_MAX (slot schedule, at most
+# SPLIT_K_MAX_TOKENS tokens), each of whole K tiles. The partial sums live in a static workspace
+# (kernels/moe.py Workspace.part) sized for the larger of the two. The slot picker stays within SPLIT_K_MAX; more
+# ranges (1-2 K tiles per program at T=1) are sweep candidates (benchmarks/moe_kernel.py --sweep).
 SPLIT_K_MAX = 4
+SLOT_SPLIT_K_MAX = 24
 SPLIT_K_MAX_TOKENS = 8
 # Grouped schedule with split-K (Plan.gemm1_split_k; pick_grouped_split_k): the partial-sum workspace holds this
 # many tokens.
@@ -418,9 +426,10 @@ def pick_n_split(n_tiles: int, programs_per_split: float, sm_count: int, waves: 
     return n_tiles
 
 
-def split_k_fits(split: int, hidden: int, bk: int) -> bool:
-    """Whether GEMM1 can take K (= H) in ``split`` ranges: at most SPLIT_K_MAX, each of whole ``bk``-wide tiles."""
-    return split <= SPLIT_K_MAX and hidden % (split * bk) == 0
+def split_k_fits(split: int, hidden: int, bk: int, slot: bool = False) -> bool:
+    """Whether GEMM1 can take K (= H) in ``split`` ranges: at most SPLIT_K_MAX (``slot`` schedule:
+    SLOT_SPLIT_K_MAX), each of whole ``bk``-wide tiles."""
+    return split <= (SLOT_SPLIT_K_MAX if slot else SPLIT_K_MAX) and hidden % (split * bk) == 0
 
 
 def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0) -> int:
@@ -533,7 +542,7 @@ class OptIn:
     default against): what it changes, where it can run, what it is for."""
 
     change: dict
-    schedule: str  # the schedule it modifies
+    schedule: str | tuple[str, ...]  # the schedule(s) it modifies
     max_tokens: int | None  # largest T it serves (None: the schedule's range)
     modes: tuple[str, ...]
     needs_split_k: bool = False  # modifies GEMM1's split-K (the plan must already split K)
@@ -559,6 +568,12 @@ OPT_IN: dict[str, OptIn] = {
                                   "PARALLEL_ALIGN_MIN_TOKENS; 1-3 % slower at T = 2,048-8,192)"),
     "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
+    "pdl": OptIn(dict(pdl=True), ("slot", "grouped"), None, ("w4a16", "w4a4"), compile_tokens=(1, 64),
+                 purpose="programmatic dependent launch: each kernel launched under its predecessor's tail, "
+                         "GEMM2 prefetching its first weight tiles into L2 before it waits"),
+    "pdl_fused": OptIn(dict(pdl=True, gemm1_fused_reduce=True), "slot", None, ("w4a16", "w4a4"), needs_split_k=True,
+                       compile_tokens=(1,), purpose="pdl with the split-K reduce in GEMM1 (2 launches): GEMM2 "
+                                                    "launches under GEMM1 and prefetches all its weights"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
@@ -569,9 +584,10 @@ def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None
     """Whether opt-in ``form`` can modify plan ``p`` of a ``tokens`` call (in ``mode``, when given): its
     schedule, batch sizes, mode, and a split-K it sets must cut H into whole K tiles."""
     o = OPT_IN[form]
-    return (p.schedule == o.schedule and (o.max_tokens is None or tokens <= o.max_tokens)
+    schedules = (o.schedule,) if isinstance(o.schedule, str) else o.schedule
+    return (p.schedule in schedules and (o.max_tokens is None or tokens <= o.max_tokens)
             and (mode is None or mode in o.modes) and (not o.needs_split_k or p.gemm1_split_k > 1)
-            and split_k_fits(o.change.get("gemm1_split_k", 1), hidden, p.gemm1.bk))
+            and split_k_fits(o.change.get("gemm1_split_k", 1), hidden, p.gemm1.bk, p.schedule == "slot"))
 
 
 def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,

@@ -100,6 +100,21 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _pdl(plan: cfgs.Plan, call: MoECall) -> dict:
+    """Launch options and constexpr of Plan.pdl: griddepcontrol is PTX (SM90+), so not where inline PTX is off
+    (the interpreter: the plan then runs as plain stream-ordered launches)."""
+    return dict(USE_PDL=True, launch_pdl=True) if plan.pdl and call.use_asm else {}
+
+
+def _prefetch(plan: cfgs.Plan, call: MoECall, rows: int) -> dict:
+    """GEMM2's L2 prefetch before it waits (Plan.pdl): ``rows`` weight rows of each expert it reads, as
+    128-byte requests; none for whole experts (K in chunks: a row's first chunk is not one contiguous run)."""
+    i = call.prepared.intermediate_size
+    if not _pdl(plan, call) or cfgs.gemm2_k_chunk(i) != i:
+        return {}
+    return dict(PF_ROWS=rows, PF_W=_pow2(-(-rows * (i // 8) // 32)), PF_S=_pow2(-(-rows * (i // 16) // 128)))
+
+
 def _emap(call: MoECall):
     # Kernels take a pointer either way; without a map the ids pointer stands in (never read: HAS_MAP=False).
     return call.expert_map if call.expert_map is not None else call.topk_ids
@@ -114,7 +129,8 @@ def align_block(num_slots: int) -> int:
     return max(128, min(8192, _pow2(num_slots)))
 
 
-def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False) -> list[Launch]:
+def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False, pdl: dict | None = None
+           ) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
     ws, prep = call.workspace, call.prepared
@@ -125,7 +141,8 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
     grid = 1 + -(-t * h // ZBLOCK)
     args = (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks,
             ws.num_blocks, ws.combine, t * h, call.x, call.x.stride(0), ws.xq, ws.par_counts)
-    common = dict(E=e, E_POW2=_pow2(e), ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x, HAS_MAP=has_map)
+    pdl = pdl or {}
+    common = dict(E=e, E_POW2=_pow2(e), ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x, HAS_MAP=has_map, **pdl)
     if parallel:
         # PAR_BLOCK slots counted per program (the last arrival scans), then a scatter kernel
         hprog = -(-num_slots // PAR_BLOCK)
@@ -134,7 +151,7 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
                    dict(common, BLOCK=PAR_BLOCK, PAR=True, num_warps=4), stage="align"),
             Launch(K.moe_scatter_kernel, (-(-num_slots // SCATTER_BLOCK),),
                    (call.topk_ids, num_slots, _emap(call), ws.cursor, ws.slots),
-                   dict(BLOCK=SCATTER_BLOCK, HAS_MAP=has_map, num_warps=4), stage="align"),
+                   dict(BLOCK=SCATTER_BLOCK, HAS_MAP=has_map, num_warps=4, **pdl), stage="align"),
         ]
     # One program sorts the routing with enough threads to cover all slots in one or a few passes; the
     # others zero the combine workspace (and convert x) in ZBLOCK pieces.
@@ -144,7 +161,7 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
                    stage="align")]
 
 
-def _finalize(call: MoECall, rows: int = 1) -> Launch:
+def _finalize(call: MoECall, rows: int = 1, pdl: dict | None = None) -> Launch:
     """The fp32 combine buffer to the output: one row per token (grouped), or k per-slot rows added (slot dedup)."""
     from glm5_fp4.kernels import triton_moe as K
 
@@ -152,7 +169,8 @@ def _finalize(call: MoECall, rows: int = 1) -> Launch:
     fblock = min(FBLOCK, _pow2(h))
     return Launch(K.moe_finalize_kernel, (t, -(-h // fblock)),
                   (call.workspace.combine, call.out, call.out.stride(0), call.topk_ids, _emap(call)),
-                  dict(H=h, BLOCK=fblock, ROWS=rows, HAS_MAP=rows > 1 and call.expert_map is not None, num_warps=4),
+                  dict(H=h, BLOCK=fblock, ROWS=rows, HAS_MAP=rows > 1 and call.expert_map is not None, num_warps=4,
+                       **(pdl or {})),
                   stage="gemm2")
 
 
@@ -174,15 +192,16 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                            f"holds {call.workspace.combine.shape[0]}")
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         ws = call.workspace
-        if (not cfgs.split_k_fits(plan.gemm1_split_k, h, g1.bk) or call.num_slots > ws.part_rows
+        if (not cfgs.split_k_fits(plan.gemm1_split_k, h, g1.bk, slot=True)
+                or plan.gemm1_split_k * call.num_slots * 2 * i > ws.part.numel()
                 or call.num_slots * (i // g1.bn) > ws.split_count.numel()):
             raise Glm5Fp4Error(
-                f"MoE plan {plan}: GEMM1 split-K {plan.gemm1_split_k} needs <= {cfgs.SPLIT_K_MAX} splits of whole "
+                f"MoE plan {plan}: GEMM1 split-K {plan.gemm1_split_k} needs <= {cfgs.SLOT_SPLIT_K_MAX} splits of whole "
                 f"{g1.bk}-wide K tiles of H={h}, and <= {cfgs.SPLIT_K_MAX_TOKENS} tokens"
             )
     if plan.schedule == "grouped" and plan.gemm1_split_k > 1:
         k, ws = plan.gemm1_split_k, call.workspace
-        if (not cfgs.split_k_fits(k, h, g1.bk) or call.num_slots > ws.part_rows or call.mode != "w4a16"
+        if (not cfgs.split_k_fits(k, h, g1.bk) or k * call.num_slots * 2 * i > ws.part.numel() or call.mode != "w4a16"
                 or call.tokens > cfgs.GROUPED_SPLIT_K_MAX_TOKENS):
             raise Glm5Fp4Error(
                 f"MoE plan {plan}: grouped GEMM1 split-K {k} needs W4A16 (got {call.mode}), <= {cfgs.SPLIT_K_MAX} "
@@ -197,7 +216,7 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
             raise Glm5Fp4Error(f"{call.x.shape[0]} tokens x hidden {h} exceed the align kernel's 32-bit indexing")
 
 
-def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str) -> Launch:
+def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str, pdl: dict) -> Launch:
     """GEMM1's split-K partial sums added per row (slot id, or sorted position in the grouped schedule)."""
     from glm5_fp4.kernels import triton_moe as K
 
@@ -206,7 +225,8 @@ def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage
     return Launch(
         K.moe_splitk_reduce_kernel, (call.num_slots, i // rblock),
         (ws.part, call.num_slots * 2 * i, ws.act, call.topk_ids, _emap(call), _scales(call)[3]),
-        dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), num_warps=4),
+        dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), num_warps=4,
+             **pdl),
         stage=stage,
     )
 
@@ -227,7 +247,8 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout == "placed",
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & DIAG_PLAIN_STORES,
-             num_warps=g2.num_warps, num_stages=g2.num_stages),
+             num_warps=g2.num_warps, num_stages=g2.num_stages, **_pdl(plan, call),
+             **_prefetch(plan, call, min(g2.bn, h // plan.gemm2_n_split))),
         stage="gemm2",
     )
 
@@ -248,6 +269,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     placed = p.layout == "placed"
     fused = split_k > 1 and plan.gemm1_fused_reduce
     dedup = plan.slot_dedup
+    pdl = _pdl(plan, call)
     out = [
         Launch(
             K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
@@ -257,23 +279,24 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
-                 num_warps=g1.num_warps, num_stages=g1.num_stages),
+                 num_warps=g1.num_warps, num_stages=g1.num_stages, **pdl),
             stage="gemm1",
         )
     ]
     if split_k > 1 and not fused:
-        out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2"))
+        out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2", pdl))
     if dedup:
         # GEMM2 per (slot group, N range) into per-slot fp32 rows of the combine buffer, then each token's k rows
         # added in slot order: every expert's W2 read and decoded once however many tokens share it
-        return out + [_gemm2_grouped(plan, call, num_slots, slot_dedup=True), _finalize(call, rows=k)]
+        return out + [_gemm2_grouped(plan, call, num_slots, slot_dedup=True), _finalize(call, rows=k, pdl=pdl)]
     out.append(Launch(
         K.moe_gemm2_slot_kernel, (plan.gemm2_n_split, t),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, call.topk_ids, emap,
          call.out, call.out.stride(0)),
         dict(TOPK=k, H=h, I=i, BN=g2.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
              MERGED=g2.merged, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), UNROLL=plan.gemm2_unroll,
-             PLACED=placed, num_warps=g2.num_warps, num_stages=g2.num_stages),
+             PLACED=placed, num_warps=g2.num_warps, num_stages=g2.num_stages, **pdl,
+             **_prefetch(plan, call, h // plan.gemm2_n_split)),
         stage="gemm2",
     ))
     return out
@@ -295,9 +318,10 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     split = plan.gemm1_split_k
     # Split-K partial rows are sorted slot positions; the reduce runs over all T*k positions (with an expert map
     # the tail past the placed slots holds stale sums whose act rows no GEMM2 block reads).
-    reduce = [] if split == 1 else [_splitk_reduce(call, split, False, False, "gemm1")]
+    pdl = _pdl(plan, call)
+    reduce = [] if split == 1 else [_splitk_reduce(call, split, False, False, "gemm1", pdl)]
     return [
-        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align),
+        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl),
         Launch(
             K.moe_gemm1_kernel, (nblk, i // g1.bn, split),
             (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
@@ -306,12 +330,12 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
-                 num_warps=g1.num_warps, num_stages=g1.num_stages),
+                 num_warps=g1.num_warps, num_stages=g1.num_stages, **pdl),
             stage="gemm1",
         ),
         *reduce,
         _gemm2_grouped(plan, call, nblk),
-        _finalize(call),
+        _finalize(call, pdl=pdl),
     ]
 
 

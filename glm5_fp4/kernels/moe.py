@@ -77,9 +77,12 @@ class Workspace:
         self.combine = torch.zeros(max(max_tokens, slot_rows), hidden, dtype=torch.float32, device=device)
         # the activations in fp16, GEMM1's merged K order (grouped W4A16; written by the align kernel)
         self.xq = torch.empty(max_tokens, hidden, dtype=torch.float16, device=device)
-        # split-K partial sums of the slot schedule's GEMM1: [split, slot, gate|up]
+        # split-K partial sums of GEMM1: [split, row, gate|up], rows = slots (slot schedule) or sorted positions
+        # (grouped); sized for the larger of the two schedules' (splits x rows)
         self.part_rows = min(max_tokens, max(cfgs.SPLIT_K_MAX_TOKENS, cfgs.GROUPED_SPLIT_K_MAX_TOKENS)) * top_k
-        self.part = torch.empty(cfgs.SPLIT_K_MAX * self.part_rows * 2 * intermediate, dtype=torch.float32, device=device)
+        part_ranges = max(cfgs.SPLIT_K_MAX * self.part_rows,
+                          cfgs.SLOT_SPLIT_K_MAX * min(max_tokens, cfgs.SPLIT_K_MAX_TOKENS) * top_k)
+        self.part = torch.empty(part_ranges * 2 * intermediate, dtype=torch.float32, device=device)
         # arrivals per (slot, GEMM1 N tile) of the fused split-K reduce; the last arrival sets it back to zero
         self.split_count = torch.zeros(self.part_rows * (intermediate // 16), **i32)
         # NVFP4 act (codes + scales) between the native FP4 GEMMs; allocated on first native use

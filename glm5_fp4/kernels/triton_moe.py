@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda  # griddepcontrol (programmatic dependent launch, SM90+)
 
 from glm5_fp4 import nvfp4
 
@@ -449,6 +450,27 @@ def _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I: tl.constexpr, B
 
 
 @triton.jit
+def _pdl_enter(USE_PDL: tl.constexpr):
+    """Plan.pdl: wait until the previous kernel has finished (its writes visible), then let the next one launch.
+
+    Every kernel of a call does this first (only weight prefetches come before it), so code before it in the
+    next kernel may read the weights and what kernels two or more launches back wrote, never the previous
+    kernel's output; and a kernel's completion implies its predecessors' (each waited on the one before)."""
+    if USE_PDL:
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(base, span, LINES: tl.constexpr, STEP: tl.constexpr):
+    """Ask L2 for ``span`` elements from ``base`` (a contiguous run), one request per STEP elements (128 B) up to
+    LINES requests (a run longer than LINES * STEP is prefetched only in part). Fire and forget: nothing waits."""
+    offs = tl.minimum(tl.arange(0, LINES) * STEP, span - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [base + offs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     stride_xt,
@@ -487,6 +509,7 @@ def moe_gemm1_kernel(
     FUSED_REDUCE: tl.constexpr = False,
     DEDUP: tl.constexpr = False,
     SP: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
 
@@ -515,6 +538,7 @@ def moe_gemm1_kernel(
     (grouped) or slot ids (slot mode). ``w_ptr`` is the packed weight as int32 words.
     """
     tl.static_assert(not (X_PREP and W4A4), "prepared activations are W4A16 only")
+    _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
     K_PER: tl.constexpr = H // SPLIT_K
     if SLOT_MODE:
@@ -657,9 +681,17 @@ def moe_gemm2_grouped_kernel(
     SP: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
     DIAG: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
+    PF_ROWS: tl.constexpr = 0,
+    PF_W: tl.constexpr = 1,
+    PF_S: tl.constexpr = 1,
 ):
     """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
     time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest.
+
+    ``USE_PDL``: before it waits for GEMM1, the program asks L2 for its expert's first ``PF_ROWS`` weight rows
+    (``PF_W`` / ``PF_S`` 128-byte requests of words / scales): the work list it reads for that was written two
+    or more launches back (the align kernel).
 
     ``SLOT_DEDUP`` (the slot schedule's dedup form): program (slot, N range) computes the group of slots that
     share its slot's expert when it leads the group (:func:`_slot_group`), and stores ws[slot, n] (no atomics:
@@ -676,6 +708,13 @@ def moe_gemm2_grouped_kernel(
     else:
         e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
     e64 = e.to(tl.int64)
+    n_per: tl.constexpr = H // N_SPLIT
+    n_begin = pid_s * n_per
+    if PF_ROWS > 0:
+        if count > 0:
+            _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + n_begin * (I // 8), PF_ROWS * (I // 8), PF_W, 32)
+            _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + n_begin * (I // 16), PF_ROWS * (I // 16), PF_S, 128)
+    _pdl_enter(USE_PDL)
     alpha = tl.load(alpha_ptr + e)
     if W4A4:
         alpha = alpha * tl.load(o_scale_ptr + e)
@@ -684,8 +723,6 @@ def moe_gemm2_grouped_kernel(
     offs_ks = tl.arange(0, KC // 16)
     offs_k = tl.arange(0, KC)
     offs_bn = tl.arange(0, BN)
-    n_per: tl.constexpr = H // N_SPLIT
-    n_begin = pid_s * n_per
     w_base = w_ptr + e64 * (H * (I // 8)) + offs_bn[:, None] * (I // 8) + offs_w[None, :]
     s_base = s_ptr + e64 * (H * (I // 16)) + offs_bn[:, None] * (I // 16) + offs_ks[None, :]
 
@@ -795,12 +832,19 @@ def moe_gemm2_slot_kernel(
     KC: tl.constexpr = 0,
     UNROLL: tl.constexpr = False,
     PLACED: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+    PF_ROWS: tl.constexpr = 0,
+    PF_W: tl.constexpr = 1,
+    PF_S: tl.constexpr = 1,
 ):
     """out[token, n] = sum over the token's local slots of weight * (act[slot] W_down[e]^T)[n], written once
     (slots of remote experts are skipped: their act rows were never computed). K (= I) in chunks of KC.
     ``UNROLL``: the k experts unrolled, their weight loads all in flight at once (at T=1 this kernel is
     latency-bound: a few programs, k dependent load-decode-MMA rounds otherwise); the plan asks for it only
-    where k pipelined tiles fit the arch's shared memory (configs.plan)."""
+    where k pipelined tiles fit the arch's shared memory (configs.plan).
+
+    ``USE_PDL``: before it waits for the act rows, the program asks L2 for the first ``PF_ROWS`` of its rows of
+    each of the token's experts (the routing is the call's input, written before GEMM1 waited)."""
     BM: tl.constexpr = 16  # the MMA's smallest token side; only column 0 is real
     pid_s = tl.program_id(0)
     tok = tl.program_id(1)
@@ -809,6 +853,14 @@ def moe_gemm2_slot_kernel(
     first = cols < 1
     n_per: tl.constexpr = H // N_SPLIT
     n_begin = pid_s * n_per
+    if PF_ROWS > 0:
+        for j in tl.static_range(TOPK):
+            e_j, local_j = _slot_expert(tok * TOPK + j, ids_ptr, emap_ptr, HAS_MAP)
+            if local_j > 0:
+                e_j64 = e_j.to(tl.int64)
+                _prefetch_l2(w_ptr + e_j64 * (H * (I // 8)) + n_begin * (I // 8), PF_ROWS * (I // 8), PF_W, 32)
+                _prefetch_l2(s_ptr + e_j64 * (H * (I // 16)) + n_begin * (I // 16), PF_ROWS * (I // 16), PF_S, 128)
+    _pdl_enter(USE_PDL)
     for n0 in range(n_begin, n_begin + n_per, BN):
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         if UNROLL:
@@ -837,11 +889,13 @@ def moe_splitk_reduce_kernel(
     W4A4: tl.constexpr,
     HAS_MAP: tl.constexpr = False,
     KC: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):
     """act[slot] = silu(gate) * up from GEMM1's split-K partial sums (added in split order, so the result
     does not depend on which split finished first), stored like GEMM1's own epilogue would (merged order,
     W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program. For
     the grouped schedule the rows are sorted slot positions (W4A16 only, HAS_MAP off: no expert is looked up)."""
+    _pdl_enter(USE_PDL)
     slot = tl.program_id(0).to(tl.int64)
     # a remote slot (expert map): GEMM1 wrote no partial sums and GEMM2 skips it; write nothing
     e, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
@@ -916,6 +970,7 @@ def moe_align_kernel(
     PREP_X: tl.constexpr = False,
     HAS_MAP: tl.constexpr = False,
     PAR: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks.
 
@@ -928,6 +983,7 @@ def moe_align_kernel(
     cursors and the work list and zeroes the counts again; :func:`moe_scatter_kernel` (the next launch) then places the slots
     with many programs instead of program 0's serial passes.
     """
+    _pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_e = tl.arange(0, E_POW2)
     emask = offs_e < E
@@ -983,9 +1039,10 @@ def moe_align_kernel(
 
 @triton.jit
 def moe_scatter_kernel(ids_ptr, num_slots, emap_ptr, cursor_ptr, slots_ptr, BLOCK: tl.constexpr,
-                       HAS_MAP: tl.constexpr = False):
+                       HAS_MAP: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Slots grouped by expert (the parallel align's second half): each program places BLOCK slots at their
     expert's cursor (written by moe_align_kernel with PAR)."""
+    _pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
     dst = tl.atomic_add(cursor_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
@@ -994,10 +1051,11 @@ def moe_scatter_kernel(ids_ptr, num_slots, emap_ptr, cursor_ptr, slots_ptr, BLOC
 
 @triton.jit
 def moe_finalize_kernel(ws_ptr, out_ptr, stride_ot, ids_ptr, emap_ptr, H: tl.constexpr, BLOCK: tl.constexpr,
-                        ROWS: tl.constexpr = 1, HAS_MAP: tl.constexpr = False):
+                        ROWS: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """out[t, :] = the sum of ws rows t*ROWS .. t*ROWS + ROWS - 1 in the output dtype. ROWS = 1: the grouped
     schedule's combine buffer; ROWS = k: the slot dedup's per-slot rows, added in slot order (a remote slot's
     row was never written: skipped)."""
+    _pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H

@@ -68,6 +68,24 @@ def main() -> int:
         ok = err < moe_tolerance("w4a16", x.dtype)
         failures += not ok
         print(f"T={t} parallel align map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # programmatic dependent launch (plan.pdl; its prefetches address the weights by the routing), both
+    # schedules, remote slots, the fused reduce
+    for t, use_map, form in ((1, False, "pdl"), (1, False, "pdl_fused"), (3, True, "pdl"), (40, False, "pdl"),
+                             (200, True, "pdl")):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing("zipf2", t, 12 if use_map else e, k, device="cuda")
+        m = emap if use_map else None
+        plan = default_plan(x, ids, prep, "w4a16", m, form="pdl")
+        if form == "pdl_fused":  # two K tiles of 128 (H = 256) so that K splits in two
+            plan = dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=128), gemm1_split_k=2,
+                                       gemm1_fused_reduce=True)
+        out = fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m)
+        ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, compute_dtype=torch.float64,
+                            expert_map=None if m is None else m.cpu())
+        err = rel_error(out, ref)
+        ok = err < moe_tolerance("w4a16", x.dtype) and plan.pdl
+        failures += not ok
+        print(f"T={t} {form} map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

@@ -281,6 +281,72 @@ def test_variant_grouped_split_k(shape, t, routing, split):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
 
 
+@pytest.mark.parametrize("shape,t,routing,mode,form", [
+    *[(sh, t, r, m, "pdl") for sh, t, r, m in (
+        (SMALL, 1, "balanced", "w4a16"), (SMALL, 3, "same_k", "w4a4"), (SMALL, 40, "zipf2", "w4a16"),
+        (GLM_TP8, 1, "balanced", "w4a16"), (GLM_TP8, 4, "same_k", "w4a16"), (GLM_TP8, 64, "zipf1.2", "w4a16"),
+        (GLM_TP8, 512, "balanced", "w4a4"), (GLM_TP8, 4096, "same_k", "w4a16"), (GLM_TP4, 1, "balanced", "w4a4"),
+        (GLM_EP8, 64, "zipf1.2", "w4a16"))],
+    # the fused split-K reduce: where the slot schedule splits K (the GLM-5 shards at T <= 2)
+    (GLM_TP8, 1, "balanced", "w4a16", "pdl_fused"), (GLM_TP8, 2, "same_k", "w4a4", "pdl_fused"),
+    (GLM_TP4, 1, "balanced", "w4a16", "pdl_fused")])
+def test_variant_pdl(shape, t, routing, mode, form):
+    """Plan.pdl (opt-in): every kernel launched under its predecessor's tail, GEMM2 prefetching weight rows before
+    it waits. Against the float64 reference and the plain plan (the same arithmetic: equal bit for bit where no
+    atomics add, within tolerance where they do), and in one CUDA graph of three chained calls (each call's x is
+    the previous call's output, so a kernel that read before its wait would see a stale or NaN row), replayed with
+    new routings and equal to the plain plan run eagerly."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
+    emap = None
+    if "global_e" in shape:  # this rank holds every 8th expert (the others' slots are remote)
+        emap = torch.full((shape["global_e"],), -1, dtype=torch.int32, device="cuda")
+        emap[:: shape["global_e"] // e] = torch.arange(e, dtype=torch.int32, device="cuda")
+    plain = default_plan(x, ids, prep, mode, expert_map=emap)
+    plan = default_plan(x, ids, prep, mode, expert_map=emap, form=form)
+    assert plan == dataclasses.replace(plain, **C.OPT_IN[form].change)  # the form serves this call
+    ref = reference(x, w, ids, ex, mode, emap)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan, expert_map=emap)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
+    want = fused_moe_triton(x, w, ids, prep, mode, plan=plain, expert_map=emap)
+    deterministic = plan.schedule == "slot" and not plan.slot_dedup
+    if deterministic and not plan.gemm1_fused_reduce:
+        assert torch.equal(out, want)
+    else:
+        assert rel_error(out, want) < moe_tolerance(mode, x.dtype)
+
+    outs = [torch.full_like(x, float("nan")) for _ in range(3)]
+
+    def chain(p):
+        src = x
+        for o in outs:
+            fused_moe_triton(src, w, ids, prep, mode, out=o, plan=p, expert_map=emap)
+            src = o
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(plan)
+    for _ in range(2):
+        nw, nids = make_routing("zipf1.2", t, shape.get("global_e") or e, k, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [o.clone() for o in outs]
+        chain(plain)
+        for a, b in zip(got, outs):
+            assert torch.isfinite(a).all()
+            assert rel_error(a, b) < 2 * moe_tolerance(mode, x.dtype)  # chained: each call's rounding feeds the next
+
+
 @pytest.mark.parametrize("shape,t,routing,mode", [
     (SMALL, 4, "same_k", "w4a16"), (SMALL, 3, "zipf2", "w4a4"), (GLM_TP8, 4, "same_k", "w4a16"),
     (GLM_TP8, 4, "balanced", "w4a4"), (GLM_TP8, 2, "one_hot", "w4a16"), (GLM_TP4, 4, "same_k", "w4a4"),
