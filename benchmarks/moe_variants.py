@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--routings", default="balanced,same_k")
     ap.add_argument("--layers", type=int, default=4, help="distinct expert sets per graph (defeats L2 reuse)")
     ap.add_argument("--json", default="moe_variants.json")
+    ap.add_argument("--forms", help="comma-separated opt-in forms to time (default: all of configs.OPT_IN and the "
+                    "other weight layout)")
     ap.add_argument("--nodecode", action="store_true", help="also time the DIAG=1 stand-in (see above)")
     ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
                     "atomic adds (wrong results, not checked): the combine's cost")
@@ -59,6 +61,9 @@ def main(argv=None) -> int:
     from glm5_fp4.bench.timing import copy_bandwidth_gbs
     from glm5_fp4.kernels import prepare_experts
     from glm5_fp4.kernels import configs as C
+    unknown = set(args.forms.split(",")) - set(C.OPT_IN) - {"split", "placed"} if args.forms else set()
+    if unknown:
+        ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)}")
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
     from glm5_fp4.kernels.launch import DIAG_NO_DECODE, DIAG_PLAIN_STORES
     from glm5_fp4.kernels.layout import default_layout
@@ -83,6 +88,8 @@ def main(argv=None) -> int:
         alt = B.Layers(sh, [prepare_experts(e, layout=other) for e in lay.experts], lay.experts)
         # name -> (layers, DIAG, checked against the default, opt-in form or None)
         variants = {other: (alt, 0, True, None), **{form: (lay, 0, True, form) for form in C.OPT_IN}}
+        if args.forms:
+            variants = {n: v for n, v in variants.items() if n in set(args.forms.split(","))}
         if args.nodecode:
             variants["nodecode"] = (lay, DIAG_NO_DECODE, False, None)
         if args.noatomic:
