@@ -1,6 +1,8 @@
 """Static checks of the MoE kernel tile configurations: shared memory per arch, tiling of GLM-5 shapes, and
 (ahead-of-time, no GPU) Triton's own shared-memory/register figures for SM120 and the native FP4 MMA."""
 
+import dataclasses
+
 import pytest
 
 from glm5_fp4.kernels import configs as C
@@ -257,20 +259,23 @@ def _meta_call(shape_name: str, t: int, use_asm: bool):
                    use_asm=use_asm)
 
 
-@pytest.mark.parametrize("t,form", [(1, "pdl"), (1, "pdl_fused"), (4, "pdl"), (64, "pdl"), (4096, "pdl")])
-def test_pdl_form_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, form):
-    """Plan.pdl: every launch of the call carries launch_pdl and USE_PDL (each kernel waits at its top); GEMM2
-    prefetches whole rows of its experts (slot: all of a program's rows; grouped: its first N tile) in 128-byte
-    requests; where inline PTX is off (the interpreter) the same plan launches plainly."""
+@pytest.mark.parametrize("t,form", [(1, "pdl"), (2, "pdl"), (4, None), (64, None), (4096, None)])
+def test_pdl_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, form):
+    """Plan.pdl (the default from PDL_MIN_TOKENS on, the "pdl" form below it): every launch of the call carries
+    launch_pdl and USE_PDL (each kernel waits at its top); GEMM2 prefetches whole rows of its experts (slot: all of
+    a program's rows; grouped: its first N tile) in 128-byte requests; where inline PTX is off (the interpreter)
+    the same plan launches plainly, and the "nopdl" form launches plainly everywhere."""
     from glm5_fp4.kernels import configs as C
     from glm5_fp4.kernels.launch import count, launches
 
     call = _meta_call("tp8", t, use_asm=True)
     p = call.prepared
     h, i = p.hidden_size, p.intermediate_size
-    plan = C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132, form=form)
-    assert plan.pdl and plan == C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132).__class__(
-        **{**C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132).__dict__, **C.OPT_IN[form].change})
+    dims = (p.num_experts, 8, h, i)
+    default = C.plan("sm90", t, *dims, sm_count=132)
+    assert default.pdl == (t >= C.PDL_MIN_TOKENS)
+    plan = C.plan("sm90", t, *dims, sm_count=132, form=form)
+    assert plan.pdl and plan == dataclasses.replace(default, pdl=True)
     todo = launches(plan, call)
     assert len(todo) == count(plan)
     assert all(ln.kwargs.get("launch_pdl") is True and ln.kwargs.get("USE_PDL") is True for ln in todo), \
@@ -281,13 +286,26 @@ def test_pdl_form_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, f
     assert g2[0].kwargs["PF_ROWS"] == rows
     lines_w, lines_s = rows * (i // 2) / 128, rows * (i // 16) / 128  # bytes per row / 128-byte requests
     assert lines_w <= g2[0].kwargs["PF_W"] < 2 * lines_w and max(lines_s, 1) <= g2[0].kwargs["PF_S"] < 2 * max(lines_s, 1)
-    if form == "pdl_fused":
+    if t <= 2:  # the fused split-K reduce: 2 launches
         assert [ln.name for ln in todo] == ["moe_gemm1_kernel", "moe_gemm2_slot_kernel"]
     plain = launches(plan, _meta_call("tp8", t, use_asm=False))
     assert [ln.name for ln in plain] == [ln.name for ln in todo]
     assert not any("launch_pdl" in ln.kwargs or "USE_PDL" in ln.kwargs or "PF_ROWS" in ln.kwargs for ln in plain)
-    default = launches(C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132), call)
-    assert not any("launch_pdl" in ln.kwargs for ln in default)
+    nopdl = C.plan("sm90", t, *dims, sm_count=132, form="nopdl")
+    assert not nopdl.pdl and not any("launch_pdl" in ln.kwargs for ln in launches(nopdl, call))
+    assert not C.plan("sm80", t, *dims, sm_count=108).pdl  # griddepcontrol is SM90+
+
+
+def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
+    """T <= 2 (no slot dedup): split-K up to SLOT_SPLIT_K_PICK with the reduce fused into GEMM1 (2 launches);
+    with dedup (T = 3-4) up to SPLIT_K_MAX and a reduce launch, as before."""
+    from glm5_fp4.kernels import configs as C
+
+    for t, split, fused in ((1, 8, True), (2, 8, True), (3, 4, False), (4, 4, False)):
+        p = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132)
+        assert (p.gemm1_split_k, p.gemm1_fused_reduce) == (split, fused), (t, p)
+        old = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form="slot_split4")
+        assert (old.gemm1_split_k, old.gemm1_fused_reduce) == ((4, False) if t <= 2 else (split, fused))
 
 
 def test_pdl_gemm2_prefetches_nothing_for_whole_experts():
@@ -318,7 +336,7 @@ def test_slot_split_k_beyond_the_grouped_limit_fits_the_workspace(t):
     p = call.prepared
     h, i = p.hidden_size, p.intermediate_size
     base = C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132, form="per_slot")
-    assert base.schedule == "slot" and base.gemm1_split_k <= C.SPLIT_K_MAX  # the picker stays within the old limit
+    assert base.schedule == "slot" and base.gemm1_split_k <= C.SLOT_SPLIT_K_PICK < C.SLOT_SPLIT_K_MAX
     k_tiles = h // base.gemm1.bk
     for s in (8, 12, C.SLOT_SPLIT_K_MAX):
         assert k_tiles % s == 0

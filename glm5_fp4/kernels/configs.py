@@ -94,7 +94,7 @@ class Plan:
     # Programmatic dependent launch (SM90+): every kernel of the call after the first is launched before its
     # predecessor ends; each waits (griddepcontrol.wait) at its top and then lets its own successor launch, so
     # launch latency and the next kernel's ramp overlap the current one's tail, and the GEMM2 kernels prefetch
-    # their first weight tiles into L2 before they wait. Off until measured (benchmarks/moe_variants.py "pdl").
+    # their first weight tiles into L2 before they wait. The default from PDL_MIN_TOKENS on (SM90+).
     pdl: bool = False
 
 
@@ -207,6 +207,19 @@ GROUPED_SPLIT_K_MAX_TOKENS = 64
 # 286.3 -> 309.2. At T=2 the TP8 shard loses both ways (33.5 -> 35.7 same_k: the finalize launch costs more than
 # one token's re-read of 8 small experts); at T=1 no two slots share an expert.
 SLOT_DEDUP_MIN_TOKENS = 3
+# Programmatic dependent launch (Plan.pdl) from this many tokens on, on SM90+ (griddepcontrol). H200,
+# 2026-12-02, benchmarks/results/moe_variants_h200_pdl.json, TP8 us per layer, plain -> pdl: T=4 same_k 37.2 ->
+# 34.8, balanced 59.6 -> 58.0; T=16 same_k 45.9 -> 39.6, balanced 110.8 -> 107.4; T=64 same_k 76.8 -> 65.0,
+# balanced 209.6 -> 208.1; T=512 balanced 307.2 -> 298.1, same_k 169.0 -> 171.5; T=4096 within 0.4 %. At T=1
+# (3 launches, split-K 4) it lost 3 us (25.4 -> 28.3): not below this.
+PDL_MIN_TOKENS = 3
+PDL_ARCHS = ("sm90", "sm100", "sm120")
+# Without slot dedup (T <= 2) the slot schedule's split-K picker goes up to this many K ranges (SPLIT_K_MAX with
+# dedup; SLOT_SPLIT_K_MAX is the launcher's limit) and the last GEMM1 program of each tile reduces them
+# (Plan.gemm1_fused_reduce).
+# H200, 2026-12-02 (benchmarks/results/moe_kernel_h200_sweep_t1_pdl.json, TP8 T=1, us per layer): split 4 + reduce
+# launch 23.6 (the default before), split 8 21.7, split 8 fused 20.6, split 12 fused 23.8, split 24 fused 24.2.
+SLOT_SPLIT_K_PICK = 8
 
 # GEMM2 takes K (= I) in chunks of at most this many: GLM-5's TP shards (I = 256, 512) in one tile, whole
 # experts (I = 2048: TP1, expert parallelism) in 4, since a [BN, 2048] decoded tile fits neither registers nor
@@ -432,8 +445,8 @@ def split_k_fits(split: int, hidden: int, bk: int, slot: bool = False) -> bool:
     return split <= (SLOT_SPLIT_K_MAX if slot else SPLIT_K_MAX) and hidden % (split * bk) == 0
 
 
-def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0) -> int:
-    """Largest power of two <= SPLIT_K_MAX dividing ``k_tiles`` that keeps programs <= ``waves`` per SM.
+def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0, most: int = SPLIT_K_MAX) -> int:
+    """Largest power of two <= ``most`` dividing ``k_tiles`` that keeps programs <= ``waves`` per SM.
 
     Tiny batches have a handful of experts: (N tiles x slots) programs each walking all of K serially leave
     most SMs idle and every program latency-bound; split K until the GPU holds a few programs per SM.
@@ -441,7 +454,7 @@ def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0)
     vs 61; at T=4 (256-512 programs) 2-4 splits are within 3 % of none (TP8) or 2 % better (TP4).
     """
     s = 1
-    while s * 2 <= SPLIT_K_MAX and k_tiles % (s * 2) == 0 and programs * s * 2 <= waves * sm_count:
+    while s * 2 <= most and k_tiles % (s * 2) == 0 and programs * s * 2 <= waves * sm_count:
         s *= 2
     return s
 
@@ -523,14 +536,19 @@ def plan(
         n_split = pick_n_split(n_tiles, active, sm_count)
     split_k = 1
     unroll = False
+    # (the slot forms of T >= SLOT_DEDUP_MIN_TOKENS keep their measured split-K 4 + reduce launch, per_slot included)
+    few = schedule == "slot" and not slot_dedup and tokens < SLOT_DEDUP_MIN_TOKENS
     if schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
-        split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count)
+        split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count,
+                               most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
     elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
         split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
     if schedule == "slot":
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
-             slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS)
+             gemm1_fused_reduce=schedule == "slot" and split_k > 1 and few,
+             slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
+             pdl=arch in PDL_ARCHS and tokens >= PDL_MIN_TOKENS)
     if form is not None and opt_in_serves(form, p, tokens, hidden, mode):
         p = dataclasses.replace(p, **change)
     return p
@@ -555,7 +573,14 @@ class OptIn:
 # default when the H200 says so; the form it replaces stays here while the choice rests on a trade-off.
 OPT_IN: dict[str, OptIn] = {
     "fused_reduce": OptIn(dict(gemm1_fused_reduce=True), "slot", None, ("w4a16", "w4a4"), needs_split_k=True,
-                          compile_tokens=(1,), purpose="split-K partials reduced by GEMM1's last program (2 launches)"),
+                          compile_tokens=(4,), purpose="split-K partials reduced by GEMM1's last program (2 launches; "
+                                                       "the default without slot dedup)"),
+    "split_reduce": OptIn(dict(gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
+                          needs_split_k=True, compile_tokens=(1,),
+                          purpose="split-K partials added by a reduce launch (the default at T <= 2 before 2026-12-02)"),
+    "slot_split4": OptIn(dict(gemm1_split_k=4, gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1,
+                         ("w4a16", "w4a4"), needs_split_k=True, compile_tokens=(1,),
+                         purpose="GEMM1 in 4 K ranges + a reduce launch (the default at T <= 2 before 2026-12-02)"),
     "slot_dedup": OptIn(dict(slot_dedup=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                         compile_tokens=(2,), purpose="one program group per expert below SLOT_DEDUP_MIN_TOKENS"),
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
@@ -568,12 +593,10 @@ OPT_IN: dict[str, OptIn] = {
                                   "PARALLEL_ALIGN_MIN_TOKENS; 1-3 % slower at T = 2,048-8,192)"),
     "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
-    "pdl": OptIn(dict(pdl=True), ("slot", "grouped"), None, ("w4a16", "w4a4"), compile_tokens=(1, 64),
-                 purpose="programmatic dependent launch: each kernel launched under its predecessor's tail, "
-                         "GEMM2 prefetching its first weight tiles into L2 before it waits"),
-    "pdl_fused": OptIn(dict(pdl=True, gemm1_fused_reduce=True), "slot", None, ("w4a16", "w4a4"), needs_split_k=True,
-                       compile_tokens=(1,), purpose="pdl with the split-K reduce in GEMM1 (2 launches): GEMM2 "
-                                                    "launches under GEMM1 and prefetches all its weights"),
+    "pdl": OptIn(dict(pdl=True), "slot", PDL_MIN_TOKENS - 1, ("w4a16", "w4a4"), compile_tokens=(1,),
+                 purpose="programmatic dependent launch below PDL_MIN_TOKENS (3 us slower at T=1 with split 4)"),
+    "nopdl": OptIn(dict(pdl=False), ("slot", "grouped"), None, ("w4a16", "w4a4"), compile_tokens=(4, 64),
+                   purpose="plain stream-ordered launches (the default before 2026-12-02; 0-15 % slower at T = 4-512)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

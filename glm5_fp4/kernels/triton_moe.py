@@ -854,8 +854,8 @@ def moe_gemm2_slot_kernel(
     n_per: tl.constexpr = H // N_SPLIT
     n_begin = pid_s * n_per
     if PF_ROWS > 0:
-        for j in tl.static_range(TOPK):
-            e_j, local_j = _slot_expert(tok * TOPK + j, ids_ptr, emap_ptr, HAS_MAP)
+        for jp in tl.static_range(TOPK):  # (not j: the loops below carry a runtime j)
+            e_j, local_j = _slot_expert(tok * TOPK + jp, ids_ptr, emap_ptr, HAS_MAP)
             if local_j > 0:
                 e_j64 = e_j.to(tl.int64)
                 _prefetch_l2(w_ptr + e_j64 * (H * (I // 8)) + n_begin * (I // 8), PF_ROWS * (I // 8), PF_W, 32)

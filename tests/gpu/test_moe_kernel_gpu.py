@@ -281,22 +281,22 @@ def test_variant_grouped_split_k(shape, t, routing, split):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, plan=plan)) < moe_tolerance("w4a16", x.dtype)
 
 
-@pytest.mark.parametrize("shape,t,routing,mode,form", [
-    *[(sh, t, r, m, "pdl") for sh, t, r, m in (
+@pytest.mark.parametrize("shape,t,routing,mode,fused", [
+    *[(sh, t, r, m, None) for sh, t, r, m in (
         (SMALL, 1, "balanced", "w4a16"), (SMALL, 3, "same_k", "w4a4"), (SMALL, 40, "zipf2", "w4a16"),
         (GLM_TP8, 1, "balanced", "w4a16"), (GLM_TP8, 4, "same_k", "w4a16"), (GLM_TP8, 64, "zipf1.2", "w4a16"),
         (GLM_TP8, 512, "balanced", "w4a4"), (GLM_TP8, 4096, "same_k", "w4a16"), (GLM_TP4, 1, "balanced", "w4a4"),
         (GLM_EP8, 64, "zipf1.2", "w4a16"))],
-    # the fused split-K reduce: where the slot schedule splits K (the GLM-5 shards at T <= 2)
-    (GLM_TP8, 1, "balanced", "w4a16", "pdl_fused"), (GLM_TP8, 2, "same_k", "w4a4", "pdl_fused"),
-    (GLM_TP4, 1, "balanced", "w4a16", "pdl_fused")])
-def test_variant_pdl(shape, t, routing, mode, form):
-    """Plan.pdl (opt-in): every kernel launched under its predecessor's tail, GEMM2 prefetching weight rows before
-    it waits. Against the float64 reference and the plain plan (the same arithmetic: equal bit for bit where no
-    atomics add, within tolerance where they do), and in one CUDA graph of three chained calls (each call's x is
-    the previous call's output, so a kernel that read before its wait would see a stale or NaN row), replayed with
-    new routings and equal to the plain plan run eagerly."""
-    from glm5_fp4.kernels import configs as C
+    # the slot schedule's split-K with and without its reduce launch (T <= 2: fused is the default)
+    (GLM_TP8, 1, "balanced", "w4a16", False), (GLM_TP8, 2, "same_k", "w4a4", False),
+    (GLM_TP4, 1, "balanced", "w4a16", False)])
+def test_pdl_matches_reference_and_plain_launches(shape, t, routing, mode, fused):
+    """Plan.pdl (the default from configs.PDL_MIN_TOKENS on): every kernel launched under its predecessor's
+    tail, GEMM2 prefetching weight rows before it waits. Against the float64 reference and the same plan launched
+    plainly (the same arithmetic: equal bit for bit where no atomics add, within tolerance where they do), and in
+    one CUDA graph of three chained calls (each call's x is the previous call's output, so a kernel that read
+    before its wait would see a stale or NaN row), replayed with new routings and equal to the plain plan run
+    eagerly. ``fused``: the slot split-K reduce in GEMM1 (True) or its own launch (False); None: the plan's."""
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
 
     e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
@@ -306,9 +306,11 @@ def test_variant_pdl(shape, t, routing, mode, form):
     if "global_e" in shape:  # this rank holds every 8th expert (the others' slots are remote)
         emap = torch.full((shape["global_e"],), -1, dtype=torch.int32, device="cuda")
         emap[:: shape["global_e"] // e] = torch.arange(e, dtype=torch.int32, device="cuda")
-    plain = default_plan(x, ids, prep, mode, expert_map=emap)
-    plan = default_plan(x, ids, prep, mode, expert_map=emap, form=form)
-    assert plan == dataclasses.replace(plain, **C.OPT_IN[form].change)  # the form serves this call
+    base = default_plan(x, ids, prep, mode, expert_map=emap)
+    if fused is not None:
+        assert base.schedule == "slot" and base.gemm1_split_k > 1
+        base = dataclasses.replace(base, gemm1_fused_reduce=fused)
+    plan, plain = dataclasses.replace(base, pdl=True), dataclasses.replace(base, pdl=False)
     ref = reference(x, w, ids, ex, mode, emap)
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan, expert_map=emap)
