@@ -79,11 +79,11 @@ class Plan:
     gemm2_unroll: bool = False
     # Slot schedule with split-K: the last GEMM1 program of each (N tile, slot) adds the partial sums and
     # applies SwiGLU (an arrival counter), instead of a reduce launch: 2 dependent launches instead of 3.
-    # Off until measured on the H200 (benchmarks/moe_variants.py, variant "fused_reduce").
+    # The default at T <= SLOT_WIDE_SPLIT_MAX_TOKENS (with 8 K ranges); elsewhere the opt-in "fused_reduce".
     gemm1_fused_reduce: bool = False
     # Grouped schedule: the routing is counted by many programs (the last one scans and writes the work list)
     # and placed by a second, many-program kernel, instead of one program's serial passes (15 us at T=512,
-    # 97 us at T=4096 on the H200). One launch more. Off until measured (benchmarks/moe_variants.py).
+    # 97 us at T=4096 on the H200). One launch more. The default from PARALLEL_ALIGN_MIN_TOKENS on.
     parallel_align: bool = False
     # Slot schedule: the programs of a group of slots routed to the same expert are one (its first slot's), which
     # computes all of them, GEMM1 and GEMM2 alike; GEMM2 then writes per-slot fp32 rows and the finalize kernel
@@ -214,11 +214,14 @@ SLOT_DEDUP_MIN_TOKENS = 3
 # (3 launches, split-K 4) it lost 3 us (25.4 -> 28.3): not below this.
 PDL_MIN_TOKENS = 3
 PDL_ARCHS = ("sm90", "sm100", "sm120")
-# Without slot dedup (T <= 2) the slot schedule's split-K picker goes up to this many K ranges (SPLIT_K_MAX with
-# dedup; SLOT_SPLIT_K_MAX is the launcher's limit) and the last GEMM1 program of each tile reduces them
-# (Plan.gemm1_fused_reduce).
-# H200, 2026-12-02 (benchmarks/results/moe_kernel_h200_sweep_t1_pdl.json, TP8 T=1, us per layer): split 4 + reduce
-# launch 23.6 (the default before), split 8 21.7, split 8 fused 20.6, split 12 fused 23.8, split 24 fused 24.2.
+# Up to SLOT_WIDE_SPLIT_MAX_TOKENS tokens the slot schedule's split-K picker goes up to SLOT_SPLIT_K_PICK K ranges
+# (elsewhere SPLIT_K_MAX; SLOT_SPLIT_K_MAX is the launcher's limit) and the last GEMM1 program of each tile reduces
+# them (Plan.gemm1_fused_reduce: 2 launches). H200, 2026-12-02, TP8 T=1, us per layer: the sweep
+# (benchmarks/results/moe_kernel_h200_sweep_t1_pdl.json) split 4 + reduce launch 23.6 (the default before), split 8
+# 21.7, split 8 fused 20.6, split 12 fused 23.8, split 24 fused 24.2; the same-run A/B
+# (moe_variants_h200_pdl_defaults.json) 21.5 / 21.6 against 24.8 / 24.8 (balanced / same_k). At T=2 the former
+# form stayed faster (35.9 / 33.4 against 37.6 / 34.7): not there.
+SLOT_WIDE_SPLIT_MAX_TOKENS = 1
 SLOT_SPLIT_K_PICK = 8
 
 # GEMM2 takes K (= I) in chunks of at most this many: GLM-5's TP shards (I = 256, 512) in one tile, whole
@@ -536,8 +539,7 @@ def plan(
         n_split = pick_n_split(n_tiles, active, sm_count)
     split_k = 1
     unroll = False
-    # (the slot forms of T >= SLOT_DEDUP_MIN_TOKENS keep their measured split-K 4 + reduce launch, per_slot included)
-    few = schedule == "slot" and not slot_dedup and tokens < SLOT_DEDUP_MIN_TOKENS
+    few = schedule == "slot" and not slot_dedup and tokens <= SLOT_WIDE_SPLIT_MAX_TOKENS
     if schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
         split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count,
                                most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
@@ -574,13 +576,14 @@ class OptIn:
 OPT_IN: dict[str, OptIn] = {
     "fused_reduce": OptIn(dict(gemm1_fused_reduce=True), "slot", None, ("w4a16", "w4a4"), needs_split_k=True,
                           compile_tokens=(4,), purpose="split-K partials reduced by GEMM1's last program (2 launches; "
-                                                       "the default without slot dedup)"),
-    "split_reduce": OptIn(dict(gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
+                                                       "the default at T=1)"),
+    "split_reduce": OptIn(dict(gemm1_fused_reduce=False), "slot", SLOT_WIDE_SPLIT_MAX_TOKENS, ("w4a16", "w4a4"),
                           needs_split_k=True, compile_tokens=(1,),
-                          purpose="split-K partials added by a reduce launch (the default at T <= 2 before 2026-12-02)"),
-    "slot_split4": OptIn(dict(gemm1_split_k=4, gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1,
+                          purpose="split-K partials added by a reduce launch (T=1: 23.7 against the fused 21.5 us)"),
+    "slot_split4": OptIn(dict(gemm1_split_k=4, gemm1_fused_reduce=False), "slot", SLOT_WIDE_SPLIT_MAX_TOKENS,
                          ("w4a16", "w4a4"), needs_split_k=True, compile_tokens=(1,),
-                         purpose="GEMM1 in 4 K ranges + a reduce launch (the default at T <= 2 before 2026-12-02)"),
+                         purpose="GEMM1 in 4 K ranges + a reduce launch (the T=1 default before 2026-12-02: 24.8 us "
+                                 "against 21.5)"),
     "slot_dedup": OptIn(dict(slot_dedup=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                         compile_tokens=(2,), purpose="one program group per expert below SLOT_DEDUP_MIN_TOKENS"),
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),

@@ -124,7 +124,7 @@ def test_slot_split_k_fused_reduce(gen, mode):
     ex, prep = _experts(gen, 256)
     x = torch.randn(2, 256, generator=gen).half()
     w, ids = make_routing("balanced", 2, E, K, gen)
-    plan = _plan(2, "slot", 256, gemm1_split_k=2)
+    plan = _plan(2, "slot", 256, gemm1_split_k=2, gemm1_fused_reduce=False)
     fused = dataclasses.replace(plan, gemm1_fused_reduce=True)
     assert L.count(fused) == 2 and L.count(plan) == 3
     want = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
