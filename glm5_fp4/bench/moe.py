@@ -157,7 +157,8 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
              floor_us=need / (ctx.copy_gbs * 1e9) * 1e6, compute_floor_us=flops / (ctx.bf16_tflops * 1e12) * 1e6,
              schedule=plan.schedule, launches=launches_per_call(plan), gemm1=plan.gemm1.__dict__,
              gemm2=plan.gemm2.__dict__, gemm2_n_split=plan.gemm2_n_split, gemm1_split_k=plan.gemm1_split_k,
-             prep_x=plan.prep_x, parallel_align=plan.parallel_align, slot_dedup=plan.slot_dedup)
+             prep_x=plan.prep_x, parallel_align=plan.parallel_align, slot_dedup=plan.slot_dedup,
+             gemm1_fused_reduce=plan.gemm1_fused_reduce, pdl=plan.pdl)
     if ctx.check:
         out = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=plan, expert_map=emap)
         if not torch.isfinite(out).all():
@@ -300,7 +301,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def plan_label(r: dict) -> str:
     """GEMM1 bn x bm x bk / GEMM2 bn x bm, 'm' = merged MMA chain, 'u' = eight MMAs; prep / split-K / palign
-    (routing counted by many programs) / dedup (slot schedule, one program group per expert)."""
+    (routing counted by many programs) / dedup (slot schedule, one program group per expert) / fused (the split-K
+    reduce in GEMM1) / pdl (programmatic dependent launch)."""
     g1, g2 = r.get("gemm1") or {}, r.get("gemm2") or {}
     if not g1:
         return ""
@@ -317,6 +319,10 @@ def plan_label(r: dict) -> str:
         extra.append("palign")
     if r.get("slot_dedup"):
         extra.append("dedup")
+    if r.get("gemm1_fused_reduce"):
+        extra.append("fused")
+    if r.get("pdl"):
+        extra.append("pdl")
     return (f"{g1['bn']}x{g1['bm']}x{g1['bk']}{m(g1)}w{g1['num_warps']}s{g1['num_stages']} / "
             f"{g2['bn']}x{g2['bm']}{m(g2)}w{g2['num_warps']} n{r.get('gemm2_n_split')}"
             + (" " + " ".join(extra) if extra else ""))
