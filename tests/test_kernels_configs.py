@@ -306,6 +306,8 @@ def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
         assert (p.gemm1_split_k, p.gemm1_fused_reduce) == (split, fused), (t, p)
         old = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form="slot_split4")
         assert (old.gemm1_split_k, old.gemm1_fused_reduce) == (4, False)
+        sm120 = C.plan("sm120", t, 256, 8, 6144, 256, sm_count=188)  # unmeasured there: the former rule
+        assert sm120.gemm1_split_k <= C.SPLIT_K_MAX and not sm120.gemm1_fused_reduce
 
 
 def test_pdl_gemm2_prefetches_nothing_for_whole_experts():

@@ -223,6 +223,9 @@ PDL_ARCHS = ("sm90", "sm100", "sm120")
 # form stayed faster (35.9 / 33.4 against 37.6 / 34.7): not there.
 SLOT_WIDE_SPLIT_MAX_TOKENS = 1
 SLOT_SPLIT_K_PICK = 8
+# where that was measured (sm_120 keeps split 4 + a reduce launch: unmeasured there, and its 16-row slot tile in
+# W4A4 spills 8 B with 8 ranges and a reduce launch, benchmarks/results/compile_matrix.md)
+SLOT_WIDE_SPLIT_ARCHS = ("sm90", "sm100")
 
 # GEMM2 takes K (= I) in chunks of at most this many: GLM-5's TP shards (I = 256, 512) in one tile, whole
 # experts (I = 2048: TP1, expert parallelism) in 4, since a [BN, 2048] decoded tile fits neither registers nor
@@ -539,7 +542,8 @@ def plan(
         n_split = pick_n_split(n_tiles, active, sm_count)
     split_k = 1
     unroll = False
-    few = schedule == "slot" and not slot_dedup and tokens <= SLOT_WIDE_SPLIT_MAX_TOKENS
+    few = (schedule == "slot" and not slot_dedup and tokens <= SLOT_WIDE_SPLIT_MAX_TOKENS
+           and arch in SLOT_WIDE_SPLIT_ARCHS)
     if schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
         split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count,
                                most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
