@@ -50,6 +50,12 @@ def main(argv=None) -> int:
     ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
                     "atomic adds (wrong results, not checked): the combine's cost")
     args = ap.parse_args(argv)
+    from glm5_fp4.kernels import configs as C  # (no torch: a bad --forms is refused before any GPU work)
+
+    forms = set(args.forms.split(",")) if args.forms else None
+    unknown = forms - set(C.OPT_IN) - {"split", "placed"} if forms else set()
+    if unknown:
+        ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)} or a weight layout (split, placed)")
     import torch
 
     if not torch.cuda.is_available():
@@ -60,10 +66,6 @@ def main(argv=None) -> int:
     from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import copy_bandwidth_gbs
     from glm5_fp4.kernels import prepare_experts
-    from glm5_fp4.kernels import configs as C
-    unknown = set(args.forms.split(",")) - set(C.OPT_IN) - {"split", "placed"} if args.forms else set()
-    if unknown:
-        ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)}")
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
     from glm5_fp4.kernels.launch import DIAG_NO_DECODE, DIAG_PLAIN_STORES
     from glm5_fp4.kernels.layout import default_layout
@@ -88,8 +90,8 @@ def main(argv=None) -> int:
         alt = B.Layers(sh, [prepare_experts(e, layout=other) for e in lay.experts], lay.experts)
         # name -> (layers, DIAG, checked against the default, opt-in form or None)
         variants = {other: (alt, 0, True, None), **{form: (lay, 0, True, form) for form in C.OPT_IN}}
-        if args.forms:
-            variants = {n: v for n, v in variants.items() if n in set(args.forms.split(","))}
+        if forms:
+            variants = {n: v for n, v in variants.items() if n in forms}
         if args.nodecode:
             variants["nodecode"] = (lay, DIAG_NO_DECODE, False, None)
         if args.noatomic:

@@ -192,8 +192,8 @@ NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32
 
 # Split-K of GEMM1: at most SPLIT_K_MAX K ranges (grouped schedule) or SLOT_SPLIT_K_MAX (slot schedule, at most
 # SPLIT_K_MAX_TOKENS tokens), each of whole K tiles. The partial sums live in a static workspace
-# (kernels/moe.py Workspace.part) sized for the larger of the two. The slot picker stays within SPLIT_K_MAX; more
-# ranges (1-2 K tiles per program at T=1) are sweep candidates (benchmarks/moe_kernel.py --sweep).
+# (kernels/moe.py Workspace.part) sized for the larger of the two. The slot picker goes up to SLOT_SPLIT_K_PICK
+# at T=1 (below) and SPLIT_K_MAX otherwise; more ranges are sweep candidates (benchmarks/moe_kernel.py --sweep).
 SPLIT_K_MAX = 4
 SLOT_SPLIT_K_MAX = 24
 SPLIT_K_MAX_TOKENS = 8
@@ -552,7 +552,7 @@ def plan(
     if schedule == "slot":
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
-             gemm1_fused_reduce=schedule == "slot" and split_k > 1 and few,
+             gemm1_fused_reduce=few and split_k > 1,
              slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and tokens >= PDL_MIN_TOKENS)
     if form is not None and opt_in_serves(form, p, tokens, hidden, mode):
