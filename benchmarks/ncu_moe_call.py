@@ -22,6 +22,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--plans", help="a moe_kernel.py --sweep JSON: its best plan at this (shard, T)")
+    ap.add_argument("--diag", type=int, default=0, help="launch.DIAG_* bits (wrong results: e.g. 1 = the decode "
+                    "left out, to see which pipes it keeps busy)")
     args = ap.parse_args(argv)
     import torch
 
@@ -44,10 +46,10 @@ def main(argv=None) -> int:
 
         plan = plans_from_sweep(args.plans)(sh, args.tokens) or plan
     print(f"plan: {plan}", file=sys.stderr)
-    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
+    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan, diag=args.diag)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
+    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan, diag=args.diag)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return 0

@@ -15,6 +15,7 @@ export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache
 OUT=${OUT:-/tmp/moe_out}
 L=$OUT/logs; mkdir -p "$L"
 SECTIONS=${*:-tests bench memcheck}
+NCU_DIAG=${NCU_DIAG:-0}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$L/gpu.txt"
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
@@ -34,6 +35,17 @@ for s in $SECTIONS; do
     variants) step variants "${T_VARIANTS:-240}" python3 benchmarks/moe_variants.py --shards "${VARIANTS_SHARDS:-tp8}" \
              --tokens "${VARIANTS_TOKENS:-1,4,64,512,4096}" --routings "${VARIANTS_ROUTINGS:-balanced,same_k}" \
              ${VARIANTS_ARGS:-} --json "$OUT/variants.json" ;;
+    ncu) # one call per NCU_TOKENS entry (and NCU_DIAG launch.DIAG_* value): speed of light, pipe utilisation,
+         # stall reasons and issue slots of every kernel of the call, as CSV under logs/
+         NCU_TOKENS=${NCU_TOKENS:-1,64,512,1024}
+         for t in ${NCU_TOKENS//,/ }; do for d in ${NCU_DIAG//,/ }; do
+           GREP="==PROF==|rror" step "ncu_${NCU_SHARD:-tp8}_t${t}_d${d}" "${T_NCU:-120}" ncu --clock-control none \
+             --profile-from-start off --csv --page details --section SpeedOfLight --section ComputeWorkloadAnalysis \
+             --section InstructionStats --section WarpStateStats --section SchedulerStats --section Occupancy \
+             --section LaunchStats --section MemoryWorkloadAnalysis \
+             --metrics "regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
+             python3 benchmarks/ncu_moe_call.py --shard "${NCU_SHARD:-tp8}" --tokens "$t" \
+             --routing "${NCU_ROUTING:-balanced}" --diag "$d"; done; done ;;
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-60}" compute-sanitizer --tool memcheck \
              --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
     memcheck_placed) GLM5_FP4_PLACED_NIBBLES=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck_placed "${T_MEMCHECK:-60}" \

@@ -58,7 +58,7 @@ class Launch:
 
 
 # MoECall.diag bits (benchmarks only; the results are wrong): time a stage's share by leaving its work out.
-DIAG_NO_DECODE = 1  # GEMM1 feeds the packed words to the MMA undecoded
+DIAG_NO_DECODE = 1  # GEMM1 and the grouped GEMM2 feed the packed words (times the block scales) to the MMA
 DIAG_PLAIN_STORES = 2  # the grouped GEMM2 stores its tiles instead of adding them atomically into the workspace
 
 
@@ -246,7 +246,7 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout == "placed",
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
-             HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & DIAG_PLAIN_STORES,
+             HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
              num_warps=g2.num_warps, num_stages=g2.num_stages, **_pdl(plan, call),
              **_prefetch(plan, call, min(g2.bn, h // plan.gemm2_n_split))),
         stage="gemm2",

@@ -108,6 +108,18 @@ or.b32 hi, a, b;
 """
 _PLACED_ASM = tl.constexpr(_two_words_asm(_PLACED_WORD))
 
+# Benchmarks only (DIAG=1, wrong results): each word itself, read as an fp16 pair, times the block-scale pair, as
+# all four outputs of the word: the weight and scale bytes, the scale conversion, the scale multiply and the MMA
+# operands stay as in the real decode; the bit operations and E4M3 conversions go. The time difference to the real
+# decode is what any cheaper decode could gain at most.
+_FREE_WORD = """mul.rn.f16x2 {o0}, {w}, $10;
+mul.rn.f16x2 {o1}, {w}, $10;
+mul.rn.f16x2 {o2}, {w}, $10;
+mul.rn.f16x2 {o3}, {w}, $10;
+"""
+_FREE_ASM = tl.constexpr("{\n" + _FREE_WORD.format(w="$8", o0="$0", o1="$1", o2="$2", o3="$3")
+                         + _FREE_WORD.format(w="$9", o0="$4", o1="$5", o2="$6", o3="$7") + "}\n")
+
 
 @triton.jit
 def _decode_code(v):
@@ -236,9 +248,17 @@ def _load_sets(p, mask, NW: tl.constexpr):
 def _decode_sets(wt, sb, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DIAG: tl.constexpr,
                  PLACED: tl.constexpr = False):
     """The eight decoded set operands of a weight tile; DIAG=1 (benchmarks only, wrong results) skips the
-    decode: the words go straight to fp16, so the time difference is the cost of decoding."""
+    decode: each word, read as an fp16 pair, times its block scales (_FREE_ASM), so the time difference is the
+    cost of the decode's bit operations and E4M3 conversions (the interpreter's stand-in converts instead)."""
     if DIAG == 0:
         d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(wt, sb, BN, BK, USE_ASM, PLACED)
+    elif USE_ASM:
+        sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        s2 = tl.reshape(tl.join(sf, sf), (BN, BK // 8))
+        d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+            _FREE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [wt, s2],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
     else:
         d0 = wt.to(tl.float16) + sb.to(tl.float16).sum(1)[:, None]
         d1 = d0 + 1.0
@@ -530,8 +550,8 @@ def moe_gemm1_kernel(
 
     ``PLACED``: the weights are in layout.place_nibbles order (5 instead of 7 bit operations per word).
 
-    ``DIAG=1`` (benchmarks only, wrong results) skips the decode: the words go straight to fp16 MMA
-    operands, so the time difference to ``DIAG=0`` is the cost of decoding.
+    ``DIAG=1`` (benchmarks only, wrong results) skips the decode (:func:`_decode_sets`), so the time difference
+    to ``DIAG=0`` is the cost of decoding.
 
     Grid: slot mode (N tile, slot, K range); grouped (work-list block, N tile), blocks fastest so that the
     blocks of one expert, which share weight tiles, run side by side. Rows are sorted slot positions
@@ -746,22 +766,22 @@ def moe_gemm2_grouped_kernel(
             else:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + offs_w[:, None], mmask[None, :], NW)
             for n0 in range(n_begin, n_begin + n_per, BN):
-                d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
-                    tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, PLACED
-                )
+                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
+                    tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, DIAG & 1,
+                    PLACED)
                 acc = tl.zeros((BN, BM), dtype=tl.float32)
                 if MERGED:
                     acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
                 else:
                     acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG)
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
         else:
             for n0 in range(n_begin, n_begin + n_per, BN):
                 acc = tl.zeros((BN, BM), dtype=tl.float32)
                 for k0 in range(0, I, KC):
-                    d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(
+                    d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
                         tl.load(w_base + n0 * (I // 8) + k0 // 8), tl.load(s_base + n0 * (I // 16) + k0 // 16),
-                        BN, KC, USE_ASM, PLACED,
+                        BN, KC, USE_ASM, DIAG & 1, PLACED,
                     )
                     if MERGED:
                         a = tl.load(a_rows + k0 + offs_k[:, None], mask=mmask[None, :], other=0.0)
@@ -769,7 +789,7 @@ def moe_gemm2_grouped_kernel(
                     else:
                         a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :], NW)
                         acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG)
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
 
 
 @triton.jit
