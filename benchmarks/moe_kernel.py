@@ -49,7 +49,8 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         if g1.bm in bms and intermediate % g1.bn == 0 and hidden % g1.bk == 0 and g1 != base.gemm1:
             if base.schedule == "slot" and (hidden // g1.bk) % base.gemm1_split_k:
                 continue
-            out[f"g1 {g1.bn}x{g1.bm}x{g1.bk}w{g1.num_warps}s{g1.num_stages}{'' if g1.merged else 'u'}"] = rep(base, gemm1=g1)
+            out[f"g1 {g1.bn}x{g1.bm}x{g1.bk}w{g1.num_warps}s{g1.num_stages}{'' if g1.merged else 'u'}"
+                f"{f'r{g1.maxnreg}' if g1.maxnreg else ''}"] = rep(base, gemm1=g1)
     for g2 in C.GEMM2_CANDIDATES[arch]:
         if base.schedule == "slot" and g2.bm != 16:
             continue
@@ -60,7 +61,8 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         while (hidden // g2.bn) % n_split:
             n_split -= 1
         unroll = base.schedule == "slot" and C.gemm2_slot_unrolled_smem_bytes(g2, intermediate, 8) <= C.smem_limit(arch)
-        out[f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'} n{n_split}"] = rep(
+        out[f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
+            f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}"] = rep(
             base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
     if base.schedule == "slot" and base.gemm2_unroll:
         out["g2 not unrolled"] = rep(base, gemm2_unroll=False)

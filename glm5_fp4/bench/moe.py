@@ -300,7 +300,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def plan_label(r: dict) -> str:
-    """GEMM1 bn x bm x bk / GEMM2 bn x bm, 'm' = merged MMA chain, 'u' = eight MMAs; prep / split-K / palign
+    """GEMM1 bn x bm x bk / GEMM2 bn x bm, 'm' = merged MMA chain, 'u' = eight MMAs, rN = register cap; prep /
+    split-K / palign
     (routing counted by many programs) / dedup (slot schedule, one program group per expert) / fused (the split-K
     reduce in GEMM1) / pdl (programmatic dependent launch)."""
     g1, g2 = r.get("gemm1") or {}, r.get("gemm2") or {}
@@ -323,6 +324,9 @@ def plan_label(r: dict) -> str:
         extra.append("fused")
     if r.get("pdl"):
         extra.append("pdl")
-    return (f"{g1['bn']}x{g1['bm']}x{g1['bk']}{m(g1)}w{g1['num_warps']}s{g1['num_stages']} / "
-            f"{g2['bn']}x{g2['bm']}{m(g2)}w{g2['num_warps']} n{r.get('gemm2_n_split')}"
+    def regs(g):  # a register cap (Gemm1Config.maxnreg)
+        return f"r{g['maxnreg']}" if g.get("maxnreg") else ""
+
+    return (f"{g1['bn']}x{g1['bm']}x{g1['bk']}{m(g1)}w{g1['num_warps']}s{g1['num_stages']}{regs(g1)} / "
+            f"{g2['bn']}x{g2['bm']}{m(g2)}w{g2['num_warps']}{regs(g2)} n{r.get('gemm2_n_split')}"
             + (" " + " ".join(extra) if extra else ""))

@@ -45,6 +45,9 @@ class Gemm1Config:
     # One MMA chain per weight tile (the eight decoded K subsets concatenated in registers) instead of
     # eight MMAs each waited for; costs registers (the whole decoded tile is live at once).
     merged: bool = True
+    # Register cap per thread (ptxas .maxnreg; None: the compiler's choice), so that more CTAs fit an SM: the
+    # decode loops are latency-bound at two CTAs of four warps per SM (ncu, H200, 2026-12-03).
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Gemm2Config:
     # Programs per expert along H (grouped) or per token along H (slot). None: pick to fill the GPU.
     n_split: int | None = None
     merged: bool = True  # as Gemm1Config.merged
+    maxnreg: int | None = None  # as Gemm1Config.maxnreg
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,22 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (32, 128, 64, 4, 4),
             (128, 128, 64, 8, 4),
         ]
+    ] + [
+        # Decode tiles capped in registers (and shared memory: <= 75 KB) so that 3-4 CTAs fit an SM where the
+        # uncapped ones fit 2 (199 registers, 86 KB at 64x32x256 s3 on the H200)
+        Gemm1Config(bn, bm, bk, w, s, maxnreg=r)
+        for bn, bm, bk, w, s, r in [
+            (64, 16, 256, 4, 2, 168),
+            (64, 16, 256, 4, 3, 128),
+            (64, 32, 256, 4, 2, 128),
+            (64, 16, 128, 4, 3, 128),
+            (64, 16, 128, 4, 4, 128),
+            (64, 32, 256, 4, 2, 168),
+            (64, 32, 128, 4, 3, 128),
+            (64, 32, 128, 4, 4, 128),
+            (64, 32, 128, 4, 4, 168),
+            (64, 64, 128, 4, 3, 168),
+        ]
     ],
     "sm120": [
         Gemm1Config(bn, bm, bk, w, s)
@@ -168,6 +188,15 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 128, 8, 3, False),
             (64, 128, 4, 3, False),
             (256, 64, 8, 2, False),
+        ]
+    ] + [
+        Gemm2Config(bn, bm, w, s, merged=False, maxnreg=r)  # capped as GEMM1's above: 3 CTAs per SM
+        for bn, bm, w, s, r in [
+            (64, 16, 4, 3, 128),
+            (64, 16, 4, 4, 128),
+            (128, 32, 8, 3, 80),
+            (128, 32, 8, 2, 80),
+            (64, 32, 4, 3, 128),
         ]
     ],
     # sm_120: eight MMAs per tile (merged=False); the merged operand spills at I = 512 on sm_120's mma.sync

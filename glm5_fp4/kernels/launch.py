@@ -106,6 +106,11 @@ def _pdl(plan: cfgs.Plan, call: MoECall) -> dict:
     return dict(USE_PDL=True, launch_pdl=True) if plan.pdl and call.use_asm else {}
 
 
+def _regs(cfg, call: MoECall) -> dict:
+    """Launch option of a config's register cap (a ptxas option: nothing to cap in the interpreter)."""
+    return dict(maxnreg=cfg.maxnreg) if cfg.maxnreg and call.use_asm else {}
+
+
 def _prefetch(plan: cfgs.Plan, call: MoECall, rows: int) -> dict:
     """GEMM2's L2 prefetch before it waits (Plan.pdl): ``rows`` weight rows of each expert it reads, as
     128-byte requests; none for whole experts (K in chunks: a row's first chunk is not one contiguous run)."""
@@ -247,7 +252,7 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout == "placed",
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
-             num_warps=g2.num_warps, num_stages=g2.num_stages, **_pdl(plan, call),
+             num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **_pdl(plan, call),
              **_prefetch(plan, call, min(g2.bn, h // plan.gemm2_n_split))),
         stage="gemm2",
     )
@@ -279,7 +284,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
-                 num_warps=g1.num_warps, num_stages=g1.num_stages, **pdl),
+                 num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl),
             stage="gemm1",
         )
     ]
@@ -295,7 +300,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
          call.out, call.out.stride(0)),
         dict(TOPK=k, H=h, I=i, BN=g2.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
              MERGED=g2.merged, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), UNROLL=plan.gemm2_unroll,
-             PLACED=placed, num_warps=g2.num_warps, num_stages=g2.num_stages, **pdl,
+             PLACED=placed, num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **pdl,
              **_prefetch(plan, call, h // plan.gemm2_n_split)),
         stage="gemm2",
     ))
@@ -330,7 +335,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
-                 num_warps=g1.num_warps, num_stages=g1.num_stages, **pdl),
+                 num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl),
             stage="gemm1",
         ),
         *reduce,
@@ -355,7 +360,8 @@ def _native_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             N.moe_gemm1_native_kernel, (nblk, i // g1.bn),
             (call.x, call.x.stride(0), p.w13, p.w13_scale, p.w13_alpha, p.a13_scale, p.a13_gscale, p.a2_gscale,
              act_q, act_s, ws.slots, *blocks, k),
-            dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, num_warps=g1.num_warps, num_stages=g1.num_stages),
+            dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, num_warps=g1.num_warps, num_stages=g1.num_stages,
+                 **_regs(g1, call)),
             stage="gemm1",
         ),
         Launch(
