@@ -32,7 +32,7 @@ def _plan_of(d: dict):
                   gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True),
                   gemm2_unroll=d.get("gemm2_unroll", False), gemm1_fused_reduce=d.get("gemm1_fused_reduce", False),
                   parallel_align=d.get("parallel_align", False), slot_dedup=d.get("slot_dedup", False),
-                  pdl=d.get("pdl", False))
+                  pdl=d.get("pdl", False), l2_prefetch=d.get("l2_prefetch", 0))
 
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
@@ -64,6 +64,9 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         out[f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
             f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}"] = rep(
             base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
+    for dist in L2_PREFETCH_DISTANCES:
+        if dist != base.l2_prefetch:
+            out[f"pf{dist}"] = rep(base, l2_prefetch=dist)
     if base.schedule == "slot" and base.gemm2_unroll:
         out["g2 not unrolled"] = rep(base, gemm2_unroll=False)
     if base.schedule == "slot":
@@ -76,10 +79,17 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     return out
 
 
+# Plan.l2_prefetch distances the sweep tries (K tiles of GEMM1, N tiles of the grouped GEMM2 ahead)
+L2_PREFETCH_DISTANCES = (2, 4, 8)
+
+
 def launch_forms(plan) -> dict:
-    """The best plan with programmatic dependent launch, and (split-K slot schedule) with the fused reduce too."""
+    """The best plan with programmatic dependent launch, and (split-K slot schedule) with the fused reduce too;
+    with each L2 prefetch distance."""
     rep = dataclasses.replace
     out = {"+pdl": rep(plan, pdl=True)}
+    for dist in L2_PREFETCH_DISTANCES:
+        out[f"+pdl pf{dist}"] = rep(plan, pdl=True, l2_prefetch=dist)
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         out["+pdl fused"] = rep(plan, pdl=True, gemm1_fused_reduce=True)
     return out

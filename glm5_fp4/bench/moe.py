@@ -303,7 +303,7 @@ def plan_label(r: dict) -> str:
     """GEMM1 bn x bm x bk / GEMM2 bn x bm, 'm' = merged MMA chain, 'u' = eight MMAs, rN = register cap; prep /
     split-K / palign
     (routing counted by many programs) / dedup (slot schedule, one program group per expert) / fused (the split-K
-    reduce in GEMM1) / pdl (programmatic dependent launch)."""
+    reduce in GEMM1) / pdl (programmatic dependent launch) / pfN (L2 prefetch N tiles ahead)."""
     g1, g2 = r.get("gemm1") or {}, r.get("gemm2") or {}
     if not g1:
         return ""
@@ -324,6 +324,8 @@ def plan_label(r: dict) -> str:
         extra.append("fused")
     if r.get("pdl"):
         extra.append("pdl")
+    if r.get("l2_prefetch"):
+        extra.append(f"pf{r['l2_prefetch']}")
     def regs(g):  # a register cap (Gemm1Config.maxnreg)
         return f"r{g['maxnreg']}" if g.get("maxnreg") else ""
 

@@ -100,6 +100,10 @@ class Plan:
     # launch latency and the next kernel's ramp overlap the current one's tail, and the GEMM2 kernels prefetch
     # their first weight tiles into L2 before they wait. The default from PDL_MIN_TOKENS on (SM90+).
     pdl: bool = False
+    # Software L2 prefetch (inline PTX; off in the interpreter): GEMM1 asks L2 for its weight rows this many K tiles
+    # ahead, the grouped GEMM2 (whole K tiles) this many N tiles ahead, beyond what the pipeline's shared-memory
+    # stages hold in flight. 0: none.
+    l2_prefetch: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------

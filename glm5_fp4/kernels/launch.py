@@ -106,6 +106,19 @@ def _pdl(plan: cfgs.Plan, call: MoECall) -> dict:
     return dict(USE_PDL=True, launch_pdl=True) if plan.pdl and call.use_asm else {}
 
 
+def _l2_prefetch(plan: cfgs.Plan, call: MoECall) -> dict:
+    """GEMM1's constexpr of Plan.l2_prefetch (PTX: not where inline PTX is off)."""
+    return dict(PF_DIST=plan.l2_prefetch) if plan.l2_prefetch and call.use_asm else {}
+
+
+def _l2_prefetch2(plan: cfgs.Plan, call: MoECall, bn: int) -> dict:
+    """The grouped GEMM2's: distance and 128-byte requests per N tile of ``bn`` rows (whole K tiles only)."""
+    i = call.prepared.intermediate_size
+    if not (plan.l2_prefetch and call.use_asm) or cfgs.gemm2_k_chunk(i) != i:
+        return {}
+    return dict(PF_DIST=plan.l2_prefetch, PF_DW=_pow2(-(-bn * (i // 8) // 32)), PF_DS=_pow2(-(-bn * (i // 16) // 128)))
+
+
 def _regs(cfg, call: MoECall) -> dict:
     """Launch option of a config's register cap (a ptxas option: nothing to cap in the interpreter)."""
     return dict(maxnreg=cfg.maxnreg) if cfg.maxnreg and call.use_asm else {}
@@ -253,6 +266,7 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
              num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **_pdl(plan, call),
+             **_l2_prefetch2(plan, call, g2.bn),
              **_prefetch(plan, call, min(g2.bn, h // plan.gemm2_n_split))),
         stage="gemm2",
     )
@@ -284,7 +298,8 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
-                 num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl),
+                 num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
+                 **_l2_prefetch(plan, call)),
             stage="gemm1",
         )
     ]
@@ -335,7 +350,8 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
-                 num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl),
+                 num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
+                 **_l2_prefetch(plan, call)),
             stage="gemm1",
         ),
         *reduce,

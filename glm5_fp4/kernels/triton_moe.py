@@ -491,6 +491,13 @@ def _prefetch_l2(base, span, LINES: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2_at(ptrs):
+    """Ask L2 for the line of every pointer of ``ptrs`` (fire and forget)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     stride_xt,
@@ -530,8 +537,13 @@ def moe_gemm1_kernel(
     DEDUP: tl.constexpr = False,
     SP: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
+    PF_DIST: tl.constexpr = 0,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
+
+    ``PF_DIST > 0`` (Plan.l2_prefetch): at each K tile the program asks L2 for the gate/up words and scales
+    PF_DIST K tiles ahead (one request per row and matrix), so more of the weight stream is in flight than the
+    pipeline's shared-memory stages hold.
 
     ``DEDUP`` (slot mode, Plan.slot_dedup): the program of a group's leader slot computes every slot routed to
     the same expert, the others none (:func:`_slot_group`; ``SP`` = the slot count rounded up to a power of 2).
@@ -584,6 +596,13 @@ def moe_gemm1_kernel(
     w_up = w_gate + I * (H // 8)
     s_gate = s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * (H // 16) + offs_ks[None, :]
     s_up = s_gate + I * (H // 16)
+    if PF_DIST > 0:
+        # rows of this tile's gate half then its up half; the last K tile's address stands in past the end
+        pr = tl.arange(0, 2 * BN)
+        prow = tl.where(pr < BN, pid_n * BN + pr, I + pid_n * BN + pr - BN)
+        pf_w = w_ptr + e64 * (2 * I * (H // 8)) + prow * (H // 8)
+        pf_s = s_ptr + e64 * (2 * I * (H // 16)) + prow * (H // 16)
+        k_last = k_begin + K_PER - BK
     alpha = tl.load(alpha_ptr + e)
     g_in = 1.0
     g_out = 1.0
@@ -611,6 +630,10 @@ def moe_gemm1_kernel(
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(k_begin, k_begin + K_PER, BK):
+            if PF_DIST > 0:
+                kp = tl.minimum(k0 + PF_DIST * BK, k_last)
+                _prefetch_l2_at(pf_w + kp // 8)
+                _prefetch_l2_at(pf_s + kp // 16)
             if X_PREP and not MERGED:
                 x0, x1, x2, x3, x4, x5, x6, x7 = _load_sets(xp + k0, mmask[None, :], NW)
             else:
@@ -705,9 +728,16 @@ def moe_gemm2_grouped_kernel(
     PF_ROWS: tl.constexpr = 0,
     PF_W: tl.constexpr = 1,
     PF_S: tl.constexpr = 1,
+    PF_DIST: tl.constexpr = 0,
+    PF_DW: tl.constexpr = 1,
+    PF_DS: tl.constexpr = 1,
 ):
     """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
     time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest.
+
+    ``PF_DIST > 0`` (Plan.l2_prefetch; whole K tiles only, KC == I): at each N tile the program asks L2 for the
+    words and scales of the N tile PF_DIST tiles ahead in its range (contiguous rows: ``PF_DW`` / ``PF_DS``
+    128-byte requests).
 
     ``USE_PDL``: before it waits for GEMM1, the program asks L2 for its expert's first ``PF_ROWS`` weight rows
     (``PF_W`` / ``PF_S`` 128-byte requests of words / scales): the work list it reads for that was written two
@@ -766,6 +796,10 @@ def moe_gemm2_grouped_kernel(
             else:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + offs_w[:, None], mmask[None, :], NW)
             for n0 in range(n_begin, n_begin + n_per, BN):
+                if PF_DIST > 0:
+                    np_ = tl.minimum(n0 + PF_DIST * BN, n_begin + n_per - BN)
+                    _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + np_ * (I // 8), BN * (I // 8), PF_DW, 32)
+                    _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + np_ * (I // 16), BN * (I // 16), PF_DS, 128)
                 d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
                     tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, DIAG & 1,
                     PLACED)
