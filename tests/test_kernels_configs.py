@@ -56,7 +56,8 @@ def test_picked_plans_fit_shared_memory(arch, tp):
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_gemm2_defaults_follow_the_intermediate_size(arch):
     """Prefill GEMM2 tiles are picked per shard width: the TP8 shard (I = 256) the shards' table, the TP4 shard
-    (I = 512) its own 128-row tiles, whole experts (I = 2048) theirs; decode sizes share one table."""
+    (I = 512) its own 128-row tiles, whole experts (I = 2048) theirs; at 32-token blocks (T=512) the TP8 shard
+    runs 4-warp 64x32 tiles in 6 programs along H, the others the former 8-warp 128x32 tiles (H200, 2026-12-03)."""
     spec = Glm5Spec()
     h, e, k = spec.hidden_size, spec.n_routed_experts, spec.num_experts_per_tok
     g2 = {tp: {t: C.plan(arch, t, e, k, h, spec.moe_intermediate_size // tp).gemm2 for t in (512, 2048, 8192)}
@@ -64,7 +65,8 @@ def test_gemm2_defaults_follow_the_intermediate_size(arch):
     assert g2[8][8192] == C._DEFAULT_GEMM2[arch][("grouped", 128)] and g2[8][8192].n_split == 6
     assert (g2[4][2048].bn, g2[4][2048].bm, g2[4][8192].bn, g2[4][8192].bm) == (128, 64, 128, 64)
     assert g2[1][8192].bm == 64 and g2[1][8192].num_stages == 2  # the whole-expert tile, fitted to shared memory
-    assert g2[8][512] == g2[4][512] == C._DEFAULT_GEMM2[arch][("grouped", 32)]
+    assert g2[8][512] == C._DEFAULT_GEMM2[arch][("grouped", 32)] and (g2[8][512].bn, g2[8][512].n_split) == (64, 6)
+    assert g2[4][512] == g2[1][512] == C.OPT_IN["gemm2_128x32"].change["gemm2"]
     assert len({g2[1][8192], g2[4][8192], g2[8][8192]}) == 3
 
 

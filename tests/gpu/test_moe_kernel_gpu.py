@@ -460,3 +460,32 @@ def test_torch_compile_module():
     compiled = torch.compile(m, fullgraph=True)(x)
     assert torch.isfinite(compiled).all()
     assert rel_error(compiled, eager) < moe_tolerance("w4a16", x.dtype)
+
+
+@pytest.mark.parametrize("shape,t,routing,mode", [
+    (GLM_TP8, 1, "balanced", "w4a16"), (GLM_TP8, 4, "same_k", "w4a16"), (GLM_TP8, 4, "balanced", "w4a4"),
+    (GLM_TP4, 3, "zipf1.2", "w4a16"), (GLM_TP8, 512, "balanced", "w4a16"), (GLM_TP8, 1024, "zipf1.2", "w4a16"),
+    (GLM_TP8, 512, "same_k", "w4a4")])
+def test_register_capped_tiles_and_l2_prefetch(shape, t, routing, mode):
+    """The 2026-12-03 defaults (slot GEMM1 in 2 stages capped at 168 registers; the TP8 shard's 32-token GEMM2 in
+    4-warp 64x32 tiles, 6 programs along H) and Plan.l2_prefetch against the float64 reference, NaN-poisoned
+    outputs; their former forms (opt-in) give the same layer; CUDA-graph replays with new routings match eager."""
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing)
+    ref = reference(x, w, ids, ex, mode)
+    plan = default_plan(x, ids, prep, mode)
+    plans = [plan, dataclasses.replace(plan, l2_prefetch=4)]
+    plans += [p for p in (default_plan(x, ids, prep, mode, form=f) for f in ("slot_stages4", "gemm2_128x32")) if p != plan]
+    for p in plans:
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=p)
+        assert torch.isfinite(out).all(), p
+        assert rel_error(out, ref) < moe_tolerance(mode, x.dtype), p
+    pf = plans[1]
+    out = torch.full_like(x, float("nan"))
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=pf),
+                                       w, ids, out, e, 2):
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plan)) < moe_tolerance(mode, x.dtype)
