@@ -14,9 +14,10 @@ the two default times bound the drift within the row. Variants:
   per-slot form the dedup default replaced), ``parallel_align``, ``grouped_split2`` and ``grouped_unsplit``
   (grouped GEMM1 in 2 K ranges / all of K, against the skew-sized default). The table is the one home of the
   alternatives; this script follows it.
-* ``nodecode`` (wrong results, not checked): GEMM1's decode replaced by an int->fp16 conversion plus adds
-  (DIAG=1). NOT a lower bound: on the H200 it ran 10-60 % slower than the real decode (the stand-in
-  operands cost more than the E4M3 trick); kept only behind --nodecode.
+* ``nodecode`` (wrong results, not checked; --nodecode): the decode of GEMM1 and the grouped GEMM2 left out
+  (DIAG=1: each packed word, read as an fp16 pair, times its block scales), so the difference to the default is
+  the most any cheaper decode could gain: 8-11 % at TP8 T = 64-1,024 on the H200 (2026-12-03, improvements/12).
+  The stand-in before 52c7f17 (int->fp16 conversions) ran slower than the real decode and was no bound.
 * ``noatomic`` (wrong results, not checked; --noatomic): the grouped GEMM2 stores its output tiles where it
   would add them atomically into the fp32 combine workspace (DIAG_PLAIN_STORES): the same bytes, so the
   difference is what the atomics cost (at prefill sizes the workspace, T*H*4 bytes, outgrows L2).
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="moe_variants.json")
     ap.add_argument("--forms", help="comma-separated opt-in forms to time (default: all of configs.OPT_IN and the "
                     "other weight layout)")
-    ap.add_argument("--nodecode", action="store_true", help="also time the DIAG=1 stand-in (see above)")
+    ap.add_argument("--nodecode", action="store_true", help="also time the layer with its decode left out (see above)")
     ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
                     "atomic adds (wrong results, not checked): the combine's cost")
     args = ap.parse_args(argv)

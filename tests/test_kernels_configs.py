@@ -354,3 +354,51 @@ def test_slot_split_k_beyond_the_grouped_limit_fits_the_workspace(t):
     with pytest.raises(Glm5Fp4Error, match="split-K"):  # the grouped schedule keeps SPLIT_K_MAX
         launches(dataclasses.replace(C.plan("sm90", 16, p.num_experts, 8, h, i, sm_count=132), gemm1_split_k=8),
                  _meta_call("tp8", 16, use_asm=True))
+
+
+@pytest.mark.parametrize("t", [1, 4, 512])
+def test_register_caps_and_l2_prefetch_reach_the_launches_only_where_ptx_is_compiled(t):
+    """Gemm1Config/Gemm2Config.maxnreg become the launch option maxnreg, Plan.l2_prefetch the GEMM1 constexpr
+    PF_DIST (and the grouped GEMM2's PF_DIST/PF_DW/PF_DS request counts), on the compiled path; the interpreter
+    gets neither (no ptxas, no inline PTX) and launches the same kernels."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import launches
+
+    call = _meta_call("tp8", t, use_asm=True)
+    p = call.prepared
+    h, i = p.hidden_size, p.intermediate_size
+    plan = dataclasses.replace(C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132),
+                               gemm1=C.Gemm1Config(64, 16 if t <= 4 else 32, 256, 4, 2, maxnreg=168),
+                               gemm2=dataclasses.replace(C.plan("sm90", t, p.num_experts, 8, h, i).gemm2, maxnreg=96),
+                               l2_prefetch=4)
+    todo = {ln.name: ln for ln in launches(plan, call)}
+    assert todo["moe_gemm1_kernel"].kwargs["maxnreg"] == 168 and todo["moe_gemm1_kernel"].kwargs["PF_DIST"] == 4
+    g2 = next(ln for name, ln in todo.items() if name.startswith("moe_gemm2"))
+    assert g2.kwargs["maxnreg"] == 96
+    if g2.name == "moe_gemm2_grouped_kernel":
+        assert g2.kwargs["PF_DIST"] == 4
+        bn = plan.gemm2.bn  # one 128-byte request per row of words (I/2 = 128 bytes), a row's scales are 16 bytes
+        assert (g2.kwargs["PF_DW"], g2.kwargs["PF_DS"]) == (bn * (i // 2) // 128, bn * (i // 16) // 128)
+    plain = launches(plan, _meta_call("tp8", t, use_asm=False))
+    assert [ln.name for ln in plain] == list(todo)
+    assert not any(key in ln.kwargs for ln in plain for key in ("maxnreg", "PF_DIST", "PF_DW", "PF_DS"))
+
+
+def test_former_tile_defaults_are_opt_in_on_the_archs_they_were_defaults_on():
+    """slot_stages4 / gemm2_128x32 restore the sm90 (and sm100, which shares its tables) tiles of 2026-12-02 and
+    change nothing on sm120, whose own defaults they never were; the new sm90 defaults are what the H200 measured."""
+    from glm5_fp4.kernels import configs as C
+
+    dims = (256, 8, 6144, 256)
+    for arch in ("sm90", "sm100"):
+        assert C.plan(arch, 4, *dims).gemm1 == C.Gemm1Config(64, 16, 256, 4, 2, maxnreg=168)
+        assert C.plan(arch, 4, *dims, form="slot_stages4").gemm1 == C.Gemm1Config(64, 16, 256, 4, 4)
+        new, old = C.plan(arch, 512, *dims), C.plan(arch, 512, *dims, form="gemm2_128x32")
+        assert (new.gemm2.bn, new.gemm2.num_warps, new.gemm2_n_split) == (64, 4, 6)
+        assert (old.gemm2, old.gemm2_n_split) == (C.Gemm2Config(128, 32, 8, 3, merged=False), 3)
+        assert new.gemm2.bn * new.gemm2_n_split == old.gemm2.bn * old.gemm2_n_split  # output rows per program
+    for form in ("slot_stages4", "gemm2_128x32"):
+        for t in (4, 512):
+            assert C.plan("sm120", t, *dims, form=form) == C.plan("sm120", t, *dims)
+    # a form whose split cannot cut H into whole tiles does not serve (H = 512: 4 tiles of 128 rows, split 3)
+    assert C.plan("sm90", 512, 16, 4, 512, 128, form="gemm2_128x32") == C.plan("sm90", 512, 16, 4, 512, 128)
