@@ -104,10 +104,6 @@ class Plan:
     # ahead, the grouped GEMM2 (whole K tiles) this many N tiles ahead, beyond what the pipeline's shared-memory
     # stages hold in flight. 0: none.
     l2_prefetch: int = 0
-    # Grouped GEMM2 (whole K tiles) over blocks of up to two of GEMM1's token blocks of one expert (a second work
-    # list from the align kernel), each weight tile decoded once for both: BM-row blocks decode it once per block
-    # (TP8 T=1024: ~1.7 blocks per expert on balanced routing).
-    gemm2_pairs: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -660,9 +656,6 @@ OPT_IN: dict[str, OptIn] = {
                           ("w4a16", "w4a4"), compile_tokens=(512,), archs=("sm90", "sm100"),
                           purpose="GEMM2 in 8-warp 128x32 tiles split 3 ways (the sm90 default for 32-token blocks "
                                   "before 2026-12-03)"),
-    "gemm2_pairs": OptIn(dict(gemm2_pairs=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(1024,),
-                         archs=("sm90", "sm100"),
-                         purpose="GEMM2 over blocks of two token blocks, each weight tile decoded once for both"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

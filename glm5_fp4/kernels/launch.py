@@ -147,8 +147,8 @@ def align_block(num_slots: int) -> int:
     return max(128, min(8192, _pow2(num_slots)))
 
 
-def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False, pdl: dict | None = None,
-           block_m2: int = 0) -> list[Launch]:
+def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False, pdl: dict | None = None
+           ) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
     ws, prep = call.workspace, call.prepared
@@ -158,12 +158,9 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
     has_map = call.expert_map is not None
     grid = 1 + -(-t * h // ZBLOCK)
     args = (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks,
-            ws.num_blocks, ws.combine, t * h, call.x, call.x.stride(0), ws.xq, ws.par_counts, ws.blocks2,
-            ws.num_blocks2)
+            ws.num_blocks, ws.combine, t * h, call.x, call.x.stride(0), ws.xq, ws.par_counts)
     pdl = pdl or {}
     common = dict(E=e, E_POW2=_pow2(e), ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x, HAS_MAP=has_map, **pdl)
-    if block_m2:
-        common["BM2"] = block_m2
     if parallel:
         # PAR_BLOCK slots counted per program (the last arrival scans), then a scatter kernel
         hprog = -(-num_slots // PAR_BLOCK)
@@ -252,14 +249,6 @@ def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage
     )
 
 
-def gemm2_pairs(plan: cfgs.Plan, call: MoECall) -> bool:
-    """Whether the grouped GEMM2 takes the second work list's blocks of two token blocks (Plan.gemm2_pairs):
-    grouped schedule, whole K tiles, GEMM2 walking GEMM1's token block."""
-    i = call.prepared.intermediate_size
-    return (plan.gemm2_pairs and plan.schedule == "grouped" and cfgs.gemm2_k_chunk(i) == i
-            and plan.gemm2.bm == plan.gemm1.bm)
-
-
 def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool = False) -> Launch:
     """The grouped GEMM2 over ``rows`` work-list blocks, or (``slot_dedup``) over the call's slots, each leading
     a group or idle; into the fp32 combine buffer (atomics per token, or stores per slot)."""
@@ -268,20 +257,16 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
     p, ws, g2 = call.prepared, call.workspace, plan.gemm2
     h, i = p.hidden_size, p.intermediate_size
     a2 = _scales(call)[1]
-    pairs = not slot_dedup and gemm2_pairs(plan, call)
-    if pairs:
-        rows = max_blocks(call.num_slots, p.num_experts, 2 * g2.bm)
     return Launch(
         K.moe_gemm2_grouped_kernel, (rows, plan.gemm2_n_split),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
-         *((ws.blocks2, ws.num_blocks2) if pairs else (ws.blocks, ws.num_blocks)), call.topk_ids, _emap(call),
-         call.top_k),
+         ws.blocks, ws.num_blocks, call.topk_ids, _emap(call), call.top_k),
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout == "placed",
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
              num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **_pdl(plan, call),
-             **_l2_prefetch2(plan, call, g2.bn), **(dict(PAIR=True) if pairs else {}),
+             **_l2_prefetch2(plan, call, g2.bn),
              **_prefetch(plan, call, min(g2.bn, h // plan.gemm2_n_split))),
         stage="gemm2",
     )
@@ -356,7 +341,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     pdl = _pdl(plan, call)
     reduce = [] if split == 1 else [_splitk_reduce(call, split, False, False, "gemm1", pdl)]
     return [
-        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl, 2 * g1.bm if gemm2_pairs(plan, call) else 0),
+        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl),
         Launch(
             K.moe_gemm1_kernel, (nblk, i // g1.bn, split),
             (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,

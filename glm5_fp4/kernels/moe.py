@@ -71,9 +71,6 @@ class Workspace:
         self.block_capacity = L.max_blocks(max_tokens * top_k, num_experts, cfgs.MIN_BLOCK_M)
         self.blocks = torch.zeros(self.block_capacity, 4, **i32)  # triton_moe.BLOCK_FIELDS per block
         self.num_blocks = torch.zeros(1, **i32)
-        # GEMM2's list of blocks of two token blocks (Plan.gemm2_pairs): never longer than the first
-        self.blocks2 = torch.zeros(self.block_capacity, 4, **i32)
-        self.num_blocks2 = torch.zeros(1, **i32)
         self.act = torch.empty(max_tokens * top_k, intermediate, dtype=torch.float16, device=device)
         # one fp32 row per token (grouped), or per slot of a slot-schedule call (Plan.slot_dedup)
         slot_rows = min(max_tokens, max(cfgs.SLOT_MAX_TOKENS.values())) * top_k

@@ -731,7 +731,6 @@ def moe_gemm2_grouped_kernel(
     PF_DIST: tl.constexpr = 0,
     PF_DW: tl.constexpr = 1,
     PF_DS: tl.constexpr = 1,
-    PAIR: tl.constexpr = False,
 ):
     """ws[token, n] += router_weight * (act W_down^T)[row, n] for one work-list block's rows (walked BM at a
     time) over 1/N_SPLIT of H. Grid: (block, N range), blocks fastest.
@@ -739,10 +738,6 @@ def moe_gemm2_grouped_kernel(
     ``PF_DIST > 0`` (Plan.l2_prefetch; whole K tiles only, KC == I): at each N tile the program asks L2 for the
     words and scales of the N tile PF_DIST tiles ahead in its range (contiguous rows: ``PF_DW`` / ``PF_DS``
     128-byte requests).
-
-    ``PAIR`` (Plan.gemm2_pairs; whole K tiles, not SLOT_DEDUP): the work list's blocks hold up to 2*BM rows of one
-    expert (the align kernel's second list); both halves' activation tiles stay in registers and each weight tile
-    is decoded once for both (:func:`_gemm2_pair`), where BM-row blocks decode it once per block.
 
     ``USE_PDL``: before it waits for GEMM1, the program asks L2 for its expert's first ``PF_ROWS`` weight rows
     (``PF_W`` / ``PF_S`` 128-byte requests of words / scales): the work list it reads for that was written two
@@ -781,110 +776,54 @@ def moe_gemm2_grouped_kernel(
     w_base = w_ptr + e64 * (H * (I // 8)) + offs_bn[:, None] * (I // 8) + offs_w[None, :]
     s_base = s_ptr + e64 * (H * (I // 16)) + offs_bn[:, None] * (I // 16) + offs_ks[None, :]
 
-    if PAIR:
-        _gemm2_pair(act_ptr, w_base, s_base, e64, w_ptr, s_ptr, topk_w_ptr, ws_ptr, slots_ptr, alpha, count, start,
-                    n_begin, TOPK, H, I, BN, BM, n_per, USE_ASM, MERGED, KC, PLACED, DIAG, PF_DIST, PF_DW, PF_DS)
-    else:
-        for m0 in range(0, count, BM):
-            offs_m = m0 + tl.arange(0, BM)
-            mmask = offs_m < count
-            if SLOT_DEDUP:
-                slot = _group_slots(offs_m, same, rank, SP)
-                rows = slot.to(tl.int64)
-                out_row = rows
+    for m0 in range(0, count, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        mmask = offs_m < count
+        if SLOT_DEDUP:
+            slot = _group_slots(offs_m, same, rank, SP)
+            rows = slot.to(tl.int64)
+            out_row = rows
+        else:
+            rows = (start + offs_m).to(tl.int64)
+            slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
+            out_row = (slot // TOPK).to(tl.int64)
+        scale = tl.load(topk_w_ptr + slot, mask=mmask, other=0.0) * alpha
+        a_rows = act_ptr + rows[None, :] * I
+        out_ptrs = ws_ptr + out_row[None, :] * H + offs_bn[:, None]
+        if KC == I:
+            if MERGED:
+                a = tl.load(a_rows + offs_k[:, None], mask=mmask[None, :], other=0.0)
             else:
-                rows = (start + offs_m).to(tl.int64)
-                slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
-                out_row = (slot // TOPK).to(tl.int64)
-            scale = tl.load(topk_w_ptr + slot, mask=mmask, other=0.0) * alpha
-            a_rows = act_ptr + rows[None, :] * I
-            out_ptrs = ws_ptr + out_row[None, :] * H + offs_bn[:, None]
-            if KC == I:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + offs_w[:, None], mmask[None, :], NW)
+            for n0 in range(n_begin, n_begin + n_per, BN):
+                if PF_DIST > 0:
+                    np_ = tl.minimum(n0 + PF_DIST * BN, n_begin + n_per - BN)
+                    _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + np_ * (I // 8), BN * (I // 8), PF_DW, 32)
+                    _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + np_ * (I // 16), BN * (I // 16), PF_DS, 128)
+                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
+                    tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, DIAG & 1,
+                    PLACED)
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
                 if MERGED:
-                    a = tl.load(a_rows + offs_k[:, None], mask=mmask[None, :], other=0.0)
+                    acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
                 else:
-                    a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + offs_w[:, None], mmask[None, :], NW)
-                for n0 in range(n_begin, n_begin + n_per, BN):
-                    if PF_DIST > 0:
-                        np_ = tl.minimum(n0 + PF_DIST * BN, n_begin + n_per - BN)
-                        _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + np_ * (I // 8), BN * (I // 8), PF_DW, 32)
-                        _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + np_ * (I // 16), BN * (I // 16), PF_DS, 128)
+                    acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
+        else:
+            for n0 in range(n_begin, n_begin + n_per, BN):
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                for k0 in range(0, I, KC):
                     d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
-                        tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, DIAG & 1,
-                        PLACED)
-                    acc = tl.zeros((BN, BM), dtype=tl.float32)
+                        tl.load(w_base + n0 * (I // 8) + k0 // 8), tl.load(s_base + n0 * (I // 16) + k0 // 16),
+                        BN, KC, USE_ASM, DIAG & 1, PLACED,
+                    )
                     if MERGED:
+                        a = tl.load(a_rows + k0 + offs_k[:, None], mask=mmask[None, :], other=0.0)
                         acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
                     else:
+                        a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :], NW)
                         acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                    _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
-            else:
-                for n0 in range(n_begin, n_begin + n_per, BN):
-                    acc = tl.zeros((BN, BM), dtype=tl.float32)
-                    for k0 in range(0, I, KC):
-                        d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
-                            tl.load(w_base + n0 * (I // 8) + k0 // 8), tl.load(s_base + n0 * (I // 16) + k0 // 16),
-                            BN, KC, USE_ASM, DIAG & 1, PLACED,
-                        )
-                        if MERGED:
-                            a = tl.load(a_rows + k0 + offs_k[:, None], mask=mmask[None, :], other=0.0)
-                            acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
-                        else:
-                            a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :],
-                                                                        NW)
-                            acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-                    _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
-
-
-@triton.jit
-def _gemm2_pair(act_ptr, w_base, s_base, e64, w_ptr, s_ptr, topk_w_ptr, ws_ptr, slots_ptr, alpha, count, start, n_begin,
-                TOPK, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, n_per: tl.constexpr,
-                USE_ASM: tl.constexpr, MERGED: tl.constexpr, KC: tl.constexpr, PLACED: tl.constexpr,
-                DIAG: tl.constexpr, PF_DIST: tl.constexpr, PF_DW: tl.constexpr, PF_DS: tl.constexpr):
-    """moe_gemm2_grouped_kernel's PAIR form: rows [0, BM) and [BM, 2*BM) of a block, each weight tile decoded once."""
-    tl.static_assert(KC == I, "pairs take whole K tiles")
-    NW: tl.constexpr = KC // 8
-    offs_m = tl.arange(0, BM)
-    offs_w = tl.arange(0, NW)
-    offs_k = tl.arange(0, KC)
-    offs_bn = tl.arange(0, BN)
-    m1 = offs_m < count
-    m2 = offs_m + BM < count
-    slot1 = tl.load(slots_ptr + start + offs_m, mask=m1, other=0)
-    slot2 = tl.load(slots_ptr + start + BM + offs_m, mask=m2, other=0)
-    scale1 = tl.load(topk_w_ptr + slot1, mask=m1, other=0.0) * alpha
-    scale2 = tl.load(topk_w_ptr + slot2, mask=m2, other=0.0) * alpha
-    out1 = ws_ptr + (slot1 // TOPK).to(tl.int64)[None, :] * H + offs_bn[:, None]
-    out2 = ws_ptr + (slot2 // TOPK).to(tl.int64)[None, :] * H + offs_bn[:, None]
-    rows1 = act_ptr + (start + offs_m).to(tl.int64)[None, :] * I
-    rows2 = rows1 + BM * I
-    if MERGED:
-        a = tl.load(rows1 + offs_k[:, None], mask=m1[None, :], other=0.0)
-        b = tl.load(rows2 + offs_k[:, None], mask=m2[None, :], other=0.0)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(rows1 + offs_w[:, None], m1[None, :], NW)
-        b0, b1, b2, b3, b4, b5, b6, b7 = _load_sets(rows2 + offs_w[:, None], m2[None, :], NW)
-    two = count > BM
-    for n0 in range(n_begin, n_begin + n_per, BN):
-        if PF_DIST > 0:
-            np_ = tl.minimum(n0 + PF_DIST * BN, n_begin + n_per - BN)
-            _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + np_ * (I // 8), BN * (I // 8), PF_DW, 32)
-            _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + np_ * (I // 16), BN * (I // 16), PF_DS, 128)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
-            tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, DIAG & 1, PLACED)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        if MERGED:
-            acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), a, acc)
-        else:
-            acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
-        _store_part(out1 + n0, acc * scale1[None, :], m1, False, DIAG & 2)
-        if two:
-            acc2 = tl.zeros((BN, BM), dtype=tl.float32)
-            if MERGED:
-                acc2 = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), b, acc2)
-            else:
-                acc2 = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, b0, b1, b2, b3, b4, b5, b6, b7, acc2)
-            _store_part(out2 + n0, acc2 * scale2[None, :], m2, False, DIAG & 2)
+                _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
 
 
 @triton.jit
@@ -1040,8 +979,12 @@ def _local_ids(ids_ptr, emap_ptr, offs, m, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
-def _write_blocks(counts, excl, offs_e, emask, blk_ptr, num_blocks_ptr, BM: tl.constexpr):
-    """The work list of BM-row blocks (expert, first sorted row, rows) from the per-expert counts."""
+def _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM: tl.constexpr):
+    """Offsets, scatter cursors and the work list of BM-row blocks from the per-expert counts."""
+    counts = tl.where(emask, counts, 0)
+    excl = tl.cumsum(counts, 0) - counts
+    tl.store(offsets_ptr + offs_e, excl, mask=emask)
+    tl.store(cursor_ptr + offs_e, excl, mask=emask)
     nblk = (counts + (BM - 1)) // BM
     first_blk = tl.cumsum(nblk, 0) - nblk
     tl.store(num_blocks_ptr, tl.sum(nblk, 0))
@@ -1052,20 +995,6 @@ def _write_blocks(counts, excl, offs_e, emask, blk_ptr, num_blocks_ptr, BM: tl.c
         tl.store(blk_ptr + b, offs_e, mask=mj)
         tl.store(blk_ptr + b + 1, excl + j * BM, mask=mj)
         tl.store(blk_ptr + b + 2, tl.minimum(counts - j * BM, BM), mask=mj)
-
-
-@triton.jit
-def _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM: tl.constexpr,
-                     blk2_ptr, num_blocks2_ptr, BM2: tl.constexpr):
-    """Offsets, scatter cursors and the work list of BM-row blocks from the per-expert counts; with ``BM2 > 0``
-    a second list of BM2-row blocks (Plan.gemm2_pairs: GEMM2's blocks of two of GEMM1's)."""
-    counts = tl.where(emask, counts, 0)
-    excl = tl.cumsum(counts, 0) - counts
-    tl.store(offsets_ptr + offs_e, excl, mask=emask)
-    tl.store(cursor_ptr + offs_e, excl, mask=emask)
-    _write_blocks(counts, excl, offs_e, emask, blk_ptr, num_blocks_ptr, BM)
-    if BM2 > 0:
-        _write_blocks(counts, excl, offs_e, emask, blk2_ptr, num_blocks2_ptr, BM2)
 
 
 @triton.jit
@@ -1085,14 +1014,11 @@ def moe_align_kernel(
     stride_xt,
     xq_ptr,
     pcounts_ptr,
-    blk2_ptr,
-    num_blocks2_ptr,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
     BLOCK: tl.constexpr,
     ZBLOCK: tl.constexpr,
     BM: tl.constexpr = 16,
-    BM2: tl.constexpr = 0,
     H: tl.constexpr = 128,
     BK: tl.constexpr = 128,
     PREP_X: tl.constexpr = False,
@@ -1100,8 +1026,7 @@ def moe_align_kernel(
     PAR: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks (and,
-    with ``BM2 > 0``, a second one of BM2-row blocks for GEMM2: Plan.gemm2_pairs).
+    """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks.
 
     With ``HAS_MAP`` the ids are global and ``emap_ptr`` maps them to local experts (-1: remote, dropped).
     Programs 1..: zero the fp32 combine workspace (GEMM2 adds into it) and, with ``PREP_X``, write the
@@ -1132,8 +1057,7 @@ def moe_align_kernel(
                 # read through the atomic unit (no stale L1 line) and leave zeros for the next call
                 counts = tl.atomic_xchg(pcounts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask,
                                         sem="relaxed", scope="gpu")
-                _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM,
-                                 blk2_ptr, num_blocks2_ptr, BM2)
+                _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM)
     elif pid == 0:
         tl.store(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask)
         tl.debug_barrier()
@@ -1144,8 +1068,7 @@ def moe_align_kernel(
         tl.debug_barrier()
         # Read the counts back through the atomic unit: plain loads could see a stale L1 line.
         counts = tl.atomic_add(counts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask, sem="relaxed")
-        _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM,
-                                 blk2_ptr, num_blocks2_ptr, BM2)
+        _write_work_list(counts, offs_e, emask, offsets_ptr, cursor_ptr, blk_ptr, num_blocks_ptr, BM)
         tl.debug_barrier()
         for s0 in range(0, num_slots, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)

@@ -489,29 +489,3 @@ def test_register_capped_tiles_and_l2_prefetch(shape, t, routing, mode):
     for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=pf),
                                        w, ids, out, e, 2):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plan)) < moe_tolerance(mode, x.dtype)
-
-
-@pytest.mark.parametrize("shape,t,routing,mode", [
-    (GLM_TP8, 1024, "balanced", "w4a16"), (GLM_TP8, 1024, "zipf1.2", "w4a16"), (GLM_TP8, 768, "same_k", "w4a4"),
-    (GLM_TP4, 1024, "balanced", "w4a16"), (SMALL, 300, "zipf1.2", "w4a16")])
-def test_gemm2_pairs_matches_reference(shape, t, routing, mode):
-    """Plan.gemm2_pairs (opt-in): GEMM2 over the align kernel's blocks of two token blocks against the float64
-    reference (NaN-poisoned output), equal to the default plan's layer up to fp32 atomics order, and under
-    CUDA-graph replays with new routings equal to eager calls (the second work list is rebuilt per call)."""
-    from glm5_fp4.kernels.launch import gemm2_pairs
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, make_call
-
-    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
-    ex, prep = experts(**shape)
-    x, w, ids = inputs(t, e, h, k, routing=routing)
-    plan = default_plan(x, ids, prep, mode)
-    pairs = dataclasses.replace(plan, gemm2_pairs=True, gemm2=dataclasses.replace(plan.gemm2, bm=plan.gemm1.bm))
-    assert gemm2_pairs(pairs, make_call(x, w, ids, prep, mode))
-    out = torch.full_like(x, float("nan"))
-    fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=pairs)
-    assert torch.isfinite(out).all()
-    assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
-    assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plan)) < 2e-3
-    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=pairs),
-                                       w, ids, out, e, 2):
-        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plan)) < moe_tolerance(mode, x.dtype)

@@ -418,32 +418,3 @@ def test_slot_groups_have_one_leader_each(gen, with_map):
     assert count.tolist() == want_count
     assert rows.tolist() == want_rows
     assert sum(want_count) == int((local >= 0).sum()) and max(want_count) > 1
-
-
-@pytest.mark.parametrize("routing,mode,merged,parallel", [("balanced", "w4a16", False, False),
-                                                          ("same_k", "w4a16", True, False),
-                                                          ("zipf2", "w4a4", False, False),
-                                                          ("one_hot", "w4a16", False, True)])
-def test_gemm2_pairs(gen, routing, mode, merged, parallel):
-    """Plan.gemm2_pairs: the align kernel's second work list holds blocks of up to two token blocks of one expert
-    (computed here from the counts), and GEMM2 over it, each weight tile decoded once for both halves, gives the
-    float64 reference's layer: experts of one, two and three 16-row blocks (a pair and a single), both aligns."""
-    from glm5_fp4.kernels import launch as L
-    from glm5_fp4.kernels.moe import get_workspace
-
-    ex, prep = _experts(gen)
-    t = 40
-    x = torch.randn(t, H, generator=gen).half()
-    w, ids = make_routing(routing, t, E, K, gen)
-    plan = dataclasses.replace(_plan(t, "grouped", merged=merged), gemm2_pairs=True, parallel_align=parallel)
-    out = torch.full_like(x, float("nan"))
-    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
-    ws = get_workspace(x.device, E, K, H, I, t)
-    counts = torch.bincount(ids.flatten().long(), minlength=E)
-    want = [(e, int(counts[:e].sum()) + j * 32, min(32, int(counts[e]) - j * 32))
-            for e in range(E) for j in range(-(-int(counts[e]) // 32))]
-    assert [tuple(int(v) for v in b[:3]) for b in ws.blocks2[: int(ws.num_blocks2)]] == want
-    assert L.max_blocks(t * K, E, 32) >= len(want)
-    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
-    assert torch.isfinite(out).all()
-    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
