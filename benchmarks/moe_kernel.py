@@ -56,7 +56,7 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
             continue
         if hidden % g2.bn or g2 == base.gemm2:
             continue
-        # the split that gives each program as many output rows as the default's does
+        # the split that gives each program as many N tiles (loop iterations) as the default's
         n_split = max(1, min(hidden // g2.bn, base.gemm2_n_split * base.gemm2.bn // g2.bn))
         while (hidden // g2.bn) % n_split:
             n_split -= 1

@@ -2,7 +2,9 @@
 # One device call: GPU tests, the benchmark table, a config sweep, compute-sanitizer; each time-boxed, logs and
 # results bundled so they fit the device tool's 8 returned files.
 # Usage on the lent H200 (repo root): OUT=/some/dir bash benchmarks/run_moe_h200.sh [sections...]
-# Sections: tests sweep bench bench2 variants memcheck memcheck_placed racecheck (default: tests bench memcheck); bench2 = TP4 and
+# Sections: tests sweep bench bench2 variants ncu memcheck memcheck_placed racecheck (default: tests bench memcheck); ncu =
+# Nsight Compute of one call per NCU_TOKENS (default 1,64,512,1024) x NCU_DIAG (launch.DIAG_* values, default 0) at
+# NCU_SHARD / NCU_ROUTING (tp8, balanced), T_NCU seconds each, CSV under logs/; bench2 = TP4 and
 # EP8 rows; variants = default vs the opt-in kernel variants in one run (benchmarks/moe_variants.py, $OUT/variants.json);
 # TEST_ARGS="-k test_variant_" runs only the variants' GPU tests. 'sweep' writes
 # $OUT/sweep.json; 'bench' uses it (or $PLANS) for the swept regimes. vLLM's Marlin MoE is measured beside

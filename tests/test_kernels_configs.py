@@ -396,9 +396,25 @@ def test_former_tile_defaults_are_opt_in_on_the_archs_they_were_defaults_on():
         new, old = C.plan(arch, 512, *dims), C.plan(arch, 512, *dims, form="gemm2_128x32")
         assert (new.gemm2.bn, new.gemm2.num_warps, new.gemm2_n_split) == (64, 4, 6)
         assert (old.gemm2, old.gemm2_n_split) == (C.Gemm2Config(128, 32, 8, 3, merged=False), 3)
-        assert new.gemm2.bn * new.gemm2_n_split == old.gemm2.bn * old.gemm2_n_split  # output rows per program
+        assert new.gemm2.bn * new.gemm2_n_split == old.gemm2.bn * old.gemm2_n_split  # N tiles per program
     for form in ("slot_stages4", "gemm2_128x32"):
         for t in (4, 512):
             assert C.plan("sm120", t, *dims, form=form) == C.plan("sm120", t, *dims)
-    # a form whose split cannot cut H into whole tiles does not serve (H = 512: 4 tiles of 128 rows, split 3)
-    assert C.plan("sm90", 512, 16, 4, 512, 128, form="gemm2_128x32") == C.plan("sm90", 512, 16, 4, 512, 128)
+    # a form whose split cannot cut H into whole tiles does not serve (H = 512: 4 tiles of 128 rows, split 3), nor
+    # one at another token block or intermediate size than the default it restores
+    assert C.plan("sm90", 40, 16, 4, 512, 128, form="gemm2_128x32").gemm1.bm == 32
+    assert C.plan("sm90", 40, 16, 4, 512, 128, form="gemm2_128x32") == C.plan("sm90", 40, 16, 4, 512, 128)
+    for t, i in ((64, 256), (4096, 256), (512, 2048), (512, 512)):
+        assert C.plan("sm90", t, 256, 8, 6144, i, form="gemm2_128x32") == C.plan("sm90", t, 256, 8, 6144, i), (t, i)
+
+
+def test_free_decode_bound_keeps_one_scale_instruction_per_output():
+    """DIAG_NO_DECODE's stand-in (benchmarks' free-decode bound) computes each of a word's four outputs by a
+    different expression of the word and the scale pair: ptxas merged four identical multiplies into one (SASS,
+    sm_90: 32 instead of 128 HMUL2 per K tile), which left most of the scale work out of the bound too."""
+    from glm5_fp4.kernels.triton_moe import _FREE_WORD
+
+    lines = [ln.strip() for ln in _FREE_WORD.strip().splitlines()]
+    assert len(lines) == 4 and all(ln.split()[0] in ("mul.rn.f16x2", "fma.rn.f16x2") for ln in lines)
+    rhs = [ln.split(",", 1)[1] for ln in lines]
+    assert len(set(rhs)) == 4, rhs

@@ -2,6 +2,7 @@
 # One H200 call (2026-12-03): the new sm90 tile defaults against their former forms in the same run, their GPU
 # tests, memcheck, and ncu's stall reasons of the T=512 call. OUT=dir bash benchmarks/h200/caps_job.sh
 set -u
+: "${OUT:?OUT=dir (where the results go) is required}"
 . benchmarks/gpu_deps.sh || exit 2
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 L=$OUT/logs; mkdir -p "$L"

@@ -194,7 +194,7 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (256, 64, 8, 2, False),
         ]
     ] + [
-        Gemm2Config(bn, bm, w, s, merged=False, maxnreg=r)  # capped as GEMM1's above: 3 CTAs per SM
+        Gemm2Config(bn, bm, w, s, merged=False, maxnreg=r)  # capped as GEMM1's above: 3-4 CTAs per SM
         for bn, bm, w, s, r in [
             (64, 16, 4, 3, 128),
             (64, 16, 4, 4, 128),
@@ -358,10 +358,11 @@ _DEFAULT_GEMM1 = {
         # slot and grouped-32 tiles: the 2026-12-01 work-list sweep (benchmarks/results/moe_kernel_h200_sweep.json,
         # whole-layer time): TP8 T=1 64x16x256/4 warps 24.8 us vs 28.6 for 32x16; T=512 64x32x256/4 warps 314.6
         # vs 348.0 for 128x32/8 warps, T=1024 468 vs 524 (two 4-warp CTAs per SM hide more latency than one of 8)
-        # slot tiles in 2 stages (35 KB of shared memory instead of 63 KB: twice the CTAs per SM for the 512
-        # programs of T=4), capped at 168 registers as measured: the 2026-12-03 sweep (benchmarks/results/
-        # moe_kernel_h200_sweep_caps_f796498.json, TP8 whole layer) T=4 54.6 vs 59.7 us; the former is opt-in
-        # "slot_stages4"
+        # slot tiles in 2 stages instead of 4 (a smaller shared-memory ring: more of the 512 programs of T=4 resident
+        # at once), capped at 168 registers as measured: the 2026-12-03 sweep (benchmarks/results/
+        # moe_kernel_h200_sweep_caps_f796498.json, TP8 whole layer) T=4 54.6 vs 59.7 us, and the same-run A/B
+        # (moe_variants_h200_caps_8e79e8f.json, ..._tp1_...): T = 1-4 4-13 % faster balanced at TP8/TP4/TP1, 5-7 %
+        # slower with all tokens on 8 experts at T=4; the former is opt-in "slot_stages4"
         ("slot", 16): Gemm1Config(64, 16, 256, 4, 2, maxnreg=168),
         ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
         ("grouped", 32): Gemm1Config(64, 32, 256, 4, 3),
@@ -392,10 +393,12 @@ _DEFAULT_GEMM2 = {
     "sm90": {
         ("slot", 16): Gemm2Config(64, 16, 4, 3),
         ("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
-        # 4-warp 64x32 tiles, 6 programs per block along H (as many output rows each as the former 128x32 8-warp
-        # tiles split 3 ways, opt-in "gemm2_128x32"): the 2026-12-03 sweeps (moe_kernel_h200_sweep_caps_08c041b.json,
-        # ..._f796498.json, TP8 whole layer) T=512 293.1 / 294.4 vs 297.7 / 299.1 us, T=1024 435.8 / 437.1 vs
-        # 448.7 / 445.4; TP4 (I = 512) keeps the former (602 vs 593: _GEMM2_BY_INTERMEDIATE)
+        # 4-warp 64x32 tiles, 6 programs per block along H (each walks as many N tiles as the former 128x32 8-warp
+        # tiles split 3 ways, opt-in "gemm2_128x32", over half the rows): found by the 2026-12-03 sweeps (a
+        # 128-register cap that does not bind, moe_kernel_h200_sweep_caps_08c041b.json), measured uncapped in the
+        # same-run A/B (moe_variants_h200_caps_8e79e8f.json, TP8 whole layer): T=512 294.2 / 297.2 vs 302.4 us,
+        # T=1024 431.5 / 438.8 vs 446.1; TP4 (I = 512) keeps the former (602 vs 593 in the sweep:
+        # _GEMM2_BY_INTERMEDIATE)
         ("grouped", 32): Gemm2Config(64, 32, 4, 3, n_split=6, merged=False),
         # GEMM2 walks its own token blocks, any bm up to the work list's. 2026-12-02 prefill sweep
         # (benchmarks/results/moe_kernel_h200_prefill_sweep.json, TP8 whole layer): T=2048 32-token steps 816 us vs
@@ -422,13 +425,15 @@ _GEMM2_BY_INTERMEDIATE = {
     "sm90": [
         # the TP4 shard: 8-warp 128x64 tiles in 3 stages beat the TP8 shard's prefill picks (2026-12-02 sweep,
         # benchmarks/results/moe_kernel_h200_prefill_sweep_tp4.json, whole layer: T=2048 1,338 us vs 1,444 for
-        # 32-token steps, T=4096 2,202 vs 2,250 for the 64x128 tile)
+        # 32-token steps, T=4096 2,202 vs 2,250 for the 64x128 tile); 32-token blocks keep the shards' former
+        # 128x32 tile (the TP8 shard's 64x32 one lost here: 602 vs 593 us at T=512, 2026-12-03 sweep)
         (256, GEMM2_MAX_K_CHUNK, {("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
                                   ("grouped", 64): Gemm2Config(128, 64, 8, 3, merged=False),
                                   ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
         # whole experts (TP1, the EP layouts): the shards' prefill tiles lose (moe_kernel_h200_prefill_sweep_tp1.json,
         # TP1 T=2048: 32-token steps 5,846 us vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the
-        # former defaults, in the 2 stages that fit at I = 2048 (the 128-token entry said 3, which plan() cut to 2)
+        # former defaults, in the 2 stages that fit at I = 2048 (the 128-token entry said 3, which plan() cut to 2);
+        # 32-token blocks keep the shards' former 128x32 tile (3 stages fit: the 64x32 one is unmeasured here)
         (GEMM2_MAX_K_CHUNK, None, {("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
                                    ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
                                    ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False)}),
@@ -599,7 +604,8 @@ def plan(
              slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and tokens >= PDL_MIN_TOKENS)
     archs = OPT_IN[form].archs if form is not None else None
-    if form is not None and (archs is None or arch in archs) and opt_in_serves(form, p, tokens, hidden, mode):
+    if form is not None and (archs is None or arch in archs) and opt_in_serves(form, p, tokens, hidden, mode,
+                                                                                intermediate):
         p = dataclasses.replace(p, **change)
     return p
 
@@ -617,6 +623,8 @@ class OptIn:
     compile_tokens: tuple[int, ...] = ()  # batch sizes the compile matrix builds it for
     purpose: str = ""
     archs: tuple[str, ...] | None = None  # where it serves (None: every arch); a former tile default is per arch
+    bm: int | None = None  # the token block it serves at (None: any): a former tile default is per block
+    max_intermediate: int | None = None  # the largest expert intermediate size it serves (None: any)
 
 
 # The one list of alternative forms: benchmarks/moe_variants.py times each against the default in the same run,
@@ -650,10 +658,10 @@ OPT_IN: dict[str, OptIn] = {
     "nopdl": OptIn(dict(pdl=False), ("slot", "grouped"), None, ("w4a16", "w4a4"), compile_tokens=(4, 64),
                    purpose="plain stream-ordered launches (the default before 2026-12-02; 0-15 % slower at T = 4-512)"),
     "slot_stages4": OptIn(dict(gemm1=Gemm1Config(64, 16, 256, 4, 4)), "slot", None, ("w4a16", "w4a4"),
-                          compile_tokens=(4,), archs=("sm90", "sm100"),
+                          compile_tokens=(4,), archs=("sm90", "sm100"), bm=16,
                           purpose="slot GEMM1 in 4 stages, uncapped (the sm90 default before 2026-12-03)"),
     "gemm2_128x32": OptIn(dict(gemm2=Gemm2Config(128, 32, 8, 3, merged=False), gemm2_n_split=3), "grouped", None,
-                          ("w4a16", "w4a4"), compile_tokens=(512,), archs=("sm90", "sm100"),
+                          ("w4a16", "w4a4"), compile_tokens=(512,), archs=("sm90", "sm100"), bm=32, max_intermediate=256,
                           purpose="GEMM2 in 8-warp 128x32 tiles split 3 ways (the sm90 default for 32-token blocks "
                                   "before 2026-12-03)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
@@ -662,10 +670,16 @@ OPT_IN: dict[str, OptIn] = {
 }
 
 
-def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None = None) -> bool:
+def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None = None,
+                  intermediate: int | None = None) -> bool:
     """Whether opt-in ``form`` can modify plan ``p`` of a ``tokens`` call (in ``mode``, when given): its
-    schedule, batch sizes, mode, and a split-K it sets must cut H into whole K tiles."""
+    schedule, batch sizes, token block, intermediate size (when given), mode, and a split-K it sets must cut H into
+    whole K tiles, a GEMM2 split it sets H into whole N tiles."""
     o = OPT_IN[form]
+    if o.bm is not None and p.gemm1.bm != o.bm:
+        return False
+    if o.max_intermediate is not None and intermediate is not None and intermediate > o.max_intermediate:
+        return False
     schedules = (o.schedule,) if isinstance(o.schedule, str) else o.schedule
     g2 = o.change.get("gemm2", p.gemm2)
     return (p.schedule in schedules and (o.max_tokens is None or tokens <= o.max_tokens)

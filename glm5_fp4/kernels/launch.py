@@ -120,7 +120,8 @@ def _l2_prefetch2(plan: cfgs.Plan, call: MoECall, bn: int) -> dict:
 
 
 def _regs(cfg, call: MoECall) -> dict:
-    """Launch option of a config's register cap (a ptxas option: nothing to cap in the interpreter)."""
+    """Launch option of a config's register cap, where the PTX path compiles (not in the interpreter, nor under
+    GLM5_FP4_MOE_NO_ASM=1, whose plain decode the caps were not measured with)."""
     return dict(maxnreg=cfg.maxnreg) if cfg.maxnreg and call.use_asm else {}
 
 

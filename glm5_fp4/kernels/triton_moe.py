@@ -108,14 +108,16 @@ or.b32 hi, a, b;
 """
 _PLACED_ASM = tl.constexpr(_two_words_asm(_PLACED_WORD))
 
-# Benchmarks only (DIAG=1, wrong results): each word itself, read as an fp16 pair, times the block-scale pair, as
-# all four outputs of the word: the weight and scale bytes, the scale conversion, the scale multiply and the MMA
-# operands stay as in the real decode; the bit operations and E4M3 conversions go. The time difference to the real
-# decode is what any cheaper decode could gain at most.
+# Benchmarks only (DIAG=1, wrong results): each word itself, read as an fp16 pair, combined with the block-scale
+# pair into four different outputs by one multiply or fused multiply-add each: the weight and scale bytes, the scale
+# conversion, one scale instruction per output pair and the MMA operands stay as in the real decode; the bit
+# operations and E4M3 conversions go. The time difference to the real decode is what any cheaper decode could gain
+# at most. (The outputs must differ: four identical multiplies were merged into one by ptxas, so the H200 run of
+# 2026-12-03 at 52c7f17 also left out three quarters of the scale multiplies: 32 HMUL2 per K tile instead of 128.)
 _FREE_WORD = """mul.rn.f16x2 {o0}, {w}, $10;
-mul.rn.f16x2 {o1}, {w}, $10;
-mul.rn.f16x2 {o2}, {w}, $10;
-mul.rn.f16x2 {o3}, {w}, $10;
+fma.rn.f16x2 {o1}, {w}, $10, {w};
+fma.rn.f16x2 {o2}, {w}, $10, $10;
+fma.rn.f16x2 {o3}, $10, $10, {w};
 """
 _FREE_ASM = tl.constexpr("{\n" + _FREE_WORD.format(w="$8", o0="$0", o1="$1", o2="$2", o3="$3")
                          + _FREE_WORD.format(w="$9", o0="$4", o1="$5", o2="$6", o3="$7") + "}\n")

@@ -20,7 +20,8 @@ def _f(v, fmt="{:.1f}") -> str:
 def _cfg(d: dict | None) -> str:
     if not d:
         return "—"
-    return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d)
+    regs = f" r{d['maxnreg']}" if d.get("maxnreg") else ""  # a register cap (Gemm1Config.maxnreg)
+    return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d) + regs
 
 
 def _tolerance(tol) -> str:
