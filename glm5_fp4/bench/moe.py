@@ -326,6 +326,7 @@ def plan_label(r: dict) -> str:
         extra.append("pdl")
     if r.get("l2_prefetch"):
         extra.append(f"pf{r['l2_prefetch']}")
+
     def regs(g):  # a register cap (Gemm1Config.maxnreg)
         return f"r{g['maxnreg']}" if g.get("maxnreg") else ""
 

@@ -111,12 +111,19 @@ def _l2_prefetch(plan: cfgs.Plan, call: MoECall) -> dict:
     return dict(PF_DIST=plan.l2_prefetch) if plan.l2_prefetch and call.use_asm else {}
 
 
+def _w2_row_requests(rows: int, i: int) -> tuple[int, int]:
+    """128-byte L2 requests (powers of two) covering ``rows`` down-projection rows of words / of scales, which
+    are contiguous runs only at whole K tiles (triton_moe._prefetch_w2_rows)."""
+    return _pow2(-(-rows * (i // 8) // 32)), _pow2(-(-rows * (i // 16) // 128))
+
+
 def _l2_prefetch2(plan: cfgs.Plan, call: MoECall, bn: int) -> dict:
     """The grouped GEMM2's: distance and 128-byte requests per N tile of ``bn`` rows (whole K tiles only)."""
     i = call.prepared.intermediate_size
     if not (plan.l2_prefetch and call.use_asm) or cfgs.gemm2_k_chunk(i) != i:
         return {}
-    return dict(PF_DIST=plan.l2_prefetch, PF_DW=_pow2(-(-bn * (i // 8) // 32)), PF_DS=_pow2(-(-bn * (i // 16) // 128)))
+    words, scales = _w2_row_requests(bn, i)
+    return dict(PF_DIST=plan.l2_prefetch, PF_DW=words, PF_DS=scales)
 
 
 def _regs(cfg, call: MoECall) -> dict:
@@ -131,7 +138,8 @@ def _prefetch(plan: cfgs.Plan, call: MoECall, rows: int) -> dict:
     i = call.prepared.intermediate_size
     if not _pdl(plan, call) or cfgs.gemm2_k_chunk(i) != i:
         return {}
-    return dict(PF_ROWS=rows, PF_W=_pow2(-(-rows * (i // 8) // 32)), PF_S=_pow2(-(-rows * (i // 16) // 128)))
+    words, scales = _w2_row_requests(rows, i)
+    return dict(PF_ROWS=rows, PF_W=words, PF_S=scales)
 
 
 def _emap(call: MoECall):

@@ -493,6 +493,15 @@ def _prefetch_l2(base, span, LINES: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_w2_rows(w_ptr, s_ptr, e64, n, ROWS: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                      LINES_W: tl.constexpr, LINES_S: tl.constexpr):
+    """Ask L2 for ``ROWS`` down-projection rows of expert ``e64`` from row ``n``: its words and its scales (each a
+    contiguous run at whole K tiles), LINES_W / LINES_S 128-byte requests (launch._w2_row_requests)."""
+    _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + n * (I // 8), ROWS * (I // 8), LINES_W, 32)
+    _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + n * (I // 16), ROWS * (I // 16), LINES_S, 128)
+
+
+@triton.jit
 def _prefetch_l2_at(ptrs):
     """Ask L2 for the line of every pointer of ``ptrs`` (fire and forget)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
@@ -764,8 +773,7 @@ def moe_gemm2_grouped_kernel(
     n_begin = pid_s * n_per
     if PF_ROWS > 0:
         if count > 0:
-            _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + n_begin * (I // 8), PF_ROWS * (I // 8), PF_W, 32)
-            _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + n_begin * (I // 16), PF_ROWS * (I // 16), PF_S, 128)
+            _prefetch_w2_rows(w_ptr, s_ptr, e64, n_begin, PF_ROWS, H, I, PF_W, PF_S)
     _pdl_enter(USE_PDL)
     alpha = tl.load(alpha_ptr + e)
     if W4A4:
@@ -800,8 +808,7 @@ def moe_gemm2_grouped_kernel(
             for n0 in range(n_begin, n_begin + n_per, BN):
                 if PF_DIST > 0:
                     np_ = tl.minimum(n0 + PF_DIST * BN, n_begin + n_per - BN)
-                    _prefetch_l2(w_ptr + e64 * (H * (I // 8)) + np_ * (I // 8), BN * (I // 8), PF_DW, 32)
-                    _prefetch_l2(s_ptr + e64 * (H * (I // 16)) + np_ * (I // 16), BN * (I // 16), PF_DS, 128)
+                    _prefetch_w2_rows(w_ptr, s_ptr, e64, np_, BN, H, I, PF_DW, PF_DS)
                 d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(
                     tl.load(w_base + n0 * (I // 8)), tl.load(s_base + n0 * (I // 16)), BN, KC, USE_ASM, DIAG & 1,
                     PLACED)
@@ -913,9 +920,7 @@ def moe_gemm2_slot_kernel(
         for jp in tl.static_range(TOPK):  # (not j: the loops below carry a runtime j)
             e_j, local_j = _slot_expert(tok * TOPK + jp, ids_ptr, emap_ptr, HAS_MAP)
             if local_j > 0:
-                e_j64 = e_j.to(tl.int64)
-                _prefetch_l2(w_ptr + e_j64 * (H * (I // 8)) + n_begin * (I // 8), PF_ROWS * (I // 8), PF_W, 32)
-                _prefetch_l2(s_ptr + e_j64 * (H * (I // 16)) + n_begin * (I // 16), PF_ROWS * (I // 16), PF_S, 128)
+                _prefetch_w2_rows(w_ptr, s_ptr, e_j.to(tl.int64), n_begin, PF_ROWS, H, I, PF_W, PF_S)
     _pdl_enter(USE_PDL)
     for n0 in range(n_begin, n_begin + n_per, BN):
         acc = tl.zeros((BN, BM), dtype=tl.float32)
