@@ -7,6 +7,7 @@ config sweep, plan overrides from a sweep, parallel pre-compilation and the resu
     python benchmarks/moe_kernel.py                                  # table -> benchmarks/results/moe_kernel_h200.{json,md}
     python benchmarks/moe_kernel.py --shards tp8 --tokens 512 --routings balanced,same_k
     python benchmarks/moe_kernel.py --sweep --shards tp8 --tokens 1,512,4096 --json sweep.json
+    python benchmarks/moe_kernel.py --sweep --only 't$' --tokens 512  # the default and the TMA GEMM1 tiles only
     python benchmarks/moe_kernel.py --plans sweep.json               # the table with the sweep's best plans
 """
 
@@ -16,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -50,7 +52,7 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
             if base.schedule == "slot" and (hidden // g1.bk) % base.gemm1_split_k:
                 continue
             out[f"g1 {g1.bn}x{g1.bm}x{g1.bk}w{g1.num_warps}s{g1.num_stages}{'' if g1.merged else 'u'}"
-                f"{f'r{g1.maxnreg}' if g1.maxnreg else ''}"] = rep(base, gemm1=g1)
+                f"{f'r{g1.maxnreg}' if g1.maxnreg else ''}{'t' if g1.tma else ''}"] = rep(base, gemm1=g1)
     for g2 in C.GEMM2_CANDIDATES[arch]:
         if base.schedule == "slot" and g2.bm != 16:
             continue
@@ -95,9 +97,18 @@ def launch_forms(plan) -> dict:
     return out
 
 
-def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None) -> list[dict]:
+def selected(variants: dict, only: str | None) -> dict:
+    """The default plan and the variants whose name matches regular expression ``only`` (None: all)."""
+    if not only:
+        return variants
+    pattern = re.compile(only)
+    return {n: p for n, p in variants.items() if n == "default" or pattern.search(n)}
+
+
+def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=None) -> list[dict]:
     """Whole-layer time of each variant at each (shard, T); the best GEMM1 and GEMM2 choices combined last.
-    ``on_point(results so far)`` after each (shard, T), so a run cut by its time limit keeps what it measured."""
+    ``on_point(results so far)`` after each (shard, T), so a run cut by its time limit keeps what it measured.
+    ``only``: a regular expression the variants' names must match (the default plan always runs)."""
     import torch
 
     from glm5_fp4.bench import moe as B
@@ -117,7 +128,7 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None) -> lis
             res = {"shard": name, "tokens": t, "routing": routing, "schedule": base.schedule, "runs": []}
             ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=base)
             timed = {}
-            for vname, plan in sweep_variants(base, sh.hidden, sh.intermediate, arch).items():
+            for vname, plan in selected(sweep_variants(base, sh.hidden, sh.intermediate, arch), only).items():
                 t0 = time.time()
                 try:
                     o = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
@@ -176,7 +187,7 @@ def plans_from_sweep(path: str):
     return lookup
 
 
-def precompile(shards, tokens, jobs: int, progress, sweep: bool = False) -> None:
+def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: str | None = None) -> None:
     """Compile every kernel the default plans will launch (``sweep``: every sweep variant's too), ``jobs``
     processes at a time, into Triton's on-disk cache (the timed runs then load them): compilation dominates a
     short benchmark's wall time, and a sweep compiles ~20 plans per (shard, T) one after another."""
@@ -188,7 +199,7 @@ def precompile(shards, tokens, jobs: int, progress, sweep: bool = False) -> None
     # the plans are made here once and handed to the workers (None: the worker's default plan)
     work = [(s, t, None) for s in shards for t in tokens]
     if sweep:
-        work = [(s, t, plan) for s, t, _ in work for plan in _sweep_plans(s, t).values()]
+        work = [(s, t, plan) for s, t, _ in work for plan in selected(_sweep_plans(s, t), only).values()]
         torch.cuda.empty_cache()  # the plans' empty weights: nothing of them is needed past this point
     t0 = time.time()
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
@@ -259,6 +270,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", action="store_true", help="also time align and align+gemm1 alone")
     ap.add_argument("--sweep", action="store_true", help="config sweep (whole-layer time per variant)")
     ap.add_argument("--sweep-routing", default="balanced")
+    ap.add_argument("--only", metavar="REGEX", help="sweep only the variants whose names match (and the default)")
     ap.add_argument("--plans", help="a --sweep JSON whose best plans replace the defaults where swept")
     ap.add_argument("--precompile", type=int, default=0, metavar="JOBS", help="compile the default plans' kernels "
                     "(with --sweep: every variant's) in JOBS processes first")
@@ -293,12 +305,12 @@ def main(argv=None) -> int:
 
     if args.precompile:
         try:
-            precompile(shards, tokens, args.precompile, progress, sweep=args.sweep)
+            precompile(shards, tokens, args.precompile, progress, sweep=args.sweep, only=args.only)
         except Exception:  # noqa: BLE001 - compiling in the timed run instead only costs time
             traceback.print_exc()
     if args.sweep:
         out = {"sweeps": run_sweep(shards, tokens, args.sweep_routing, args.layers, progress,
-                                   on_point=lambda sw: save({"sweeps": sw}))}
+                                   on_point=lambda sw: save({"sweeps": sw}), only=args.only)}
         save(out)
         return 0
     lookup = plans_from_sweep(args.plans) if args.plans and Path(args.plans).exists() else None

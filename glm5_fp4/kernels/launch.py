@@ -142,6 +142,28 @@ def _prefetch(plan: cfgs.Plan, call: MoECall, rows: int) -> dict:
     return dict(PF_ROWS=rows, PF_W=words, PF_S=scales)
 
 
+# A TMA box row (its inner dimension) must be a multiple of 16 bytes: the scale tile's BK/16 bytes are at BK >= 256;
+# the global tensor's rows likewise (the scales' H/16 bytes).
+TMA_ROW_BYTES = 16
+
+
+def _w13(plan: cfgs.Plan, call: MoECall) -> tuple[tuple, dict]:
+    """GEMM1's weight and scale operands: pointers, or (Gemm1Config.tma) a tensor descriptor of the [E*2I, H/8]
+    words with one tile's box, and of the [E*2I, H/16] scales where their tile row is a whole TMA box row; and
+    the kernel's constexprs for them."""
+    p, g1 = call.prepared, plan.gemm1
+    w, s = p.w13.view(torch.int32), p.w13_scale
+    if not g1.tma:
+        return (w, s), {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    wd = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [g1.bn, g1.bk // 8])
+    if g1.bk // 16 % TMA_ROW_BYTES:
+        return (wd, s), dict(W_DESC=True)
+    return (wd, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [g1.bn, g1.bk // 16])), dict(W_DESC=True,
+                                                                                                       S_DESC=True)
+
+
 def _emap(call: MoECall):
     # Kernels take a pointer either way; without a map the ids pointer stands in (never read: HAS_MAP=False).
     return call.expert_map if call.expert_map is not None else call.topk_ids
@@ -235,6 +257,11 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                 f"splits of whole {g1.bk}-wide K tiles of H={h}, and <= {cfgs.GROUPED_SPLIT_K_MAX_TOKENS} tokens "
                 f"(got {call.tokens})"
             )
+    if g1.tma and ((h // 2) % TMA_ROW_BYTES or (g1.bk // 16 % TMA_ROW_BYTES == 0 and (h // 16) % TMA_ROW_BYTES)):
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs rows of whole {TMA_ROW_BYTES}-byte units (words: H/2 = "
+                           f"{h // 2} bytes, scales: H/16 = {h // 16} bytes)")
+    if g1.tma and plan.l2_prefetch:
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA has no L2 prefetch (it addresses rows by pointer)")
     if plan.schedule != "slot":
         if call.workspace.block_capacity < max_blocks(call.num_slots, call.prepared.num_experts, g1.bm):
             raise Glm5Fp4Error(f"workspace holds {call.workspace.block_capacity} work-list blocks, this call needs "
@@ -298,17 +325,18 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     fused = split_k > 1 and plan.gemm1_fused_reduce
     dedup = plan.slot_dedup
     pdl = _pdl(plan, call)
+    w13, w13_kw = _w13(plan, call)
     out = [
         Launch(
             K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
-            (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
+            (call.x, call.x.stride(0), ws.xq, *w13, p.w13_alpha, a13, g13, g2s,
              ws.act, ws.part, num_slots * 2 * i, ws.split_count, call.topk_ids, emap, ws.slots, ws.blocks,
              ws.num_blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call)),
+                 **_l2_prefetch(plan, call), **w13_kw),
             stage="gemm1",
         )
     ]
@@ -349,18 +377,19 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     # the tail past the placed slots holds stale sums whose act rows no GEMM2 block reads).
     pdl = _pdl(plan, call)
     reduce = [] if split == 1 else [_splitk_reduce(call, split, False, False, "gemm1", pdl)]
+    w13, w13_kw = _w13(plan, call)
     return [
         *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl),
         Launch(
             K.moe_gemm1_kernel, (nblk, i // g1.bn, split),
-            (call.x, call.x.stride(0), ws.xq, p.w13.view(torch.int32), p.w13_scale, p.w13_alpha, a13, g13, g2s,
+            (call.x, call.x.stride(0), ws.xq, *w13, p.w13_alpha, a13, g13, g2s,
              ws.act, ws.part, call.num_slots * 2 * i if split > 1 else 0, ws.split_count, call.topk_ids,
              _emap(call), ws.slots, *blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call)),
+                 **_l2_prefetch(plan, call), **w13_kw),
             stage="gemm1",
         ),
         *reduce,

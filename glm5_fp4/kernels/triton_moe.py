@@ -549,8 +549,15 @@ def moe_gemm1_kernel(
     SP: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
     PF_DIST: tl.constexpr = 0,
+    W_DESC: tl.constexpr = False,
+    S_DESC: tl.constexpr = False,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
+
+    ``W_DESC`` (Gemm1Config.tma): ``w_ptr`` is a tensor descriptor of the words [E*2I, H/8] with [BN, BK/8]
+    blocks, so the weight tiles arrive by TMA (one instruction per tile, no per-thread addresses) instead of
+    per-thread cp.async copies; ``S_DESC`` likewise ``s_ptr`` for the scales [E*2I, H/16] in [BN, BK/16] blocks
+    (a TMA box row must be a multiple of 16 bytes: BK >= 256). The activations stay pointer loads.
 
     ``PF_DIST > 0`` (Plan.l2_prefetch): at each K tile the program asks L2 for the gate/up words and scales
     PF_DIST K tiles ahead (one request per row and matrix), so more of the weight stream is in flight than the
@@ -581,6 +588,7 @@ def moe_gemm1_kernel(
     (grouped) or slot ids (slot mode). ``w_ptr`` is the packed weight as int32 words.
     """
     tl.static_assert(not (X_PREP and W4A4), "prepared activations are W4A16 only")
+    tl.static_assert(not ((W_DESC or S_DESC) and PF_DIST > 0), "the L2 prefetch addresses rows by pointer")
     _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
     K_PER: tl.constexpr = H // SPLIT_K
@@ -603,10 +611,13 @@ def moe_gemm1_kernel(
     offs_k = tl.arange(0, BK)
     mk = _merged_k(BK)
 
-    w_gate = w_ptr + e64 * (2 * I * (H // 8)) + offs_i[:, None] * (H // 8) + offs_w[None, :]
-    w_up = w_gate + I * (H // 8)
-    s_gate = s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * (H // 16) + offs_ks[None, :]
-    s_up = s_gate + I * (H // 16)
+    row_g = e * (2 * I) + pid_n * BN  # first gate row of the tile in the [E*2I, .] views of the descriptors
+    if not W_DESC:
+        w_gate = w_ptr + e64 * (2 * I * (H // 8)) + offs_i[:, None] * (H // 8) + offs_w[None, :]
+        w_up = w_gate + I * (H // 8)
+    if not S_DESC:
+        s_gate = s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * (H // 16) + offs_ks[None, :]
+        s_up = s_gate + I * (H // 16)
     if PF_DIST > 0:
         # rows of this tile's gate half then its up half; the last K tile's address stands in past the end
         pr = tl.arange(0, 2 * BN)
@@ -653,12 +664,28 @@ def moe_gemm1_kernel(
                     xt = _x_operand(xt, g_in, W4A4, BK, BM)
                 if not MERGED:
                     x0, x1, x2, x3, x4, x5, x6, x7 = _split_sets(xt, NW, BM)
-            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_gate + k0 // 8), tl.load(s_gate + k0 // 16), BN, BK, USE_ASM, DIAG, PLACED)
+            if W_DESC:
+                wg = w_ptr.load([row_g, k0 // 8])
+            else:
+                wg = tl.load(w_gate + k0 // 8)
+            if S_DESC:
+                sg = s_ptr.load([row_g, k0 // 16])
+            else:
+                sg = tl.load(s_gate + k0 // 16)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wg, sg, BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
             else:
                 acc_g = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_g)
-            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(tl.load(w_up + k0 // 8), tl.load(s_up + k0 // 16), BN, BK, USE_ASM, DIAG, PLACED)
+            if W_DESC:
+                wu = w_ptr.load([row_g + I, k0 // 8])
+            else:
+                wu = tl.load(w_up + k0 // 8)
+            if S_DESC:
+                su = s_ptr.load([row_g + I, k0 // 16])
+            else:
+                su = tl.load(s_up + k0 // 16)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wu, su, BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)
             else:

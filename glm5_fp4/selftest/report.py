@@ -21,7 +21,8 @@ def _cfg(d: dict | None) -> str:
     if not d:
         return "—"
     regs = f" r{d['maxnreg']}" if d.get("maxnreg") else ""  # a register cap (Gemm1Config.maxnreg)
-    return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d) + regs
+    tma = " tma" if d.get("tma") else ""  # weight tiles by TMA (Gemm1Config.tma)
+    return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d) + regs + tma
 
 
 def _tolerance(tol) -> str:

@@ -86,6 +86,22 @@ def main() -> int:
         ok = err < moe_tolerance("w4a16", x.dtype) and plan.pdl
         failures += not ok
         print(f"T={t} {form} map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # GEMM1's weight tiles by TMA (Gemm1Config.tma): words and scales by descriptor (BK = 256), words only (BK = 128)
+    from glm5_fp4.kernels import configs as C
+
+    for t, routing, bk in ((3, "balanced", 256), (40, "same_k", 256), (40, "zipf2", 128)):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing(routing, t, e, k, device="cuda")
+        base = default_plan(x, ids, prep, "w4a16")
+        plan = dataclasses.replace(base, gemm1=C.Gemm1Config(16, base.gemm1.bm, bk, 4, 2, tma=True),
+                                   gemm1_split_k=1, gemm1_fused_reduce=False)
+        out = fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan)
+        ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode="w4a16",
+                            compute_dtype=torch.float64)
+        err = rel_error(out, ref)
+        ok = err < moe_tolerance("w4a16", x.dtype)
+        failures += not ok
+        print(f"T={t} {routing} tma bk={bk}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

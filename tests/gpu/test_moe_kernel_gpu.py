@@ -489,3 +489,35 @@ def test_register_capped_tiles_and_l2_prefetch(shape, t, routing, mode):
     for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=pf),
                                        w, ids, out, e, 2):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plan)) < moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("shape,t,routing,mode", [
+    (GLM_TP8, 1, "balanced", "w4a16"), (GLM_TP8, 4, "same_k", "w4a4"), (GLM_TP8, 64, "zipf1.2", "w4a16"),
+    (GLM_TP8, 512, "balanced", "w4a16"), (GLM_TP8, 1024, "same_k", "w4a16"), (GLM_TP4, 512, "zipf1.2", "w4a4"),
+    (GLM_TP8, 4096, "balanced", "w4a16")])
+def test_gemm1_weight_tiles_by_tma(shape, t, routing, mode):
+    """Gemm1Config.tma (weight tiles by TMA; scales too at BK = 256) against the float64 reference, NaN-poisoned
+    outputs, for every TMA tile the sweep may pick at this token block; a CUDA-graph replay with new routings
+    matches eager."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import default_plan, device_arch, fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing)
+    ref = reference(x, w, ids, ex, mode)
+    base = default_plan(x, ids, prep, mode)
+    arch, _ = device_arch(x.device)
+    tiles = [g for g in C.GEMM1_CANDIDATES[arch] if g.tma and g.bm == base.gemm1.bm and i % g.bn == 0]
+    assert tiles, f"no TMA tile at bm={base.gemm1.bm}"
+    for g1 in tiles:
+        p = dataclasses.replace(base, gemm1=g1)
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=p)
+        assert torch.isfinite(out).all(), g1
+        assert rel_error(out, ref) < moe_tolerance(mode, x.dtype), g1
+    p = dataclasses.replace(base, gemm1=tiles[0])
+    out = torch.full_like(x, float("nan"))
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=p),
+                                       w, ids, out, e, 2):
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=base)) < moe_tolerance(mode, x.dtype)

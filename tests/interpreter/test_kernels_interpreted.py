@@ -35,10 +35,10 @@ def _experts(gen, h=H):
     return ex, prepare_experts(ex)
 
 
-def _plan(t, schedule, h=H, bm=16, merged=True, bk=128, **flags):
+def _plan(t, schedule, h=H, bm=16, merged=True, bk=128, tma=False, **flags):
     """A pinned plan: the per-slot / unsplit forms unless ``flags`` ask for dedup or split-K (the defaults moved
     to them at T >= 3 / short grouped lists; each test here names the form it checks)."""
-    plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, bk, 4, 2, merged),
+    plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, bk, 4, 2, merged, tma=tma),
                   gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged),
                   form="per_slot" if schedule == "slot" else "grouped_unsplit")
     return dataclasses.replace(plan, **flags)
@@ -60,6 +60,18 @@ def _run(gen, t, mode, schedule, routing="balanced", ids_dtype=torch.int64, expe
 @pytest.mark.parametrize("schedule,t", [("slot", 3), ("grouped", 40)])
 def test_schedules_match_reference(gen, schedule, t, mode):
     out, ref = _run(gen, t, mode, schedule)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("schedule,t,routing,bk", [("slot", 3, "balanced", 256), ("grouped", 40, "same_k", 256),
+                                                   ("grouped", 40, "balanced", 128)])
+def test_gemm1_weight_tiles_by_tensor_descriptor(gen, schedule, t, routing, bk, mode):
+    """Gemm1Config.tma: the words (and at BK = 256 the scales: a TMA box row of 16 bytes) read through tensor
+    descriptors of the [E*2I, .] views give the float64 reference's layer; four K tiles, three blocks per hot
+    expert, slot and grouped schedules."""
+    out, ref = _run(gen, t, mode, schedule, routing, h=1024, bk=bk, tma=True)
     assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
 

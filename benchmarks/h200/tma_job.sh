@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# H200 calls of 2026-12-03 (session 12): GEMM1's weight tiles by TMA (Gemm1Config.tma) against the defaults.
+#   OUT=dir bash benchmarks/h200/tma_job.sh sweep   # the TMA tiles swept beside the default (TP8, TP4), GPU tests
+#   OUT=dir bash benchmarks/h200/tma_job.sh table   # the table with the sweep's best plans and Marlin (shipped
+#                                                   # vLLM: . benchmarks/h200_vllm/env.sh first), memcheck
+# The sweep's JSON is kept in /tmp/tma (it survives between back-to-back calls while the machine is warm) for
+# the table call, and copied to OUT.
+set -u
+: "${OUT:?OUT=dir (where the results go) is required}"
+. benchmarks/gpu_deps.sh || exit 2
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+L=$OUT/logs; mkdir -p "$L" /tmp/tma
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "${GREP:-passed|failed|FAIL|Error|best|x balanced|ERROR}" "$L/$name.log" | tail -${TAIL:-30}; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
+for s in "$@"; do
+  case $s in
+    sweep)
+      step sweep_tp8 "${T_SWEEP:-290}" python3 benchmarks/moe_kernel.py --sweep --only 't$' --precompile 14 --shards tp8 \
+        --tokens "${SWEEP_TOKENS:-1,4,64,512,1024,4096}" --layers 4 --json /tmp/tma/sweep.json
+      cp /tmp/tma/sweep.json "$OUT/sweep_tma_tp8.json"
+      step sweep_tp4 "${T_SWEEP4:-120}" python3 benchmarks/moe_kernel.py --sweep --only '32x(256|128)w4s[234]t$' \
+        --precompile 14 --shards tp4 --tokens 512 --layers 4 --json "$OUT/sweep_tma_tp4.json"
+      step tests "${T_TESTS:-150}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -p no:cacheprovider \
+        -k "tma or balanced_matches or cuda_graph" ;;
+    table)
+      step table "${T_TABLE:-330}" python3 benchmarks/moe_kernel.py --precompile 14 --shards tp8 \
+        --tokens 1,4,16,64,256,512,1024,4096,8192 --routings balanced,same_k,zipf1.2 --plans /tmp/tma/sweep.json \
+        --json "$OUT/moe_kernel_h200.json" --md "$OUT/moe_kernel_h200.md"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck \
+        --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
+  esac
+done
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$L"
