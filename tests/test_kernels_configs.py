@@ -384,6 +384,42 @@ def test_register_caps_and_l2_prefetch_reach_the_launches_only_where_ptx_is_comp
     assert not any(key in ln.kwargs for ln in plain for key in ("maxnreg", "PF_DIST", "PF_DW", "PF_DS"))
 
 
+@pytest.mark.parametrize("t,bk", [(4, 256), (512, 256), (512, 128)])
+def test_tma_tiles_hand_gemm1_descriptors_of_one_tile(t, bk):
+    """Gemm1Config.tma: GEMM1 gets a descriptor of the [E*2I, H/8] words with one [BN, BK/8] box, and one of the
+    [E*2I, H/16] scales where the [BN, BK/16] box row is 16 bytes (BK >= 256), else the scales' pointer; plans that
+    TMA cannot serve (rows not of whole 16-byte units, the pointer-addressed L2 prefetch) are refused by name."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import launches
+
+    call = _meta_call("tp8", t, use_asm=True)
+    p = call.prepared
+    e, h, i = p.num_experts, p.hidden_size, p.intermediate_size
+    g1 = C.Gemm1Config(64, 16 if t <= 4 else 32, bk, 4, 2, tma=True)
+    plan = dataclasses.replace(C.plan("sm90", t, e, 8, h, i, sm_count=132), gemm1=g1)
+    g = next(ln for ln in launches(plan, call) if ln.name == "moe_gemm1_kernel")
+    words, scales = g.args[3], g.args[4]
+    assert isinstance(words, TensorDescriptor) and g.kwargs["W_DESC"]
+    assert list(words.shape) == [e * 2 * i, h // 8] and list(words.block_shape) == [64, bk // 8]
+    if bk >= 256:
+        assert isinstance(scales, TensorDescriptor) and g.kwargs["S_DESC"]
+        assert list(scales.shape) == [e * 2 * i, h // 16] and list(scales.block_shape) == [64, bk // 16]
+    else:
+        assert scales is p.w13_scale and "S_DESC" not in g.kwargs
+    plain = next(ln for ln in launches(dataclasses.replace(plan, gemm1=dataclasses.replace(g1, tma=False)), call)
+                 if ln.name == "moe_gemm1_kernel")
+    assert "W_DESC" not in plain.kwargs and not isinstance(plain.args[3], TensorDescriptor)
+    with pytest.raises(Glm5Fp4Error, match="L2 prefetch"):
+        launches(dataclasses.replace(plan, l2_prefetch=4), call)
+    small = _meta_call("tiny", 40, use_asm=True)  # H = 512: scale rows of 32 bytes serve; H = 128 would not
+    sp = small.prepared
+    assert launches(dataclasses.replace(C.plan("sm90", 40, sp.num_experts, 4, 512, sp.intermediate_size),
+                                        gemm1=C.Gemm1Config(16, 16, 256, 4, 2, tma=True)), small)
+
+
 def test_former_tile_defaults_are_opt_in_on_the_archs_they_were_defaults_on():
     """slot_stages4 / gemm2_128x32 restore the sm90 (and sm100, which shares its tables) tiles of 2026-12-02 and
     change nothing on sm120, whose own defaults they never were; the new sm90 defaults are what the H200 measured."""
