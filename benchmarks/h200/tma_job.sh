@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # H200 calls of 2026-12-03 (session 12): GEMM1's weight tiles by TMA (Gemm1Config.tma) against the defaults.
-#   OUT=dir bash benchmarks/h200/tma_job.sh sweep   # the TMA tiles swept beside the default (TP8, TP4), GPU tests
+#   OUT=dir bash benchmarks/h200/tma_job.sh sweep   # the TMA tiles swept beside the default (TP8, TP4), the parallel
+#                                                   # align at T = 768/1024, GPU tests
 #   OUT=dir bash benchmarks/h200/tma_job.sh table   # the table with the sweep's best plans and Marlin (shipped
 #                                                   # vLLM: . benchmarks/h200_vllm/env.sh first), memcheck
 # The sweep's JSON is kept in /tmp/tma (it survives between back-to-back calls while the machine is warm) for
@@ -22,6 +23,8 @@ for s in "$@"; do
       cp /tmp/tma/sweep.json "$OUT/sweep_tma_tp8.json"
       step sweep_tp4 "${T_SWEEP4:-120}" python3 benchmarks/moe_kernel.py --sweep --only '32x(256|128)w4s[234]t$' \
         --precompile 14 --shards tp4 --tokens 512 --layers 4 --json "$OUT/sweep_tma_tp4.json"
+      step palign "${T_PALIGN:-60}" python3 benchmarks/moe_variants.py --shards tp8 --tokens 768,1024 \
+        --routings balanced,same_k --forms parallel_align --json "$OUT/variants_palign.json"
       step tests "${T_TESTS:-150}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -p no:cacheprovider \
         -k "tma or balanced_matches or cuda_graph" ;;
     table)
