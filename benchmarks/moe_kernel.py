@@ -66,7 +66,7 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         out[f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
             f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}"] = rep(
             base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
-    for dist in L2_PREFETCH_DISTANCES:
+    for dist in L2_PREFETCH_DISTANCES if not base.gemm1.tma else ():  # (TMA tiles have no pointer rows to prefetch)
         if dist != base.l2_prefetch:
             out[f"pf{dist}"] = rep(base, l2_prefetch=dist)
     if base.schedule == "slot" and base.gemm2_unroll:
@@ -90,7 +90,7 @@ def launch_forms(plan) -> dict:
     with each L2 prefetch distance."""
     rep = dataclasses.replace
     out = {"+pdl": rep(plan, pdl=True)}
-    for dist in L2_PREFETCH_DISTANCES:
+    for dist in L2_PREFETCH_DISTANCES if not plan.gemm1.tma else ():
         out[f"+pdl pf{dist}"] = rep(plan, pdl=True, l2_prefetch=dist)
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         out["+pdl fused"] = rep(plan, pdl=True, gemm1_fused_reduce=True)
