@@ -5,12 +5,14 @@ to read the code the H200 runs:
 
     python benchmarks/sass_profile.py --cc 90 --tp 8 --tokens 1,16,512,1024,4096 --json benchmarks/results/moe_kernel_sass_sm90.json
     python benchmarks/sass_profile.py --layout placed --json benchmarks/results/moe_kernel_sass_sm90_placed.json
+    python benchmarks/sass_profile.py --tokens 512 --gemm1 64,32,256,4,3 --gemm1 64,32,128,4,3 --tma   # TMA tiles
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -86,6 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--tokens", default="1,16,512,1024,4096")
     ap.add_argument("--layout", default="split", help="weight layout: split (default) or placed (cheaper decode)")
+    ap.add_argument("--tma", action="store_true", help="GEMM1 weight tiles by TMA (Gemm1Config.tma)")
+    ap.add_argument("--gemm1", action="append", default=[], metavar="BN,BM,BK,WARPS,STAGES",
+                    help="GEMM1 tile instead of the picker's (repeatable: one row each)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import triton
@@ -101,9 +106,12 @@ def main(argv=None) -> int:
     i = spec.moe_intermediate_size // args.tp
     arch = aot.ARCH_OF_CC[args.cc]
     rows = []
-    for t in (int(v) for v in args.tokens.split(",")):
-        plan = C.plan(arch, t, e, k, h, i)
-        for stage in ("gemm1", "gemm2"):
+    tiles = [C.Gemm1Config(*(int(v) for v in g.split(",")), tma=args.tma) for g in args.gemm1] or [None]
+    for t, tile in ((int(v), g) for v in args.tokens.split(",") for g in tiles):
+        plan = C.plan(arch, t, e, k, h, i, gemm1=tile)
+        if args.tma and tile is None:
+            plan = dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, tma=True))
+        for stage in ("gemm1", "gemm2") if tile is None else ("gemm1",):
             for b in aot.compile_plan(plan, args.cc, h, i, tokens=t, stage=stage, layout=args.layout):
                 if stage not in b.kernel:
                     continue
@@ -126,7 +134,7 @@ def main(argv=None) -> int:
                       f"loop {len(body)} instr = {rows[-1]['instructions_per_weight']} / weight  {rows[-1]['mix_per_weight']}")
     if args.json:
         doc = dict(meta=result_metadata(benchmark="sass_profile", cc=args.cc, tp=args.tp, triton=triton.__version__,
-                                        layout=args.layout),
+                                        layout=args.layout, tma=args.tma, gemm1=args.gemm1),
                    rows=rows)
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
