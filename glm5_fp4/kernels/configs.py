@@ -486,8 +486,11 @@ def _gemm2_override(arch: str, intermediate: int, key: tuple) -> Gemm2Config | N
 # within noise (moe_variants_h200.json); whole experts (TP1) within noise at T=2048 and 8192 either way
 # (moe_variants_h200_prefill_tp1.json); TP4 0.2-0.5 % faster at T=2048 and 8192 (moe_variants_h200_prefill_tp4.json,
 # where the 2026-12-01 run, older tiles, had it 4 % slower at T=8192: not reproduced). The align's work does not
-# depend on the expert shard at all.
-PARALLEL_ALIGN_MIN_TOKENS = 2048
+# depend on the expert shard at all. From T=1024 since 2026-12-03 (moe_variants_h200_palign_813c60f.json, TP8, us per
+# layer, serial twice -> parallel): T=1024 balanced 437.4 / 436.3 -> 431.4, same_k 303.4 / 299.3 -> 299.1; T=768
+# balanced 358.7 / 362.3 -> 354.5 but same_k 239.3 / 238.4 -> 241.3, so not below 1024 (the serial align took 26.6 us
+# of T=1024's ~430 in ncu, 2026-12-03).
+PARALLEL_ALIGN_MIN_TOKENS = 1024
 
 
 # Experts receiving at least one token under uniform random routing (the one home of the formula: spec.py).
@@ -675,7 +678,7 @@ OPT_IN: dict[str, OptIn] = {
                                     "PARALLEL_ALIGN_MIN_TOKENS on)"),
     "serial_align": OptIn(dict(parallel_align=False), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(4096,),
                           purpose="routing counted and placed by one program (the default below "
-                                  "PARALLEL_ALIGN_MIN_TOKENS; 1-3 % slower at T = 2,048-8,192)"),
+                                  "PARALLEL_ALIGN_MIN_TOKENS; 0-3 % slower at T = 1,024-8,192)"),
     "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
     "pdl": OptIn(dict(pdl=True), "slot", PDL_MIN_TOKENS - 1, ("w4a16", "w4a4"), compile_tokens=(1,),
