@@ -66,7 +66,7 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         out[f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
             f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}"] = rep(
             base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
-    for dist in L2_PREFETCH_DISTANCES if not base.gemm1.tma else ():  # (TMA tiles have no pointer rows to prefetch)
+    for dist in L2_PREFETCH_DISTANCES:
         if dist != base.l2_prefetch:
             out[f"pf{dist}"] = rep(base, l2_prefetch=dist)
     if base.schedule == "slot" and base.gemm2_unroll:
@@ -90,7 +90,7 @@ def launch_forms(plan) -> dict:
     with each L2 prefetch distance."""
     rep = dataclasses.replace
     out = {"+pdl": rep(plan, pdl=True)}
-    for dist in L2_PREFETCH_DISTANCES if not plan.gemm1.tma else ():
+    for dist in L2_PREFETCH_DISTANCES if not plan.gemm1.tma else ():  # (a TMA tile has no pointer rows to prefetch)
         out[f"+pdl pf{dist}"] = rep(plan, pdl=True, l2_prefetch=dist)
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         out["+pdl fused"] = rep(plan, pdl=True, gemm1_fused_reduce=True)
@@ -313,7 +313,10 @@ def main(argv=None) -> int:
                                    on_point=lambda sw: save({"sweeps": sw}), only=args.only)}
         save(out)
         return 0
-    lookup = plans_from_sweep(args.plans) if args.plans and Path(args.plans).exists() else None
+    if args.plans and not Path(args.plans).is_file():
+        print(f"--plans {args.plans}: no such sweep JSON (moe_kernel.py --sweep --json writes one)", file=sys.stderr)
+        return 2
+    lookup = plans_from_sweep(args.plans) if args.plans else None
     out = B.run_table(shards, tokens, routings, layers=args.layers, marlin=not args.no_marlin,
                       baselines=not args.no_baselines, w4a4=args.w4a4, stages=args.stages, plan_for=lookup,
                       progress=progress, on_row=save)

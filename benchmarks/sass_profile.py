@@ -49,7 +49,9 @@ def sass_of(cubin: bytes) -> list[tuple[int, str]]:
 
 def hottest_loop(ins: list[tuple[int, str]]) -> list[str]:
     """The innermost loop holding tensor-core instructions: the smallest body between a backward branch and
-    its target that contains an HGMMA/HMMA (the K loop), else the largest loop."""
+    its target that contains an HGMMA/HMMA (the K loop), else the largest loop. Bodies holding an EXIT are no
+    loops: TMA kernels keep their mbarrier retry stubs after the function's end, each branching back into the
+    middle of the K loop (taken as the loop, that span held half the K tile's MMAs)."""
     best, best_key = [], (-1, -1)
     for addr, text in ins:
         m = re.match(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text.split(";")[0].replace("`", ""))
@@ -61,6 +63,8 @@ def hottest_loop(ins: list[tuple[int, str]]) -> list[str]:
         if target >= addr:
             continue
         body = [t for a, t in ins if target <= a <= addr]
+        if any(t.startswith("EXIT") for t in body):
+            continue
         mma = any(t.startswith(("HGMMA", "HMMA")) for t in body)
         key = (1, -len(body)) if mma else (0, len(body))
         if key > best_key:

@@ -388,7 +388,7 @@ def test_register_caps_and_l2_prefetch_reach_the_launches_only_where_ptx_is_comp
 def test_tma_tiles_hand_gemm1_descriptors_of_one_tile(t, bk):
     """Gemm1Config.tma: GEMM1 gets a descriptor of the [E*2I, H/8] words with one [BN, BK/8] box, and one of the
     [E*2I, H/16] scales where the [BN, BK/16] box row is 16 bytes (BK >= 256), else the scales' pointer; plans that
-    TMA cannot serve (rows not of whole 16-byte units, the pointer-addressed L2 prefetch) are refused by name."""
+    TMA cannot serve (the pointer-addressed L2 prefetch, a box of more than 256 rows) are refused by name."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from glm5_fp4.errors import Glm5Fp4Error
@@ -414,10 +414,9 @@ def test_tma_tiles_hand_gemm1_descriptors_of_one_tile(t, bk):
     assert "W_DESC" not in plain.kwargs and not isinstance(plain.args[3], TensorDescriptor)
     with pytest.raises(Glm5Fp4Error, match="L2 prefetch"):
         launches(dataclasses.replace(plan, l2_prefetch=4), call)
-    small = _meta_call("tiny", 40, use_asm=True)  # H = 512: scale rows of 32 bytes serve; H = 128 would not
-    sp = small.prepared
-    assert launches(dataclasses.replace(C.plan("sm90", 40, sp.num_experts, 4, 512, sp.intermediate_size),
-                                        gemm1=C.Gemm1Config(16, 16, 256, 4, 2, tma=True)), small)
+    tp4 = _meta_call("tp4", t, use_asm=True)  # I = 512: a 512-row tile divides it
+    with pytest.raises(Glm5Fp4Error, match="at most 256 rows"):
+        launches(dataclasses.replace(C.plan("sm90", t, e, 8, h, 512), gemm1=dataclasses.replace(g1, bn=512)), tp4)
 
 
 def test_former_tile_defaults_are_opt_in_on_the_archs_they_were_defaults_on():

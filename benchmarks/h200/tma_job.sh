@@ -2,10 +2,10 @@
 # H200 calls of 2026-12-03 (session 12): GEMM1's weight tiles by TMA (Gemm1Config.tma) against the defaults.
 #   OUT=dir bash benchmarks/h200/tma_job.sh sweep   # the TMA tiles swept beside the default (TP8, TP4), the parallel
 #                                                   # align at T = 768/1024, GPU tests
-#   OUT=dir bash benchmarks/h200/tma_job.sh table   # the table with the sweep's best plans and Marlin (shipped
+#   OUT=dir bash benchmarks/h200/tma_job.sh table   # the table on the built-in defaults with Marlin (shipped
 #                                                   # vLLM: . benchmarks/h200_vllm/env.sh first), memcheck
-# The sweep's JSON is kept in /tmp/tma (it survives between back-to-back calls while the machine is warm) for
-# the table call, and copied to OUT.
+# The sweep's JSON is also kept in /tmp/tma (it survives between back-to-back calls while the machine is warm: the
+# ncu probes of single TMA tiles read it).
 set -u
 : "${OUT:?OUT=dir (where the results go) is required}"
 . benchmarks/gpu_deps.sh || exit 2
@@ -29,7 +29,7 @@ for s in "$@"; do
         -k "tma or balanced_matches or cuda_graph" ;;
     table)
       step table "${T_TABLE:-330}" python3 benchmarks/moe_kernel.py --precompile 14 --shards tp8 \
-        --tokens 1,4,16,64,256,512,1024,4096,8192 --routings balanced,same_k,zipf1.2 --plans /tmp/tma/sweep.json \
+        --tokens 1,4,16,64,256,512,1024,4096,8192 --routings balanced,same_k,zipf1.2 \
         --json "$OUT/moe_kernel_h200.json" --md "$OUT/moe_kernel_h200.md"
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck \
         --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;

@@ -50,8 +50,9 @@ class Gemm1Config:
     maxnreg: int | None = None
     # The gate/up weight and scale tiles by TMA (tensor descriptors over the [E*2I, .] words and scales; SM90+)
     # instead of per-thread cp.async copies: the K loop then holds no per-element pointer tensors (sm_90, Triton
-    # 3.6, 64x32x256 in 3 stages: 124 instead of 199 registers), so shared memory alone bounds the CTAs per SM.
-    # The activations stay pointer loads (their rows are a gather).
+    # 3.6, 64x32x256 in 3 stages: 126 instead of 199 registers), so shared memory alone bounds the CTAs per SM.
+    # The activations stay pointer loads (their rows are a gather). Sweep candidates, no default: no faster on the
+    # H200 (improvements/13).
     tma: bool = False
 
 
@@ -164,8 +165,10 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
         ]
     ] + [
         # Weight tiles by TMA: no per-element pointer tensors, so registers no longer bound the CTAs per SM
-        # (Triton 3.6, sm_90, TP8 shard: 64x32x256 s2 126 registers / 51 KB -> 4 CTAs per SM; 64x32x128 s3 84 / 43 KB
-        # -> 5; 64x32x128 s4 88 / 60 KB -> 3; 64x64x128 s3 128 / 68 KB -> 3), where 3-4 CTAs by register caps spilled
+        # (Triton 3.6, sm_90, TP8 shard, benchmarks/results/moe_kernel_sass_sm90_tma_tiles.json: 64x32x256 s2 127
+        # registers / 51 KB -> 4 CTAs per SM; 64x32x128 s3 87 / 43 KB -> 5; s4 87 / 60 KB -> 3), where 3-4 CTAs by
+        # register caps spilled. No faster on the H200 (2026-12-03, improvements/13: ~12 % more instructions per weight
+        # and a per-stage barrier stall). sm100 shares this list: compiled there, never run.
         Gemm1Config(bn, bm, bk, w, s, tma=True)
         for bn, bm, bk, w, s in [
             (64, 16, 256, 4, 2),

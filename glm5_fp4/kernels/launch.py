@@ -142,15 +142,21 @@ def _prefetch(plan: cfgs.Plan, call: MoECall, rows: int) -> dict:
     return dict(PF_ROWS=rows, PF_W=words, PF_S=scales)
 
 
-# A TMA box row (its inner dimension) must be a multiple of 16 bytes: the scale tile's BK/16 bytes are at BK >= 256;
-# the global tensor's rows likewise (the scales' H/16 bytes).
+# A TMA box row (its inner dimension) must be a multiple of 16 bytes: the words' BK/8 int32 always are (BK is a
+# multiple of 32), the scales' BK/16 bytes at BK >= 256 only; a box dimension holds at most 256 elements.
 TMA_ROW_BYTES = 16
+TMA_BOX_MAX = 256
+
+
+def scales_by_tma(g1: cfgs.Gemm1Config) -> bool:
+    """Whether a TMA tile's scales come by descriptor too (their [BN, BK/16] box row is a whole TMA row)."""
+    return g1.tma and (g1.bk // 16) % TMA_ROW_BYTES == 0
 
 
 def _w13(plan: cfgs.Plan, call: MoECall) -> tuple[tuple, dict]:
     """GEMM1's weight and scale operands: pointers, or (Gemm1Config.tma) a tensor descriptor of the [E*2I, H/8]
-    words with one tile's box, and of the [E*2I, H/16] scales where their tile row is a whole TMA box row; and
-    the kernel's constexprs for them."""
+    words with one tile's box, and of the [E*2I, H/16] scales where :func:`scales_by_tma`; and the kernel's
+    constexprs for them."""
     p, g1 = call.prepared, plan.gemm1
     w, s = p.w13.view(torch.int32), p.w13_scale
     if not g1.tma:
@@ -158,10 +164,10 @@ def _w13(plan: cfgs.Plan, call: MoECall) -> tuple[tuple, dict]:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     wd = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [g1.bn, g1.bk // 8])
-    if g1.bk // 16 % TMA_ROW_BYTES:
+    if not scales_by_tma(g1):
         return (wd, s), dict(W_DESC=True)
-    return (wd, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [g1.bn, g1.bk // 16])), dict(W_DESC=True,
-                                                                                                       S_DESC=True)
+    sd = TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [g1.bn, g1.bk // 16])
+    return (wd, sd), dict(W_DESC=True, S_DESC=True)
 
 
 def _emap(call: MoECall):
@@ -257,17 +263,29 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                 f"splits of whole {g1.bk}-wide K tiles of H={h}, and <= {cfgs.GROUPED_SPLIT_K_MAX_TOKENS} tokens "
                 f"(got {call.tokens})"
             )
-    if g1.tma and ((h // 2) % TMA_ROW_BYTES or (g1.bk // 16 % TMA_ROW_BYTES == 0 and (h // 16) % TMA_ROW_BYTES)):
-        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs rows of whole {TMA_ROW_BYTES}-byte units (words: H/2 = "
-                           f"{h // 2} bytes, scales: H/16 = {h // 16} bytes)")
-    if g1.tma and plan.l2_prefetch:
-        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA has no L2 prefetch (it addresses rows by pointer)")
+    if g1.tma:
+        _check_tma(plan, call)
     if plan.schedule != "slot":
         if call.workspace.block_capacity < max_blocks(call.num_slots, call.prepared.num_experts, g1.bm):
             raise Glm5Fp4Error(f"workspace holds {call.workspace.block_capacity} work-list blocks, this call needs "
                                f"{max_blocks(call.num_slots, call.prepared.num_experts, g1.bm)}")
         if call.x.shape[0] * h >= MAX_TOKENS_X_HIDDEN:
             raise Glm5Fp4Error(f"{call.x.shape[0]} tokens x hidden {h} exceed the align kernel's 32-bit indexing")
+
+
+def _check_tma(plan: cfgs.Plan, call: MoECall) -> None:
+    """What a TMA GEMM1 tile needs beyond any tile (the 16-byte rows hold whenever the tile divides H)."""
+    g1, w = plan.gemm1, call.prepared.w13
+    if plan.l2_prefetch:
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA has no L2 prefetch (it addresses rows by pointer)")
+    if g1.bn > TMA_BOX_MAX:
+        raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box holds at most {TMA_BOX_MAX} rows, the GEMM1 tile has {g1.bn}")
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs SM90 or newer, {w.device} is "
+                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(w.device)))}")
+    for name, t in (("w13", w), ("w13_scale", call.prepared.w13_scale)):
+        if t.device.type != "meta" and t.data_ptr() % TMA_ROW_BYTES:
+            raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs {name} at a {TMA_ROW_BYTES}-byte aligned address")
 
 
 def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str, pdl: dict) -> Launch:

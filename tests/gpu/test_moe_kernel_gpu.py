@@ -497,8 +497,8 @@ def test_register_capped_tiles_and_l2_prefetch(shape, t, routing, mode):
     (GLM_TP8, 4096, "balanced", "w4a16")])
 def test_gemm1_weight_tiles_by_tma(shape, t, routing, mode):
     """Gemm1Config.tma (weight tiles by TMA; scales too at BK = 256) against the float64 reference, NaN-poisoned
-    outputs, for every TMA tile the sweep may pick at this token block; a CUDA-graph replay with new routings
-    matches eager."""
+    outputs, for every TMA candidate at the plan's token block; a CUDA-graph replay with new routings matches
+    eager."""
     from glm5_fp4.kernels import configs as C
     from glm5_fp4.kernels.moe import default_plan, device_arch, fused_moe_triton
 

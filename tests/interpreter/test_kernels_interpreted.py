@@ -76,6 +76,23 @@ def test_gemm1_weight_tiles_by_tensor_descriptor(gen, schedule, t, routing, bk, 
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
 
 
+@pytest.mark.parametrize("schedule,t", [("slot", 3), ("grouped", 40)])
+def test_gemm1_tensor_descriptor_with_expert_map(gen, schedule, t):
+    """Under expert parallelism the descriptors cover this rank's experts only: local ids address their rows;
+    a token whose experts are all remote gets an exactly zero row."""
+    emap = _emap()
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(t, 256, generator=gen).half()
+    w, ids = make_routing("balanced", t, 16, K, gen)
+    ids[0] = torch.tensor([0, 2])  # both experts remote
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=_plan(t, schedule, 256, bk=256, tma=True),
+                     expert_map=emap)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
 @pytest.mark.parametrize("routing", ["same_k", "one_hot", "zipf2"])
 def test_skewed_routing_spans_several_blocks(gen, routing):
     """40 tokens, block 16: a hot expert owns three work-list blocks, the last one partial."""
