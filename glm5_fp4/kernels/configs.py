@@ -492,7 +492,9 @@ def _gemm2_override(arch: str, intermediate: int, key: tuple) -> Gemm2Config | N
 # depend on the expert shard at all. From T=1024 since 2026-12-03 (moe_variants_h200_palign_813c60f.json, TP8, us per
 # layer, serial twice -> parallel): T=1024 balanced 437.4 / 436.3 -> 431.4, same_k 303.4 / 299.3 -> 299.1; T=768
 # balanced 358.7 / 362.3 -> 354.5 but same_k 239.3 / 238.4 -> 241.3, so not below 1024 (the serial align took 26.6 us
-# of T=1024's ~430 in ncu, 2026-12-03).
+# of T=1024's ~430 in ncu, 2026-12-03). A second run (moe_variants_h200_serial_align_9e539f4.json, parallel twice /
+# serial, TP8 and TP4 at T=1024 and 1536) had the two within its noise (the default's two runs differ by up to 19 us):
+# TP8 T=1024 balanced 431.4 / 441.0 vs 436.1, TP4 T=1024 balanced 869.1 / 887.9 vs 901.1, same_k either way.
 PARALLEL_ALIGN_MIN_TOKENS = 1024
 
 
