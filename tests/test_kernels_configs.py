@@ -414,6 +414,9 @@ def test_tma_tiles_hand_gemm1_descriptors_of_one_tile(t, bk):
     assert "W_DESC" not in plain.kwargs and not isinstance(plain.args[3], TensorDescriptor)
     with pytest.raises(Glm5Fp4Error, match="L2 prefetch"):
         launches(dataclasses.replace(plan, l2_prefetch=4), call)
+    from glm5_fp4.kernels.capability import has_tma
+
+    assert has_tma((9, 0)) and has_tma(120) and not has_tma((8, 9)) and not has_tma(None)  # SM90+ (refused below)
     tp4 = _meta_call("tp4", t, use_asm=True)  # I = 512: a 512-row tile divides it
     with pytest.raises(Glm5Fp4Error, match="at most 256 rows"):
         launches(dataclasses.replace(C.plan("sm90", t, e, 8, h, 512), gemm1=dataclasses.replace(g1, bn=512)), tp4)

@@ -9,6 +9,7 @@ MoE path at load time rather than failing at the first forward.
   (SM80/86/87: A100, A10, RTX 3090) has neither.
 * FP4 tensor cores (``mma ... kind::mxf4nvf4``, ``tcgen05``) exist on SM100 and newer; ``auto`` mode
   quantizes activations (W4A4) only there.
+* TMA (tensor-descriptor copies, ``Gemm1Config.tma``) exists on SM90 and newer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 MIN_CAPABILITY = (8, 9)
 FP4_MMA_MIN_CAPABILITY = (10, 0)
+TMA_MIN_CAPABILITY = (9, 0)
 
 
 def as_pair(capability) -> tuple[int, int] | None:
@@ -40,6 +42,12 @@ def has_fp4_mma(capability) -> bool:
     """Whether a GPU of this capability has FP4 tensor cores (Blackwell and newer)."""
     cap = as_pair(capability)
     return cap is not None and cap >= FP4_MMA_MIN_CAPABILITY
+
+
+def has_tma(capability) -> bool:
+    """Whether a GPU of this capability has TMA (tensor-descriptor copies: Hopper and newer)."""
+    cap = as_pair(capability)
+    return cap is not None and cap >= TMA_MIN_CAPABILITY
 
 
 def supports_capability(capability) -> tuple[bool, str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.kernels import capability
 from glm5_fp4.kernels import configs as cfgs
 from glm5_fp4.kernels.layout import PreparedExperts
 
@@ -280,9 +281,10 @@ def _check_tma(plan: cfgs.Plan, call: MoECall) -> None:
         raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA has no L2 prefetch (it addresses rows by pointer)")
     if g1.bn > TMA_BOX_MAX:
         raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box holds at most {TMA_BOX_MAX} rows, the GEMM1 tile has {g1.bn}")
-    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
-        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs SM90 or newer, {w.device} is "
-                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(w.device)))}")
+    cap = capability.device_capability(w.device)
+    if cap is not None and not capability.has_tma(cap):
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs sm_{capability.TMA_MIN_CAPABILITY[0]}0 or newer, "
+                           f"{w.device} is sm_{cap[0]}{cap[1]}")
     for name, t in (("w13", w), ("w13_scale", call.prepared.w13_scale)):
         if t.device.type != "meta" and t.data_ptr() % TMA_ROW_BYTES:
             raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs {name} at a {TMA_ROW_BYTES}-byte aligned address")
