@@ -34,18 +34,22 @@ def _plan_of(d: dict):
                   gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True),
                   gemm2_unroll=d.get("gemm2_unroll", False), gemm1_fused_reduce=d.get("gemm1_fused_reduce", False),
                   parallel_align=d.get("parallel_align", False), slot_dedup=d.get("slot_dedup", False),
-                  pdl=d.get("pdl", False), l2_prefetch=d.get("l2_prefetch", 0))
+                  pdl=d.get("pdl", False), l2_prefetch=d.get("l2_prefetch", 0),
+                  gemm2_split_slots=d.get("gemm2_split_slots", False))
 
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     """The default plan and one-change variants: every GEMM1 / GEMM2 candidate of the arch (GEMM1 at the
     same token block, the next larger one: fewer blocks per expert, each weight decoded fewer times, or the next
-    smaller one: smaller tiles, more CTAs per SM), split-K around the pick for the slot schedule."""
+    smaller one: smaller tiles, more CTAs per SM), split-K around the pick for the slot schedule, the slot GEMM2
+    split by slots with each slot GEMM2 candidate."""
     from glm5_fp4.kernels import configs as C
 
     rep = dataclasses.replace
     out = {"default": base}
     bm = base.gemm1.bm
+    # GEMM2 one program per slot (Plan.gemm2_split_slots): the slot schedule without dedup; "slots" in the name
+    split_slots = base.schedule == "slot" and not base.slot_dedup
     bms = {bm} if base.schedule == "slot" else {bm, min(128, bm * 2), max(C.MIN_BLOCK_M, bm // 2)}
     for g1 in C.GEMM1_CANDIDATES[arch]:
         if g1.bm in bms and intermediate % g1.bn == 0 and hidden % g1.bk == 0 and g1 != base.gemm1:
@@ -63,14 +67,18 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         while (hidden // g2.bn) % n_split:
             n_split -= 1
         unroll = base.schedule == "slot" and C.gemm2_slot_unrolled_smem_bytes(g2, intermediate, 8) <= C.smem_limit(arch)
-        out[f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
-            f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}"] = rep(
-            base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
+        name = (f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
+                f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}")
+        out[name] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
+        if split_slots:
+            out[name + " slots"] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_split_slots=True)
     for dist in L2_PREFETCH_DISTANCES:
         if dist != base.l2_prefetch:
             out[f"pf{dist}"] = rep(base, l2_prefetch=dist)
     if base.schedule == "slot" and base.gemm2_unroll:
         out["g2 not unrolled"] = rep(base, gemm2_unroll=False)
+    if split_slots and not base.gemm2_split_slots:
+        out["g2 slots"] = rep(base, gemm2_split_slots=True)
     if base.schedule == "slot":
         # up to SLOT_SPLIT_K_MAX ranges: at T=1 a program per 1-2 K tiles (the picker stops at SPLIT_K_MAX)
         for s in (1, 2, 4, 6, 8, 12, 24):
@@ -94,6 +102,8 @@ def launch_forms(plan) -> dict:
         out[f"+pdl pf{dist}"] = rep(plan, pdl=True, l2_prefetch=dist)
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         out["+pdl fused"] = rep(plan, pdl=True, gemm1_fused_reduce=True)
+    if plan.schedule == "slot" and not plan.slot_dedup and not plan.gemm2_split_slots:
+        out["+pdl slots"] = rep(plan, pdl=True, gemm2_split_slots=True)
     return out
 
 
@@ -146,7 +156,9 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
                 plans = sweep_variants(base, sh.hidden, sh.intermediate, arch)
                 g1 = min((n for n in timed if n == "default" or n.startswith(("g1", "splitK"))), key=timed.get)
                 g2 = min((n for n in timed if n == "default" or n.startswith("g2")), key=timed.get)
-                best = dataclasses.replace(plans[g1], gemm2=plans[g2].gemm2, gemm2_n_split=plans[g2].gemm2_n_split)
+                best = dataclasses.replace(plans[g1], gemm2=plans[g2].gemm2, gemm2_n_split=plans[g2].gemm2_n_split,
+                                           gemm2_unroll=plans[g2].gemm2_unroll,
+                                           gemm2_split_slots=plans[g2].gemm2_split_slots)
                 try:
                     us = B.time_ours(lay, x, tw, ids, plan=best)
                     res["runs"].append({"name": f"best ({g1} + {g2})", "plan": dataclasses.asdict(best), "us": us})

@@ -6,7 +6,8 @@ it, from ncu"). Compiles and runs the call once outside the profiled range, then
         --section WarpStateStats --section LaunchStats --csv --page details \\
         python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 8192 --routing balanced > ncu.csv
 
-``--plans SWEEP.json`` profiles the sweep's best plan at that (shard, T) instead of the default.
+``--plans SWEEP.json`` profiles the sweep's best plan at that (shard, T) instead of the default, ``--form NAME``
+an opt-in form of the default.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--plans", help="a moe_kernel.py --sweep JSON: its best plan at this (shard, T)")
+    ap.add_argument("--form", help="an opt-in plan form of glm5_fp4.kernels.configs.OPT_IN instead of the default")
     ap.add_argument("--diag", type=int, default=0, help="launch.DIAG_* bits (wrong results: e.g. 1 = the decode "
                     "left out, to see which pipes it keeps busy)")
     args = ap.parse_args(argv)
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     lay = B.make_layers(sh, 1, gen)
     x = torch.randn(args.tokens, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
     tw, ids = R.make_routing(args.routing, args.tokens, sh.global_experts, sh.top_k, gen, "cuda")
-    plan = default_plan(x, ids, lay.prepared[0], "w4a16")
+    plan = default_plan(x, ids, lay.prepared[0], "w4a16", form=args.form)
     if args.plans:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from moe_kernel import plans_from_sweep

@@ -304,7 +304,8 @@ def plan_label(r: dict) -> str:
     tiles by TMA; prep /
     split-K / palign
     (routing counted by many programs) / dedup (slot schedule, one program group per expert) / fused (the split-K
-    reduce in GEMM1) / pdl (programmatic dependent launch) / pfN (L2 prefetch N tiles ahead)."""
+    reduce in GEMM1) / pdl (programmatic dependent launch) / pfN (L2 prefetch N tiles ahead) / slots (the slot
+    GEMM2 one program per slot)."""
     g1, g2 = r.get("gemm1") or {}, r.get("gemm2") or {}
     if not g1:
         return ""
@@ -327,6 +328,8 @@ def plan_label(r: dict) -> str:
         extra.append("pdl")
     if r.get("l2_prefetch"):
         extra.append(f"pf{r['l2_prefetch']}")
+    if r.get("gemm2_split_slots"):
+        extra.append("slots")
 
     def regs(g):  # a register cap (Gemm1Config.maxnreg)
         return f"r{g['maxnreg']}" if g.get("maxnreg") else ""

@@ -110,6 +110,10 @@ class Plan:
     # ahead, the grouped GEMM2 (whole K tiles) this many N tiles ahead, beyond what the pipeline's shared-memory
     # stages hold in flight. 0: none.
     l2_prefetch: int = 0
+    # Slot schedule without dedup: GEMM2 runs one program per (N range, token, slot) instead of one per (N range,
+    # token) walking the token's k experts, each slot's rows to the fp32 combine buffer; the last program of a
+    # token's N range to arrive (a counter) adds the k rows in slot order (bitwise the one-program sum).
+    gemm2_split_slots: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -688,6 +692,13 @@ OPT_IN: dict[str, OptIn] = {
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
     "pdl": OptIn(dict(pdl=True), "slot", PDL_MIN_TOKENS - 1, ("w4a16", "w4a4"), compile_tokens=(1,),
                  purpose="programmatic dependent launch below PDL_MIN_TOKENS (3 us slower at T=1 with split 4)"),
+    "split_slots": OptIn(dict(gemm2_split_slots=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
+                         compile_tokens=(1, 2), purpose="slot GEMM2 with one program per slot, the k rows added by the "
+                                                        "last to arrive (k times the programs, one expert each)"),
+    "split_slots_pdl": OptIn(dict(gemm2_split_slots=True, pdl=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1,
+                             ("w4a16", "w4a4"), compile_tokens=(1,),
+                             purpose="split_slots with programmatic dependent launch (GEMM2's weight rows asked of L2 "
+                                     "while GEMM1 runs)"),
     "nopdl": OptIn(dict(pdl=False), ("slot", "grouped"), None, ("w4a16", "w4a4"), compile_tokens=(4, 64),
                    purpose="plain stream-ordered launches (the default before 2026-12-02; 0-15 % slower at T = 4-512)"),
     "slot_stages4": OptIn(dict(gemm1=Gemm1Config(64, 16, 256, 4, 4)), "slot", None, ("w4a16", "w4a4"),

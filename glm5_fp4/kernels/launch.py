@@ -246,6 +246,13 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
     if plan.schedule == "slot" and plan.slot_dedup and call.num_slots > call.workspace.combine.shape[0]:
         raise Glm5Fp4Error(f"MoE plan {plan}: slot dedup needs {call.num_slots} combine rows (T x k), the workspace "
                            f"holds {call.workspace.combine.shape[0]}")
+    if plan.gemm2_split_slots and (plan.schedule != "slot" or plan.slot_dedup):
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots is a form of the slot schedule without slot dedup")
+    if plan.gemm2_split_slots and (call.num_slots * h > call.workspace.combine.numel()
+                                   or call.tokens * plan.gemm2_n_split > call.workspace.slot_count.numel()):
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots needs {call.num_slots} combine rows and "
+                           f"{call.tokens * plan.gemm2_n_split} arrival counters, the workspace holds "
+                           f"{call.workspace.combine.shape[0]} and {call.workspace.slot_count.numel()}")
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         ws = call.workspace
         if (not cfgs.split_k_fits(plan.gemm1_split_k, h, g1.bk, slot=True)
@@ -366,14 +373,16 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         # GEMM2 per (slot group, N range) into per-slot fp32 rows of the combine buffer, then each token's k rows
         # added in slot order: every expert's W2 read and decoded once however many tokens share it
         return out + [_gemm2_grouped(plan, call, num_slots, slot_dedup=True), _finalize(call, rows=k, pdl=pdl)]
+    # Plan.gemm2_split_slots: one program per (N range, token, slot), the k rows added by the last to arrive
+    split_slots = plan.gemm2_split_slots
     out.append(Launch(
-        K.moe_gemm2_slot_kernel, (plan.gemm2_n_split, t),
+        K.moe_gemm2_slot_kernel, (plan.gemm2_n_split, t, k) if split_slots else (plan.gemm2_n_split, t),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, call.topk_ids, emap,
-         call.out, call.out.stride(0)),
+         call.out, call.out.stride(0), ws.combine, ws.slot_count),
         dict(TOPK=k, H=h, I=i, BN=g2.bn, N_SPLIT=plan.gemm2_n_split, W4A4=w4a4, USE_ASM=call.use_asm,
-             MERGED=g2.merged, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), UNROLL=plan.gemm2_unroll,
-             PLACED=placed, num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **pdl,
-             **_prefetch(plan, call, h // plan.gemm2_n_split)),
+             MERGED=g2.merged, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), UNROLL=plan.gemm2_unroll and not split_slots,
+             PLACED=placed, SPLIT_SLOTS=split_slots, num_warps=g2.num_warps, num_stages=g2.num_stages,
+             **_regs(g2, call), **pdl, **_prefetch(plan, call, h // plan.gemm2_n_split)),
         stage="gemm2",
     ))
     return out

@@ -85,6 +85,9 @@ class Workspace:
         self.part = torch.empty(part_ranges * 2 * intermediate, dtype=torch.float32, device=device)
         # arrivals per (slot, GEMM1 N tile) of the fused split-K reduce; the last arrival sets it back to zero
         self.split_count = torch.zeros(self.part_rows * (intermediate // 16), **i32)
+        # arrivals per (token, GEMM2 N range) of the slot GEMM2 split by slots (Plan.gemm2_split_slots), whose
+        # per-slot rows go to ``combine``; the last arrival sets it back to zero
+        self.slot_count = torch.zeros(slot_rows // top_k * (hidden // 16), **i32)
         # NVFP4 act (codes + scales) between the native FP4 GEMMs; allocated on first native use
         self.act_q: torch.Tensor | None = None
         self.act_s: torch.Tensor | None = None

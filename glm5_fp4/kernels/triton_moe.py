@@ -899,6 +899,49 @@ def _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_pt
 
 
 @triton.jit
+def _slot_split_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr, out_ptr, stride_ot,
+                     sum_ptr, cnt_ptr, pid_s, tok, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                     BN: tl.constexpr, N_SPLIT: tl.constexpr, W4A4: tl.constexpr, USE_ASM: tl.constexpr,
+                     MERGED: tl.constexpr, HAS_MAP: tl.constexpr, KC: tl.constexpr, PLACED: tl.constexpr,
+                     USE_PDL: tl.constexpr, PF_ROWS: tl.constexpr, PF_W: tl.constexpr, PF_S: tl.constexpr):
+    """moe_gemm2_slot_kernel's SPLIT_SLOTS program (N range ``pid_s``, token ``tok``, slot program_id(2))."""
+    BM: tl.constexpr = 16
+    j = tl.program_id(2)
+    slot = tok * TOPK + j
+    offs_bn = tl.arange(0, BN)
+    cols = tl.arange(0, BM)
+    first = cols < 1
+    n_per: tl.constexpr = H // N_SPLIT
+    n_begin = pid_s * n_per
+    e_j, local_j = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
+    if PF_ROWS > 0:
+        if local_j > 0:
+            _prefetch_w2_rows(w_ptr, s_ptr, e_j.to(tl.int64), n_begin, PF_ROWS, H, I, PF_W, PF_S)
+    _pdl_enter(USE_PDL)
+    srow = sum_ptr + slot.to(tl.int64) * H
+    for n0 in range(n_begin, n_begin + n_per, BN):
+        if local_j > 0:
+            part = _slot_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr, slot,
+                              n0, cols, H, I, BN, BM, KC, W4A4, USE_ASM, MERGED, HAS_MAP, PLACED)
+        else:
+            part = tl.zeros((BN, BM), dtype=tl.float32)  # a remote expert's slot adds nothing (no weight read)
+        tl.store(srow + n0 + offs_bn[:, None] + cols[None, :] * 0, part, mask=first[None, :])
+    # The classic semaphore of GEMM1's fused reduce: a CTA barrier orders every thread's row stores before the
+    # gpu-scope release; the last arrival reads the token's k rows from L2 and zeroes the counter for the next call.
+    tl.debug_barrier()
+    cp = cnt_ptr + tok * N_SPLIT + pid_s
+    done = tl.atomic_add(cp, 1, sem="acq_rel", scope="gpu")
+    if done == TOPK - 1:
+        tl.atomic_xchg(cp, 0, sem="relaxed", scope="gpu")
+        rows = sum_ptr + (tok * TOPK).to(tl.int64) * H
+        for n0 in range(n_begin, n_begin + n_per, BN):
+            acc = tl.zeros((BN,), dtype=tl.float32)
+            for jj in tl.static_range(TOPK):
+                acc += tl.load(rows + jj * H + n0 + offs_bn, cache_modifier=".cg")
+            tl.store(out_ptr + tok.to(tl.int64) * stride_ot + n0 + offs_bn, acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def moe_gemm2_slot_kernel(
     act_ptr,
     w_ptr,
@@ -910,6 +953,8 @@ def moe_gemm2_slot_kernel(
     emap_ptr,
     out_ptr,
     stride_ot,
+    sum_ptr,
+    cnt_ptr,
     TOPK: tl.constexpr,
     H: tl.constexpr,
     I: tl.constexpr,
@@ -926,12 +971,19 @@ def moe_gemm2_slot_kernel(
     PF_ROWS: tl.constexpr = 0,
     PF_W: tl.constexpr = 1,
     PF_S: tl.constexpr = 1,
+    SPLIT_SLOTS: tl.constexpr = False,
 ):
     """out[token, n] = sum over the token's local slots of weight * (act[slot] W_down[e]^T)[n], written once
     (slots of remote experts are skipped: their act rows were never computed). K (= I) in chunks of KC.
     ``UNROLL``: the k experts unrolled, their weight loads all in flight at once (at T=1 this kernel is
     latency-bound: a few programs, k dependent load-decode-MMA rounds otherwise); the plan asks for it only
     where k pipelined tiles fit the arch's shared memory (configs.plan).
+
+    ``SPLIT_SLOTS`` (Plan.gemm2_split_slots): grid (N range, token, slot j) instead of (N range, token): each
+    program computes one slot's rows into ``sum_ptr`` (fp32 [T*k, H], the combine buffer), and the last of the
+    token's k programs of an N range to arrive (counted in ``cnt_ptr`` [T, N_SPLIT], zero between calls) adds the
+    k rows in slot order, bitwise the sum the one-program form accumulates, and stores them. k times the
+    programs, each with one expert's tile in flight instead of k in turn.
 
     ``USE_PDL``: before it waits for the act rows, the program asks L2 for the first ``PF_ROWS`` of its rows of
     each of the token's experts (the routing is the call's input, written before GEMM1 waited)."""
@@ -943,6 +995,11 @@ def moe_gemm2_slot_kernel(
     first = cols < 1
     n_per: tl.constexpr = H // N_SPLIT
     n_begin = pid_s * n_per
+    if SPLIT_SLOTS:
+        _slot_split_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, ids_ptr, emap_ptr, out_ptr,
+                         stride_ot, sum_ptr, cnt_ptr, pid_s, tok, TOPK, H, I, BN, N_SPLIT, W4A4, USE_ASM, MERGED,
+                         HAS_MAP, KC, PLACED, USE_PDL, PF_ROWS, PF_W, PF_S)
+        return
     if PF_ROWS > 0:
         for jp in tl.static_range(TOPK):  # (not j: the loops below carry a runtime j)
             e_j, local_j = _slot_expert(tok * TOPK + jp, ids_ptr, emap_ptr, HAS_MAP)

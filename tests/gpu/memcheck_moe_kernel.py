@@ -102,6 +102,23 @@ def main() -> int:
         ok = err < moe_tolerance("w4a16", x.dtype)
         failures += not ok
         print(f"T={t} {routing} tma bk={bk}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # the slot GEMM2 split by slots (Plan.gemm2_split_slots: per-slot rows, the last arrival adds them), with PDL,
+    # remote slots, and a token whose experts are all remote
+    for t, use_map, pdl in ((1, False, False), (2, True, True)):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing("balanced", t, 12 if use_map else e, k, device="cuda")
+        if use_map:
+            ids[0] = torch.tensor([1, 4], device="cuda")
+        m = emap if use_map else None
+        plan = dataclasses.replace(default_plan(x, ids, prep, "w4a16", m), gemm2_split_slots=True, pdl=pdl)
+        for mode in ("w4a16", "w4a4"):
+            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m)
+            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
+                                compute_dtype=torch.float64, expert_map=None if m is None else m.cpu())
+            err = rel_error(out, ref)
+            ok = err < moe_tolerance(mode, x.dtype)
+            failures += not ok
+            print(f"T={t} split slots map={use_map} pdl={pdl} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

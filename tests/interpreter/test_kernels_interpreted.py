@@ -166,6 +166,50 @@ def test_slot_split_k_fused_reduce(gen, mode):
     assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
 
 
+@pytest.mark.parametrize("mode,t,n_split,with_map", [("w4a16", 2, 4, False), ("w4a4", 1, 8, False),
+                                                     ("w4a16", 2, 8, True)])
+def test_gemm2_split_slots(gen, mode, t, n_split, with_map):
+    """plan.gemm2_split_slots: one GEMM2 program per (N range, token, slot), the token's k rows added by the last
+    to arrive. Bitwise the one-program form (same products, added in slot order), unrolled or not; against float64;
+    the arrival counters zero again after each call (a second call would add too early or never); N ranges of
+    two tiles (n_split 4 of 8 tiles); with an expert map, remote slots add nothing, and a
+    token whose experts are all remote gets an exact zero row."""
+    from glm5_fp4.kernels import launch as L
+    from glm5_fp4.kernels.moe import get_workspace
+
+    emap = _emap() if with_map else None
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(t, 256, generator=gen).half()
+    w, ids = make_routing("balanced", t, 16 if with_map else E, K, gen)
+    if with_map:
+        ids[0] = torch.tensor([0, 2])
+        ids[1] = torch.tensor([1, 5])  # one local expert, one remote
+    base = _plan(t, "slot", 256, gemm2_n_split=n_split)
+    split = dataclasses.replace(base, gemm2_split_slots=True)
+    assert L.count(split) == L.count(base)
+    (g2,) = [la for la in L.launches(split, _call(x, w, ids, prep, mode, emap)) if la.name == "moe_gemm2_slot_kernel"]
+    assert g2.grid == (n_split, t, K) and g2.kwargs["SPLIT_SLOTS"]
+    for unroll in (False, True):
+        want = fused_moe_triton(x, w, ids, prep, mode, plan=dataclasses.replace(base, gemm2_unroll=unroll),
+                                expert_map=emap)
+        for _ in range(2):
+            out = torch.full_like(x, float("nan"))
+            fused_moe_triton(x, w, ids, prep, mode, out=out, plan=split, expert_map=emap)
+            assert torch.equal(out, want)
+            assert not get_workspace(x.device, E, K, 256, I, t).slot_count.any()
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64,
+                        expert_map=emap)
+    assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
+    if with_map:
+        assert out[0].abs().max() == 0
+
+
+def _call(x, w, ids, prep, mode, emap):
+    from glm5_fp4.kernels.moe import make_call
+
+    return make_call(x, w, ids, prep, mode, expert_map=emap)
+
+
 def _emap(global_e=16, local=(1, 3, 4, 6, 9, 11, 12, 15)):
     m = torch.full((global_e,), -1, dtype=torch.int32)
     m[list(local)] = torch.arange(len(local), dtype=torch.int32)
