@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # H200 calls of 2026-12-03 (session 13): the slot GEMM2 split by slots (Plan.gemm2_split_slots) at T = 1-2.
-#   OUT=dir bash benchmarks/h200/split_slots_job.sh ab sweep     # same-run A/B of the forms (TP8, TP4, TP1), the
-#                                                                # slot GEMM2 tiles swept with and without the split
-#   OUT=dir bash benchmarks/h200/split_slots_job.sh ncu tests sanitize   # per-kernel times at T=1, GPU tests,
-#                                                                # compute-sanitizer memcheck and racecheck
+#   OUT=dir bash benchmarks/h200/split_slots_job.sh ab sweep     # same-run A/B of the default and FORMS (TP8, TP4,
+#                                                                # TP1), the slot GEMM2 tiles swept with and without
+#                                                                # the split
+#   OUT=dir bash benchmarks/h200/split_slots_job.sh ncu tests sanitize   # per-kernel times at TP8 T=1 (the default
+#                                                                # and NCU_FORM), GPU tests, memcheck and racecheck
+# The first call (8deb18e, the split an opt-in form) ran FORMS=${FORMS:-one_program_gemm2,pdl} NCU_FORM=split_slots;
+# with the split the default (its tile from that sweep) the forms are the former default and PDL.
 set -u
 : "${OUT:?OUT=dir (where the results go) is required}"
 . benchmarks/gpu_deps.sh || exit 2
@@ -13,7 +16,7 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "${GREP:-passed|failed|FAIL|Error|best|x balanced|ERROR}" "$L/$name.log" | tail -${TAIL:-30}; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
-FORMS=split_slots,split_slots_pdl,pdl
+FORMS=${FORMS:-one_program_gemm2,pdl}
 for s in "$@"; do
   case $s in
     ab)
@@ -25,7 +28,7 @@ for s in "$@"; do
       step sweep "${T_SWEEP:-200}" python3 benchmarks/moe_kernel.py --sweep --only '^g2|slots' --shards tp8 \
         --tokens 1,2 --layers 4 --json "$OUT/sweep_split_slots.json" ;;
     ncu)
-      for f in default split_slots; do
+      for f in default ${NCU_FORM:-one_program_gemm2}; do
         GREP="==PROF==|rror" step "ncu_t1_$f" "${T_NCU:-90}" ncu --clock-control none --profile-from-start off --csv \
           --page details --section SpeedOfLight --section LaunchStats --section Occupancy \
           python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 1 $( [ $f = default ] || echo --form $f )

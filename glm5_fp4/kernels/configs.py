@@ -272,6 +272,16 @@ GROUPED_SPLIT_K_MAX_TOKENS = 64
 # 286.3 -> 309.2. At T=2 the TP8 shard loses both ways (33.5 -> 35.7 same_k: the finalize launch costs more than
 # one token's re-read of 8 small experts); at T=1 no two slots share an expert.
 SLOT_DEDUP_MIN_TOKENS = 3
+# Slot schedule without dedup (T < SLOT_DEDUP_MIN_TOKENS): GEMM2 one program per slot (Plan.gemm2_split_slots) on
+# these archs, in SPLIT_SLOTS_GEMM2's tile. H200, 2026-12-03, 8deb18e: the one-program form (each program walks the
+# token's k experts, unrolled) runs its GEMM2 at TP8 T=1 in 9.6 us at 15 % of DRAM peak on 96 programs (ncu); split
+# by slots the sweep (benchmarks/results/moe_kernel_h200_sweep_split_slots_8deb18e.json, TP8 whole layer, us) has T=1
+# 19.0 vs 21.3 and T=2 29.0 vs 33.5 with eight MMAs per tile (18.7-19.0 over the unmerged candidates, 19.6 / 30.1
+# with the merged one); the same-run A/B of the defaults: write-up 14. sm_120 keeps the one-program form
+# (unmeasured there); the former is opt-in "one_program_gemm2".
+SPLIT_SLOTS_ARCHS = ("sm90", "sm100")
+SPLIT_SLOTS_GEMM2 = {"sm90": Gemm2Config(64, 16, 4, 3, merged=False)}
+SPLIT_SLOTS_GEMM2["sm100"] = SPLIT_SLOTS_GEMM2["sm90"]
 # Programmatic dependent launch (Plan.pdl) from this many tokens on, on SM90+ (griddepcontrol). H200,
 # 2026-12-02, benchmarks/results/moe_variants_h200_pdl.json, TP8 us per layer, plain -> pdl: T=4 same_k 37.2 ->
 # 34.8, balanced 59.6 -> 58.0; T=16 same_k 45.9 -> 39.6, balanced 110.8 -> 107.4; T=64 same_k 76.8 -> 65.0,
@@ -605,7 +615,11 @@ def plan(
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
     # on sm_90: 255 registers, 36 B, at I = 512 and whole experts)
     g2_key = ("grouped", 16) if slot_dedup else (schedule, bm)
-    g2 = gemm2 or _gemm2_override(arch, intermediate, g2_key) or _DEFAULT_GEMM2[arch][g2_key]
+    # so does one that sets gemm2_split_slots (its tile, and no unrolled k experts, follow)
+    split_slots = schedule == "slot" and not slot_dedup and change.get(
+        "gemm2_split_slots", arch in SPLIT_SLOTS_ARCHS and tokens < SLOT_DEDUP_MIN_TOKENS)
+    g2 = (gemm2 or (split_slots and SPLIT_SLOTS_GEMM2.get(arch)) or _gemm2_override(arch, intermediate, g2_key)
+          or _DEFAULT_GEMM2[arch][g2_key])
     # Explicit configs are what the sweep and the compile matrix ask for: kept as given (a misfit then fails
     # there, by name); the defaults must fit any shape the backend serves.
     fg1, fg2 = fit_shared_memory(arch, g1, g2, intermediate)
@@ -634,9 +648,10 @@ def plan(
                                most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
     elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
         split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
-    if schedule == "slot":
+    if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
+             gemm2_split_slots=split_slots,
              gemm1_fused_reduce=few and split_k > 1,
              slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and tokens >= PDL_MIN_TOKENS)
@@ -694,11 +709,10 @@ OPT_IN: dict[str, OptIn] = {
                  purpose="programmatic dependent launch below PDL_MIN_TOKENS (3 us slower at T=1 with split 4)"),
     "split_slots": OptIn(dict(gemm2_split_slots=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                          compile_tokens=(1, 2), purpose="slot GEMM2 with one program per slot, the k rows added by the "
-                                                        "last to arrive (k times the programs, one expert each)"),
-    "split_slots_pdl": OptIn(dict(gemm2_split_slots=True, pdl=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1,
-                             ("w4a16", "w4a4"), compile_tokens=(1,),
-                             purpose="split_slots with programmatic dependent launch (GEMM2's weight rows asked of L2 "
-                                     "while GEMM1 runs)"),
+                                                        "last to arrive (the default on SPLIT_SLOTS_ARCHS)"),
+    "one_program_gemm2": OptIn(dict(gemm2_split_slots=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
+                               compile_tokens=(1,), purpose="slot GEMM2 one program per (N range, token) walking the "
+                                                            "token's k experts (the sm90 default before 2026-12-03)"),
     "nopdl": OptIn(dict(pdl=False), ("slot", "grouped"), None, ("w4a16", "w4a4"), compile_tokens=(4, 64),
                    purpose="plain stream-ordered launches (the default before 2026-12-02; 0-15 % slower at T = 4-512)"),
     "slot_stages4": OptIn(dict(gemm1=Gemm1Config(64, 16, 256, 4, 4)), "slot", None, ("w4a16", "w4a4"),
@@ -751,7 +765,7 @@ def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: in
 def all_configs(arch: str) -> tuple[list[Gemm1Config], list[Gemm2Config]]:
     """Every configuration the picker or the sweep may use on ``arch`` (for the static smem check)."""
     g1 = list(GEMM1_CANDIDATES[arch]) + list(_DEFAULT_GEMM1[arch].values())
-    g2 = (list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values())
+    g2 = (list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values()) + ([SPLIT_SLOTS_GEMM2[arch]] if arch in SPLIT_SLOTS_GEMM2 else [])
           + [c for _, _, table in _GEMM2_BY_INTERMEDIATE.get(arch, []) for c in table.values()])
     return g1, g2
 

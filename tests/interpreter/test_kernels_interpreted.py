@@ -184,7 +184,7 @@ def test_gemm2_split_slots(gen, mode, t, n_split, with_map):
     if with_map:
         ids[0] = torch.tensor([0, 2])
         ids[1] = torch.tensor([1, 5])  # one local expert, one remote
-    base = _plan(t, "slot", 256, gemm2_n_split=n_split)
+    base = _plan(t, "slot", 256, gemm2_n_split=n_split, gemm2_split_slots=False)
     split = dataclasses.replace(base, gemm2_split_slots=True)
     assert L.count(split) == L.count(base)
     (g2,) = [la for la in L.launches(split, _call(x, w, ids, prep, mode, emap)) if la.name == "moe_gemm2_slot_kernel"]
