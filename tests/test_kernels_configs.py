@@ -263,7 +263,8 @@ def _meta_call(shape_name: str, t: int, use_asm: bool):
 
 @pytest.mark.parametrize("t,form", [(1, "pdl"), (2, "pdl"), (4, None), (64, None), (4096, None)])
 def test_pdl_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, form):
-    """Plan.pdl (the default from PDL_MIN_TOKENS on, the "pdl" form below it): every launch of the call carries
+    """Plan.pdl (the default from PDL_MIN_TOKENS on and where GEMM2 is split by slots, the "pdl" form below it
+    otherwise): every launch of the call carries
     launch_pdl and USE_PDL (each kernel waits at its top); GEMM2 prefetches whole rows of its experts (slot: all of
     a program's rows; grouped: its first N tile) in 128-byte requests; where inline PTX is off (the interpreter)
     the same plan launches plainly, and the "nopdl" form launches plainly everywhere."""
@@ -275,7 +276,8 @@ def test_pdl_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, form):
     h, i = p.hidden_size, p.intermediate_size
     dims = (p.num_experts, 8, h, i)
     default = C.plan("sm90", t, *dims, sm_count=132)
-    assert default.pdl == (t >= C.PDL_MIN_TOKENS)
+    # below PDL_MIN_TOKENS where GEMM2 is split by slots (its wide GEMM1 split measured faster with PDL)
+    assert default.pdl == (t >= C.PDL_MIN_TOKENS or default.gemm2_split_slots)
     plan = C.plan("sm90", t, *dims, sm_count=132, form=form)
     assert plan.pdl and plan == dataclasses.replace(default, pdl=True)
     todo = launches(plan, call)
@@ -299,17 +301,44 @@ def test_pdl_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, form):
 
 
 def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
-    """T = 1: split-K up to SLOT_SPLIT_K_PICK with the reduce fused into GEMM1 (2 launches); T = 2-4 up to
-    SPLIT_K_MAX and a reduce launch, as before (T = 2 measured faster that way)."""
+    """T <= 2 (GEMM2 split by slots): GEMM1's K in any whole number of K tiles that keeps about
+    SLOT_SPLIT_PROGRAMS_PER_SM programs per SM, the reduce fused into GEMM1 (2 launches), PDL; the former picks
+    (opt-in "slot_split_pow2": powers of two up to SLOT_SPLIT_K_PICK fused at T = 1, up to SPLIT_K_MAX and a reduce
+    launch at T = 2) and T = 3-4 as before; sm_120 keeps the former rule (unmeasured there)."""
     from glm5_fp4.kernels import configs as C
 
-    for t, split, fused in ((1, 8, True), (2, 4, False), (3, 4, False), (4, 4, False)):
+    # TP8 / TP4 / whole experts: 32, 64, 256 GEMM1 programs per token, 24 K tiles of 256, 132 SMs
+    for t, i, split in ((1, 256, 12), (2, 256, 6), (1, 512, 6), (2, 512, 3), (1, 2048, 1), (2, 2048, 1)):
+        p = C.plan("sm90", t, 256, 8, 6144, i, sm_count=132)
+        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.pdl) == (split, split > 1, True), (t, i, p)
+        assert split == 1 or (i // p.gemm1.bn) * t * 8 * split <= C.SLOT_SPLIT_PROGRAMS_PER_SM * 132
+    for t, split, fused in ((1, 8, True), (2, 4, False)):
+        old = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form="slot_split_pow2")
+        assert (old.gemm1_split_k, old.gemm1_fused_reduce, old.pdl, old.gemm2_split_slots) == (split, fused, False, True)
+        one = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form="one_program_gemm2")
+        assert (one.gemm1_split_k, one.gemm1_fused_reduce, one.pdl, one.gemm2_split_slots) == (split, fused, False, False)
+    for t in (3, 4):
         p = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132)
-        assert (p.gemm1_split_k, p.gemm1_fused_reduce) == (split, fused), (t, p)
+        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.gemm2_split_slots) == (4, False, False)
+    for t in (1, 2, 3, 4):
         old = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form="slot_split4")
-        assert (old.gemm1_split_k, old.gemm1_fused_reduce) == (4, False)
+        assert (old.gemm1_split_k, old.gemm1_fused_reduce) == (4, False) or t == 2  # (serves T = 1 only)
         sm120 = C.plan("sm120", t, 256, 8, 6144, 256, sm_count=188)  # unmeasured there: the former rule
-        assert sm120.gemm1_split_k <= C.SPLIT_K_MAX and not sm120.gemm1_fused_reduce
+        assert sm120.gemm1_split_k <= C.SPLIT_K_MAX and not sm120.gemm1_fused_reduce and not sm120.gemm2_split_slots
+
+
+def test_pick_slot_split_k_keeps_a_few_programs_per_sm():
+    from glm5_fp4.kernels import configs as C
+
+    per_sm = C.SLOT_SPLIT_PROGRAMS_PER_SM
+    for programs, k_tiles, sms in ((32, 24, 132), (64, 24, 132), (128, 24, 132), (256, 24, 132), (4, 24, 132),
+                                   (1000, 24, 132), (32, 12, 188), (50, 7, 10)):
+        s = C.pick_slot_split_k(programs, k_tiles, sms)
+        assert k_tiles % s == 0 and s <= C.SLOT_SPLIT_K_MAX
+        bigger = [d for d in range(s + 1, min(k_tiles, C.SLOT_SPLIT_K_MAX) + 1) if k_tiles % d == 0]
+        assert s == 1 or programs * s <= per_sm * sms
+        assert all(programs * d > per_sm * sms for d in bigger), (programs, k_tiles, sms, s)
+    assert [C.pick_slot_split_k(p, 24, 132) for p in (32, 64, 128, 256)] == [12, 6, 3, 1]
 
 
 def test_pdl_gemm2_prefetches_nothing_for_whole_experts():
@@ -340,7 +369,7 @@ def test_slot_split_k_beyond_the_grouped_limit_fits_the_workspace(t):
     p = call.prepared
     h, i = p.hidden_size, p.intermediate_size
     base = C.plan("sm90", t, p.num_experts, 8, h, i, sm_count=132, form="per_slot")
-    assert base.schedule == "slot" and base.gemm1_split_k <= C.SLOT_SPLIT_K_PICK < C.SLOT_SPLIT_K_MAX
+    assert base.schedule == "slot" and base.gemm1_split_k < C.SLOT_SPLIT_K_MAX
     k_tiles = h // base.gemm1.bk
     for s in (8, 12, C.SLOT_SPLIT_K_MAX):
         assert k_tiles % s == 0

@@ -297,6 +297,15 @@ PDL_ARCHS = ("sm90", "sm100", "sm120")
 # (moe_variants_h200_pdl_defaults.json) 21.5 / 21.6 against 24.8 / 24.8 (balanced / same_k). At T=2 the former
 # form stayed faster (35.9 / 33.4 against 37.6 / 34.7): not there.
 SLOT_WIDE_SPLIT_MAX_TOKENS = 1
+# Where GEMM2 is split by slots (Plan.gemm2_split_slots, T <= 2) on SLOT_WIDE_SPLIT_ARCHS, the slot GEMM1 splits K
+# into any whole number of K tiles that keeps about this many programs per SM (pick_slot_split_k), reduces them in
+# its last program and launches with PDL. H200, 2026-12-03, the sweep at 811a4d6
+# (benchmarks/results/moe_kernel_h200_sweep_small_t_811a4d6.json, whole layer, us; best split with the 132 SMs: 384
+# programs each time): TP8 T=1 split 12 18.3 (8: 19.3, 24: 20.7), T=2 split 6 28.1 (4: 29.0, 8: 30.5), fused + PDL
+# 26.1; TP4 T=1 split 6 28.5 (4: 29.8, 8: 30.4), + PDL 25.2; the earlier sweep (moe_kernel_h200_sweep_small_t_tp4_tp1_
+# 34809e2.json) TP1 T=1 unsplit 96.3 (4: 101.9), TP4 T=1 split 6 35.2. The same-run A/B against the former picks
+# (opt-in "slot_split_pow2"): write-up 14.
+SLOT_SPLIT_PROGRAMS_PER_SM = 3
 SLOT_SPLIT_K_PICK = 8
 # where that was measured (sm_120 keeps split 4 + a reduce launch: unmeasured there, and its 16-row slot tile in
 # W4A4 spills 8 B with 8 ranges and a reduce launch, benchmarks/results/compile_matrix.md)
@@ -560,6 +569,14 @@ def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0,
     return s
 
 
+def pick_slot_split_k(programs: int, k_tiles: int, sm_count: int) -> int:
+    """Largest divisor of ``k_tiles`` (at most SLOT_SPLIT_K_MAX) that keeps the slot GEMM1's programs within
+    SLOT_SPLIT_PROGRAMS_PER_SM per SM; 1 where even one range per program exceeds that."""
+    fits = [s for s in range(1, min(k_tiles, SLOT_SPLIT_K_MAX) + 1)
+            if k_tiles % s == 0 and programs * s <= SLOT_SPLIT_PROGRAMS_PER_SM * sm_count]
+    return max(fits, default=1)
+
+
 def pick_grouped_split_k(top_k: int, n_tiles: int, hidden: int, bk: int, sm_count: int) -> int:
     """GEMM1 split-K of the grouped schedule (W4A16, T <= GROUPED_SPLIT_K_MAX_TOKENS), sized for the skewed case.
 
@@ -641,9 +658,14 @@ def plan(
         n_split = pick_n_split(n_tiles, active, sm_count)
     split_k = 1
     unroll = False
-    few = (schedule == "slot" and not slot_dedup and tokens <= SLOT_WIDE_SPLIT_MAX_TOKENS
+    # GEMM2 split by slots on a wide-split arch: GEMM1's K in as many ranges as keep SLOT_SPLIT_PROGRAMS_PER_SM
+    # programs per SM, reduced by its last program, launched with PDL (the "pow2" rule: the former picks)
+    spread = split_slots and arch in SLOT_WIDE_SPLIT_ARCHS and change.get("split_k_rule", "spread") == "spread"
+    few = (not spread and schedule == "slot" and not slot_dedup and tokens <= SLOT_WIDE_SPLIT_MAX_TOKENS
            and arch in SLOT_WIDE_SPLIT_ARCHS)
-    if schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
+    if spread:
+        split_k = pick_slot_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count)
+    elif schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
         split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count,
                                most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
     elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
@@ -652,14 +674,18 @@ def plan(
         unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
              gemm2_split_slots=split_slots,
-             gemm1_fused_reduce=few and split_k > 1,
+             gemm1_fused_reduce=(few or spread) and split_k > 1,
              slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
-             pdl=arch in PDL_ARCHS and tokens >= PDL_MIN_TOKENS)
+             pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS or spread))
     archs = OPT_IN[form].archs if form is not None else None
     if form is not None and (archs is None or arch in archs) and opt_in_serves(form, p, tokens, hidden, mode,
                                                                                 intermediate):
-        p = dataclasses.replace(p, **change)
+        p = dataclasses.replace(p, **{k: v for k, v in change.items() if k not in PLAN_RULES})
     return p
+
+
+# Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
+PLAN_RULES = ("split_k_rule",)
 
 
 @dataclass(frozen=True)
@@ -710,6 +736,10 @@ OPT_IN: dict[str, OptIn] = {
     "split_slots": OptIn(dict(gemm2_split_slots=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                          compile_tokens=(1, 2), purpose="slot GEMM2 with one program per slot, the k rows added by the "
                                                         "last to arrive (the default on SPLIT_SLOTS_ARCHS)"),
+    "slot_split_pow2": OptIn(dict(split_k_rule="pow2", pdl=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1,
+                             ("w4a16", "w4a4"), compile_tokens=(1, 2), archs=SLOT_WIDE_SPLIT_ARCHS,
+                             purpose="slot GEMM1 split in powers of two (8 fused at T=1, 4 + a reduce launch at T=2), "
+                                     "no PDL (the sm90 picks before 2026-12-03)"),
     "one_program_gemm2": OptIn(dict(gemm2_split_slots=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                                compile_tokens=(1,), purpose="slot GEMM2 one program per (N range, token) walking the "
                                                             "token's k experts (the sm90 default before 2026-12-03)"),
