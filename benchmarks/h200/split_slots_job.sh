@@ -5,7 +5,7 @@
 #                                                                # the split
 #   OUT=dir bash benchmarks/h200/split_slots_job.sh ncu tests sanitize   # per-kernel times at TP8 T=1 (the default
 #                                                                # and NCU_FORM), GPU tests, memcheck and racecheck
-# The first call (8deb18e, the split an opt-in form) ran FORMS=${FORMS:-one_program_gemm2,pdl} NCU_FORM=split_slots;
+# The first call (8deb18e, the split an opt-in form) ran FORMS=split_slots,split_slots_pdl,pdl NCU_FORM=split_slots;
 # the second (811a4d6, the split the default in its swept tile) FORMS=one_program_gemm2,pdl; the third (the wide
 # GEMM1 split with PDL the default at T <= 2) the former default, the former GEMM1 picks, and no PDL.
 set -u
