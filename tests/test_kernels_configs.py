@@ -310,7 +310,8 @@ def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
     # TP8 / TP4 / whole experts: 32, 64, 256 GEMM1 programs per token, 24 K tiles of 256, 132 SMs
     for t, i, split in ((1, 256, 12), (2, 256, 6), (1, 512, 6), (2, 512, 3), (1, 2048, 1), (2, 2048, 1)):
         p = C.plan("sm90", t, 256, 8, 6144, i, sm_count=132)
-        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.pdl) == (split, split > 1, True), (t, i, p)
+        # PDL where GEMM2 takes K whole (its rows prefetched before it waits), not for whole experts
+        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.pdl) == (split, split > 1, i <= C.GEMM2_MAX_K_CHUNK), (t, i, p)
         assert split == 1 or (i // p.gemm1.bn) * t * 8 * split <= C.SLOT_SPLIT_PROGRAMS_PER_SM * 132
     for t, split, fused in ((1, 8, True), (2, 4, False)):
         old = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form="slot_split_pow2")

@@ -659,7 +659,9 @@ def plan(
     split_k = 1
     unroll = False
     # GEMM2 split by slots on a wide-split arch: GEMM1's K in as many ranges as keep SLOT_SPLIT_PROGRAMS_PER_SM
-    # programs per SM, reduced by its last program, launched with PDL (the "pow2" rule: the former picks)
+    # programs per SM, reduced by its last program, launched with PDL where GEMM2 takes K whole (its weight rows then
+    # prefetched before it waits; whole experts lost with PDL: TP1 T=1 94.2 vs 78.3 us, 2c13851) (the "pow2" rule:
+    # the former picks)
     spread = split_slots and arch in SLOT_WIDE_SPLIT_ARCHS and change.get("split_k_rule", "spread") == "spread"
     few = (not spread and schedule == "slot" and not slot_dedup and tokens <= SLOT_WIDE_SPLIT_MAX_TOKENS
            and arch in SLOT_WIDE_SPLIT_ARCHS)
@@ -676,7 +678,8 @@ def plan(
              gemm2_split_slots=split_slots,
              gemm1_fused_reduce=(few or spread) and split_k > 1,
              slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
-             pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS or spread))
+             pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS
+                                        or (spread and gemm2_k_chunk(intermediate) == intermediate)))
     archs = OPT_IN[form].archs if form is not None else None
     if form is not None and (archs is None or arch in archs) and opt_in_serves(form, p, tokens, hidden, mode,
                                                                                 intermediate):
