@@ -69,22 +69,25 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         unroll = base.schedule == "slot" and C.gemm2_slot_unrolled_smem_bytes(g2, intermediate, 8) <= C.smem_limit(arch)
         name = (f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
                 f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}")
-        out[name] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll)
+        out[name] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll, gemm2_split_slots=False)
         if split_slots:
-            out[name + " slots"] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_split_slots=True)
+            out[name + " slots"] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=False,
+                                       gemm2_split_slots=True)
     for dist in L2_PREFETCH_DISTANCES:
         if dist != base.l2_prefetch:
             out[f"pf{dist}"] = rep(base, l2_prefetch=dist)
     if base.schedule == "slot" and base.gemm2_unroll:
         out["g2 not unrolled"] = rep(base, gemm2_unroll=False)
-    if split_slots and not base.gemm2_split_slots:
-        out["g2 slots"] = rep(base, gemm2_split_slots=True)
+    if split_slots:  # the other GEMM2 form in the base's tile
+        unroll = C.gemm2_slot_unrolled_smem_bytes(base.gemm2, intermediate, 8) <= C.smem_limit(arch)
+        out["g2 slots" if not base.gemm2_split_slots else "g2 one program"] = rep(
+            base, gemm2_split_slots=not base.gemm2_split_slots, gemm2_unroll=base.gemm2_split_slots and unroll)
     if base.schedule == "slot":
         # up to SLOT_SPLIT_K_MAX ranges: at T=1 a program per 1-2 K tiles (the picker stops at SPLIT_K_MAX)
         for s in (1, 2, 4, 6, 8, 12, 24):
             if s != base.gemm1_split_k and C.split_k_fits(s, hidden, base.gemm1.bk, slot=True):
-                out[f"splitK{s}"] = rep(base, gemm1_split_k=s)
-                if s >= 8:
+                out[f"splitK{s}"] = rep(base, gemm1_split_k=s, gemm1_fused_reduce=False)
+                if s >= 2:
                     out[f"splitK{s} fused"] = rep(base, gemm1_split_k=s, gemm1_fused_reduce=True)
     return out
 

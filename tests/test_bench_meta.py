@@ -53,7 +53,8 @@ def test_write_result_writes_both_files(tmp_path):
 
 
 def test_plan_label_names_the_launch_forms():
-    """Bench rows say which forms ran: the split-K reduce fused into GEMM1 and programmatic dependent launch."""
+    """Bench rows say which forms ran: the split-K reduce fused into GEMM1, programmatic dependent launch, the slot
+    GEMM2 split by slots."""
     import dataclasses
 
     from glm5_fp4.bench.moe import plan_label
@@ -62,10 +63,13 @@ def test_plan_label_names_the_launch_forms():
     def row(p):
         return dict(schedule=p.schedule, gemm1=p.gemm1.__dict__, gemm2=p.gemm2.__dict__, gemm2_n_split=p.gemm2_n_split,
                     gemm1_split_k=p.gemm1_split_k, prep_x=p.prep_x, parallel_align=p.parallel_align,
-                    slot_dedup=p.slot_dedup, gemm1_fused_reduce=p.gemm1_fused_reduce, pdl=p.pdl)
+                    slot_dedup=p.slot_dedup, gemm1_fused_reduce=p.gemm1_fused_reduce, pdl=p.pdl,
+                    gemm2_split_slots=p.gemm2_split_slots)
 
     one = C.plan("sm90", 1, 256, 8, 6144, 256, sm_count=132)
-    assert plan_label(row(one)).endswith("splitK8 fused")
+    assert plan_label(row(one)).endswith("splitK12 fused pdl slots")
+    assert plan_label(row(C.plan("sm90", 1, 256, 8, 6144, 256, sm_count=132, form="one_program_gemm2"))).endswith(
+        "splitK8 fused")
     four = C.plan("sm90", 4, 256, 8, 6144, 256, sm_count=132)
     assert plan_label(row(four)).endswith("splitK4 dedup pdl")
     assert "pdl" not in plan_label(row(dataclasses.replace(four, pdl=False)))

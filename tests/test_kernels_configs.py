@@ -276,8 +276,8 @@ def test_pdl_launches_every_kernel_dependent_and_prefetches_gemm2_rows(t, form):
     h, i = p.hidden_size, p.intermediate_size
     dims = (p.num_experts, 8, h, i)
     default = C.plan("sm90", t, *dims, sm_count=132)
-    # below PDL_MIN_TOKENS where GEMM2 is split by slots (its wide GEMM1 split measured faster with PDL)
-    assert default.pdl == (t >= C.PDL_MIN_TOKENS or default.gemm2_split_slots)
+    # below PDL_MIN_TOKENS where GEMM2 is split by slots and takes K whole (whole experts: plainly)
+    assert default.pdl == (t >= C.PDL_MIN_TOKENS or (default.gemm2_split_slots and i <= C.GEMM2_MAX_K_CHUNK))
     plan = C.plan("sm90", t, *dims, sm_count=132, form=form)
     assert plan.pdl and plan == dataclasses.replace(default, pdl=True)
     todo = launches(plan, call)
@@ -321,11 +321,46 @@ def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
     for t in (3, 4):
         p = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132)
         assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.gemm2_split_slots) == (4, False, False)
+    # the T=1 plan before 2026-12-02: 4 K ranges, a reduce launch, one GEMM2 program per token, plain launches
+    old = C.plan("sm90", 1, 256, 8, 6144, 256, sm_count=132, form="slot_split4")
+    assert (old.gemm1_split_k, old.gemm1_fused_reduce, old.gemm2_split_slots, old.pdl) == (4, False, False, False)
+    assert old.gemm2_unroll
     for t in (1, 2, 3, 4):
-        old = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form="slot_split4")
-        assert (old.gemm1_split_k, old.gemm1_fused_reduce) == (4, False) or t == 2  # (serves T = 1 only)
         sm120 = C.plan("sm120", t, 256, 8, 6144, 256, sm_count=188)  # unmeasured there: the former rule
         assert sm120.gemm1_split_k <= C.SPLIT_K_MAX and not sm120.gemm1_fused_reduce and not sm120.gemm2_split_slots
+
+
+def test_gemm2_split_by_slots_launch_and_refusals():
+    """The split slot GEMM2 launches (N ranges, tokens, k) programs with the combine rows and arrival counters; the
+    launcher refuses it on the grouped schedule, with slot dedup, and where the workspace lacks the rows or the
+    counters (a workspace sized for fewer tokens than the call)."""
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import launches
+
+    call = _meta_call("tp8", 2, use_asm=True)
+    p = call.prepared
+    dims = (p.num_experts, 8, p.hidden_size, p.intermediate_size)
+    plan = C.plan("sm90", 2, *dims, sm_count=132)
+    assert plan.gemm2_split_slots
+    (g2,) = [ln for ln in launches(plan, call) if ln.name == "moe_gemm2_slot_kernel"]
+    assert g2.grid == (plan.gemm2_n_split, 2, 8) and g2.kwargs["SPLIT_SLOTS"] and not g2.kwargs["UNROLL"]
+    assert g2.args[-2] is call.workspace.combine and g2.args[-1] is call.workspace.slot_count
+    with pytest.raises(Glm5Fp4Error, match="split by slots"):
+        launches(dataclasses.replace(plan, slot_dedup=True), call)
+    big = _meta_call("tp8", 64, use_asm=True)
+    with pytest.raises(Glm5Fp4Error, match="split by slots"):
+        launches(dataclasses.replace(C.plan("sm90", 64, *dims, sm_count=132), gemm2_split_slots=True), big)
+    ws = call.workspace
+    full_count, full_combine = ws.slot_count, ws.combine
+    ws.slot_count = full_count[:plan.gemm2_n_split]  # counters for one token
+    with pytest.raises(Glm5Fp4Error, match="arrival counters"):
+        launches(plan, call)
+    ws.slot_count, ws.combine = full_count, full_combine[:8]  # rows for one token's slots
+    with pytest.raises(Glm5Fp4Error, match="combine rows"):
+        launches(plan, call)
+    ws.combine = full_combine
+    assert launches(plan, call)
 
 
 def test_pick_slot_split_k_keeps_a_few_programs_per_sm():

@@ -158,7 +158,8 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
              schedule=plan.schedule, launches=launches_per_call(plan), gemm1=plan.gemm1.__dict__,
              gemm2=plan.gemm2.__dict__, gemm2_n_split=plan.gemm2_n_split, gemm1_split_k=plan.gemm1_split_k,
              prep_x=plan.prep_x, parallel_align=plan.parallel_align, slot_dedup=plan.slot_dedup,
-             gemm1_fused_reduce=plan.gemm1_fused_reduce, pdl=plan.pdl, l2_prefetch=plan.l2_prefetch)
+             gemm1_fused_reduce=plan.gemm1_fused_reduce, pdl=plan.pdl, l2_prefetch=plan.l2_prefetch,
+             gemm2_split_slots=plan.gemm2_split_slots)
     if ctx.check:
         out = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=plan, expert_map=emap)
         if not torch.isfinite(out).all():

@@ -85,11 +85,13 @@ class Plan:
     # Grouped W4A16: the align kernel converts x to fp16 in GEMM1's K order once (False: GEMM1 converts
     # every K tile itself; kept for comparison).
     prep_x: bool = True
-    # Slot schedule: GEMM2 unrolls the token's k experts (all weight loads in flight), where they fit.
+    # Slot schedule, GEMM2 one program per (N range, token): it unrolls the token's k experts (all weight loads in
+    # flight), where they fit (the plans that split GEMM2 by slots have nothing to unroll).
     gemm2_unroll: bool = False
     # Slot schedule with split-K: the last GEMM1 program of each (N tile, slot) adds the partial sums and
     # applies SwiGLU (an arrival counter), instead of a reduce launch: 2 dependent launches instead of 3.
-    # The default at T <= SLOT_WIDE_SPLIT_MAX_TOKENS (with 8 K ranges); elsewhere the opt-in "fused_reduce".
+    # The default where GEMM2 is split by slots (T <= 2 on sm_90/sm_100: pick_slot_split_k) and at T <=
+    # SLOT_WIDE_SPLIT_MAX_TOKENS under the former picks; elsewhere the opt-in "fused_reduce".
     gemm1_fused_reduce: bool = False
     # Grouped schedule: the routing is counted by many programs (the last one scans and writes the work list)
     # and placed by a second, many-program kernel, instead of one program's serial passes (15 us at T=512,
@@ -104,7 +106,8 @@ class Plan:
     # Programmatic dependent launch (SM90+): every kernel of the call after the first is launched before its
     # predecessor ends; each waits (griddepcontrol.wait) at its top and then lets its own successor launch, so
     # launch latency and the next kernel's ramp overlap the current one's tail, and the GEMM2 kernels prefetch
-    # their first weight tiles into L2 before they wait. The default from PDL_MIN_TOKENS on (SM90+).
+    # their first weight tiles into L2 before they wait. The default from PDL_MIN_TOKENS on (SM90+), and below it
+    # where GEMM2 is split by slots and takes K whole (configs.plan).
     pdl: bool = False
     # Software L2 prefetch (inline PTX; off in the interpreter): GEMM1 asks L2 for its weight rows this many K tiles
     # ahead, the grouped GEMM2 (whole K tiles) this many N tiles ahead, beyond what the pipeline's shared-memory
@@ -112,7 +115,8 @@ class Plan:
     l2_prefetch: int = 0
     # Slot schedule without dedup: GEMM2 runs one program per (N range, token, slot) instead of one per (N range,
     # token) walking the token's k experts, each slot's rows to the fp32 combine buffer; the last program of a
-    # token's N range to arrive (a counter) adds the k rows in slot order (bitwise the one-program sum).
+    # token's N range to arrive (a counter) adds the k rows in slot order (the one-program form's order: bit-equal
+    # in the interpreter, equal to rounding on the GPU). The default at T <= 2 on SPLIT_SLOTS_ARCHS.
     gemm2_split_slots: bool = False
 
 
@@ -276,8 +280,9 @@ SLOT_DEDUP_MIN_TOKENS = 3
 # these archs, in SPLIT_SLOTS_GEMM2's tile. H200, 2026-12-03, 8deb18e: the one-program form (each program walks the
 # token's k experts, unrolled) runs its GEMM2 at TP8 T=1 in 9.6 us at 15 % of DRAM peak on 96 programs (ncu); split
 # by slots the sweep (benchmarks/results/moe_kernel_h200_sweep_split_slots_8deb18e.json, TP8 whole layer, us) has T=1
-# 19.0 vs 21.3 and T=2 29.0 vs 33.5 with eight MMAs per tile (18.7-19.0 over the unmerged candidates, 19.6 / 30.1
-# with the merged one); the same-run A/B of the defaults: write-up 14. sm_120 keeps the one-program form
+# 19.0 vs 21.3 and T=2 29.0 vs 33.5 with eight MMAs per tile (18.7-19.0 for three of the four unmerged candidates,
+# 21.5 for the 3-stage 128-register one; 19.6 / 30.1 with the merged one); the same-run A/B of the defaults:
+# write-up 14. sm_120 keeps the one-program form
 # (unmeasured there); the former is opt-in "one_program_gemm2".
 SPLIT_SLOTS_ARCHS = ("sm90", "sm100")
 SPLIT_SLOTS_GEMM2 = {"sm90": Gemm2Config(64, 16, 4, 3, merged=False)}
@@ -286,10 +291,12 @@ SPLIT_SLOTS_GEMM2["sm100"] = SPLIT_SLOTS_GEMM2["sm90"]
 # 2026-12-02, benchmarks/results/moe_variants_h200_pdl.json, TP8 us per layer, plain -> pdl: T=4 same_k 37.2 ->
 # 34.8, balanced 59.6 -> 58.0; T=16 same_k 45.9 -> 39.6, balanced 110.8 -> 107.4; T=64 same_k 76.8 -> 65.0,
 # balanced 209.6 -> 208.1; T=512 balanced 307.2 -> 298.1, same_k 169.0 -> 171.5; T=4096 within 0.4 %. At T=1
-# (3 launches, split-K 4) it lost 3 us (25.4 -> 28.3): not below this.
+# (3 launches, split-K 4) it lost 3 us (25.4 -> 28.3): not below this, except where GEMM2 is split by slots
+# (SLOT_SPLIT_PROGRAMS_PER_SM).
 PDL_MIN_TOKENS = 3
 PDL_ARCHS = ("sm90", "sm100", "sm120")
-# Up to SLOT_WIDE_SPLIT_MAX_TOKENS tokens the slot schedule's split-K picker goes up to SLOT_SPLIT_K_PICK K ranges
+# The former picks (since 2026-12-03 only under the opt-in forms that keep them on sm_90/sm_100, and on the other
+# archs): up to SLOT_WIDE_SPLIT_MAX_TOKENS tokens the slot schedule's split-K picker goes up to SLOT_SPLIT_K_PICK K ranges
 # (elsewhere SPLIT_K_MAX; SLOT_SPLIT_K_MAX is the launcher's limit) and the last GEMM1 program of each tile reduces
 # them (Plan.gemm1_fused_reduce: 2 launches). H200, 2026-12-02, TP8 T=1, us per layer: the sweep
 # (benchmarks/results/moe_kernel_h200_sweep_t1_pdl.json) split 4 + reduce launch 23.6 (the default before), split 8
@@ -299,12 +306,13 @@ PDL_ARCHS = ("sm90", "sm100", "sm120")
 SLOT_WIDE_SPLIT_MAX_TOKENS = 1
 # Where GEMM2 is split by slots (Plan.gemm2_split_slots, T <= 2) on SLOT_WIDE_SPLIT_ARCHS, the slot GEMM1 splits K
 # into any whole number of K tiles that keeps about this many programs per SM (pick_slot_split_k), reduces them in
-# its last program and launches with PDL. H200, 2026-12-03, the sweep at 811a4d6
-# (benchmarks/results/moe_kernel_h200_sweep_small_t_811a4d6.json, whole layer, us; best split with the 132 SMs: 384
-# programs each time): TP8 T=1 split 12 18.3 (8: 19.3, 24: 20.7), T=2 split 6 28.1 (4: 29.0, 8: 30.5), fused + PDL
-# 26.1; TP4 T=1 split 6 28.5 (4: 29.8, 8: 30.4), + PDL 25.2; the earlier sweep (moe_kernel_h200_sweep_small_t_tp4_tp1_
-# 34809e2.json) TP1 T=1 unsplit 96.3 (4: 101.9), TP4 T=1 split 6 35.2. The same-run A/B against the former picks
-# (opt-in "slot_split_pow2"): write-up 14.
+# its last program and launches with PDL where GEMM2 takes K whole. H200, 2026-12-03, the sweep at 811a4d6
+# (benchmarks/results/moe_kernel_h200_sweep_small_t_811a4d6.json, whole layer, us; the best split at 384 programs on
+# the 132 SMs each time): TP8 T=1 split 12 18.3 (8: 19.3, 24: 20.7), T=2 split 6 28.1 (4: 29.0, 8: 30.5), fused +
+# PDL 26.1; TP4 T=1 split 6 28.5 (4: 29.8, 8: 30.4), + PDL 25.2. Not swept alone: TP4 T=2 (split 3; the plan with it
+# 41.8 us against 47.7 for the former picks, same run) and whole experts, where the rule leaves K unsplit: TP1 T=1
+# 78.2 us, the same as split 4 fused (78.2, moe_variants_h200_small_t_tp1_33dd51b.json). The same-run A/B against
+# the former picks (opt-in "slot_split_pow2"): write-up 14.
 SLOT_SPLIT_PROGRAMS_PER_SM = 3
 SLOT_SPLIT_K_PICK = 8
 # where that was measured (sm_120 keeps split 4 + a reduce launch: unmeasured there, and its 16-row slot tile in
@@ -632,7 +640,9 @@ def plan(
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
     # on sm_90: 255 registers, 36 B, at I = 512 and whole experts)
     g2_key = ("grouped", 16) if slot_dedup else (schedule, bm)
-    # so does one that sets gemm2_split_slots (its tile, and no unrolled k experts, follow)
+    # so does one that sets gemm2_split_slots (its tile, and no unrolled k experts, follow), or the split-K rule
+    # (PLAN_RULES). (Read before opt_in_serves below: the forms that set them serve only the slot calls without
+    # dedup, T < SLOT_DEDUP_MIN_TOKENS, where these decisions are made.)
     split_slots = schedule == "slot" and not slot_dedup and change.get(
         "gemm2_split_slots", arch in SPLIT_SLOTS_ARCHS and tokens < SLOT_DEDUP_MIN_TOKENS)
     g2 = (gemm2 or (split_slots and SPLIT_SLOTS_GEMM2.get(arch)) or _gemm2_override(arch, intermediate, g2_key)
@@ -714,14 +724,16 @@ class OptIn:
 OPT_IN: dict[str, OptIn] = {
     "fused_reduce": OptIn(dict(gemm1_fused_reduce=True), "slot", None, ("w4a16", "w4a4"), needs_split_k=True,
                           compile_tokens=(4,), purpose="split-K partials reduced by GEMM1's last program (2 launches; "
-                                                       "the default at T=1)"),
+                                                       "the default at T <= 2 on sm_90/sm_100)"),
     "split_reduce": OptIn(dict(gemm1_fused_reduce=False), "slot", SLOT_WIDE_SPLIT_MAX_TOKENS, ("w4a16", "w4a4"),
                           needs_split_k=True, compile_tokens=(1,),
-                          purpose="split-K partials added by a reduce launch (T=1: 23.7 against the fused 21.5 us)"),
-    "slot_split4": OptIn(dict(gemm1_split_k=4, gemm1_fused_reduce=False), "slot", SLOT_WIDE_SPLIT_MAX_TOKENS,
+                          purpose="the default's split-K partials added by a reduce launch instead of GEMM1's last "
+                                  "program (2026-12-02, the former T=1 plan: 23.7 against the fused 21.5 us)"),
+    "slot_split4": OptIn(dict(gemm1_split_k=4, gemm1_fused_reduce=False, gemm2_split_slots=False, pdl=False,
+                              split_k_rule="pow2"), "slot", SLOT_WIDE_SPLIT_MAX_TOKENS,
                          ("w4a16", "w4a4"), needs_split_k=True, compile_tokens=(1,),
-                         purpose="GEMM1 in 4 K ranges + a reduce launch (the T=1 default before 2026-12-02: 24.8 us "
-                                 "against 21.5)"),
+                         purpose="GEMM1 in 4 K ranges + a reduce launch, GEMM2 one program per token (the T=1 default "
+                                 "before 2026-12-02: 24.8 us against 21.5)"),
     "slot_dedup": OptIn(dict(slot_dedup=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                         compile_tokens=(2,), purpose="one program group per expert below SLOT_DEDUP_MIN_TOKENS"),
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
@@ -735,7 +747,8 @@ OPT_IN: dict[str, OptIn] = {
     "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
     "pdl": OptIn(dict(pdl=True), "slot", PDL_MIN_TOKENS - 1, ("w4a16", "w4a4"), compile_tokens=(1,),
-                 purpose="programmatic dependent launch below PDL_MIN_TOKENS (3 us slower at T=1 with split 4)"),
+                 purpose="programmatic dependent launch below PDL_MIN_TOKENS where the default launches plainly "
+                         "(whole experts: TP1 T=1 95.2 against 78.2 us; sm_120)"),
     "split_slots": OptIn(dict(gemm2_split_slots=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                          compile_tokens=(1, 2), purpose="slot GEMM2 with one program per slot, the k rows added by the "
                                                         "last to arrive (the default on SPLIT_SLOTS_ARCHS)"),

@@ -248,11 +248,12 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                            f"holds {call.workspace.combine.shape[0]}")
     if plan.gemm2_split_slots and (plan.schedule != "slot" or plan.slot_dedup):
         raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots is a form of the slot schedule without slot dedup")
-    if plan.gemm2_split_slots and (call.num_slots * h > call.workspace.combine.numel()
-                                   or call.tokens * plan.gemm2_n_split > call.workspace.slot_count.numel()):
-        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots needs {call.num_slots} combine rows and "
-                           f"{call.tokens * plan.gemm2_n_split} arrival counters, the workspace holds "
-                           f"{call.workspace.combine.shape[0]} and {call.workspace.slot_count.numel()}")
+    if plan.gemm2_split_slots and call.num_slots > call.workspace.combine.shape[0]:
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots needs {call.num_slots} combine rows (T x k), the "
+                           f"workspace holds {call.workspace.combine.shape[0]}")
+    if plan.gemm2_split_slots and call.tokens * plan.gemm2_n_split > call.workspace.slot_count.numel():
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots needs {call.tokens * plan.gemm2_n_split} arrival "
+                           f"counters (T x N ranges), the workspace holds {call.workspace.slot_count.numel()}")
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         ws = call.workspace
         if (not cfgs.split_k_fits(plan.gemm1_split_k, h, g1.bk, slot=True)

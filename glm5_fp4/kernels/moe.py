@@ -73,7 +73,8 @@ class Workspace:
         self.num_blocks = torch.zeros(1, **i32)
         self.act = torch.empty(max_tokens * top_k, intermediate, dtype=torch.float16, device=device)
         # one fp32 row per token (grouped), or per slot of a slot-schedule call (Plan.slot_dedup)
-        slot_rows = min(max_tokens, max(cfgs.SLOT_MAX_TOKENS.values())) * top_k
+        slot_tokens = min(max_tokens, max(cfgs.SLOT_MAX_TOKENS.values()))
+        slot_rows = slot_tokens * top_k
         self.combine = torch.zeros(max(max_tokens, slot_rows), hidden, dtype=torch.float32, device=device)
         # the activations in fp16, GEMM1's merged K order (grouped W4A16; written by the align kernel)
         self.xq = torch.empty(max_tokens, hidden, dtype=torch.float16, device=device)
@@ -87,7 +88,7 @@ class Workspace:
         self.split_count = torch.zeros(self.part_rows * (intermediate // 16), **i32)
         # arrivals per (token, GEMM2 N range) of the slot GEMM2 split by slots (Plan.gemm2_split_slots), whose
         # per-slot rows go to ``combine``; the last arrival sets it back to zero
-        self.slot_count = torch.zeros(slot_rows // top_k * (hidden // 16), **i32)
+        self.slot_count = torch.zeros(slot_tokens * (hidden // 16), **i32)
         # NVFP4 act (codes + scales) between the native FP4 GEMMs; allocated on first native use
         self.act_q: torch.Tensor | None = None
         self.act_s: torch.Tensor | None = None

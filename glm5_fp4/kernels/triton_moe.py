@@ -472,6 +472,19 @@ def _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I: tl.constexpr, B
 
 
 @triton.jit
+def _last_arrival(cnt_ptr, arrivals):
+    """Whether this program is the last of ``arrivals`` to arrive at counter ``cnt_ptr`` (which it then zeroes for the
+    next call or graph replay). The classic semaphore: a CTA barrier orders every thread's stores before the
+    gpu-scope release, so the last arrival sees (acquire) everything the others stored before arriving; it should
+    read that through L2 (``.cg`` or atomics: an L1 line may be stale)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+    if last:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
 def _pdl_enter(USE_PDL: tl.constexpr):
     """Plan.pdl: wait until the previous kernel has finished (its writes visible), then let the next one launch.
 
@@ -703,13 +716,8 @@ def moe_gemm1_kernel(
             if FUSED_REDUCE:
                 # The last of the SPLIT_K programs of this (N tile, slot) to finish adds the partial sums in
                 # split order (bitwise what moe_splitk_reduce_kernel computes) and applies SwiGLU, so the slot
-                # schedule needs no reduce launch. Classic semaphore: a CTA barrier orders every thread's
-                # partial stores before the gpu-scope release; the acquire side reads the partials from L2.
-                tl.debug_barrier()
-                cp = cnt_ptr + start * (I // BN) + pid_n
-                done = tl.atomic_add(cp, 1, sem="acq_rel", scope="gpu")
-                if done == SPLIT_K - 1:
-                    tl.atomic_xchg(cp, 0, sem="relaxed", scope="gpu")  # zero again for the next call / replay
+                # schedule needs no reduce launch.
+                if _last_arrival(cnt_ptr + start * (I // BN) + pid_n, SPLIT_K):
                     p0 = part_ptr + rows[None, :] * (2 * I) + offs_i[:, None]
                     gate = tl.load(p0, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
                     up = tl.load(p0 + I, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
@@ -926,13 +934,7 @@ def _slot_split_part(act_ptr, w_ptr, s_ptr, alpha_ptr, o_scale_ptr, topk_w_ptr, 
         else:
             part = tl.zeros((BN, BM), dtype=tl.float32)  # a remote expert's slot adds nothing (no weight read)
         tl.store(srow + n0 + offs_bn[:, None] + cols[None, :] * 0, part, mask=first[None, :])
-    # The classic semaphore of GEMM1's fused reduce: a CTA barrier orders every thread's row stores before the
-    # gpu-scope release; the last arrival reads the token's k rows from L2 and zeroes the counter for the next call.
-    tl.debug_barrier()
-    cp = cnt_ptr + tok * N_SPLIT + pid_s
-    done = tl.atomic_add(cp, 1, sem="acq_rel", scope="gpu")
-    if done == TOPK - 1:
-        tl.atomic_xchg(cp, 0, sem="relaxed", scope="gpu")
+    if _last_arrival(cnt_ptr + tok * N_SPLIT + pid_s, TOPK):
         rows = sum_ptr + (tok * TOPK).to(tl.int64) * H
         for n0 in range(n_begin, n_begin + n_per, BN):
             acc = tl.zeros((BN,), dtype=tl.float32)
@@ -980,13 +982,15 @@ def moe_gemm2_slot_kernel(
     where k pipelined tiles fit the arch's shared memory (configs.plan).
 
     ``SPLIT_SLOTS`` (Plan.gemm2_split_slots): grid (N range, token, slot j) instead of (N range, token): each
-    program computes one slot's rows into ``sum_ptr`` (fp32 [T*k, H], the combine buffer), and the last of the
-    token's k programs of an N range to arrive (counted in ``cnt_ptr`` [T, N_SPLIT], zero between calls) adds the
-    k rows in slot order, bitwise the sum the one-program form accumulates, and stores them. k times the
-    programs, each with one expert's tile in flight instead of k in turn.
+    program computes one slot's rows into ``sum_ptr`` (fp32 [T*k, H], the combine buffer; a remote slot's are zero)
+    and the last of the token's k programs of an N range to arrive (counted in ``cnt_ptr`` [T, N_SPLIT], zero
+    between calls) adds the k rows in slot order and stores them: the same order as the one-program form's sum
+    (bit-equal to it in the interpreter; on the GPU the two compile to different code and agree to rounding). k
+    times the programs, each with one expert's tile in flight instead of k in turn.
 
     ``USE_PDL``: before it waits for the act rows, the program asks L2 for the first ``PF_ROWS`` of its rows of
-    each of the token's experts (the routing is the call's input, written before GEMM1 waited)."""
+    each of the token's experts (SPLIT_SLOTS: of its slot's expert; the routing is the call's input, written
+    before GEMM1 waited)."""
     BM: tl.constexpr = 16  # the MMA's smallest token side; only column 0 is real
     pid_s = tl.program_id(0)
     tok = tl.program_id(1)
@@ -1140,11 +1144,7 @@ def moe_align_kernel(
             offs = pid * BLOCK + tl.arange(0, BLOCK)
             ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < num_slots, HAS_MAP)
             tl.atomic_add(pcounts_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=m, sem="relaxed")
-            # every thread's counts before the gpu-scope release (the fused split-K reduce's semaphore)
-            tl.debug_barrier()
-            done = tl.atomic_add(pcounts_ptr + E, 1, sem="acq_rel", scope="gpu")
-            if done == hprog - 1:
-                tl.atomic_xchg(pcounts_ptr + E, 0, sem="relaxed", scope="gpu")
+            if _last_arrival(pcounts_ptr + E, hprog):
                 # read through the atomic unit (no stale L1 line) and leave zeros for the next call
                 counts = tl.atomic_xchg(pcounts_ptr + offs_e, tl.zeros((E_POW2,), dtype=tl.int32), mask=emask,
                                         sem="relaxed", scope="gpu")

@@ -37,7 +37,9 @@ def _experts(gen, h=H):
 
 def _plan(t, schedule, h=H, bm=16, merged=True, bk=128, tma=False, **flags):
     """A pinned plan: the per-slot / unsplit forms unless ``flags`` ask for dedup or split-K (the defaults moved
-    to them at T >= 3 / short grouped lists; each test here names the form it checks)."""
+    to them at T >= 3 / short grouped lists; each test here names the form it checks). At T <= 2 the slot plans
+    are sm_90's defaults there: GEMM2 split by slots, a fused split-K reduce where K splits (PDL, in the plan, runs
+    as plain launches in the interpreter); test_gemm2_split_slots pins the one-program GEMM2 against it."""
     plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, bk, 4, 2, merged, tma=tma),
                   gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged),
                   form="per_slot" if schedule == "slot" else "grouped_unsplit")
