@@ -71,8 +71,11 @@ def test_a_hung_stream_is_cut_at_the_stall_limit_from_the_observed_itl(tmp_path,
     stalled = [r for r in rows if r["error_kind"] == "stalled"]
     assert all(r["streamed_tokens"] == 3 and "no token for" in r["error"] for r in stalled)
     assert res["run_failed"] is True
-    # the limit in force: the floor, or 50 x the p99 chunk gap when that is longer
-    assert 0.5 <= res["stall_timeout_s"] <= max(0.5, 1.2 * runner_module.STALL_FACTOR * res["p99_chunk_itl_ms"] / 1e3)
+    # the limit in force: the floor, or 50 x the p99 of the chunk gaps the watch saw when that is longer. The watch
+    # sees the gaps of the streams running at each check (a subset of all), so its p99 can sit above the summary's
+    # p99 (one scheduling hiccup on a loaded CPU) but never above the largest gap any stream had.
+    gaps = [g for r in rows for g in (r.get("chunk_itl_ms") or r.get("itl_ms") or [])]
+    assert gaps and 0.5 <= res["stall_timeout_s"] <= max(0.5, runner_module.STALL_FACTOR * max(gaps) / 1e3 * 1.001)
     # the run's duration is not stretched by the hung streams to anything near the read timeout
     assert res["duration"] < 5.0
 
