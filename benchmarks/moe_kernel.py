@@ -66,7 +66,7 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         n_split = max(1, min(hidden // g2.bn, base.gemm2_n_split * base.gemm2.bn // g2.bn))
         while (hidden // g2.bn) % n_split:
             n_split -= 1
-        unroll = base.schedule == "slot" and C.gemm2_slot_unrolled_smem_bytes(g2, intermediate, 8) <= C.smem_limit(arch)
+        unroll = base.schedule == "slot" and C.gemm2_slot_unrolls(arch, g2, intermediate, 8)
         name = (f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
                 f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}")
         out[name] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll, gemm2_split_slots=False)
@@ -79,9 +79,9 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     if base.schedule == "slot" and base.gemm2_unroll:
         out["g2 not unrolled"] = rep(base, gemm2_unroll=False)
     if split_slots:  # the other GEMM2 form in the base's tile
-        unroll = C.gemm2_slot_unrolled_smem_bytes(base.gemm2, intermediate, 8) <= C.smem_limit(arch)
         out["g2 slots" if not base.gemm2_split_slots else "g2 one program"] = rep(
-            base, gemm2_split_slots=not base.gemm2_split_slots, gemm2_unroll=base.gemm2_split_slots and unroll)
+            base, gemm2_split_slots=not base.gemm2_split_slots,
+            gemm2_unroll=base.gemm2_split_slots and C.gemm2_slot_unrolls(arch, base.gemm2, intermediate, 8))
     if base.schedule == "slot":
         # up to SLOT_SPLIT_K_MAX ranges: at T=1 a program per 1-2 K tiles (the picker stops at SPLIT_K_MAX)
         for s in (1, 2, 4, 6, 8, 12, 24):

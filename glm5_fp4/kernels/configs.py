@@ -367,6 +367,12 @@ def gemm2_slot_unrolled_smem_bytes(cfg: Gemm2Config, intermediate: int, top_k: i
     return top_k * per_expert * (intermediate // kc)
 
 
+def gemm2_slot_unrolls(arch: str, cfg: Gemm2Config, intermediate: int, top_k: int) -> bool:
+    """Whether the one-program slot GEMM2 unrolls the token's k experts (Plan.gemm2_unroll): where all their tiles
+    fit the arch's shared memory at once."""
+    return gemm2_slot_unrolled_smem_bytes(cfg, intermediate, top_k) <= smem_limit(arch)
+
+
 def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None) -> int:
     """One K chunk's weight tile per pipeline stage, its activation tile, the epilogue; with more than one
     chunk (whole experts, I > GEMM2_MAX_K_CHUNK) the activation tile is loaded inside the loop and pipelined
@@ -683,7 +689,7 @@ def plan(
     elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
         split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
     if schedule == "slot" and not split_slots:
-        unroll = gemm2_slot_unrolled_smem_bytes(g2, intermediate, top_k) <= smem_limit(arch)
+        unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
              gemm2_split_slots=split_slots,
              gemm1_fused_reduce=(few or spread) and split_k > 1,
