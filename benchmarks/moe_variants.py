@@ -5,9 +5,9 @@ same layers, inputs and plan, each checked against the default's output first (a
 different layer is reported as an error, never timed). Timed in the order default, variants, default again:
 the two default times bound the drift within the row. Variants:
 
-* ``other layout``: weights in the layout that is not the default ("split" while "placed" is the default:
-  layout.place_nibbles saves 2 of 7 bit operations per decoded word; SASS counts in
-  benchmarks/results/moe_kernel_sass_sm90_placed.json).
+* ``other layouts``: weights in each decode layout that is not the default ("split": the plain nibble order,
+  2 more bit operations per decoded word than "placed", SASS counts in
+  benchmarks/results/moe_kernel_sass_sm90_placed.json; "tiled": "placed" with GEMM1's weights K-tile-major).
 * each alternative plan form of ``glm5_fp4.kernels.configs.OPT_IN`` where it serves and changes the default
   plan (its schedule, batch sizes and mode): ``fused_reduce`` (slot split-K reduced by GEMM1's last program),
   ``slot_dedup`` (one program group per expert below T = 3, where it is not the default), ``per_slot`` (the
@@ -51,12 +51,13 @@ def main(argv=None) -> int:
     ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
                     "atomic adds (wrong results, not checked): the combine's cost")
     args = ap.parse_args(argv)
-    from glm5_fp4.kernels import configs as C  # (no torch: a bad --forms is refused before any GPU work)
+    from glm5_fp4.kernels import configs as C  # (a bad --forms is refused before any GPU work)
+    from glm5_fp4.kernels.launch import DECODE_LAYOUTS as layouts
 
     forms = set(args.forms.split(",")) if args.forms else None
-    unknown = forms - set(C.OPT_IN) - {"split", "placed"} if forms else set()
+    unknown = forms - set(C.OPT_IN) - set(layouts) if forms else set()
     if unknown:
-        ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)} or a weight layout (split, placed)")
+        ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)} or a weight layout {layouts}")
     import torch
 
     if not torch.cuda.is_available():
@@ -87,10 +88,12 @@ def main(argv=None) -> int:
     for name in shards:
         sh = B.glm5_shard(name)
         lay = B.make_layers(sh, args.layers, gen)
-        other = "split" if default_layout() == "placed" else "placed"
-        alt = B.Layers(sh, [prepare_experts(e, layout=other) for e in lay.experts], lay.experts)
+        others = [name for name in layouts if name != default_layout() and (not forms or name in forms)]
+        alts = {name: B.Layers(sh, [prepare_experts(e, layout=name) for e in lay.experts], lay.experts)
+                for name in others}
         # name -> (layers, DIAG, checked against the default, opt-in form or None)
-        variants = {other: (alt, 0, True, None), **{form: (lay, 0, True, form) for form in C.OPT_IN}}
+        variants = {**{name: (alt, 0, True, None) for name, alt in alts.items()},
+                    **{form: (lay, 0, True, form) for form in C.OPT_IN}}
         if forms:
             variants = {n: v for n, v in variants.items() if n in forms}
         if args.nodecode:
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
                 save()
                 us = {k: round(v, 1) for k, v in row["us"].items()}
                 print(f"{name} T={t} {routing}: {us} {row['errors'] or ''} [{row['wall_s']}s]", flush=True)
-        del lay, alt
+        del lay, alts
         torch.cuda.empty_cache()
     save()
     return 1 if any(r["errors"] for r in rows) else 0

@@ -245,7 +245,7 @@ def test_default_forms_are_sized_for_skewed_routing(arch, sms):
                 assert want == 4
 
 
-def _meta_call(shape_name: str, t: int, use_asm: bool):
+def _meta_call(shape_name: str, t: int, use_asm: bool, layout: str = "placed"):
     import torch
 
     from glm5_fp4.kernels.launch import MoECall
@@ -253,7 +253,7 @@ def _meta_call(shape_name: str, t: int, use_asm: bool):
     from glm5_fp4.sm120 import launches as SL
 
     shape = {s.name: s for s in SL.shape_classes()}[shape_name]
-    prep = SL.meta_prepared(shape, layout="placed")
+    prep = SL.meta_prepared(shape, layout=layout)
     meta, k = torch.device("meta"), 8
     x = torch.empty(t, prep.hidden_size, dtype=torch.bfloat16, device=meta)
     return MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
@@ -521,3 +521,29 @@ def test_free_decode_bound_keeps_one_scale_instruction_per_output():
     assert len(lines) == 4 and all(ln.split()[0] in ("mul.rn.f16x2", "fma.rn.f16x2") for ln in lines)
     rhs = [ln.split(",", 1)[1] for ln in lines]
     assert len(set(rhs)) == 4, rhs
+
+
+@pytest.mark.parametrize("t", [1, 4, 512, 4096])
+def test_tiled_layout_passes_its_runs_to_gemm1_only_and_refuses_what_cannot_read_them(t):
+    """layout="tiled": GEMM1 gets KT (the layout's run width) and the placed decode, every other kernel the launch
+    it gets for "placed"; a TMA box wider than a run and the row-addressed L2 prefetch are refused by name."""
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import launches
+    from glm5_fp4.kernels.layout import W13_K_TILE
+
+    call, placed = _meta_call("tp8", t, use_asm=True, layout="tiled"), _meta_call("tp8", t, use_asm=True)
+    p = call.prepared
+    plan = C.plan("sm90", t, p.num_experts, 8, p.hidden_size, p.intermediate_size, sm_count=132)
+    todo, ref = launches(plan, call), launches(plan, placed)
+    assert [ln.name for ln in todo] == [ln.name for ln in ref]
+    for ln, rl in zip(todo, ref):
+        if ln.name == "moe_gemm1_kernel":
+            assert ln.kwargs["KT"] == W13_K_TILE and ln.kwargs["PLACED"] and "KT" not in rl.kwargs
+            assert {k: v for k, v in ln.kwargs.items() if k != "KT"} == rl.kwargs
+        else:
+            assert ln.kwargs == rl.kwargs
+    with pytest.raises(Glm5Fp4Error, match="TMA box of 512 K"):
+        launches(dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=512, tma=True)), call)
+    with pytest.raises(Glm5Fp4Error, match="L2 prefetch addresses row-major"):
+        launches(dataclasses.replace(plan, l2_prefetch=4), call)

@@ -7,7 +7,7 @@ from glm5_fp4 import nvfp4
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels import prepare_experts
 from glm5_fp4.kernels.layout import (DECODE_FACTOR, K_GROUP, PLACED_ENV, merge_nibbles, place_nibbles, split_nibbles,
-                                     unplace_nibbles)
+                                     tile_k, unplace_nibbles, untile_k, w13_k_tile)
 from glm5_fp4.reference import NvFp4Experts, random_experts
 
 
@@ -116,3 +116,28 @@ def test_placed_layout_is_the_default_split_on_request_and_both_roundtrip(monkey
     prep.source = None
     back = prep.to_experts()
     assert torch.equal(back.w13, ex.w13) and torch.equal(back.w2, ex.w2)
+
+
+@pytest.mark.parametrize("h,kt", [(512, 256), (384, 128)])
+def test_tiled_layout_puts_each_k_tile_of_a_row_range_in_one_run_and_roundtrips(h, kt):
+    """layout="tiled": inside each expert, K tile j of rows r0..r1 is one contiguous run of the stored bytes
+    (words and scales), at the offset the kernel computes (triton_moe._w13_k_offset); w2 is untouched."""
+    ex = random_experts(3, h, 128, generator=torch.Generator().manual_seed(7))
+    placed, tiled = prepare_experts(ex, layout="placed"), prepare_experts(ex, layout="tiled")
+    assert w13_k_tile("tiled", h) == kt and w13_k_tile("placed", h) == 0
+    assert tiled.w13.shape == placed.w13.shape and tiled.w13_scale.shape == placed.w13_scale.shape
+    assert torch.equal(tiled.w2, placed.w2) and torch.equal(tiled.w2_scale, placed.w2_scale)
+    rows = placed.w13.shape[1]
+    for stored, ref, per in ((tiled.w13, placed.w13, 2), (tiled.w13_scale, placed.w13_scale, 16)):
+        run = kt // per  # stored elements of one row in one K tile
+        flat = stored.reshape(stored.shape[0], -1)
+        for j in range(h // kt):
+            start = j * rows * run + 5 * run  # rows 5..12 of K tile j: (k // KT) * ROWS * KT/U + r * KT/U
+            got = flat[:, start:start + 8 * run].reshape(-1, 8, run)
+            assert torch.equal(got, ref[:, 5:13, j * run:(j + 1) * run])
+    assert torch.equal(untile_k(tiled.w13, kt, 2), placed.w13)
+    assert torch.equal(tile_k(placed.w13_scale, kt, 16), tiled.w13_scale)
+    tiled.source = None
+    back = tiled.to_experts()
+    assert torch.equal(back.w13, ex.w13) and torch.equal(back.w2, ex.w2)
+    assert torch.equal(back.w13_scale.view(torch.uint8), ex.w13_scale.view(torch.uint8))

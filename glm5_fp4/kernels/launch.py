@@ -27,11 +27,11 @@ import torch
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels import capability
 from glm5_fp4.kernels import configs as cfgs
-from glm5_fp4.kernels.layout import PreparedExperts
+from glm5_fp4.kernels.layout import PLACED_LAYOUTS, PreparedExperts, w13_k_tile
 
 STAGES = ("align", "gemm1", "gemm2")
-# Weight layouts the decoding (W4A16 / W4A4-emulation) kernels read; "placed" selects their cheaper decode.
-DECODE_LAYOUTS = ("split", "placed")
+# Weight layouts the decoding (W4A16 / W4A4-emulation) kernels read; "placed"/"tiled" select their cheaper decode.
+DECODE_LAYOUTS = ("split", "placed", "tiled")
 # Elements per program of the zeroing / conversion part of the align kernel and of the finalize kernel.
 ZBLOCK = 4096
 FBLOCK = 4096
@@ -160,15 +160,18 @@ def _w13(plan: cfgs.Plan, call: MoECall) -> tuple[tuple, dict]:
     constexprs for them."""
     p, g1 = call.prepared, plan.gemm1
     w, s = p.w13.view(torch.int32), p.w13_scale
+    kt = w13_k_tile(p.layout, p.hidden_size)
+    tiled = dict(KT=kt) if kt else {}
     if not g1.tma:
-        return (w, s), {}
+        return (w, s), tiled
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    wd = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [g1.bn, g1.bk // 8])
+    # rows of the descriptors: [E*2I, H/8] row-major, [E*(H/KT)*2I, KT/8] K-tile-major ("tiled")
+    wd = TensorDescriptor.from_tensor(w.reshape(-1, kt // 8 if kt else w.shape[-1]), [g1.bn, g1.bk // 8])
     if not scales_by_tma(g1):
-        return (wd, s), dict(W_DESC=True)
-    sd = TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [g1.bn, g1.bk // 16])
-    return (wd, sd), dict(W_DESC=True, S_DESC=True)
+        return (wd, s), dict(W_DESC=True, **tiled)
+    sd = TensorDescriptor.from_tensor(s.reshape(-1, kt // 16 if kt else s.shape[-1]), [g1.bn, g1.bk // 16])
+    return (wd, sd), dict(W_DESC=True, S_DESC=True, **tiled)
 
 
 def _emap(call: MoECall):
@@ -272,6 +275,17 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                 f"splits of whole {g1.bk}-wide K tiles of H={h}, and <= {cfgs.GROUPED_SPLIT_K_MAX_TOKENS} tokens "
                 f"(got {call.tokens})"
             )
+    kt = w13_k_tile(call.prepared.layout, h)
+    if kt and plan.schedule != "native":
+        if g1.bk % kt and kt % g1.bk:
+            raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's {g1.bk}-wide K tiles neither divide nor span the "
+                               f"{kt}-wide runs of experts prepared with layout={call.prepared.layout!r}")
+        if plan.l2_prefetch and call.use_asm:
+            raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's L2 prefetch addresses row-major weights; experts prepared "
+                               f"with layout={call.prepared.layout!r} are K-tile-major (prepare with 'placed')")
+        if g1.tma and g1.bk > kt:
+            raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box of {g1.bk} K lies across the {kt}-wide runs of experts "
+                               f"prepared with layout={call.prepared.layout!r}")
     if g1.tma:
         _check_tma(plan, call)
     if plan.schedule != "slot":
@@ -326,7 +340,7 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
          ws.blocks, ws.num_blocks, call.topk_ids, _emap(call), call.top_k),
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
-             USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout == "placed",
+             USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout in PLACED_LAYOUTS,
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
              num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **_pdl(plan, call),
@@ -349,7 +363,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     num_slots = call.num_slots
     has_map = call.expert_map is not None
     emap = _emap(call)
-    placed = p.layout == "placed"
+    placed = p.layout in PLACED_LAYOUTS
     fused = split_k > 1 and plan.gemm1_fused_reduce
     dedup = plan.slot_dedup
     pdl = _pdl(plan, call)
@@ -401,7 +415,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     prep_x = plan.prep_x and not w4a4
     nblk = max_blocks(call.num_slots, e, g1.bm)
     blocks = (ws.blocks, ws.num_blocks)
-    placed = p.layout == "placed"
+    placed = p.layout in PLACED_LAYOUTS
     split = plan.gemm1_split_k
     # Split-K partial rows are sorted slot positions; the reduce runs over all T*k positions (with an expert map
     # the tail past the placed slots holds stale sums whose act rows no GEMM2 block reads).

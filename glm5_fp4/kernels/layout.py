@@ -9,6 +9,11 @@ E4M3 byte (exact, value / 64); the hardware FP8 -> fp16 conversion then yields f
 the MMA's register pairs, for eight interleaved K subsets (see ``triton_moe``), all under one block scale.
 Scales keep the checkpoint's linear ``[N, K/16]`` e4m3 layout; the per-expert global scales are folded
 with the factor 64 that the decode leaves on every value.
+
+The "tiled" layout stores GEMM1's weights (``w13`` and its scales) K-tile-major as well: per expert
+``[H/KT, 2I, KT/2]`` bytes (scales ``[H/KT, 2I, KT/16]``), KT = :func:`w13_k_tile`, so that every K tile of a
+weight tile is one contiguous run instead of one short run per row at the row stride. The tensors keep their
+row-major shapes (``[E, 2I, H/2]``): only the order of the bytes inside each expert changes.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ class PreparedExperts:
     """Experts in the fused kernel's layout. Build with :func:`prepare_experts`.
 
     ``w13``: ``[E, 2I, H/2]`` uint8 nibble-split, gate rows then up rows; ``w13_scale``: ``[E, 2I, H/16]``
-    e4m3 viewed as uint8. ``w2``: ``[E, H, I/2]``; ``w2_scale``: ``[E, H, I/16]``. ``w13_alpha``/``w2_alpha``:
+    e4m3 viewed as uint8 (layout "tiled": both K-tile-major inside each expert, :func:`tile_k`). ``w2``: ``[E, H, I/2]``; ``w2_scale``: ``[E, H, I/16]``. ``w13_alpha``/``w2_alpha``:
     ``[E]`` float32 epilogue factors = weight global scale * 64. ``a13_scale``/``a2_scale``: static activation
     ``input_scale`` per expert (W4A4), ``a13_gscale``/``a2_gscale`` their inverses (the quantizer's global).
     """
@@ -124,7 +129,8 @@ class PreparedExperts:
     # The checkpoint-layout experts, kept only for CPU tensors (the CPU path computes from them).
     source: NvFp4Experts | None = field(default=None, repr=False)
     # "split": the W4A16/W4A4-emulation kernels' nibble order (alphas include DECODE_FACTOR).
-    # "placed": the split kernels with the cheaper decode (place_nibbles; opt-in, same alphas as "split").
+    # "placed": the split kernels with the cheaper decode (place_nibbles; same alphas as "split").
+    # "tiled": "placed", with w13 and its scales stored K-tile-major (tile_k; GEMM2's w2 stays row-major).
     # "checkpoint": unchanged packing for the native FP4 MMA path (native_fp4.py; alphas = global scales).
     layout: str = "split"
 
@@ -157,10 +163,12 @@ class PreparedExperts:
         if self.source is not None:
             return self.source
         f8 = torch.float8_e4m3fn
-        unpack = {"split": merge_nibbles, "placed": unplace_nibbles}.get(self.layout, lambda t: t)
+        unpack = {"split": merge_nibbles, "placed": unplace_nibbles, "tiled": unplace_nibbles}.get(
+            self.layout, lambda t: t)
+        kt = w13_k_tile(self.layout, self.hidden_size)
         return NvFp4Experts(
-            w13=unpack(self.w13),
-            w13_scale=self.w13_scale.view(f8),
+            w13=unpack(untile_k(self.w13, kt, 2)),
+            w13_scale=untile_k(self.w13_scale, kt, 16).view(f8),
             w13_global=self.w13_alpha / self.decode_factor,
             w2=unpack(self.w2),
             w2_scale=self.w2_scale.view(f8),
@@ -199,7 +207,40 @@ def _split_chunked(packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
     return _chunked(split_nibbles, packed, chunk)
 
 
-LAYOUTS = ("split", "placed", "checkpoint")
+LAYOUTS = ("split", "placed", "tiled", "checkpoint")
+# Layouts whose words are in place_nibbles order (the decode kernels' PLACED form).
+PLACED_LAYOUTS = ("placed", "tiled")
+# K elements per contiguous run of a "tiled" w13 row: 256 = one 128-byte line of words per row (16 scale bytes);
+# every GEMM1 tile's BK (128, 256, 512) divides it or is a multiple of it (launch.check_k_tile).
+W13_K_TILE = 256
+
+
+def w13_k_tile(layout: str, hidden: int) -> int:
+    """K elements per contiguous run of w13 under ``layout``: 0 = row-major (whole rows).
+
+    "tiled": :data:`W13_K_TILE`, or 128 where H is not a multiple of it (prepare_experts allows H = 128 * odd)."""
+    if layout != "tiled":
+        return 0
+    return W13_K_TILE if hidden % W13_K_TILE == 0 else W13_K_TILE // 2
+
+
+def tile_k(t: torch.Tensor, k_tile: int, k_per_unit: int) -> torch.Tensor:
+    """``[E, R, K/k_per_unit]`` row-major -> the same shape holding ``[E, K/k_tile, R, k_tile/k_per_unit]``
+    (``k_per_unit``: K elements per stored element: 2 for packed codes, 16 for block scales). 0 = unchanged."""
+    if not k_tile:
+        return t
+    e, r, n = t.shape
+    w = k_tile // k_per_unit
+    return t.reshape(e, r, n // w, w).transpose(1, 2).contiguous().reshape(e, r, n)
+
+
+def untile_k(t: torch.Tensor, k_tile: int, k_per_unit: int) -> torch.Tensor:
+    """Inverse of :func:`tile_k`."""
+    if not k_tile:
+        return t
+    e, r, n = t.shape
+    w = k_tile // k_per_unit
+    return t.reshape(e, n // w, r, w).transpose(1, 2).contiguous().reshape(e, r, n)
 
 
 def default_layout() -> str:
@@ -217,8 +258,9 @@ def prepare_experts(experts: NvFp4Experts, layout: str | None = None) -> Prepare
     """Repack engine-layout experts once after loading. Validates shapes first.
 
     ``layout``: "placed" (default: :func:`default_layout`), "split" (the same kernels with the plain nibble
-    order and two more bit operations per decoded word; ``GLM5_FP4_PLACED_NIBBLES=0``), or "checkpoint" (the checkpoint packing kept for the native FP4 MMA path,
-    SM100/SM120, W4A4 only, unverified: see :mod:`glm5_fp4.kernels.native_fp4`).
+    order and two more bit operations per decoded word; ``GLM5_FP4_PLACED_NIBBLES=0``), "tiled" ("placed" with
+    GEMM1's weights K-tile-major, :func:`tile_k`), or "checkpoint" (the checkpoint packing kept for the native FP4
+    MMA path, SM100/SM120, W4A4 only, unverified: see :mod:`glm5_fp4.kernels.native_fp4`).
     """
     layout = layout or default_layout()
     if layout not in LAYOUTS:
@@ -236,11 +278,13 @@ def prepare_experts(experts: NvFp4Experts, layout: str | None = None) -> Prepare
 
     a13 = None if experts.a13_scale is None else experts.a13_scale.float().contiguous()
     a2 = None if experts.a2_scale is None else experts.a2_scale.float().contiguous()
-    pack = {"split": _split_chunked, "placed": lambda t: _chunked(place_nibbles, t)}.get(layout, lambda t: t)
+    placed = lambda t: _chunked(place_nibbles, t)  # noqa: E731
+    pack = {"split": _split_chunked, "placed": placed, "tiled": placed}.get(layout, lambda t: t)
     factor = 1.0 if layout == "checkpoint" else DECODE_FACTOR
+    kt = w13_k_tile(layout, h)
     return PreparedExperts(
-        w13=pack(experts.w13.contiguous()),
-        w13_scale=experts.w13_scale.contiguous().view(torch.uint8),
+        w13=tile_k(pack(experts.w13.contiguous()), kt, 2),
+        w13_scale=tile_k(experts.w13_scale.contiguous().view(torch.uint8), kt, 16),
         w13_alpha=(experts.w13_global.float() * factor).contiguous(),
         w2=pack(experts.w2.contiguous()),
         w2_scale=experts.w2_scale.contiguous().view(torch.uint8),

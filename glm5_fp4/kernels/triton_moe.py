@@ -522,6 +522,17 @@ def _prefetch_l2_at(ptrs):
 
 
 @triton.jit
+def _w13_k_offset(k, KT: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr, U: tl.constexpr):
+    """Offset (in stored elements of U K values: 8 per word, 16 per scale byte) of K element ``k`` of row 0 of
+    one expert's w13 (``ROWS`` = 2I rows): row-major (``KT`` = 0) or K-tile-major in runs of ``KT``
+    (layout.tile_k). Row ``r`` adds ``r * H/U`` (row-major) or ``r * KT/U`` (tiled). A tile of BK, BK dividing KT
+    or a multiple of it, starting at a multiple of BK, is this offset of its first K plus that of its columns."""
+    if KT == 0:
+        return k // U
+    return (k // KT) * (ROWS * (KT // U)) + (k % KT) // U
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     stride_xt,
@@ -564,8 +575,13 @@ def moe_gemm1_kernel(
     PF_DIST: tl.constexpr = 0,
     W_DESC: tl.constexpr = False,
     S_DESC: tl.constexpr = False,
+    KT: tl.constexpr = 0,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
+
+    ``KT > 0`` (layout "tiled"): the weights and scales are K-tile-major in runs of KT (layout.tile_k), so each
+    K tile of the program's [BN, BK] weight tile is one contiguous run (:func:`_w13_k_offset`); the descriptors
+    of ``W_DESC``/``S_DESC`` then view them as [E*(H/KT)*2I, KT/8] (/16) with BK <= KT.
 
     ``W_DESC`` (Gemm1Config.tma): ``w_ptr`` is a tensor descriptor of the words [E*2I, H/8] with [BN, BK/8]
     blocks, so the weight tiles arrive by TMA (one instruction per tile, no per-thread addresses) instead of
@@ -602,6 +618,9 @@ def moe_gemm1_kernel(
     """
     tl.static_assert(not (X_PREP and W4A4), "prepared activations are W4A16 only")
     tl.static_assert(not ((W_DESC or S_DESC) and PF_DIST > 0), "the L2 prefetch addresses rows by pointer")
+    tl.static_assert(not (KT > 0 and PF_DIST > 0), "the L2 prefetch addresses row-major rows")
+    tl.static_assert(KT == 0 or BK % KT == 0 or KT % BK == 0, "a K tile must divide the layout's runs or span them")
+    tl.static_assert(not (KT > 0 and (W_DESC or S_DESC)) or BK <= KT, "a descriptor box lies within one run")
     _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
     K_PER: tl.constexpr = H // SPLIT_K
@@ -624,13 +643,18 @@ def moe_gemm1_kernel(
     offs_k = tl.arange(0, BK)
     mk = _merged_k(BK)
 
-    row_g = e * (2 * I) + pid_n * BN  # first gate row of the tile in the [E*2I, .] views of the descriptors
+    # first gate row of the tile in the [E*2I, .] views of the descriptors (tiled: [E*(H/KT)*2I, .])
+    row_g = e * (2 * I) * (1 if KT == 0 else H // KT) + pid_n * BN
+    W_ROW: tl.constexpr = H // 8 if KT == 0 else KT // 8  # stored words between consecutive rows
+    S_ROW: tl.constexpr = H // 16 if KT == 0 else KT // 16
     if not W_DESC:
-        w_gate = w_ptr + e64 * (2 * I * (H // 8)) + offs_i[:, None] * (H // 8) + offs_w[None, :]
-        w_up = w_gate + I * (H // 8)
+        w_gate = (w_ptr + e64 * (2 * I * (H // 8)) + offs_i[:, None] * W_ROW
+                  + _w13_k_offset(offs_w[None, :] * 8, KT, 2 * I, H, 8))
+        w_up = w_gate + I * W_ROW
     if not S_DESC:
-        s_gate = s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * (H // 16) + offs_ks[None, :]
-        s_up = s_gate + I * (H // 16)
+        s_gate = (s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * S_ROW
+                  + _w13_k_offset(offs_ks[None, :] * 16, KT, 2 * I, H, 16))
+        s_up = s_gate + I * S_ROW
     if PF_DIST > 0:
         # rows of this tile's gate half then its up half; the last K tile's address stands in past the end
         pr = tl.arange(0, 2 * BN)
@@ -677,27 +701,33 @@ def moe_gemm1_kernel(
                     xt = _x_operand(xt, g_in, W4A4, BK, BM)
                 if not MERGED:
                     x0, x1, x2, x3, x4, x5, x6, x7 = _split_sets(xt, NW, BM)
+            if KT == 0:
+                d_row = 0
+                d_col = k0
+            else:
+                d_row = (k0 // KT) * (2 * I)
+                d_col = k0 % KT
             if W_DESC:
-                wg = w_ptr.load([row_g, k0 // 8])
+                wg = w_ptr.load([row_g + d_row, d_col // 8])
             else:
-                wg = tl.load(w_gate + k0 // 8)
+                wg = tl.load(w_gate + _w13_k_offset(k0, KT, 2 * I, H, 8))
             if S_DESC:
-                sg = s_ptr.load([row_g, k0 // 16])
+                sg = s_ptr.load([row_g + d_row, d_col // 16])
             else:
-                sg = tl.load(s_gate + k0 // 16)
+                sg = tl.load(s_gate + _w13_k_offset(k0, KT, 2 * I, H, 16))
             d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wg, sg, BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
             else:
                 acc_g = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_g)
             if W_DESC:
-                wu = w_ptr.load([row_g + I, k0 // 8])
+                wu = w_ptr.load([row_g + d_row + I, d_col // 8])
             else:
-                wu = tl.load(w_up + k0 // 8)
+                wu = tl.load(w_up + _w13_k_offset(k0, KT, 2 * I, H, 8))
             if S_DESC:
-                su = s_ptr.load([row_g + I, k0 // 16])
+                su = s_ptr.load([row_g + d_row + I, d_col // 16])
             else:
-                su = tl.load(s_up + k0 // 16)
+                su = tl.load(s_up + _w13_k_offset(k0, KT, 2 * I, H, 16))
             d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wu, su, BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)

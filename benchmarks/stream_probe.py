@@ -1,0 +1,179 @@
+"""How fast can a GEMM1-shaped Triton loop stream NVFP4 expert weights on this GPU, and does the weight layout
+decide it? (issue 13, goal 1). One GPU call, no glm5_fp4 import.
+
+GEMM1 holds each expert as row-major packed words ``[2I, H/2 bytes]`` and scales ``[2I, H/16]``: a K tile of a
+64-row weight tile is 64 runs of 128 bytes (and 64 runs of 16 scale bytes) at the row stride. The probe streams
+every expert's gate/up rows of a TP shard with the kernel's loop structure -- per program one (expert, N tile),
+per K tile a [BN, BK/4] fp16 view of the words, widened in registers to a [BN, BK] MMA operand and multiplied
+with an activation tile (as the real decode feeds the MMA) -- and times it for two layouts of the same bytes:
+
+* ``rows``: today's row-major layout;
+* ``ktiles``: K-tile-major (``[H/BK, 2I, BK/2 bytes]`` per expert): each K tile of a weight tile is one
+  contiguous run (8 KB of words, 1 KB of scales at BN=64, BK=256).
+
+Bandwidth is reported against a device copy (read + write) measured in the same run. ``--no-x`` keeps one
+activation tile in registers (the weight stream alone); ``--no-widen`` multiplies the fp16 view as is (the stream's
+own ceiling: a quarter of the MMA work, no register shuffles); ``--no-dot`` drops the MMA (the loads then are not
+software-pipelined by Triton: a latency bound, not a streaming one).
+
+    python benchmarks/stream_probe.py --json probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import subprocess
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _probe_kernel(w_ptr, s_ptr, x_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+                  BM: tl.constexpr, BK: tl.constexpr, KTILES: tl.constexpr, LOAD_X: tl.constexpr,
+                  DOT: tl.constexpr, STAGES: tl.constexpr, WIDEN: tl.constexpr = True):
+    NT: tl.constexpr = I // BN
+    pid = tl.program_id(0)
+    e = (pid // NT).to(tl.int64)
+    n = pid % NT
+    RW: tl.constexpr = H // 4  # fp16 views per row (H/2 bytes)
+    KW: tl.constexpr = BK // 4  # fp16 views per row per K tile
+    KS: tl.constexpr = BK // 16  # scale bytes per row per K tile
+    rows = n * BN + tl.arange(0, BN)
+    ow = tl.arange(0, KW)
+    osc = tl.arange(0, KS)
+    if KTILES:
+        pw = w_ptr + e * (2 * I * RW) + rows[:, None] * KW + ow[None, :]
+        ps = s_ptr + e * (2 * I * (H // 16)) + rows[:, None] * KS + osc[None, :]
+        w_step: tl.constexpr = 2 * I * KW
+        s_step: tl.constexpr = 2 * I * KS
+        up_w: tl.constexpr = I * KW
+        up_s: tl.constexpr = I * KS
+    else:
+        pw = w_ptr + e * (2 * I * RW) + rows[:, None] * RW + ow[None, :]
+        ps = s_ptr + e * (2 * I * (H // 16)) + rows[:, None] * (H // 16) + osc[None, :]
+        w_step: tl.constexpr = KW
+        s_step: tl.constexpr = KS
+        up_w: tl.constexpr = I * RW
+        up_s: tl.constexpr = I * (H // 16)
+    XK: tl.constexpr = BK if WIDEN else KW
+    ok = tl.arange(0, XK)
+    om = tl.arange(0, BM)
+    px = x_ptr + ok[:, None] * BM + om[None, :]
+    x_keep = tl.load(px)
+    acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_s = tl.zeros((BN, KS), dtype=tl.int32)
+    acc_w = tl.zeros((BN, KW), dtype=tl.float16)
+    for kt in tl.range(0, H // BK, num_stages=STAGES):
+        wg = tl.load(pw + kt * w_step)
+        wu = tl.load(pw + (kt * w_step + up_w))
+        sg = tl.load(ps + kt * s_step)
+        su = tl.load(ps + (kt * s_step + up_s))
+        acc_s += sg.to(tl.int32) + su.to(tl.int32)
+        if DOT:
+            if LOAD_X:
+                xt = tl.load(px + kt * (XK * BM))
+            else:
+                xt = x_keep
+            # [BN, KW] -> [BN, BK]: the register widening a decode does (values are nonsense; bytes are not)
+            if WIDEN:
+                og = tl.reshape(tl.join(tl.join(wg, wg), tl.join(wg, wg)), (BN, BK))
+                ou = tl.reshape(tl.join(tl.join(wu, wu), tl.join(wu, wu)), (BN, BK))
+            else:
+                og = wg
+                ou = wu
+            acc_g = tl.dot(og, xt, acc_g)
+            acc_u = tl.dot(ou, xt, acc_u)
+        else:
+            acc_w += wg + wu
+    total = tl.sum(acc_g + acc_u, 1) + tl.sum(acc_s, 1).to(tl.float32) + tl.sum(acc_w.to(tl.float32), 1)
+    tl.store(out_ptr + pid * BN + tl.arange(0, BN), total)
+
+
+SHARDS = {"tp8": 256, "tp4": 512, "tp1": 2048}  # GLM-5 moe_intermediate 2048 split over the TP ranks
+
+
+def _git_sha() -> str:
+    sha = os.environ.get("GLM5_FP4_GIT_SHA")
+    if sha:
+        return sha
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", default="tp8,tp4")
+    ap.add_argument("--tiles", default="64x32x256,64x32x128,128x32x128",
+                    help="BNxBMxBK of the GEMM1 tile (BN weight rows of gate and of up, BM tokens, BK K)")
+    ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--no-x", action="store_true")
+    ap.add_argument("--no-dot", action="store_true")
+    ap.add_argument("--no-widen", action="store_true", help="the MMA takes the [BN, BK/4] fp16 view of the words "
+                    "as is (a quarter of the real MMA work, no register widening): the stream's own ceiling")
+    ap.add_argument("--json", default="stream_probe.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    H, E = 6144, 256
+    dev = "cuda"
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(big)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(big), warmup=10, rep=200)
+    copy_bw = 2 * big.numel() / copy_ms / 1e6
+    del big, dst
+    rows = []
+    for shard in args.shards.split(","):
+        I = SHARDS[shard]
+        w = torch.randint(-2**15, 2**15, (E, 2 * I, H // 4), dtype=torch.int16, device=dev).view(torch.float16)
+        w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+        s = torch.randint(0, 127, (E, 2 * I, H // 16), dtype=torch.uint8, device=dev)
+        nbytes = w.numel() * 2 + s.numel()
+        for tile, stages, warps in itertools.product(args.tiles.split(","), args.stages.split(","),
+                                                     args.warps.split(",")):
+            bn, bm, bk = (int(v) for v in tile.split("x"))
+            if I % bn:
+                continue
+            x = torch.randn(H, bm, dtype=torch.float16, device=dev)
+            out = torch.empty(E * I, dtype=torch.float32, device=dev)
+            for ktiles in (False, True):
+                fn = lambda: _probe_kernel[(E * (I // bn),)](  # noqa: E731
+                    w, s, x, out, H, I, bn, bm, bk, ktiles, not args.no_x, not args.no_dot, int(stages), not args.no_widen,
+                    num_warps=int(warps))
+                try:
+                    fn()
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=100)
+                except Exception as exc:  # noqa: BLE001 -- a tile that does not fit is a row, not a crash
+                    rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps),
+                                     layout="ktiles" if ktiles else "rows", error=f"{type(exc).__name__}: {exc}"[:200]))
+                    print(rows[-1], flush=True)
+                    continue
+                bw = nbytes / ms / 1e6
+                rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps),
+                                 layout="ktiles" if ktiles else "rows", us=round(ms * 1e3, 1),
+                                 gb_s=round(bw, 1), pct_copy=round(100 * bw / copy_bw, 1)))
+                print(rows[-1], flush=True)
+        del w, s
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, triton=triton.__version__, git_sha=_git_sha(), python=platform.python_version(),
+                copy_gb_s=round(copy_bw, 1), load_x=not args.no_x, dot=not args.no_dot,
+                widen=not args.no_widen, tiles=args.tiles, warps=args.warps)
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(json.dumps(meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
