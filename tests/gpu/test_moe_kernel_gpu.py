@@ -204,6 +204,37 @@ def test_variant_placed_layout_matches_reference(shape, t, mode):
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("shape,t,routing", [(SMALL, 1, "balanced"), (SMALL, 40, "same_k"), (GLM_TP8, 1, "balanced"),
+                                             (GLM_TP8, 4, "same_k"), (GLM_TP8, 64, "zipf1.2"),
+                                             (GLM_TP8, 512, "balanced"), (GLM_TP4, 2, "balanced"),
+                                             (GLM_TP8, 4096, "same_k")])
+def test_variant_tiled_layout_matches_placed_and_reference(shape, t, routing, mode):
+    """layout="tiled" (GEMM1's weights K-tile-major): the default plan at each T against the float64 reference
+    and against "placed" (the same operands, so equal up to the fp32 atomics' order), under CUDA-graph replay."""
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    ex, _ = experts(**shape)
+    x, w, ids = inputs(t, shape["e"], shape["h"], shape["k"], routing=routing)
+    tiled, placed = prepare_experts(ex, layout="tiled"), prepare_experts(ex, layout="placed")
+    plan = default_plan(x, ids, tiled, mode)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, tiled, mode, out=out, plan=plan)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
+    # fp32 atomics may add in another order: at most one bf16 step per element (the same bound as a tolerance)
+    assert rel_error(out, fused_moe_triton(x, w, ids, placed, mode, plan=plan)) < moe_tolerance(mode, x.dtype)
+    graph_out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, tiled, mode, out=graph_out, plan=plan)  # warm the workspace before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused_moe_triton(x, w, ids, tiled, mode, out=graph_out, plan=plan)
+    graph_out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_error(graph_out, out) < moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("shape,t", [(SMALL, 1), (SMALL, 4), (GLM_TP8, 1), (GLM_TP8, 4), (GLM_TP4, 1)])
 def test_variant_fused_split_k_reduce(shape, t, mode):
     """plan.gemm1_fused_reduce (opt-in): the last GEMM1 program of each (N tile, slot) reduces the split-K
