@@ -37,11 +37,18 @@ import triton.language as tl
 @triton.jit
 def _probe_kernel(w_ptr, s_ptr, x_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
                   BM: tl.constexpr, BK: tl.constexpr, KTILES: tl.constexpr, LOAD_X: tl.constexpr,
-                  DOT: tl.constexpr, STAGES: tl.constexpr, WIDEN: tl.constexpr = True):
+                  DOT: tl.constexpr, STAGES: tl.constexpr, WIDEN: tl.constexpr = True,
+                  EXPERTS_FASTEST: tl.constexpr = False, ROTATE: tl.constexpr = False):
     NT: tl.constexpr = I // BN
+    E = tl.num_programs(0) // NT
     pid = tl.program_id(0)
-    e = (pid // NT).to(tl.int64)
-    n = pid % NT
+    if EXPERTS_FASTEST:  # the grouped GEMM1's order: one N tile of every expert side by side
+        e = (pid % E).to(tl.int64)
+        n = pid // E
+    else:
+        e = (pid // NT).to(tl.int64)
+        n = pid % NT
+    NK: tl.constexpr = H // BK
     RW: tl.constexpr = H // 4  # fp16 views per row (H/2 bytes)
     KW: tl.constexpr = BK // 4  # fp16 views per row per K tile
     KS: tl.constexpr = BK // 16  # scale bytes per row per K tile
@@ -71,7 +78,11 @@ def _probe_kernel(w_ptr, s_ptr, x_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr
     acc_u = tl.zeros((BN, BM), dtype=tl.float32)
     acc_s = tl.zeros((BN, KS), dtype=tl.int32)
     acc_w = tl.zeros((BN, KW), dtype=tl.float16)
-    for kt in tl.range(0, H // BK, num_stages=STAGES):
+    for kt0 in tl.range(0, H // BK, num_stages=STAGES):
+        if ROTATE:  # each expert starts its K loop at another K tile, so concurrent programs spread over K
+            kt = (kt0 + e.to(tl.int32)) % NK
+        else:
+            kt = kt0
         wg = tl.load(pw + kt * w_step)
         wu = tl.load(pw + (kt * w_step + up_w))
         sg = tl.load(ps + kt * s_step)
@@ -122,6 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dot", action="store_true")
     ap.add_argument("--no-widen", action="store_true", help="the MMA takes the [BN, BK/4] fp16 view of the words "
                     "as is (a quarter of the real MMA work, no register widening): the stream's own ceiling")
+    ap.add_argument("--orders", default="n_fastest", help="comma-separated grid orders: n_fastest (each expert's "
+                    "N tiles side by side), experts_fastest (the grouped GEMM1's: one N tile of every expert)")
+    ap.add_argument("--rotate", default="0", help="comma-separated 0/1: each expert starts its K loop at K tile "
+                    "e mod H/BK")
     ap.add_argument("--json", default="stream_probe.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -140,8 +155,9 @@ def main(argv=None) -> int:
         w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
         s = torch.randint(0, 127, (E, 2 * I, H // 16), dtype=torch.uint8, device=dev)
         nbytes = w.numel() * 2 + s.numel()
-        for tile, stages, warps in itertools.product(args.tiles.split(","), args.stages.split(","),
-                                                     args.warps.split(",")):
+        for tile, stages, warps, order, rot in itertools.product(
+                args.tiles.split(","), args.stages.split(","), args.warps.split(","), args.orders.split(","),
+                args.rotate.split(",")):
             bn, bm, bk = (int(v) for v in tile.split("x"))
             if I % bn:
                 continue
@@ -150,18 +166,18 @@ def main(argv=None) -> int:
             for ktiles in (False, True):
                 fn = lambda: _probe_kernel[(E * (I // bn),)](  # noqa: E731
                     w, s, x, out, H, I, bn, bm, bk, ktiles, not args.no_x, not args.no_dot, int(stages), not args.no_widen,
-                    num_warps=int(warps))
+                    order == "experts_fastest", rot == "1", num_warps=int(warps))
                 try:
                     fn()
                     ms = triton.testing.do_bench(fn, warmup=10, rep=100)
                 except Exception as exc:  # noqa: BLE001 -- a tile that does not fit is a row, not a crash
-                    rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps),
-                                     layout="ktiles" if ktiles else "rows", error=f"{type(exc).__name__}: {exc}"[:200]))
+                    rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps), order=order,
+                                     rotate=rot == "1", layout="ktiles" if ktiles else "rows", error=f"{type(exc).__name__}: {exc}"[:200]))
                     print(rows[-1], flush=True)
                     continue
                 bw = nbytes / ms / 1e6
-                rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps),
-                                 layout="ktiles" if ktiles else "rows", us=round(ms * 1e3, 1),
+                rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps), order=order,
+                                 rotate=rot == "1", layout="ktiles" if ktiles else "rows", us=round(ms * 1e3, 1),
                                  gb_s=round(bw, 1), pct_copy=round(100 * bw / copy_bw, 1)))
                 print(rows[-1], flush=True)
         del w, s
