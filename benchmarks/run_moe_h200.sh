@@ -50,7 +50,7 @@ for s in $SECTIONS; do
              --routing "${NCU_ROUTING:-balanced}" --diag "$d"; done; done ;;
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-60}" compute-sanitizer --tool memcheck \
              --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
-    memcheck_placed) GLM5_FP4_PLACED_NIBBLES=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck_placed "${T_MEMCHECK:-60}" \
+    memcheck_placed) GLM5_FP4_EXPERT_LAYOUT=placed PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck_placed "${T_MEMCHECK:-60}" \
              compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
     racecheck) step racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --print-limit 20 \
              python3 tests/gpu/memcheck_moe_kernel.py ;;

@@ -6,7 +6,7 @@ import torch
 from glm5_fp4 import nvfp4
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels import prepare_experts
-from glm5_fp4.kernels.layout import (DECODE_FACTOR, K_GROUP, PLACED_ENV, merge_nibbles, place_nibbles, split_nibbles,
+from glm5_fp4.kernels.layout import (DECODE_FACTOR, K_GROUP, LAYOUT_ENV, merge_nibbles, place_nibbles, split_nibbles,
                                      tile_k, unplace_nibbles, untile_k, w13_k_tile)
 from glm5_fp4.reference import NvFp4Experts, random_experts
 
@@ -103,19 +103,21 @@ def test_placed_layout_decodes_to_the_e4m3_bytes_of_every_code():
     assert torch.equal(f8 * DECODE_FACTOR, nvfp4.e2m1_decode(codes.to(torch.uint8)).float())
 
 
-def test_placed_layout_is_the_default_split_on_request_and_both_roundtrip(monkeypatch):
-    ex = random_experts(2, 128, 128, generator=torch.Generator().manual_seed(6))
-    monkeypatch.setenv(PLACED_ENV, "0")
-    split = prepare_experts(ex)
-    assert split.layout == "split"
-    split.source = None
-    assert torch.equal(split.to_experts().w13, ex.w13)
-    monkeypatch.delenv(PLACED_ENV, raising=False)
-    prep = prepare_experts(ex)
-    assert prep.layout == "placed" and torch.equal(prep.w13_alpha, ex.w13_global * DECODE_FACTOR)
-    prep.source = None
-    back = prep.to_experts()
-    assert torch.equal(back.w13, ex.w13) and torch.equal(back.w2, ex.w2)
+def test_tiled_layout_is_the_default_the_others_on_request_and_all_roundtrip(monkeypatch):
+    ex = random_experts(2, 256, 128, generator=torch.Generator().manual_seed(6))
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    assert prepare_experts(ex).layout == "tiled"
+    for name in ("split", "placed", "tiled"):
+        monkeypatch.setenv(LAYOUT_ENV, name)
+        prep = prepare_experts(ex)
+        assert prep.layout == name and torch.equal(prep.w13_alpha, ex.w13_global * DECODE_FACTOR)
+        prep.source = None
+        back = prep.to_experts()
+        assert torch.equal(back.w13, ex.w13) and torch.equal(back.w2, ex.w2)
+    for bad in ("checkpoint", "rows"):
+        monkeypatch.setenv(LAYOUT_ENV, bad)
+        with pytest.raises(Glm5Fp4Error, match=LAYOUT_ENV):
+            prepare_experts(ex)
 
 
 @pytest.mark.parametrize("h,kt", [(512, 256), (384, 128)])

@@ -54,14 +54,15 @@ def merge_nibbles(split: torch.Tensor) -> torch.Tensor:
     return nvfp4.pack_fp4(codes)
 
 
-# The "placed" layout (the default; PLACED_ENV=0 or prepare_experts(layout="split") for the plain one): the same 8-group words
+# The "placed" layout (and "tiled", the default, which is "placed" K-tile-major): the same 8-group words
 # with each code's bits moved where triton_moe's placed decode wants them (5 bit operations per word instead of
 # 7). Byte j (0..3) holds code j at the E4M3 positions (sign bit 7, magnitude bits 4..2), so ``w & 0x9C9C9C9C``
 # is its E4M3 pattern; code 4+j is spread over the free bits {6,5,1,0} so that
 # ``(rotl(w, 6) & 0x98989898) | ((w << 2) & 0x04040404)`` gives its pattern in byte j:
 # (code bit, word bit) for code 4+j = sign (bit 3) at 8j+1, magnitude bit 2 at 8(j-1)+6 and bit 1 at 8(j-1)+5
 # (mod 32: the rotate wraps), bit 0 at 8j.
-PLACED_ENV = "GLM5_FP4_PLACED_NIBBLES"
+# Overrides default_layout() (A/B runs, memcheck): "split", "placed" or "tiled".
+LAYOUT_ENV = "GLM5_FP4_EXPERT_LAYOUT"
 
 
 def _placed_hi_bits(j: int) -> tuple[tuple[int, int], ...]:
@@ -203,15 +204,11 @@ def _chunked(fn, packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
     return out
 
 
-def _split_chunked(packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
-    return _chunked(split_nibbles, packed, chunk)
-
-
 LAYOUTS = ("split", "placed", "tiled", "checkpoint")
 # Layouts whose words are in place_nibbles order (the decode kernels' PLACED form).
 PLACED_LAYOUTS = ("placed", "tiled")
 # K elements per contiguous run of a "tiled" w13 row: 256 = one 128-byte line of words per row (16 scale bytes);
-# every GEMM1 tile's BK (128, 256, 512) divides it or is a multiple of it (launch.check_k_tile).
+# every GEMM1 tile's BK (128, 256, 512) divides it or is a multiple of it (launch._check refuses others).
 W13_K_TILE = 256
 
 
@@ -244,23 +241,28 @@ def untile_k(t: torch.Tensor, k_tile: int, k_per_unit: int) -> torch.Tensor:
 
 
 def default_layout() -> str:
-    """The layout prepare_experts uses when none is asked for: "placed", or "split" with PLACED_ENV=0 (A/B).
+    """The layout prepare_experts uses when none is asked for: "tiled", or what LAYOUT_ENV names (A/B).
 
-    Placed is the default since the H200 run of 2026-12-01 (benchmarks/results/moe_variants_h200.json): 1.5-4 %
-    faster than split at TP8 T=4..8192 and TP4 T=1024/8192, 1 % slower only at TP4 T=2048, bit-identical
-    output."""
+    "placed" became the default on 2026-12-01 (benchmarks/results/moe_variants_h200.json: 1.5-4 % faster than
+    "split", bit-identical output); "tiled" ("placed" with GEMM1's weights K-tile-major) on 2026-12-03
+    (benchmarks/results/moe_variants_h200_tiled_*_e06a25f.json, same-run A/B on an H200: faster at every measured
+    TP8/TP4/TP1 T and routing, 2-13 %; improvements/15). Not measured on sm_120."""
     import os
 
-    return "split" if os.environ.get(PLACED_ENV, "1") in ("", "0") else "placed"
+    name = os.environ.get(LAYOUT_ENV) or "tiled"
+    if name not in LAYOUTS or name == "checkpoint":
+        raise Glm5Fp4Error(f"{LAYOUT_ENV}={name!r}: choose one of split, placed, tiled (the native path's "
+                           "checkpoint layout is asked for by the plan, not by default)")
+    return name
 
 
 def prepare_experts(experts: NvFp4Experts, layout: str | None = None) -> PreparedExperts:
     """Repack engine-layout experts once after loading. Validates shapes first.
 
-    ``layout``: "placed" (default: :func:`default_layout`), "split" (the same kernels with the plain nibble
-    order and two more bit operations per decoded word; ``GLM5_FP4_PLACED_NIBBLES=0``), "tiled" ("placed" with
-    GEMM1's weights K-tile-major, :func:`tile_k`), or "checkpoint" (the checkpoint packing kept for the native FP4
-    MMA path, SM100/SM120, W4A4 only, unverified: see :mod:`glm5_fp4.kernels.native_fp4`).
+    ``layout`` (default: :func:`default_layout`): "tiled" ("placed" with GEMM1's weights K-tile-major,
+    :func:`tile_k`), "placed" (the cheaper decode's nibble order), "split" (the same kernels with the plain nibble
+    order and two more bit operations per decoded word), or "checkpoint" (the checkpoint packing kept for the
+    native FP4 MMA path, SM100/SM120, W4A4 only, unverified: see :mod:`glm5_fp4.kernels.native_fp4`).
     """
     layout = layout or default_layout()
     if layout not in LAYOUTS:
@@ -278,12 +280,17 @@ def prepare_experts(experts: NvFp4Experts, layout: str | None = None) -> Prepare
 
     a13 = None if experts.a13_scale is None else experts.a13_scale.float().contiguous()
     a2 = None if experts.a2_scale is None else experts.a2_scale.float().contiguous()
-    placed = lambda t: _chunked(place_nibbles, t)  # noqa: E731
-    pack = {"split": _split_chunked, "placed": placed, "tiled": placed}.get(layout, lambda t: t)
+    nibbles = {"split": split_nibbles, "placed": place_nibbles, "tiled": place_nibbles}.get(layout)
     factor = 1.0 if layout == "checkpoint" else DECODE_FACTOR
     kt = w13_k_tile(layout, h)
+
+    def pack(t: torch.Tensor, k_tile: int = 0) -> torch.Tensor:
+        if nibbles is None:
+            return t
+        return _chunked(lambda c: tile_k(nibbles(c), k_tile, 2), t)
+
     return PreparedExperts(
-        w13=tile_k(pack(experts.w13.contiguous()), kt, 2),
+        w13=pack(experts.w13.contiguous(), kt),
         w13_scale=tile_k(experts.w13_scale.contiguous().view(torch.uint8), kt, 16),
         w13_alpha=(experts.w13_global.float() * factor).contiguous(),
         w2=pack(experts.w2.contiguous()),

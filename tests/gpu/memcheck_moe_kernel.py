@@ -4,7 +4,8 @@ routing whose hot expert spans several work-list blocks, and expert parallelism 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/memcheck_moe_kernel.py
     compute-sanitizer --tool racecheck python tests/gpu/memcheck_moe_kernel.py
 
-GLM5_FP4_PLACED_NIBBLES=1 (the default) runs the cases on the "placed" weight layout, =0 on the plain "split" one (run_moe_h200.sh: memcheck = default, memcheck_placed forces placed).
+The cases run on the default weight layout ("tiled"); GLM5_FP4_EXPERT_LAYOUT=placed / split runs them on another
+(run_moe_h200.sh: memcheck = default, memcheck_placed forces placed).
 """
 
 import torch
