@@ -526,7 +526,7 @@ def test_free_decode_bound_keeps_one_scale_instruction_per_output():
 @pytest.mark.parametrize("t", [1, 4, 512, 4096])
 def test_tiled_layout_passes_its_runs_to_gemm1_only_and_refuses_what_cannot_read_them(t):
     """layout="tiled": GEMM1 gets KT (the layout's run width) and the placed decode, every other kernel the launch
-    it gets for "placed"; a TMA box wider than a run and the row-addressed L2 prefetch are refused by name."""
+    it gets for "placed" (the L2 prefetch too, addressing the runs); a TMA box wider than a run is refused by name."""
     from glm5_fp4.errors import Glm5Fp4Error
     from glm5_fp4.kernels import configs as C
     from glm5_fp4.kernels.launch import launches
@@ -545,5 +545,5 @@ def test_tiled_layout_passes_its_runs_to_gemm1_only_and_refuses_what_cannot_read
             assert ln.kwargs == rl.kwargs
     with pytest.raises(Glm5Fp4Error, match="TMA box of 512 K"):
         launches(dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=512, tma=True)), call)
-    with pytest.raises(Glm5Fp4Error, match="L2 prefetch addresses row-major"):
-        launches(dataclasses.replace(plan, l2_prefetch=4), call)
+    pf = [ln for ln in launches(dataclasses.replace(plan, l2_prefetch=4), call) if ln.name == "moe_gemm1_kernel"]
+    assert pf[0].kwargs["PF_DIST"] == 4 and pf[0].kwargs["KT"] == W13_K_TILE

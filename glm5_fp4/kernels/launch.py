@@ -280,9 +280,6 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         if g1.bk % kt and kt % g1.bk:
             raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's {g1.bk}-wide K tiles neither divide nor span the "
                                f"{kt}-wide runs of experts prepared with layout={call.prepared.layout!r}")
-        if plan.l2_prefetch and call.use_asm:
-            raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's L2 prefetch addresses row-major weights; experts prepared "
-                               f"with layout={call.prepared.layout!r} are K-tile-major (prepare with 'placed')")
         if g1.tma and g1.bk > kt:
             raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box of {g1.bk} K lies across the {kt}-wide runs of experts "
                                f"prepared with layout={call.prepared.layout!r}")

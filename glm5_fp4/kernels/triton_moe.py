@@ -632,7 +632,6 @@ def moe_gemm1_kernel(
     """
     tl.static_assert(not (X_PREP and W4A4), "prepared activations are W4A16 only")
     tl.static_assert(not ((W_DESC or S_DESC) and PF_DIST > 0), "the L2 prefetch addresses rows by pointer")
-    tl.static_assert(not (KT > 0 and PF_DIST > 0), "the L2 prefetch addresses row-major rows")
     tl.static_assert(KT == 0 or BK % KT == 0 or KT % BK == 0, "a K tile must divide the layout's runs or span them")
     tl.static_assert(not (KT > 0 and (W_DESC or S_DESC)) or BK <= KT, "a descriptor box lies within one run")
     _pdl_enter(USE_PDL)
@@ -672,8 +671,8 @@ def moe_gemm1_kernel(
         # rows of this tile's gate half then its up half; the last K tile's address stands in past the end
         pr = tl.arange(0, 2 * BN)
         prow = tl.where(pr < BN, pid_n * BN + pr, I + pid_n * BN + pr - BN)
-        pf_w = w_ptr + e64 * (2 * I * (H // 8)) + prow * (H // 8)
-        pf_s = s_ptr + e64 * (2 * I * (H // 16)) + prow * (H // 16)
+        pf_w = w_ptr + e64 * (2 * I * (H // 8)) + prow * W_ROW
+        pf_s = s_ptr + e64 * (2 * I * (H // 16)) + prow * S_ROW
         k_last = k_begin + K_PER - BK
     alpha = tl.load(alpha_ptr + e)
     g_in = 1.0
@@ -704,8 +703,8 @@ def moe_gemm1_kernel(
         for k0 in range(k_begin, k_begin + K_PER, BK):
             if PF_DIST > 0:
                 kp = tl.minimum(k0 + PF_DIST * BK, k_last)
-                _prefetch_l2_at(pf_w + kp // 8)
-                _prefetch_l2_at(pf_s + kp // 16)
+                _prefetch_l2_at(pf_w + _w13_k_offset(kp, KT, 2 * I, H, 8))
+                _prefetch_l2_at(pf_s + _w13_k_offset(kp, KT, 2 * I, H, 16))
             if X_PREP and not MERGED:
                 x0, x1, x2, x3, x4, x5, x6, x7 = _load_sets(xp + k0, mmask[None, :], NW)
             else:
