@@ -198,6 +198,24 @@ def scan_ptx(ptx: str) -> Instructions:
     return ins
 
 
+_CP_ASYNC = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)?\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
+_LD_GLOBAL = re.compile(r"\bld\.global[\w.:]*?\.(?:v(\d)\.)?[bfsu](\d+)\b")
+
+
+def global_load_widths(ptx: str) -> dict[str, int]:
+    """Bytes per global-memory load or async copy -> how many such static instructions the PTX has
+    ("cp.async 16", "ld 4", ...): a tile whose addresses Triton cannot prove contiguous and aligned is
+    fetched in narrower pieces (more instructions for the same bytes)."""
+    out: dict[str, int] = {}
+    for m in _CP_ASYNC.finditer(ptx):
+        key = f"cp.async {int(m.group(1), 0)}"
+        out[key] = out.get(key, 0) + 1
+    for m in _LD_GLOBAL.finditer(ptx):
+        key = f"ld {int(m.group(1) or 1) * int(m.group(2)) // 8}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def _nvidia_tool(name: str) -> str | None:
     import triton
 
