@@ -236,7 +236,7 @@ def _empty_call(shard: str, t: int):
     e, h, i, k = sh.num_experts, sh.hidden, sh.intermediate, sh.top_k
     u8 = lambda *s: torch.empty(*s, dtype=torch.uint8, device=dev)  # noqa: E731
     f32 = lambda: torch.ones(e, dtype=torch.float32, device=dev)  # noqa: E731
-    # the layout the timed runs prepare (placed nibbles by default): a kernel specialised for another one is a
+    # the layout the timed runs prepare (layout.default_layout()): a kernel specialised for another one is a
     # cache miss there
     prep = PreparedExperts(u8(e, 2 * i, h // 2), u8(e, 2 * i, h // 16), f32(), u8(e, h, i // 2), u8(e, h, i // 16),
                            f32(), f32(), f32(), f32(), f32(), layout=default_layout())

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                     "atomic adds (wrong results, not checked): the combine's cost")
     args = ap.parse_args(argv)
     from glm5_fp4.kernels import configs as C  # (a bad --forms is refused before any GPU work)
-    from glm5_fp4.kernels.launch import DECODE_LAYOUTS as layouts
+    from glm5_fp4.kernels.layout import DECODE_LAYOUTS as layouts
 
     forms = set(args.forms.split(",")) if args.forms else None
     unknown = forms - set(C.OPT_IN) - set(layouts) if forms else set()
@@ -88,11 +88,10 @@ def main(argv=None) -> int:
     for name in shards:
         sh = B.glm5_shard(name)
         lay = B.make_layers(sh, args.layers, gen)
-        others = [name for name in layouts if name != default_layout() and (not forms or name in forms)]
-        alts = {name: B.Layers(sh, [prepare_experts(e, layout=name) for e in lay.experts], lay.experts)
-                for name in others}
+        others = [lo for lo in layouts if lo != default_layout() and (not forms or lo in forms)]
+        alts = {lo: B.Layers(sh, [prepare_experts(e, layout=lo) for e in lay.experts], lay.experts) for lo in others}
         # name -> (layers, DIAG, checked against the default, opt-in form or None)
-        variants = {**{name: (alt, 0, True, None) for name, alt in alts.items()},
+        variants = {**{lo: (alt, 0, True, None) for lo, alt in alts.items()},
                     **{form: (lay, 0, True, form) for form in C.OPT_IN}}
         if forms:
             variants = {n: v for n, v in variants.items() if n in forms}

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cc", type=int, default=90)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--tokens", default="1,16,512,1024,4096")
-    ap.add_argument("--layout", default="split", help="weight layout: split (default) or placed (cheaper decode)")
+    ap.add_argument("--layout", default="split", help="weight layout: split (default here: the baseline counts), placed (cheaper decode) or tiled (placed, GEMM1 K-tile-major: the same instructions)")
     ap.add_argument("--tma", action="store_true", help="GEMM1 weight tiles by TMA (Gemm1Config.tma)")
     ap.add_argument("--gemm1", action="append", default=[], metavar="BN,BM,BK,WARPS,STAGES",
                     help="GEMM1 tile instead of the picker's (repeatable: one row each)")

@@ -1,34 +1,30 @@
-"""GEMM1's weight tiles arrive in 16-byte copies under every decode layout (AOT PTX for sm_90, no GPU).
+"""GEMM1's weight tiles arrive in 16-byte copies, and every decode layout loads exactly as wide as "placed" (AOT
+PTX for sm_90 at the TP8 shard's default plans, no GPU).
 
-A tile whose addresses Triton cannot prove contiguous and aligned is copied in 4-byte pieces: on the H200 that made
-every layer ~3x slower (a column vector written (8 * offs) // 8, 6044a63) and, with Triton 3.6 only, the tiled
-layout ~45 % slower (offsets through k % KT, fixed in e06a25f: Triton 3.9 here vectorised that form, so this test
-could not have caught it; benchmarks/aot_ptx.py run on the lent GPU does). The layouts differ only in addresses,
-so each must load exactly as wide as "placed".
+A tile whose addresses Triton cannot prove contiguous and aligned is copied in narrower pieces: on the H200 that
+made every layer ~3x slower (a column vector written (8 * offs) // 8, 6044a63: this test fails on that kernel) and,
+with Triton 3.6 only, the tiled layout ~45 % slower (offsets through k % KT, fixed in e06a25f; Triton 3.9 here
+vectorised that form, so only benchmarks/aot_ptx.py run on the lent GPU shows such a case).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from glm5_fp4.kernels import configs as C
-from glm5_fp4.sm120.aot import compile_plan
+from glm5_fp4.kernels.layout import DECODE_LAYOUTS
+from glm5_fp4.sm120.aot import compile_default_gemm1
 from glm5_fp4.sm120.build import global_load_widths
 
 
-def _gemm1_widths(t: int, layout: str) -> dict[str, int]:
-    plan = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132)  # the TP8 shard's default plan at T
-    build = next(b for b in compile_plan(plan, 90, tokens=t, layout=layout) if "gemm1" in b.kernel)
-    return global_load_widths(build.ptx)
-
-
-@pytest.mark.parametrize("t", [1, 512])
-def test_gemm1_weight_tiles_come_in_16_byte_copies_in_every_layout(t):
-    placed = _gemm1_widths(t, "placed")
+# T=1: slot schedule, K split; 512: grouped 64x32x256; 4096: grouped 128x128x128 (half a run per K tile, whose
+# 8 scale bytes per row come in 4-byte copies in every layout)
+@pytest.mark.parametrize("t,narrow_scales", [(1, False), (512, False), (4096, True)])
+def test_gemm1_weight_tiles_come_in_16_byte_copies_in_every_layout(t, narrow_scales):
+    placed = global_load_widths(compile_default_gemm1(90, t, "placed").ptx)
     assert placed.get("cp.async 16", 0) >= 16, placed  # the pipelined weight tiles
-    assert not placed.get("cp.async 4"), placed  # nothing of the stream in 4-byte pieces
-    for layout in ("split", "tiled"):
-        assert _gemm1_widths(t, layout) == placed, layout
+    assert bool(placed.get("cp.async 4")) == narrow_scales, placed
+    for layout in DECODE_LAYOUTS:
+        assert global_load_widths(compile_default_gemm1(90, t, layout).ptx) == placed, layout
 
 
 def test_load_widths_are_read_from_ptx():

@@ -806,7 +806,7 @@ def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: in
         # does not lower on sm_100 (compile matrix, tp1 shape); the decoding kernels walk K in chunks instead.
         raise Glm5Fp4Error(
             f"the native FP4-MMA path serves expert shards with intermediate size <= {GEMM2_MAX_K_CHUNK} (TP4/TP8); "
-            f"got {intermediate} (whole experts: TP1 or expert parallelism). Prepare the experts with layout='placed'."
+            f"got {intermediate} (whole experts: TP1 or expert parallelism). Prepare the experts with the default layout (decoding kernels)."
         )
     sm_count = sm_count or sm_count_guess(arch)
     g1, g2 = NATIVE_GEMM1[arch], NATIVE_GEMM2[arch]

@@ -27,11 +27,9 @@ import torch
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels import capability
 from glm5_fp4.kernels import configs as cfgs
-from glm5_fp4.kernels.layout import PLACED_LAYOUTS, PreparedExperts, w13_k_tile
+from glm5_fp4.kernels.layout import DECODE_LAYOUTS, PLACED_LAYOUTS, PreparedExperts, w13_k_tile
 
 STAGES = ("align", "gemm1", "gemm2")
-# Weight layouts the decoding (W4A16 / W4A4-emulation) kernels read; "placed"/"tiled" select their cheaper decode.
-DECODE_LAYOUTS = ("split", "placed", "tiled")
 # Elements per program of the zeroing / conversion part of the align kernel and of the finalize kernel.
 ZBLOCK = 4096
 FBLOCK = 4096
@@ -156,8 +154,8 @@ def scales_by_tma(g1: cfgs.Gemm1Config) -> bool:
 
 def _w13(plan: cfgs.Plan, call: MoECall) -> tuple[tuple, dict]:
     """GEMM1's weight and scale operands: pointers, or (Gemm1Config.tma) a tensor descriptor of the [E*2I, H/8]
-    words with one tile's box, and of the [E*2I, H/16] scales where :func:`scales_by_tma`; and the kernel's
-    constexprs for them."""
+    words with one tile's box, and of the [E*2I, H/16] scales where :func:`scales_by_tma` (layout "tiled":
+    [E*(H/KT)*2I, KT/8] and [E*(H/KT)*2I, KT/16], one run per row); and the kernel's constexprs for them."""
     p, g1 = call.prepared, plan.gemm1
     w, s = p.w13.view(torch.int32), p.w13_scale
     kt = w13_k_tile(p.layout, p.hidden_size)

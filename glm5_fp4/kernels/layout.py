@@ -164,8 +164,7 @@ class PreparedExperts:
         if self.source is not None:
             return self.source
         f8 = torch.float8_e4m3fn
-        unpack = {"split": merge_nibbles, "placed": unplace_nibbles, "tiled": unplace_nibbles}.get(
-            self.layout, lambda t: t)
+        unpack = _NIBBLES[self.layout][1] if self.layout in _NIBBLES else (lambda t: t)
         kt = w13_k_tile(self.layout, self.hidden_size)
         return NvFp4Experts(
             w13=unpack(untile_k(self.w13, kt, 2)),
@@ -204,11 +203,15 @@ def _chunked(fn, packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
     return out
 
 
-LAYOUTS = ("split", "placed", "tiled", "checkpoint")
+# Layouts the decoding (W4A16 / W4A4-emulation) kernels read, and all layouts ("checkpoint": the native path's).
+DECODE_LAYOUTS = ("split", "placed", "tiled")
+LAYOUTS = (*DECODE_LAYOUTS, "checkpoint")
 # Layouts whose words are in place_nibbles order (the decode kernels' PLACED form).
 PLACED_LAYOUTS = ("placed", "tiled")
-# K elements per contiguous run of a "tiled" w13 row: 256 = one 128-byte line of words per row (16 scale bytes);
-# every GEMM1 tile's BK (128, 256, 512) divides it or is a multiple of it (launch._check refuses others).
+# Checkpoint packing -> stored words, per decode layout (and back, for to_experts).
+_NIBBLES = {"split": (split_nibbles, merge_nibbles), **{n: (place_nibbles, unplace_nibbles) for n in PLACED_LAYOUTS}}
+# K elements per contiguous run of a "tiled" w13 row: 256 = one 128-byte line of words per row (16 scale bytes).
+# Which GEMM1 tiles can read the runs is launch._check's rule (the kernel asserts it too).
 W13_K_TILE = 256
 
 
@@ -243,16 +246,14 @@ def untile_k(t: torch.Tensor, k_tile: int, k_per_unit: int) -> torch.Tensor:
 def default_layout() -> str:
     """The layout prepare_experts uses when none is asked for: "tiled", or what LAYOUT_ENV names (A/B).
 
-    "placed" became the default on 2026-12-01 (benchmarks/results/moe_variants_h200.json: 1.5-4 % faster than
-    "split", bit-identical output); "tiled" ("placed" with GEMM1's weights K-tile-major) on 2026-12-03
-    (benchmarks/results/moe_variants_h200_tiled_*_e06a25f.json, same-run A/B on an H200: faster at every measured
-    TP8/TP4/TP1 T and routing, 2-13 %; improvements/15). Not measured on sm_120."""
+    "placed" became the default on 2026-12-01 (faster than "split", bit-identical output), "tiled" ("placed" with
+    GEMM1's weights K-tile-major) on 2026-12-03: improvements/15 has the H200 A/B. Not measured on sm_120."""
     import os
 
     name = os.environ.get(LAYOUT_ENV) or "tiled"
-    if name not in LAYOUTS or name == "checkpoint":
-        raise Glm5Fp4Error(f"{LAYOUT_ENV}={name!r}: choose one of split, placed, tiled (the native path's "
-                           "checkpoint layout is asked for by the plan, not by default)")
+    if name not in DECODE_LAYOUTS:
+        raise Glm5Fp4Error(f"{LAYOUT_ENV}={name!r}: choose one of {', '.join(DECODE_LAYOUTS)} (the native path's "
+                           "checkpoint layout is asked for by the caller, not by default)")
     return name
 
 
@@ -280,7 +281,7 @@ def prepare_experts(experts: NvFp4Experts, layout: str | None = None) -> Prepare
 
     a13 = None if experts.a13_scale is None else experts.a13_scale.float().contiguous()
     a2 = None if experts.a2_scale is None else experts.a2_scale.float().contiguous()
-    nibbles = {"split": split_nibbles, "placed": place_nibbles, "tiled": place_nibbles}.get(layout)
+    nibbles = _NIBBLES[layout][0] if layout in _NIBBLES else None
     factor = 1.0 if layout == "checkpoint" else DECODE_FACTOR
     kt = w13_k_tile(layout, h)
 

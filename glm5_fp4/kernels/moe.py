@@ -164,7 +164,7 @@ def plan_for(arch: str, sm_count: int, tokens: int, top_k: int, prepared: Prepar
         if mode != "w4a4" or arch not in cfgs.NATIVE_GEMM1:
             raise Glm5Fp4Error(
                 f"experts prepared with layout='checkpoint' serve only mode='w4a4' on SM100/SM120 (native FP4 MMA); "
-                f"got mode={mode!r} on {arch}. Prepare with layout='placed' for W4A16 or other GPUs."
+                f"got mode={mode!r} on {arch}. Prepare with the default layout for W4A16 or other GPUs."
             )
         return cfgs.native_plan(arch, tokens, e, top_k, h, i, sm_count=sm_count)
     return cfgs.plan(arch, tokens, e, top_k, h, i, sm_count=sm_count,

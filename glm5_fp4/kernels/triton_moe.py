@@ -5,7 +5,8 @@ each E2M1 nibble is moved into the bit positions of an E4M3 byte (exact: value /
 conversion (``cvt.rn.f16x2.e4m3x2``, SM89+) turns byte pairs into fp16 pairs, and one fp16 multiply per
 value applies the E4M3 block scale; the per-expert global scale and the factor 64 are applied to the fp32
 accumulator. Products are exact in fp16, so the MMA sees exactly ``e2m1 * block_scale / 64``. Weights prepared in the
-opt-in "placed" layout (layout.place_nibbles) take the same route with 5 instead of 7 bit operations per word.
+"placed" or "tiled" layout (layout.place_nibbles; "tiled", the default, also stores GEMM1's weights K-tile-major)
+take the same route with 5 instead of 7 bit operations per word.
 
 GEMMs are "swap-AB": the weight tile is the MMA's M side (64+ rows for wgmma), tokens the N side (16+), so
 a handful of tokens per expert wastes little.

@@ -36,6 +36,13 @@ def compile_plan(plan: C.Plan, cc: int, hidden: int = 6144, intermediate: int = 
     return [compile_specialized(specialize(launch, cc)) for launch in L.record(sel)]
 
 
+def compile_default_gemm1(cc: int, tokens: int, layout: str, hidden: int = 6144, intermediate: int = 256) -> Build:
+    """GEMM1 of the default plan at ``tokens`` (the TP8 shard unless told) on weights in ``layout``."""
+    plan = C.plan(ARCH_OF_CC.get(cc, "sm90"), tokens, 256, 8, hidden, intermediate, sm_count=132)
+    return next(b for b in compile_plan(plan, cc, hidden, intermediate, tokens=tokens, layout=layout)
+                if "gemm1" in b.kernel)
+
+
 def compile_gemm1(cfg: C.Gemm1Config, cc: int, hidden: int = 6144, intermediate: int = 256, slot_mode: bool = False,
                   w4a4: bool = False, use_asm: bool = True, x_prep: bool = True, split_k: int = 1) -> Build:
     arch = ARCH_OF_CC.get(cc, "sm90")
