@@ -149,7 +149,8 @@ def test_a_case_runs_end_to_end_on_the_cpu_path():
     shape = next(s for s in shape_classes() if s.name == "tiny")
     ex, prepared = checks.make_experts(shape, device="cpu")
     case = checks.Case("tiny", 5, "w4a4", "int32")
-    r = checks.run_case(case, shape, ex, prepared["split"], sm_count=188, arch="sm120", seed=0, device="cpu")
+    assert case.layout == "tiled" and set(prepared) == {"tiled"}  # the engines' layout, named as such
+    r = checks.run_case(case, shape, ex, prepared[case.layout], sm_count=188, arch="sm120", seed=0, device="cpu")
     assert r["passed"] and r["finite"] and r["tolerance"] == moe_tolerance("w4a4", torch.bfloat16)
     # the CPU path is the reference rounded to bf16: only that rounding, within even the (tighter) W4A16 bound
     assert r["rel_err"] < moe_tolerance("w4a16", torch.bfloat16), r
@@ -158,7 +159,7 @@ def test_a_case_runs_end_to_end_on_the_cpu_path():
     assert r["plan"]["schedule"] == "grouped" and r["plan"]["gemm1_split_k"] == 1 and not r["plan"]["slot_dedup"]
     from glm5_fp4.kernels import configs as C
 
-    w16 = checks.run_case(checks.Case("tiny", 5, "w4a16", "int32"), shape, ex, prepared["split"], sm_count=188,
+    w16 = checks.run_case(checks.Case("tiny", 5, "w4a16", "int32"), shape, ex, prepared[case.layout], sm_count=188,
                           arch="sm120", seed=0, device="cpu")
     want = C.plan("sm120", 5, shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, sm_count=188)
     assert w16["plan"]["gemm1_split_k"] == want.gemm1_split_k > 1
@@ -168,7 +169,7 @@ def test_a_case_runs_end_to_end_on_the_cpu_path():
     orig = K.fused_moe
     K.fused_moe = lambda x, w, ids, p, mode, out: out  # leaves the NaN poison in place
     try:
-        bad = checks.run_case(case, shape, ex, prepared["split"], sm_count=188, arch="sm120", seed=0, device="cpu")
+        bad = checks.run_case(case, shape, ex, prepared[case.layout], sm_count=188, arch="sm120", seed=0, device="cpu")
     finally:
         K.fused_moe = orig
     assert not bad["passed"] and bad["finite"] is False

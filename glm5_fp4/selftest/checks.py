@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from glm5_fp4.sm120.launches import ShapeClass, shape_classes
 
 ROUTED_SCALING = 2.5  # GLM-5's routed_scaling_factor, as the GPU tests use
+
+
+def _serving_layout() -> str:
+    """The layout the engines prepare experts in (kernels.layout.default_layout), named in every case's result."""
+    from glm5_fp4.kernels.layout import default_layout
+
+    return default_layout()
 
 
 @dataclass(frozen=True)
@@ -25,7 +32,9 @@ class Case:
     tokens: int
     mode: str
     ids_dtype: str = "int64"
-    layout: str = "split"  # "checkpoint": the native FP4-MMA path (W4A4 on SM100/SM120, opt-in)
+    # the decoding kernels on the layout the engines use; "checkpoint": the native FP4-MMA path (W4A4 on SM100/
+    # SM120, opt-in)
+    layout: str = field(default_factory=_serving_layout)
     routing: str = "balanced"  # glm5_fp4.bench.routing name
 
 
@@ -70,10 +79,10 @@ def cases(quick: bool, arch: str = "sm90") -> list[Case]:
     return out
 
 
-def make_experts(shape: ShapeClass, seed: int = 0, chunk: int = 32, layouts: tuple[str, ...] = ("split",),
+def make_experts(shape: ShapeClass, seed: int = 0, chunk: int = 32, layouts: tuple[str, ...] | None = None,
                  device: str = "cuda"):
-    """Random NVFP4 experts on the GPU and their prepared form per layout; quantized a few experts at a time
-    so the float32 originals never exist for the whole layer at once."""
+    """Random NVFP4 experts on the GPU and their prepared form per layout (default: the engines' layout);
+    quantized a few experts at a time so the float32 originals never exist for the whole layer at once."""
     import torch
 
     from glm5_fp4.kernels import prepare_experts
@@ -92,7 +101,7 @@ def make_experts(shape: ShapeClass, seed: int = 0, chunk: int = 32, layouts: tup
     a13 = (3.0 + torch.rand(e, device=device, generator=g)) / (6 * 448)
     a2 = (1.0 + torch.rand(e, device=device, generator=g)) / (6 * 448)
     ex = NvFp4Experts(**cat, a13_scale=a13, a2_scale=a2)
-    prepared = {lay: (prepare_experts(ex) if lay == "split" else prepare_experts(ex, layout=lay)) for lay in layouts}
+    prepared = {lay: prepare_experts(ex, layout=lay) for lay in (layouts or (_serving_layout(),))}
     return ex, prepared
 
 
@@ -174,12 +183,12 @@ def run_all(quick: bool, env: dict, progress=None) -> dict:
             experts, prepared = make_experts(shape, layouts=tuple(dict.fromkeys(c.layout for c in mine)))
         except Exception as exc:  # noqa: BLE001
             for c in mine:
-                results.append({**asdict(c), "passed": False, "gating": c.layout == "split" or native_gates,
+                results.append({**asdict(c), "passed": False, "gating": c.layout != "checkpoint" or native_gates,
                                 "error": f"making experts: {type(exc).__name__}: {exc}"})
             continue
         for c in mine:
             r = run_case(c, shape, experts, prepared[c.layout], env["sm_count"], env["arch"], seed=1000 + len(results))
-            r["gating"] = c.layout == "split" or native_gates
+            r["gating"] = c.layout != "checkpoint" or native_gates
             results.append(r)
             if progress:
                 progress(r)
