@@ -9,14 +9,7 @@
 # the second (811a4d6, the split the default in its swept tile) FORMS=one_program_gemm2,pdl; the third (the wide
 # GEMM1 split with PDL the default at T <= 2) the former default, the former GEMM1 picks, and no PDL.
 set -u
-: "${OUT:?OUT=dir (where the results go) is required}"
-. benchmarks/gpu_deps.sh || exit 2
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-L=$OUT/logs; mkdir -p "$L"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "${GREP:-passed|failed|FAIL|Error|best|x balanced|ERROR}" "$L/$name.log" | tail -${TAIL:-30}; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
+. benchmarks/h200/job_steps.sh || exit 2
 FORMS=${FORMS:-one_program_gemm2,slot_split_pow2,nopdl}
 for s in "$@"; do
   case $s in
@@ -37,11 +30,7 @@ for s in "$@"; do
     tests)
       step tests "${T_TESTS:-200}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -p no:cacheprovider \
         -k "split_slots or pdl_matches or cuda_graph or balanced_matches or fused_split_k" ;;
-    sanitize)
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck \
-        --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py
-      step racecheck "${T_RACECHECK:-120}" compute-sanitizer --tool racecheck --print-limit 20 \
-        python3 tests/gpu/memcheck_moe_kernel.py ;;
+    sanitize) sanitize_steps ;;
   esac
 done
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$L"

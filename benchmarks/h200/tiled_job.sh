@@ -8,14 +8,7 @@
 # Ran in session 14: ab + widths (e06a25f), then run_moe_h200.sh tests memcheck bench (15e92ed). Left: tests sanitize
 # sweep, and the Marlin table (run_moe_h200.sh bench with the shipped vLLM, benchmarks/h200_vllm/).
 set -u
-: "${OUT:?OUT=dir (where the results go) is required}"
-. benchmarks/gpu_deps.sh || exit 2
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-L=$OUT/logs; mkdir -p "$L"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "${GREP:-passed|failed|FAIL|Error|best|ERROR}" "$L/$name.log" | tail -${TAIL:-30}; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
+. benchmarks/h200/job_steps.sh || exit 2
 for s in "$@"; do
   case $s in
     ab)
@@ -30,11 +23,7 @@ for s in "$@"; do
       # -rA: every test id with its outcome in the log
       step tests "${T_TESTS:-240}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
         -k "tiled or register_capped or weight_tiles_by_tma or cuda_graph" ;;
-    sanitize)
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck \
-        --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py
-      step racecheck "${T_RACECHECK:-120}" compute-sanitizer --tool racecheck --print-limit 20 \
-        python3 tests/gpu/memcheck_moe_kernel.py ;;
+    sanitize) sanitize_steps ;;
     sweep)
       step sweep "${T_SWEEP:-300}" python3 benchmarks/moe_kernel.py --sweep --shards tp8 --tokens 64,512,1024,4096 \
         --layers 2 --json "$OUT/sweep_tiled.json" ;;

@@ -7,14 +7,8 @@
 # The sweep's JSON is also kept in /tmp/tma (it survives between back-to-back calls while the machine is warm: the
 # ncu probes of single TMA tiles read it).
 set -u
-: "${OUT:?OUT=dir (where the results go) is required}"
-. benchmarks/gpu_deps.sh || exit 2
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-L=$OUT/logs; mkdir -p "$L" /tmp/tma
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "${GREP:-passed|failed|FAIL|Error|best|x balanced|ERROR}" "$L/$name.log" | tail -${TAIL:-30}; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
+. benchmarks/h200/job_steps.sh || exit 2
+mkdir -p /tmp/tma
 for s in "$@"; do
   case $s in
     sweep)
