@@ -714,6 +714,10 @@ def moe_gemm1_kernel(
                     xt = _x_operand(xt, g_in, W4A4, BK, BM)
                 if not MERGED:
                     x0, x1, x2, x3, x4, x5, x6, x7 = _split_sets(xt, NW, BM)
+            # this K tile in the gate and up tiles alike: pointer offsets of its words and scales, or its row and
+            # column in the descriptors' views
+            k_w = _w13_k_offset(k0, KT, 2 * I, H, 8)
+            k_s = _w13_k_offset(k0, KT, 2 * I, H, 16)
             if KT == 0:
                 d_row = 0
                 d_col = k0
@@ -723,11 +727,11 @@ def moe_gemm1_kernel(
             if W_DESC:
                 wg = w_ptr.load([row_g + d_row, d_col // 8])
             else:
-                wg = tl.load(w_gate + _w13_k_offset(k0, KT, 2 * I, H, 8))
+                wg = tl.load(w_gate + k_w)
             if S_DESC:
                 sg = s_ptr.load([row_g + d_row, d_col // 16])
             else:
-                sg = tl.load(s_gate + _w13_k_offset(k0, KT, 2 * I, H, 16))
+                sg = tl.load(s_gate + k_s)
             d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wg, sg, BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
@@ -736,11 +740,11 @@ def moe_gemm1_kernel(
             if W_DESC:
                 wu = w_ptr.load([row_g + d_row + I, d_col // 8])
             else:
-                wu = tl.load(w_up + _w13_k_offset(k0, KT, 2 * I, H, 8))
+                wu = tl.load(w_up + k_w)
             if S_DESC:
                 su = s_ptr.load([row_g + d_row + I, d_col // 16])
             else:
-                su = tl.load(s_up + _w13_k_offset(k0, KT, 2 * I, H, 16))
+                su = tl.load(s_up + k_s)
             d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wu, su, BN, BK, USE_ASM, DIAG, PLACED)
             if MERGED:
                 acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)
