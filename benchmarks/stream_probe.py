@@ -1,5 +1,5 @@
 """How fast can a GEMM1-shaped Triton loop stream NVFP4 expert weights on this GPU, and does the weight layout
-decide it? (issue 13, goal 1). One GPU call, no glm5_fp4 import.
+decide it? (issue 13, goal 1). One GPU call (on the lent H200: `. benchmarks/gpu_deps.sh` first).
 
 GEMM1 holds each expert as row-major packed words ``[2I, H/2 bytes]`` and scales ``[2I, H/16]``: a K tile of a
 64-row weight tile is 64 runs of 128 bytes (and 64 runs of 16 scale bytes) at the row stride. The probe streams
@@ -22,12 +22,8 @@ software-pipelined by Triton: a latency bound, not a streaming one).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
-import platform
-import subprocess
 
 import torch
 import triton
@@ -108,20 +104,6 @@ def _probe_kernel(w_ptr, s_ptr, x_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr
     tl.store(out_ptr + pid * BN + tl.arange(0, BN), total)
 
 
-SHARDS = {"tp8": 256, "tp4": 512, "tp1": 2048}  # GLM-5 moe_intermediate 2048 split over the TP ranks
-
-
-def _git_sha() -> str:
-    sha = os.environ.get("GLM5_FP4_GIT_SHA")
-    if sha:
-        return sha
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shards", default="tp8,tp4")
@@ -141,16 +123,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    H, E = 6144, 256
+    from glm5_fp4.bench.meta import result_metadata
+    from glm5_fp4.bench.moe import glm5_shard
+    from glm5_fp4.bench.timing import copy_bandwidth_gbs
+
     dev = "cuda"
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(big)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(big), warmup=10, rep=200)
-    copy_bw = 2 * big.numel() / copy_ms / 1e6
-    del big, dst
+    copy_bw = copy_bandwidth_gbs()
     rows = []
     for shard in args.shards.split(","):
-        I = SHARDS[shard]
+        sh = glm5_shard(shard)
+        H, I, E = sh.hidden, sh.intermediate, sh.num_experts
         w = torch.randint(-2**15, 2**15, (E, 2 * I, H // 4), dtype=torch.int16, device=dev).view(torch.float16)
         w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
         s = torch.randint(0, 127, (E, 2 * I, H // 16), dtype=torch.uint8, device=dev)
@@ -164,6 +146,8 @@ def main(argv=None) -> int:
             x = torch.randn(H, bm, dtype=torch.float16, device=dev)
             out = torch.empty(E * I, dtype=torch.float32, device=dev)
             for ktiles in (False, True):
+                key = dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps), order=order,
+                           rotate=rot == "1", layout="ktiles" if ktiles else "rows")
                 fn = lambda: _probe_kernel[(E * (I // bn),)](  # noqa: E731
                     w, s, x, out, H, I, bn, bm, bk, ktiles, not args.no_x, not args.no_dot, int(stages), not args.no_widen,
                     order == "experts_fastest", rot == "1", num_warps=int(warps))
@@ -171,20 +155,16 @@ def main(argv=None) -> int:
                     fn()
                     ms = triton.testing.do_bench(fn, warmup=10, rep=100)
                 except Exception as exc:  # noqa: BLE001 -- a tile that does not fit is a row, not a crash
-                    rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps), order=order,
-                                     rotate=rot == "1", layout="ktiles" if ktiles else "rows", error=f"{type(exc).__name__}: {exc}"[:200]))
+                    rows.append({**key, "error": f"{type(exc).__name__}: {exc}"[:200]})
                     print(rows[-1], flush=True)
                     continue
                 bw = nbytes / ms / 1e6
-                rows.append(dict(shard=shard, tile=tile, stages=int(stages), warps=int(warps), order=order,
-                                 rotate=rot == "1", layout="ktiles" if ktiles else "rows", us=round(ms * 1e3, 1),
-                                 gb_s=round(bw, 1), pct_copy=round(100 * bw / copy_bw, 1)))
+                rows.append({**key, "us": round(ms * 1e3, 1), "gb_s": round(bw, 1),
+                             "pct_copy": round(100 * bw / copy_bw, 1)})
                 print(rows[-1], flush=True)
         del w, s
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                torch=torch.__version__, triton=triton.__version__, git_sha=_git_sha(), python=platform.python_version(),
-                copy_gb_s=round(copy_bw, 1), load_x=not args.no_x, dot=not args.no_dot,
-                widen=not args.no_widen, tiles=args.tiles, warps=args.warps)
+    meta = result_metadata(benchmark="stream_probe", copy_gb_s=round(copy_bw, 1), load_x=not args.no_x,
+                           dot=not args.no_dot, widen=not args.no_widen, tiles=args.tiles, warps=args.warps)
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(json.dumps(meta))
