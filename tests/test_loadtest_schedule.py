@@ -9,7 +9,8 @@ Two references are built:
 - the schedule as the server executed it (its send log: actual send times on the same
   CLOCK_MONOTONIC as the client).
 Every metric must be within 2 % of the executed schedule (per-token times: plus CLIENT_DELAY_MS, the
-client's read delay), and the executed schedule within 10 % of the nominal one (the fake shares a CPU).
+client's read delay). The fake is held to the nominal schedule through its own log: every deadline exactly
+the schedule's, no send before its deadline, and most sends on time (`_fake_schedule_problems`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ TOL = 0.02
 # that mixes chunks up, or counts the role chunk as a token, still fails.
 CLIENT_DELAY_MS = 5.0
 PCTS = (50.0, 90.0, 99.0)
+# The fake shares a 2-core CPU with the client and pytest: one stall of the event loop makes the few sends due in
+# it late (one send 15.9 ms late made the executed p99 chunk gap 165.9 ms against a schedule of 150, a CI run of
+# stop 32). That moves tail percentiles of the executed schedule, not the client-vs-sends comparison, so the fake
+# is judged on its sends: at least ON_TIME_SHARE of them within ON_TIME_MS of their deadline.
+ON_TIME_MS = 5.0
+ON_TIME_SHARE = 0.9
 
 
 def _nominal_chunks(output_len: int, tpc: list[int], gaps_ms: list[float]) -> tuple[list[float], list[int]]:
@@ -83,6 +90,64 @@ def _expected(requests: list[tuple[float, list[float], list[int]]], duration_s: 
         for p in PCTS:
             exp[f"p{int(p)}_{name}_ms"] = float(np.percentile(a, p))
     return exp
+
+
+def _fake_schedule_problems(log: dict, ttfts_ms: list[float], gaps_ms: list[float], tpc: list[int],
+                            output_len: int) -> list[str]:
+    """Where the fake's send log departs from the schedule it was given (an empty list: it kept it)."""
+    offsets, tokens = _nominal_chunks(output_len, tpc, gaps_ms)
+    problems, late_ms = [], []
+    for rid, e in sorted(log.items()):
+        due = (np.asarray(e["due"]) - e["arrival"]) * 1e3
+        want = ttfts_ms[e["n"] % len(ttfts_ms)] + np.asarray(offsets)
+        if e["tokens"] != tokens or len(due) != len(want) or np.abs(due - want).max() > 1e-3:
+            problems.append(f"{rid}: deadlines {np.round(due, 3).tolist()} ms, tokens {e['tokens']} against the "
+                            f"schedule's {want.tolist()} ms, {tokens}")
+            continue
+        late = (np.asarray(e["sent"]) - np.asarray(e["due"])) * 1e3
+        if late.min() < 0:
+            problems.append(f"{rid}: a chunk sent {-late.min():.3f} ms before its deadline")
+        late_ms += late.tolist()
+    if late_ms:
+        on_time = float(np.mean(np.asarray(late_ms) <= ON_TIME_MS))
+        if on_time < ON_TIME_SHARE:
+            problems.append(f"only {on_time:.0%} of {len(late_ms)} sends within {ON_TIME_MS} ms of their deadline "
+                            f"(need {ON_TIME_SHARE:.0%}; latest {max(late_ms):.1f} ms)")
+    return problems
+
+
+def _synthetic_log(ttfts_ms: list[float], gaps_ms: list[float], tpc: list[int], output_len: int, n: int,
+                   late_ms: dict[tuple[int, int], float]) -> dict:
+    """A send log as the fake writes it, every send on time but those in late_ms ((request, chunk) -> ms)."""
+    offsets, tokens = _nominal_chunks(output_len, tpc, gaps_ms)
+    log = {}
+    for i in range(n):
+        arrival = 100.0 + 0.25 * i
+        due = [arrival + (ttfts_ms[i % len(ttfts_ms)] + o) / 1e3 for o in offsets]
+        sent = [d + late_ms.get((i, j), 0.0) / 1e3 for j, d in enumerate(due)]
+        log[f"cmpl-fake-{i}"] = {"n": i, "arrival": arrival, "due": due, "sent": sent, "tokens": list(tokens)}
+    return log
+
+
+def test_fake_schedule_check_allows_one_stall_and_rejects_a_broken_fake() -> None:
+    c = CASES["completions-multitoken"]
+    sched = (c["ttfts"], c["gaps"], c["tpc"], c["output_len"])
+    # The CI failure: one stall made one send 15.9 ms late (p99 chunk gap 165.9 against 150).
+    assert _fake_schedule_problems(_synthetic_log(*sched, n=10, late_ms={(3, 4): 15.9}), *sched) == []
+    assert _fake_schedule_problems(_synthetic_log(*sched, n=10, late_ms={(3, 4): 15.9, (4, 2): 15.9}), *sched) == []
+    # Late nearly everywhere: the fake did not keep its schedule.
+    everywhere = {(i, j): 8.0 for i in range(10) for j in range(0, 8, 2)}
+    assert "within 5.0 ms" in " ".join(_fake_schedule_problems(_synthetic_log(*sched, 10, everywhere), *sched))
+    # A send before its deadline.
+    early = _fake_schedule_problems(_synthetic_log(*sched, n=10, late_ms={(2, 1): -1.0}), *sched)
+    assert len(early) == 1 and "before its deadline" in early[0]
+    # Deadlines off the schedule: a wrong gap, a wrong TTFT for the arrival number, tokens per chunk mixed up.
+    log = _synthetic_log(*sched, n=10, late_ms={})
+    log["cmpl-fake-5"]["due"][3] += 0.02
+    log["cmpl-fake-6"]["n"] = 7
+    log["cmpl-fake-7"]["tokens"] = log["cmpl-fake-7"]["tokens"][::-1]
+    bad = _fake_schedule_problems(log, *sched)
+    assert [p.split(":")[0] for p in bad] == ["cmpl-fake-5", "cmpl-fake-6", "cmpl-fake-7"]
 
 
 def _closed_loop_makespan(durations_ms: list[float], concurrency: int) -> float:
@@ -144,15 +209,15 @@ def test_metrics_match_schedule(case: str, tmp_path) -> None:
         last_send = max(last_send, sent[-1] / 1e3)
     executed = _expected(executed_reqs, last_send - t0, input_len, slo_ttft)
 
-    problems = []
+    measured = {r["response_id"]: log[r["response_id"]] for r in rows}  # the warm-ups have their own length
+    problems = _fake_schedule_problems(measured, c["ttfts"], c["gaps"], c["tpc"], c["output_len"])
     for key, want in nominal.items():
         got, done = res[key], executed[key]
         # The client is judged against what the server executed (its send times); against the nominal schedule
         # the two deviations add up, so a second bound of TOL against the schedule failed runs whose client was
         # within TOL of the sends (p99 ITL: client 142.99, sends 140.73, schedule 140.0 ms, once in a loaded
-        # `make test`). The server itself must keep the schedule for the comparison to mean anything.
+        # `make test`). The server itself must keep the schedule for the comparison to mean anything: its log
+        # is checked above (a bound of 10 % on the executed metrics failed CI on one 15.9 ms stall).
         if not _close(got, done, key, executed, TOL, CLIENT_DELAY_MS):
             problems.append(f"{key}: got {got:.4f}, server executed {done:.4f} (nominal {want:.4f})")
-        if not _close(done, want, key, nominal, 5 * TOL):  # a sanity bound: the fake runs on a shared CPU
-            problems.append(f"{key}: the fake server executed {done:.4f} against a schedule of {want:.4f}")
     assert not problems, f"{case}: metrics off by > 2 %:\n" + "\n".join(problems)
