@@ -10,18 +10,10 @@
 # $OUT/sweep.json; 'bench' uses it (or $PLANS) for the swept regimes. vLLM's Marlin MoE is measured beside
 # ours when vLLM's CUDA build is importable (PYTHONPATH with the shipped vLLM: benchmarks/h200_vllm/).
 set -u
-. benchmarks/gpu_deps.sh || exit 2
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-# The device copy's .git is stale: pass the commit sent (GLM5_FP4_GIT_SHA=$(git rev-parse HEAD) here) for the results.
-[ -n "${GLM5_FP4_GIT_SHA:-}" ] || echo "note: GLM5_FP4_GIT_SHA unset, results will record the stale .git of the device copy"
 OUT=${OUT:-/tmp/moe_out}
-L=$OUT/logs; mkdir -p "$L"
+. benchmarks/h200/job_steps.sh || exit 2
 SECTIONS=${*:-tests bench memcheck}
 NCU_DIAG=${NCU_DIAG:-0}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$L/gpu.txt"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" > "$L/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "${GREP:-passed|failed|FAIL|Error|best|x balanced|ERROR}" "$L/$name.log" | tail -${TAIL:-25}; }
 PLANS=${PLANS:-$OUT/sweep.json}
 for s in $SECTIONS; do
   case $s in
@@ -48,12 +40,9 @@ for s in $SECTIONS; do
              --metrics "regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
              python3 benchmarks/ncu_moe_call.py --shard "${NCU_SHARD:-tp8}" --tokens "$t" \
              --routing "${NCU_ROUTING:-balanced}" --diag "$d"; done; done ;;
-    memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-60}" compute-sanitizer --tool memcheck \
-             --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
-    memcheck_placed) GLM5_FP4_EXPERT_LAYOUT=placed PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck_placed "${T_MEMCHECK:-60}" \
-             compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
-    racecheck) step racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --print-limit 20 \
-             python3 tests/gpu/memcheck_moe_kernel.py ;;
+    memcheck) memcheck_step ;;
+    memcheck_placed) GLM5_FP4_EXPERT_LAYOUT=placed memcheck_step memcheck_placed ;;
+    racecheck) racecheck_step ;;
   esac
 done
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$L"
