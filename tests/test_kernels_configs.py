@@ -118,16 +118,32 @@ def test_sm120_default_kernel_compiles_within_limits(which):
 
 
 @pytest.mark.skipif(not _aot_available(), reason="Triton's NVIDIA backend (with ptxas) is not installed")
-@pytest.mark.parametrize("cfg,intermediate", [
-    (C.Gemm2Config(128, 64, 8, 3, merged=False), 2048),  # what killed the TP1 server: Triton says 270,336 B
-    (C.Gemm2Config(64, 16, 4, 3, merged=False), 2048),
-    (C.Gemm2Config(128, 64, 8, 3, merged=False), 256),
+@pytest.mark.parametrize("cc,cfg,intermediate", [
+    (90, C.Gemm2Config(128, 64, 8, 3, merged=False), 2048),  # what killed the TP1 server: Triton 3.6 says 270,336 B
+    (90, C.Gemm2Config(64, 16, 4, 3, merged=False), 2048),
+    (90, C.Gemm2Config(128, 64, 8, 3, merged=False), 256),
+    # eight MMAs per tile, which Triton 3.8 feeds through shared memory (triton_stages_mma_sets): 167,936 B there
+    (120, C.Gemm2Config(128, 16, 4, 2, merged=False), 512),
+    (120, C.Gemm2Config(64, 16, 4, 2, merged=False), 512),
+    (120, C.Gemm2Config(64, 16, 4, 2, merged=True), 512),
 ])
-def test_gemm2_estimate_bounds_tritons_figure_on_sm90(cfg, intermediate):
+def test_gemm2_estimate_bounds_tritons_figure(cc, cfg, intermediate):
+    """Under the installed Triton: `make test` runs it with .venv's and with the engines' (Makefile, ENGINE_TRITON_TESTS)."""
     from glm5_fp4.sm120.aot import compile_gemm2
 
-    c = compile_gemm2(cfg, 90, 6144, intermediate, n_split=3)
+    c = compile_gemm2(cfg, cc, 6144, intermediate, n_split=3)
     assert 0 < c.shared_bytes <= C.gemm2_smem_bytes(cfg, intermediate), (c.shared_bytes, C.gemm2_smem_bytes(cfg, intermediate))
+
+
+@pytest.mark.parametrize("version,stages", [("3.8.0", True), ("3.8.1", True), ("3.6.0", False), ("3.7.1", False),
+                                            ("3.9.0", False), ("3.10.0", False)])
+def test_the_shared_memory_estimate_adds_the_staged_operand_sets_under_triton_3_8(monkeypatch, version, stages):
+    real = C.triton_stages_mma_sets
+    assert real(version) is stages
+    monkeypatch.setattr(C, "triton_stages_mma_sets", lambda v=None: real(version))
+    sets, merged = C.Gemm2Config(64, 16, 4, 2, merged=False), C.Gemm2Config(64, 16, 4, 2, merged=True)
+    # the decoded [64, 512] tile in fp16 on top, for the eight-MMA form only
+    assert C.gemm2_smem_bytes(sets, 512) - C.gemm2_smem_bytes(merged, 512) == (64 * 512 * 2 if stages else 0)
 
 
 @pytest.mark.skipif(not _aot_available(), reason="Triton's NVIDIA backend (with ptxas) is not installed")

@@ -239,9 +239,14 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 32, 4, 3, 128),
         ]
     ],
-    # sm_120: eight MMAs per tile (merged=False); the merged operand spills at I = 512 on sm_120's mma.sync
+    # sm_120: one MMA chain per tile (merged). Eight MMAs per tile (merged=False) compile differently by Triton
+    # version: Triton 3.8 (torch 2.14.1's, so vLLM 0.33's and SGLang 0.5.23's) stages the eight decoded operands
+    # through shared memory (TP4 64x16: 92,160 B and 189 registers, against 38,912 B / 143-153 with Triton 3.6 and
+    # 3.9; 128x16: 167,936 B, over SM120's 101,376; the picked TP1 tile did not fit either), while the merged form
+    # compiles alike under 3.6, 3.8 and 3.9 (64x16: 38,912 B, 128 registers). Compile evidence only (2026-12-03,
+    # sm_120 compile matrix under 3.8 and 3.9): unmeasured on an SM120 GPU.
     "sm120": [
-        Gemm2Config(bn, bm, w, s, merged=False)
+        Gemm2Config(bn, bm, w, s, merged=True)
         for bn, bm, w, s in [
             (64, 16, 4, 2),
             (64, 32, 8, 2),
@@ -354,6 +359,20 @@ def arch_of(capability: tuple[int, int]) -> str:
 # configs, within 12 % above it for whole experts); tests/test_kernels_configs.py checks it against AOT-compiled
 # sm_120 and sm_90 kernels.
 # ---------------------------------------------------------------------------------------------------------
+def triton_stages_mma_sets(version: str | None = None) -> bool:
+    """Whether this Triton (default: the installed one) puts a GEMM's eight per-set MMA operands (merged=False)
+    through shared memory. Triton 3.8 does (torch 2.14.1's, so vLLM 0.33's and SGLang 0.5.23's): sm_90 and sm_120
+    GEMM2 64x16 at I = 512 needs 92,160 B there against 38,912 with 3.6, 3.7.1 and 3.9 (AOT compiles,
+    2026-12-03); the merged operand compiles alike under all four."""
+    if version is None:
+        try:
+            import triton
+        except ImportError:  # no compiler, no kernel: nothing to size
+            return False
+        version = triton.__version__
+    return version.split(".")[:2] == ["3", "8"]
+
+
 def gemm1_smem_bytes(cfg: Gemm1Config, act_bytes: int = 2) -> int:
     per_stage = 2 * cfg.bn * cfg.bk // 2 + 2 * cfg.bn * cfg.bk // 16 + cfg.bm * cfg.bk * act_bytes
     return max(cfg.num_stages - 1, 1) * per_stage + cfg.bm * cfg.bk * 4 + cfg.bn * cfg.bm * 2
@@ -384,7 +403,8 @@ def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None)
     stages = max(cfg.num_stages - 1, 1)
     per_stage = cfg.bn * kc // 2 + cfg.bn * kc // 16
     pipelined_act = stages * bm * kc * 2 if intermediate > kc else 0
-    return stages * per_stage + bm * kc * 2 + cfg.bn * bm * 4 + pipelined_act
+    staged_sets = cfg.bn * kc * 2 if not cfg.merged and triton_stages_mma_sets() else 0  # the decoded tile, fp16
+    return stages * per_stage + bm * kc * 2 + cfg.bn * bm * 4 + pipelined_act + staged_sets
 
 
 def fit_shared_memory(arch: str, g1: Gemm1Config, g2: Gemm2Config, intermediate: int) -> tuple[Gemm1Config, Gemm2Config]:
@@ -472,12 +492,12 @@ _DEFAULT_GEMM2 = {
         ("grouped", 64): Gemm2Config(128, 32, 8, 3, merged=False),
         ("grouped", 128): Gemm2Config(64, 128, 4, 3, n_split=6, merged=False),
     },
-    "sm120": {
-        ("slot", 16): Gemm2Config(64, 16, 4, 2, merged=False),
-        ("grouped", 16): Gemm2Config(64, 16, 4, 2, merged=False),
-        ("grouped", 32): Gemm2Config(64, 32, 8, 2, merged=False),
-        ("grouped", 64): Gemm2Config(64, 32, 8, 2, merged=False),
-        ("grouped", 128): Gemm2Config(64, 32, 8, 2, merged=False),
+    "sm120": {  # one MMA chain per tile: see GEMM2_CANDIDATES["sm120"]
+        ("slot", 16): Gemm2Config(64, 16, 4, 2, merged=True),
+        ("grouped", 16): Gemm2Config(64, 16, 4, 2, merged=True),
+        ("grouped", 32): Gemm2Config(64, 32, 8, 2, merged=True),
+        ("grouped", 64): Gemm2Config(64, 32, 8, 2, merged=True),
+        ("grouped", 128): Gemm2Config(64, 32, 8, 2, merged=True),
     },
 }
 _DEFAULT_GEMM2["sm100"] = _DEFAULT_GEMM2["sm90"]
@@ -503,10 +523,11 @@ _GEMM2_BY_INTERMEDIATE = {
                                    ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
                                    ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False)}),
     ],
-    # sm120 whole experts: the 4-warp 2-stage bm16 GEMM2 spills 16 B at N_SPLIT 3/6/24 on the placed layout (compile
-    # matrix, tp1 shape, Triton 3.6); with 3 stages it does not (69,632 B of 101,376, 146 registers). Unmeasured on
+    # sm120 whole experts: K in 512-wide chunks, whose merged [64, 512] decoded tile takes 255 registers and spills
+    # 48 B in 4 warps, 8-20 B in 8 warps in the slot-dedup form (Triton 3.8 and 3.9 alike); 32-row tiles in 8 warps
+    # and 3 stages: 121-140 registers, no spill, 51,200 B of 101,376 under both (AOT, 2026-12-03). Unmeasured on
     # an SM120 GPU.
-    "sm120": [(GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False)})],
+    "sm120": [(GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(32, 16, 8, 3, merged=True)})],
 }
 _GEMM2_BY_INTERMEDIATE["sm100"] = _GEMM2_BY_INTERMEDIATE["sm90"]
 
