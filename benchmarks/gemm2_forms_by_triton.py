@@ -4,6 +4,8 @@ and spills per (target, I, tile, form). Run it once per Triton (one venv each) a
 (glm5_fp4/kernels/configs.py, triton_stages_mma_sets; README, SM120 section).
 
     python benchmarks/gemm2_forms_by_triton.py --json benchmarks/results/gemm2_forms_triton38.json
+    python benchmarks/gemm2_forms_by_triton.py --compare benchmarks/results/gemm2_forms_triton3*.json \
+        --md benchmarks/results/gemm2_forms_by_triton.md
 """
 
 from __future__ import annotations
@@ -18,10 +20,52 @@ INTERMEDIATE = (256, 512, 2048)  # the TP8 and TP4 shards, whole experts
 TARGETS = (90, 120)
 
 
+def _cell(r: dict) -> str:
+    if "error" in r:
+        return r["error"][:40]
+    spill = f" / spill {r['spill_store_bytes']} B" if r["spill_store_bytes"] else ""
+    return f"{r['shared_bytes']:,} B / {r['registers']} regs{spill}"
+
+
+def compare(paths: list[str]) -> str:
+    """One markdown table: a row per kernel, a column per Triton (the files of earlier runs)."""
+    runs = [json.load(open(p)) for p in paths]
+    runs.sort(key=lambda d: tuple(int(x) for x in d["meta"]["triton"].split(".")[:3]))
+    key = ("cc", "intermediate", "bn", "bm", "num_warps", "num_stages", "merged")
+    table: dict[tuple, dict[str, dict]] = {}
+    for d in runs:
+        for r in d["rows"]:
+            table.setdefault(tuple(r[k] for k in key), {})[d["meta"]["triton"]] = r
+    versions = [d["meta"]["triton"] for d in runs]
+    lines = ["# GEMM2's operand forms by Triton version (AOT, no GPU)", "",
+             "Shared memory per block / registers per thread (/ ptxas spill stores) of `moe_gemm2_grouped_kernel`, "
+             "compiled for the target without a GPU by `benchmarks/gemm2_forms_by_triton.py` under each Triton "
+             "(one venv each). " + "; ".join(f"Triton {d['meta']['triton']}: {d['meta']['date']}, git "
+                                             f"{d['meta']['git_sha']}" for d in runs) + ".", "",
+             "| target | I | tile (bn x bm, warps, stages) | form | " + " | ".join(versions) + " |",
+             "|---|---|---|---|" + "---|" * len(versions)]
+    for (cc, i, bn, bm, w, s, merged), by_version in table.items():
+        cells = [_cell(by_version[v]) if v in by_version else "-" for v in versions]
+        lines.append(f"| sm_{cc} | {i} | {bn}x{bm}, {w}, {s} | {'merged' if merged else 'eight MMAs'} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", required=True, help="where the rows and the versions go")
+    ap.add_argument("--json", help="where the rows and the versions go")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="tabulate earlier runs instead of compiling")
+    ap.add_argument("--md", help="with --compare: write the table here (default: print it)")
     args = ap.parse_args(argv)
+    if args.compare:
+        md = compare(args.compare)
+        if args.md:
+            open(args.md, "w").write(md)
+        else:
+            print(md, end="")
+        return 0
+    if not args.json:
+        ap.error("--json (where the results go) or --compare")
 
     import triton
 

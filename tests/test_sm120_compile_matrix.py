@@ -5,7 +5,7 @@ launches recorded from glm5_fp4/kernels/moe.py, so a new config or kernel argume
 
 One module-scoped compile of the whole sm_120 matrix (~1-3 min on 2 cores); the rest are unit tests of the
 parsers and verdicts. `make test` runs this file twice: with .venv's Triton and with .venv-sglang's, the Triton
-torch 2.14.1 pins (3.8: what vLLM 0.33 and SGLang 0.5.23 users compile with), which builds some kernel forms
+torch 2.14 pins (3.8: what vLLM 0.33 and SGLang 0.5.23 users compile with), which builds some kernel forms
 differently (glm5_fp4/kernels/configs.py, triton_stages_mma_sets).
 """
 

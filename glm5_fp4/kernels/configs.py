@@ -240,7 +240,7 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
         ]
     ],
     # sm_120: one MMA chain per tile (merged). Eight MMAs per tile (merged=False) compile differently by Triton
-    # version: Triton 3.8 (torch 2.14.1's, so vLLM 0.33's and SGLang 0.5.23's) stages the eight decoded operands
+    # version: Triton 3.8 (torch 2.14's, so vLLM 0.33's and SGLang 0.5.23's) stages the eight decoded operands
     # through shared memory (TP4 64x16: 92,160 B and 189 registers, against 38,912 B / 143-153 with Triton 3.6 and
     # 3.9; 128x16: 167,936 B, over SM120's 101,376; the picked TP1 tile did not fit either), while the merged form
     # compiles alike under 3.6, 3.8 and 3.9 (64x16: 38,912 B, 128 registers). Compile evidence only (2026-12-03,
@@ -361,7 +361,7 @@ def arch_of(capability: tuple[int, int]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 def triton_stages_mma_sets(version: str | None = None) -> bool:
     """Whether this Triton (default: the installed one) puts a GEMM's eight per-set MMA operands (merged=False)
-    through shared memory. Triton 3.8 does (torch 2.14.1's, so vLLM 0.33's and SGLang 0.5.23's): sm_90 and sm_120
+    through shared memory. Triton 3.8 does (torch 2.14's, so vLLM 0.33's and SGLang 0.5.23's): sm_90 and sm_120
     GEMM2 64x16 at I = 512 needs 92,160 B there against 38,912 with 3.6, 3.7.1 and 3.9 (AOT compiles,
     2026-12-03); the merged operand compiles alike under all four."""
     if version is None:
