@@ -65,7 +65,8 @@ $(SGLANG0515)/.unpacked:
 # The sm_120 compile gate again under the Triton that users' engines run (.venv-sglang's torch 2.14.1 pins Triton
 # 3.8, as vLLM 0.33's torch 2.14.0 does): Triton 3.8 compiles some kernel forms unlike .venv's Triton (glm5_fp4/kernels/configs.py,
 # triton_stages_mma_sets), and a gate on one compiler passed kernels that did not fit an SM120 under the other.
-ENGINE_TRITON_TESTS := tests/test_sm120_compile_matrix.py tests/test_kernels_configs.py::test_gemm2_estimate_bounds_tritons_figure
+ENGINE_TRITON_TESTS := tests/test_sm120_compile_matrix.py tests/test_kernels_load_widths.py \
+  tests/test_kernels_configs.py::test_gemm2_estimate_bounds_tritons_figure
 
 test: setup $(VLLM033)/.unpacked $(VLLM026)/.unpacked $(SGLANG_VENV)/.installed $(SGLANG0515)/.unpacked
 	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) GLM5_FP4_VLLM026_SRC=$(abspath $(VLLM026)) $(PY) -m pytest -q -ra --timeout 1800

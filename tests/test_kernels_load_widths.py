@@ -4,7 +4,9 @@ PTX for sm_90 at the TP8 shard's default plans, no GPU).
 A tile whose addresses Triton cannot prove contiguous and aligned is copied in narrower pieces: on the H200 that
 made every layer ~3x slower (a column vector written (8 * offs) // 8, 6044a63: this test fails on that kernel) and,
 with Triton 3.6 only, the tiled layout ~45 % slower (offsets through k % KT, fixed in e06a25f; Triton 3.9 here
-vectorised that form, so only benchmarks/aot_ptx.py run on the lent GPU shows such a case).
+vectorised that form, so only benchmarks/aot_ptx.py run on the lent GPU shows such a case). Widths are the
+compiler's: `make test` runs this file under the test venv's Triton and again under the engines' (Triton 3.8,
+Makefile ENGINE_TRITON_TESTS; improvements/16).
 """
 
 from __future__ import annotations
