@@ -62,9 +62,8 @@ $(SGLANG0515)/.unpacked:
 	$(PY) -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('$(SGLANG0515)', [n for n in zipfile.ZipFile(w).namelist() if not n.endswith('.cpython-312-x86_64-linux-gnu.so')]) for w in glob.glob('.cache/wheels/sglang-0.5.15-*.whl') + glob.glob('.cache/wheels/transformers-5.12.1-*.whl') + glob.glob('.cache/wheels/tokenizers-0.22.2-*.whl')]"
 	touch $@
 
-# The sm_120 compile gate again under the Triton that users' engines run (.venv-sglang's torch 2.14.1 pins Triton
-# 3.8, as vLLM 0.33's torch 2.14.0 does): Triton 3.8 compiles some kernel forms unlike .venv's Triton (glm5_fp4/kernels/configs.py,
-# triton_stages_mma_sets), and a gate on one compiler passed kernels that did not fit an SM120 under the other.
+# The compiler-dependent checks again under the engines' Triton: whatever .venv-sglang's torch pins (2.14.1: Triton
+# 3.8, as vLLM 0.33's 2.14.0), not .venv's; the two compile some kernels differently (improvements/16).
 ENGINE_TRITON_TESTS := tests/test_sm120_compile_matrix.py tests/test_kernels_load_widths.py \
   tests/test_kernels_configs.py::test_gemm2_estimate_bounds_tritons_figure
 

@@ -15,6 +15,8 @@ import itertools
 import json
 import sys
 
+from packaging.version import Version
+
 TILES = [(64, 16, 4, 2), (64, 32, 8, 2), (128, 16, 4, 2), (128, 64, 8, 3)]
 INTERMEDIATE = (256, 512, 2048)  # the TP8 and TP4 shards, whole experts
 TARGETS = (90, 120)
@@ -30,7 +32,7 @@ def _cell(r: dict) -> str:
 def compare(paths: list[str]) -> str:
     """One markdown table: a row per kernel, a column per Triton (the files of earlier runs)."""
     runs = [json.load(open(p)) for p in paths]
-    runs.sort(key=lambda d: tuple(int(x) for x in d["meta"]["triton"].split(".")[:3]))
+    runs.sort(key=lambda d: Version(d["meta"]["triton"]))
     key = ("cc", "intermediate", "bn", "bm", "num_warps", "num_stages", "merged")
     table: dict[tuple, dict[str, dict]] = {}
     for d in runs:

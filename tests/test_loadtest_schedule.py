@@ -108,6 +108,8 @@ def _fake_schedule_problems(log: dict, ttfts_ms: list[float], gaps_ms: list[floa
         if late.min() < 0:
             problems.append(f"{rid}: a chunk sent {-late.min():.3f} ms before its deadline")
         late_ms += late.tolist()
+    if late_ms and max(late_ms) >= min(gaps_ms):  # chunks of one stream would arrive out of their spacing
+        problems.append(f"a send {max(late_ms):.1f} ms late, not under the schedule's smallest gap ({min(gaps_ms)} ms)")
     if late_ms:
         on_time = float(np.mean(np.asarray(late_ms) <= ON_TIME_MS))
         if on_time < ON_TIME_SHARE:
@@ -135,6 +137,14 @@ def test_fake_schedule_check_allows_one_stall_and_rejects_a_broken_fake() -> Non
     # The CI failure: one stall made one send 15.9 ms late (p99 chunk gap 165.9 against 150).
     assert _fake_schedule_problems(_synthetic_log(*sched, n=10, late_ms={(3, 4): 15.9}), *sched) == []
     assert _fake_schedule_problems(_synthetic_log(*sched, n=10, late_ms={(3, 4): 15.9, (4, 2): 15.9}), *sched) == []
+    # The smallest case (chat: 6 requests, 42 sends): one stall that catches all 3 streams passes.
+    chat = CASES["chat-single-token"]
+    csched = (chat["ttfts"], chat["gaps"], chat["tpc"], chat["output_len"])
+    stall = {(i, 3): 15.9 for i in range(3)}
+    assert sum(len(e["sent"]) for e in _synthetic_log(*csched, chat["n"], stall).values()) == 42
+    assert _fake_schedule_problems(_synthetic_log(*csched, chat["n"], stall), *csched) == []
+    # A send a whole gap late.
+    assert "smallest gap" in " ".join(_fake_schedule_problems(_synthetic_log(*sched, 10, {(1, 2): 120.0}), *sched))
     # Late nearly everywhere: the fake did not keep its schedule.
     everywhere = {(i, j): 8.0 for i in range(10) for j in range(0, 8, 2)}
     assert "within 5.0 ms" in " ".join(_fake_schedule_problems(_synthetic_log(*sched, 10, everywhere), *sched))
@@ -220,4 +230,4 @@ def test_metrics_match_schedule(case: str, tmp_path) -> None:
         # is checked above (a bound of 10 % on the executed metrics failed CI on one 15.9 ms stall).
         if not _close(got, done, key, executed, TOL, CLIENT_DELAY_MS):
             problems.append(f"{key}: got {got:.4f}, server executed {done:.4f} (nominal {want:.4f})")
-    assert not problems, f"{case}: metrics off by > 2 %:\n" + "\n".join(problems)
+    assert not problems, f"{case}: the fake left its schedule or the client's metrics are off by > 2 %:\n" + "\n".join(problems)

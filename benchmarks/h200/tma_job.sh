@@ -25,8 +25,7 @@ for s in "$@"; do
       step table "${T_TABLE:-330}" python3 benchmarks/moe_kernel.py --precompile 14 --shards tp8 \
         --tokens 1,4,16,64,256,512,1024,4096,8192 --routings balanced,same_k,zipf1.2 \
         --json "$OUT/moe_kernel_h200.json" --md "$OUT/moe_kernel_h200.md"
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck "${T_MEMCHECK:-90}" compute-sanitizer --tool memcheck \
-        --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
+      memcheck_step ;;
   esac
 done
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$L"

@@ -239,12 +239,9 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 32, 4, 3, 128),
         ]
     ],
-    # sm_120: one MMA chain per tile (merged). Eight MMAs per tile (merged=False) compile differently by Triton
-    # version: Triton 3.8 (torch 2.14's, so vLLM 0.33's and SGLang 0.5.23's) stages the eight decoded operands
-    # through shared memory (TP4 64x16: 92,160 B and 189 registers, against 38,912 B / 143-153 with Triton 3.6 and
-    # 3.9; 128x16: 167,936 B, over SM120's 101,376; the picked TP1 tile did not fit either), while the merged form
-    # compiles alike under 3.6, 3.8 and 3.9 (64x16: 38,912 B, 128 registers). Compile evidence only (2026-12-03,
-    # sm_120 compile matrix under 3.8 and 3.9): unmeasured on an SM120 GPU.
+    # sm_120: one MMA chain per tile (merged), which every Triton compiles alike; the eight-MMA form does not fit
+    # under Triton 3.8, the engines' (triton_stages_mma_sets; improvements/16). Compile evidence only, unmeasured on
+    # an SM120 GPU.
     "sm120": [
         Gemm2Config(bn, bm, w, s, merged=True)
         for bn, bm, w, s in [
@@ -392,7 +389,8 @@ def gemm2_slot_unrolls(arch: str, cfg: Gemm2Config, intermediate: int, top_k: in
     return gemm2_slot_unrolled_smem_bytes(cfg, intermediate, top_k) <= smem_limit(arch)
 
 
-def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None) -> int:
+def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None,
+                     triton_version: str | None = None) -> int:
     """One K chunk's weight tile per pipeline stage, its activation tile, the epilogue; with more than one
     chunk (whole experts, I > GEMM2_MAX_K_CHUNK) the activation tile is loaded inside the loop and pipelined
     too. Bounds Triton 3.6's sm_90 figure from above within 12 % at I = 2048 (e.g. 128x64, 3 stages: 270,336 B
@@ -403,7 +401,8 @@ def gemm2_smem_bytes(cfg: Gemm2Config, intermediate: int, bm: int | None = None)
     stages = max(cfg.num_stages - 1, 1)
     per_stage = cfg.bn * kc // 2 + cfg.bn * kc // 16
     pipelined_act = stages * bm * kc * 2 if intermediate > kc else 0
-    staged_sets = cfg.bn * kc * 2 if not cfg.merged and triton_stages_mma_sets() else 0  # the decoded tile, fp16
+    # the decoded tile in fp16 (an upper bound: 3.8 stages seven of the eight subsets, fewer at some small tiles)
+    staged_sets = cfg.bn * kc * 2 if not cfg.merged and triton_stages_mma_sets(triton_version) else 0
     return stages * per_stage + bm * kc * 2 + cfg.bn * bm * 4 + pipelined_act + staged_sets
 
 
@@ -523,13 +522,17 @@ _GEMM2_BY_INTERMEDIATE = {
                                    ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
                                    ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False)}),
     ],
-    # sm120 whole experts: K in 512-wide chunks, whose merged [64, 512] decoded tile takes 255 registers and spills
-    # 48 B in 4 warps, 8-20 B in 8 warps in the slot-dedup form (Triton 3.8 and 3.9 alike); 32-row tiles in 8 warps
-    # and 3 stages: 121-140 registers, no spill, 51,200 B of 101,376 under both (AOT, 2026-12-03). Unmeasured on
-    # an SM120 GPU.
-    "sm120": [(GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(32, 16, 8, 3, merged=True)})],
+    # sm120 whole experts: K in 512-wide chunks, whose merged 64-row decoded tile leaves no registers to spare: 64x16
+    # in 4 warps spills 32-64 B, in 8 warps 8-20 B in the slot-dedup form; 64x32 in 8 warps takes 255 registers and
+    # spills 68 B at N_SPLIT 4 (Triton 3.8 and 3.9 alike). 32-row tiles in 8 warps: 121-180 registers, no spill
+    # (AOT, 2026-12-03; gemm2_forms_by_triton.md). Unmeasured on an SM120 GPU.
+    "sm120": [(GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(32, 16, 8, 3, merged=True),
+                                         ("grouped", 32): Gemm2Config(32, 32, 8, 2, merged=True),
+                                         ("grouped", 64): Gemm2Config(32, 32, 8, 2, merged=True),
+                                         ("grouped", 128): Gemm2Config(32, 32, 8, 2, merged=True)})],
 }
 _GEMM2_BY_INTERMEDIATE["sm100"] = _GEMM2_BY_INTERMEDIATE["sm90"]
+_GEMM2_BY_INTERMEDIATE["sm80"] = _GEMM2_BY_INTERMEDIATE["sm120"]  # as its other tables
 
 
 def _gemm2_override(arch: str, intermediate: int, key: tuple) -> Gemm2Config | None:
