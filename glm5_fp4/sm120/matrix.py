@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from glm5_fp4.bench.meta import git_sha
 from glm5_fp4.sm120 import launches as L
 from glm5_fp4.sm120.build import Build, compile_specialized, specialize
 
@@ -285,6 +286,7 @@ def run_matrix(
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "triton": triton.__version__,
         "torch": torch.__version__,
+        "git_sha": git_sha(),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
         "jobs": jobs,

@@ -119,7 +119,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Compile matrix: fused NVFP4 MoE kernels for sm_120, sm_100 and sm_90",
         "",
-        f"Triton {meta['triton']} (CPU machine, no GPU), {meta['date']}. Every kernel the backend may launch - the "
+        f"Triton {meta['triton']} (CPU machine, no GPU), {meta['date']}, git {str(meta.get('git_sha') or '?')[:12]}. "
+        f"Every kernel the backend may launch - the "
         "picker's plan for each batch size and every config of the per-arch candidate lists "
         "(`glm5_fp4/kernels/configs.py`), W4A16 and W4A4, shapes "
         + ", ".join(f"{s['name']} (E={s['num_experts']}, k={s['top_k']}, H={s['hidden']}, I={s['intermediate']})" for s in meta["shapes"])
