@@ -525,7 +525,7 @@ _GEMM2_BY_INTERMEDIATE = {
     # sm120 whole experts: K in 512-wide chunks, whose merged 64-row decoded tile leaves no registers to spare: 64x16
     # in 4 warps spills 32-64 B, in 8 warps 8-20 B in the slot-dedup form; 64x32 in 8 warps takes 255 registers and
     # spills 68 B at N_SPLIT 4 (Triton 3.8 and 3.9 alike). 32-row tiles in 8 warps: 121-180 registers, no spill
-    # (AOT, 2026-12-03; gemm2_forms_by_triton.md). Unmeasured on an SM120 GPU.
+    # (AOT, 2026-12-03: the compile matrix). Unmeasured on an SM120 GPU.
     "sm120": [(GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(32, 16, 8, 3, merged=True),
                                          ("grouped", 32): Gemm2Config(32, 32, 8, 2, merged=True),
                                          ("grouped", 64): Gemm2Config(32, 32, 8, 2, merged=True),

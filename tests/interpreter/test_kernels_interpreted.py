@@ -365,10 +365,12 @@ def test_native_path_activation_quantizer_matches_nvfp4(gen):
     assert torch.equal(nvfp4.unpack_fp4(q), codes)
 
 
-@pytest.mark.parametrize("schedule,t,form", [("grouped", 20, None), ("slot", 2, None), ("slot", 3, "slot_dedup")])
-def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t, form):
+@pytest.mark.parametrize("schedule,t,form,merged", [("grouped", 20, None, False), ("grouped", 20, None, True),
+                                                    ("slot", 2, None, True), ("slot", 3, "slot_dedup", True)])
+def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t, form, merged):
     """I > GEMM2_MAX_K_CHUNK (whole experts: TP1 and expert parallelism have I = 2048): GEMM2 loops over K
-    chunks and GEMM1 stores act in the chunked merged order; here I = 1024, two chunks of 512."""
+    chunks and GEMM1 stores act in the chunked merged order; here I = 1024, two chunks of 512. Both operand forms
+    of the grouped GEMM2 (sm_120's whole-expert tiles are merged, sm_90's eight MMAs)."""
     assert C.gemm2_k_chunk(1024) == 512
     e, h, i, k = 4, 128, 1024, 2
     ex = random_experts(e, h, i, generator=gen)
@@ -376,8 +378,8 @@ def test_gemm2_takes_whole_experts_k_in_chunks(gen, schedule, t, form):
     x = torch.randn(t, h, generator=gen).half()
     w, ids = make_routing("zipf2", t, e, k, gen)
     plan = C.plan("sm90", t, e, k, h, i, schedule=schedule, gemm1=C.Gemm1Config(16, 16, 128, 4, 2),
-                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=schedule == "slot"), form=form)
-    assert plan.slot_dedup == (form == "slot_dedup")
+                  gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged), form=form)
+    assert plan.slot_dedup == (form == "slot_dedup") and plan.gemm2.merged == merged
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)
