@@ -56,7 +56,9 @@ class Launch:
         try:
             self.fn[self.grid](*self.args, **self.kwargs)
         except Exception as e:
-            if type(e).__name__ != "OutOfResources":
+            from triton.runtime.errors import OutOfResources  # (only once a launch failed)
+
+            if not isinstance(e, OutOfResources):
                 raise
             raise Glm5Fp4Error(out_of_resources_message(self, e)) from e
 
@@ -65,7 +67,7 @@ class Launch:
 _SIZING = ("H", "I", "BN", "BM", "BK", "KC", "MERGED", "SPLIT_K", "N_SPLIT", "W4A4", "num_warps", "num_stages", "maxnreg")
 
 
-def out_of_resources_message(launch: Launch, e: Exception) -> str:
+def out_of_resources_message(launch: Launch, e) -> str:
     """What to tell a user whose GPU refused a compiled kernel: Triton's numbers, the config, the compiler.
 
     The CPU compile matrix checks every config against the sm_120 / sm_100 / sm_90 limits under the test venv's and
@@ -73,8 +75,8 @@ def out_of_resources_message(launch: Launch, e: Exception) -> str:
     import triton
 
     sizing = ", ".join(f"{k}={launch.kwargs[k]}" for k in _SIZING if k in launch.kwargs)
-    return (f"the GPU refused {launch.name} ({sizing}): it needs {getattr(e, 'required', '?')} of "
-            f"{getattr(e, 'name', 'a resource')}, the limit is {getattr(e, 'limit', '?')} (Triton {triton.__version__}, "
+    return (f"the GPU refused {launch.name} ({sizing}): it needs {e.required} of {e.name}, the limit is {e.limit} "
+            f"(Triton {triton.__version__}, "
             f"which compiles some configs larger than the versions glm5-fp4 was checked with). Please report it with "
             f"this line; meanwhile serve with the engine's own NVFP4 MoE (glm5-fp4 serve --stock)")
 
