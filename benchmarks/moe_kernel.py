@@ -9,6 +9,13 @@ config sweep, plan overrides from a sweep, parallel pre-compilation and the resu
     python benchmarks/moe_kernel.py --sweep --shards tp8 --tokens 1,512,4096 --json sweep.json
     python benchmarks/moe_kernel.py --sweep --only 't$' --tokens 512  # the default and the TMA GEMM1 tiles only
     python benchmarks/moe_kernel.py --plans sweep.json               # the table with the sweep's best plans
+    python benchmarks/moe_kernel.py --plan-arch sm120 --mma-sync     # an RTX PRO 6000's plans and MMA on this GPU
+
+``--plan-arch ARCH`` makes every plan ARCH's (its tile tables, schedule rules and SM count,
+``configs.sm_count_guess``) instead of this GPU's; ``--mma-sync`` compiles the dots to mma.sync instead of
+Hopper's wgmma (:mod:`glm5_fp4.bench.mma`). Together, on an H200, they run the W4A16 kernels an RTX PRO 6000
+would launch, on an H200's memory and SM count: a check of the sm_120 plans' logic and instruction selection on
+real hardware, never a measurement of an SM120.
 """
 
 from __future__ import annotations
@@ -202,7 +209,20 @@ def plans_from_sweep(path: str):
     return lookup
 
 
-def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: str | None = None) -> None:
+def arch_plans(arch: str):
+    """(shard, T) -> the plan ``arch`` would make for that call (its tables, rules and SM count), W4A16."""
+    from glm5_fp4.kernels import configs as C
+
+    def lookup(shard, t):
+        return C.plan(arch, t, shard.num_experts, shard.top_k, shard.hidden, shard.intermediate,
+                      sm_count=C.sm_count_guess(arch),
+                      global_experts=shard.global_experts if shard.expert_parallel else None)
+
+    return lookup
+
+
+def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: str | None = None,
+               plan_for=None) -> None:
     """Compile every kernel the default plans will launch (``sweep``: every sweep variant's too), ``jobs``
     processes at a time, into Triton's on-disk cache (the timed runs then load them): compilation dominates a
     short benchmark's wall time, and a sweep compiles ~20 plans per (shard, T) one after another."""
@@ -211,8 +231,10 @@ def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: s
 
     import torch
 
+    from glm5_fp4.bench import moe as B
+
     # the plans are made here once and handed to the workers (None: the worker's default plan)
-    work = [(s, t, None) for s in shards for t in tokens]
+    work = [(s, t, plan_for(B.glm5_shard(s), t) if plan_for else None) for s in shards for t in tokens]
     if sweep:
         work = [(s, t, plan) for s, t, _ in work for plan in selected(_sweep_plans(s, t), only).values()]
         torch.cuda.empty_cache()  # the plans' empty weights: nothing of them is needed past this point
@@ -287,11 +309,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-routing", default="balanced")
     ap.add_argument("--only", metavar="REGEX", help="sweep only the variants whose names match (and the default)")
     ap.add_argument("--plans", help="a --sweep JSON whose best plans replace the defaults where swept")
+    ap.add_argument("--plan-arch", choices=("sm80", "sm90", "sm100", "sm120"), help="make every plan this "
+                    "architecture's (its tables, rules and SM count) instead of this GPU's")
+    ap.add_argument("--mma-sync", action="store_true", help="compile the dots to mma.sync (sm_120's instruction) "
+                    "instead of Hopper's wgmma, in a Triton cache of their own; fails if any kernel still uses wgmma")
     ap.add_argument("--precompile", type=int, default=0, metavar="JOBS", help="compile the default plans' kernels "
                     "(with --sweep: every variant's) in JOBS processes first")
     ap.add_argument("--json", default=str(RESULTS / "moe_kernel_h200.json"))
     ap.add_argument("--md", default=str(RESULTS / "moe_kernel_h200.md"))
     args = ap.parse_args(argv)
+    if args.plan_arch and (args.sweep or args.plans):
+        ap.error("--plan-arch replaces the plans: it does not combine with --sweep or --plans")
+    from glm5_fp4.bench import mma as MMA
+
+    cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles (the workers inherit it)
     import torch
 
     if not torch.cuda.is_available():
@@ -304,7 +335,8 @@ def main(argv=None) -> int:
     tokens = [int(v) for v in args.tokens.split(",") if v]
     routings = [r for r in args.routings.split(",") if r]
     meta = result_metadata(benchmark="moe_kernel", layers=args.layers, shards=shards, tokens=tokens, routings=routings,
-                           plans=args.plans or "built-in defaults (glm5_fp4/kernels/configs.py)")
+                           plans=args.plans or "built-in defaults (glm5_fp4/kernels/configs.py)",
+                           plan_arch=args.plan_arch, mma="mma.sync (forced)" if args.mma_sync else "Triton's choice")
 
     def progress(msg):
         print(msg, flush=True)
@@ -318,9 +350,10 @@ def main(argv=None) -> int:
         if ok and not args.sweep:
             Path(args.md).write_text(B.markdown(doc["meta"], ok))
 
+    lookup = arch_plans(args.plan_arch) if args.plan_arch else None
     if args.precompile:
         try:
-            precompile(shards, tokens, args.precompile, progress, sweep=args.sweep, only=args.only)
+            precompile(shards, tokens, args.precompile, progress, sweep=args.sweep, only=args.only, plan_for=lookup)
         except Exception:  # noqa: BLE001 - compiling in the timed run instead only costs time
             traceback.print_exc()
     if args.sweep:
@@ -331,10 +364,18 @@ def main(argv=None) -> int:
     if args.plans and not Path(args.plans).is_file():
         print(f"--plans {args.plans}: no such sweep JSON (moe_kernel.py --sweep --json writes one)", file=sys.stderr)
         return 2
-    lookup = plans_from_sweep(args.plans) if args.plans else None
+    if args.plans:
+        lookup = plans_from_sweep(args.plans)
     out = B.run_table(shards, tokens, routings, layers=args.layers, marlin=not args.no_marlin,
                       baselines=not args.no_baselines, w4a4=args.w4a4, stages=args.stages, plan_for=lookup,
                       progress=progress, on_row=save)
+    if cache is not None:
+        # what was really built: a Triton that ignores the variable would time wgmma under an mma.sync label
+        meta["compiled_mma"] = MMA.cached_mma(cache)
+        still = MMA.wgmma_kernels(meta["compiled_mma"])
+        if still:
+            out.setdefault("rows", []).append({"shard": "-", "tokens": 0, "routing": "-",
+                                               "error": f"--mma-sync: still wgmma in {still}"})
     save(out)
     bad = [r for r in out["rows"] if "error" in r]
     return 1 if bad else 0

@@ -277,6 +277,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"measured in this run). GLM-5 experts H=6144, top-8; {meta.get('layers')} distinct layers per CUDA graph. "
         "Floor = bytes needed / copy bandwidth. Skew = time / balanced time at the same shard and T. "
         f"Marlin: {meta.get('marlin') or 'not run'}.",
+        *([f"Plans: {meta['plan_arch']}'s (its tables and SM count), not this GPU's."] if meta.get("plan_arch") else []),
+        *([f"Tensor-core instruction: {meta['mma']}; built: "
+           + "; ".join(f"{k} {', '.join(v)}" for k, v in meta.get("compiled_mma", {}).items()) + "."]
+          if meta.get("mma", "").startswith("mma.sync") else []),
         "",
         "| shard | T | routing | experts | max tok/expert | µs | floor µs | % copy BW | TFLOP/s | % bf16 | skew | "
         "Marlin µs | × vs Marlin | bf16 grouped µs | plan |",

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# H200 calls of 2026-12-04: the dots as mma.sync (sm_120's instruction; Triton's DISABLE_MMA_V3=1, glm5_fp4/bench/mma.py)
+# instead of Hopper's wgmma, and the RTX PRO 6000's own plans (configs.plan("sm120", ..., 188 SMs)) run on the H200.
+#   OUT=dir bash benchmarks/h200/mma_sync_job.sh tables      # TP8 tables, one process each: this GPU's plans with
+#                                                            # wgmma, the same plans with mma.sync, sm_120's plans
+#                                                            # with mma.sync (each checks what Triton built)
+#   OUT=dir bash benchmarks/h200/mma_sync_job.sh tests       # tests/gpu/test_sm120_plans_gpu.py under mma.sync
+# Each table is its own process because Triton's in-memory kernel cache does not key on the variable.
+set -u
+. benchmarks/h200/job_steps.sh || exit 2
+TOKENS=${TOKENS:-1,4,16,64,256,512,1024,4096,8192}
+ROUTINGS=${ROUTINGS:-balanced,same_k,zipf1.2}
+table() {  # NAME ARGS...: the TP8 table (no Marlin, no grouped baselines) into $OUT/NAME.{json,md}
+  local name=$1; shift
+  GREP="precompiled|ERROR|error|built|copy" step "$name" "${T_TABLE:-170}" python3 benchmarks/moe_kernel.py \
+    --shards "${SHARDS:-tp8}" --tokens "$TOKENS" --routings "$ROUTINGS" --no-marlin --no-baselines --precompile 14 \
+    "$@" --json "$OUT/$name.json" --md "$OUT/$name.md"; }
+for s in "$@"; do
+  case $s in
+    tables)
+      table sm90_wgmma
+      table sm90_mma_sync --mma-sync
+      table sm120_mma_sync --plan-arch sm120 --mma-sync
+      python3 benchmarks/moe_tables_compare.py "$OUT/sm90_wgmma.json" "$OUT/sm90_mma_sync.json" \
+        "$OUT/sm120_mma_sync.json" --labels "sm90 plans wgmma,sm90 plans mma.sync,sm120 plans mma.sync" \
+        --md "$OUT/mma_compare.md" ;;
+    tests)
+      DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-cache-mma-sync step sm120_tests "${T_TESTS:-240}" \
+        python3 -m pytest tests/gpu/test_sm120_plans_gpu.py -q -rA -p no:cacheprovider ;;
+  esac
+done
