@@ -125,17 +125,18 @@ def selected(variants: dict, only: str | None) -> dict:
     return {n: p for n, p in variants.items() if n == "default" or pattern.search(n)}
 
 
-def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=None) -> list[dict]:
+def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=None, plan_arch=None) -> list[dict]:
     """Whole-layer time of each variant at each (shard, T); the best GEMM1 and GEMM2 choices combined last.
     ``on_point(results so far)`` after each (shard, T), so a run cut by its time limit keeps what it measured.
-    ``only``: a regular expression the variants' names must match (the default plan always runs)."""
+    ``only``: a regular expression the variants' names must match (the default plan always runs). ``plan_arch``:
+    sweep that architecture's default plans and candidate lists instead of this GPU's."""
     import torch
 
     from glm5_fp4.bench import moe as B
     from glm5_fp4.bench import routing as R
     from glm5_fp4.kernels.moe import default_plan, device_arch, fused_moe_triton
 
-    arch, _ = device_arch(torch.device("cuda"))
+    arch = plan_arch or device_arch(torch.device("cuda"))[0]
     gen = torch.Generator(device="cuda").manual_seed(1)
     out = []
     for name in shards:
@@ -144,7 +145,7 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
         for t in tokens:
             x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
             tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
-            base = default_plan(x, ids, lay.prepared[0], "w4a16")
+            base = arch_plans(plan_arch)(sh, t) if plan_arch else default_plan(x, ids, lay.prepared[0], "w4a16")
             res = {"shard": name, "tokens": t, "routing": routing, "schedule": base.schedule, "runs": []}
             ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=base)
             timed = {}
@@ -218,6 +219,7 @@ def arch_plans(arch: str):
                       sm_count=C.sm_count_guess(arch),
                       global_experts=shard.global_experts if shard.expert_parallel else None)
 
+    lookup.arch = arch
     return lookup
 
 
@@ -236,7 +238,7 @@ def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: s
     # the plans are made here once and handed to the workers (None: the worker's default plan)
     work = [(s, t, plan_for(B.glm5_shard(s), t) if plan_for else None) for s in shards for t in tokens]
     if sweep:
-        work = [(s, t, plan) for s, t, _ in work for plan in selected(_sweep_plans(s, t), only).values()]
+        work = [(s, t, plan) for s, t, _ in work for plan in selected(_sweep_plans(s, t, plan_for), only).values()]
         torch.cuda.empty_cache()  # the plans' empty weights: nothing of them is needed past this point
     t0 = time.time()
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
@@ -268,13 +270,15 @@ def _empty_call(shard: str, t: int):
     return sh, x, ids, prep, make_call(x, tw, ids, prep, "w4a16", workspace=Workspace(dev, e, k, h, i, t))
 
 
-def _sweep_plans(shard: str, t: int) -> dict:
-    """The sweep's plans at (``shard``, ``t``) by name."""
+def _sweep_plans(shard: str, t: int, plan_for=None) -> dict:
+    """The sweep's plans at (``shard``, ``t``) by name (``plan_for``: an :func:`arch_plans` lookup)."""
     import torch
 
     from glm5_fp4.kernels.moe import default_plan, device_arch
 
     sh, x, ids, prep, _ = _empty_call(shard, t)
+    if plan_for is not None:
+        return sweep_variants(plan_for(sh, t), sh.hidden, sh.intermediate, plan_for.arch)
     arch, _ = device_arch(torch.device("cuda"))
     return sweep_variants(default_plan(x, ids, prep, "w4a16"), sh.hidden, sh.intermediate, arch)
 
@@ -318,8 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(RESULTS / "moe_kernel_h200.json"))
     ap.add_argument("--md", default=str(RESULTS / "moe_kernel_h200.md"))
     args = ap.parse_args(argv)
-    if args.plan_arch and (args.sweep or args.plans):
-        ap.error("--plan-arch replaces the plans: it does not combine with --sweep or --plans")
+    if args.plan_arch and args.plans:
+        ap.error("--plan-arch replaces the plans: it does not combine with --plans")
     from glm5_fp4.bench import mma as MMA
 
     cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles (the workers inherit it)
@@ -356,11 +360,25 @@ def main(argv=None) -> int:
             precompile(shards, tokens, args.precompile, progress, sweep=args.sweep, only=args.only, plan_for=lookup)
         except Exception:  # noqa: BLE001 - compiling in the timed run instead only costs time
             traceback.print_exc()
+    def built_as_asked(out) -> bool:
+        """--mma-sync: record what Triton built; False (and an error row) where a kernel still uses wgmma, since
+        a Triton that ignores the variable would time wgmma under an mma.sync label."""
+        if cache is None:
+            return True
+        meta["compiled_mma"] = MMA.cached_mma(cache)
+        still = MMA.wgmma_kernels(meta["compiled_mma"])
+        if still:
+            out.setdefault("rows", []).append({"shard": "-", "tokens": 0, "routing": "-",
+                                               "error": f"--mma-sync: still wgmma in {still}"})
+        return not still
+
     if args.sweep:
         out = {"sweeps": run_sweep(shards, tokens, args.sweep_routing, args.layers, progress,
-                                   on_point=lambda sw: save({"sweeps": sw}), only=args.only)}
+                                   on_point=lambda sw: save({"sweeps": sw}), only=args.only,
+                                   plan_arch=args.plan_arch)}
+        ok = built_as_asked(out)
         save(out)
-        return 0
+        return 0 if ok else 1
     if args.plans and not Path(args.plans).is_file():
         print(f"--plans {args.plans}: no such sweep JSON (moe_kernel.py --sweep --json writes one)", file=sys.stderr)
         return 2
@@ -369,13 +387,7 @@ def main(argv=None) -> int:
     out = B.run_table(shards, tokens, routings, layers=args.layers, marlin=not args.no_marlin,
                       baselines=not args.no_baselines, w4a4=args.w4a4, stages=args.stages, plan_for=lookup,
                       progress=progress, on_row=save)
-    if cache is not None:
-        # what was really built: a Triton that ignores the variable would time wgmma under an mma.sync label
-        meta["compiled_mma"] = MMA.cached_mma(cache)
-        still = MMA.wgmma_kernels(meta["compiled_mma"])
-        if still:
-            out.setdefault("rows", []).append({"shard": "-", "tokens": 0, "routing": "-",
-                                               "error": f"--mma-sync: still wgmma in {still}"})
+    built_as_asked(out)
     save(out)
     bad = [r for r in out["rows"] if "error" in r]
     return 1 if bad else 0

@@ -4,6 +4,7 @@
 #   OUT=dir bash benchmarks/h200/mma_sync_job.sh tables      # TP8 tables, one process each: this GPU's plans with
 #                                                            # wgmma, the same plans with mma.sync, sm_120's plans
 #                                                            # with mma.sync (each checks what Triton built)
+#   OUT=dir bash benchmarks/h200/mma_sync_job.sh sweep       # sm_120's candidates swept around its plans, mma.sync
 #   OUT=dir bash benchmarks/h200/mma_sync_job.sh tests       # tests/gpu/test_sm120_plans_gpu.py under mma.sync
 # Each table is its own process because Triton's in-memory kernel cache does not key on the variable.
 set -u
@@ -24,6 +25,10 @@ for s in "$@"; do
       python3 benchmarks/moe_tables_compare.py "$OUT/sm90_wgmma.json" "$OUT/sm90_mma_sync.json" \
         "$OUT/sm120_mma_sync.json" --labels "sm90 plans wgmma,sm90 plans mma.sync,sm120 plans mma.sync" \
         --md "$OUT/mma_compare.md" ;;
+    sweep)  # (the L2-prefetch variants are left out: rejected on the H200, improvements/12)
+      GREP="precompiled|best|ERROR|rror" step sweep_sm120 "${T_SWEEP:-540}" python3 benchmarks/moe_kernel.py --sweep \
+        --plan-arch sm120 --mma-sync --shards tp8 --tokens "${SWEEP_TOKENS:-1,4,16,64,512,1024,4096}" --layers 2 \
+        --only '^(g1|g2|split)' --precompile 14 --json "$OUT/sweep_sm120_standin.json" ;;
     tests)
       DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-cache-mma-sync step sm120_tests "${T_TESTS:-240}" \
         python3 -m pytest tests/gpu/test_sm120_plans_gpu.py -q -rA -p no:cacheprovider ;;

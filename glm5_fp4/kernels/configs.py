@@ -203,6 +203,15 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (64, 32, 128, 4, 3),
             # 64 x 64 tiles spill on sm_120 once the decoded tile is one merged operand
             (32, 64, 128, 8, 2),
+            # the sm90 list's tiles that pass the sm_120 gate at the TP8 / TP4 shards (AOT, Triton 3.9, 2026-12-04:
+            # 64x32x256, 64x64 and 128-token tiles of 128 rows spill), swept on the H200 stand-in (mma.sync, sm_120's
+            # plans: benchmarks/h200/mma_sync_job.sh)
+            (32, 16, 256, 4, 2),
+            (64, 16, 256, 4, 2),
+            (64, 16, 256, 4, 3),
+            (64, 32, 128, 4, 4),
+            (128, 32, 128, 8, 3),
+            (64, 128, 64, 8, 3),
         ]
     ],
 }
@@ -249,6 +258,10 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 32, 8, 2),
             (128, 16, 4, 2),
             (64, 64, 8, 2),
+            # merged forms of sm90 tiles that pass the sm_120 gate at the TP8 / TP4 shards (as GEMM1's above)
+            (32, 16, 4, 3),
+            (64, 16, 4, 3),
+            (64, 32, 4, 3),
         ]
     ],
 }
