@@ -228,9 +228,6 @@ def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: s
     """Compile every kernel the default plans will launch (``sweep``: every sweep variant's too), ``jobs``
     processes at a time, into Triton's on-disk cache (the timed runs then load them): compilation dominates a
     short benchmark's wall time, and a sweep compiles ~20 plans per (shard, T) one after another."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
     import torch
 
     from glm5_fp4.bench import moe as B
@@ -240,6 +237,15 @@ def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: s
     if sweep:
         work = [(s, t, plan) for s, t, _ in work for plan in selected(_sweep_plans(s, t, plan_for), only).values()]
         torch.cuda.empty_cache()  # the plans' empty weights: nothing of them is needed past this point
+    precompile_plans(work, jobs, progress)
+
+
+def precompile_plans(work, jobs: int, progress) -> None:
+    """Compile the launches of each (shard name, T, plan or None for the default plan) of ``work``, ``jobs``
+    spawned processes at a time (they inherit this process's environment: its Triton cache and settings)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
     t0 = time.time()
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
         kernels = sum(ex.map(_precompile_one, work))

@@ -26,6 +26,9 @@ The H200 run that made "placed" the default: benchmarks/results/moe_variants_h20
 are absolute: "default" there was split).
 
     python benchmarks/moe_variants.py --json variants.json   # TP8, T=1,4,64,512,4096, balanced + same_k
+    python benchmarks/moe_variants.py --plan-arch sm120 --mma-sync --forms sm120_former   # sm_120's plans, H200
+
+``--plan-arch`` / ``--mma-sync``: as benchmarks/moe_kernel.py's (another arch's plans; the dots as mma.sync).
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", help="comma-separated opt-in forms to time (default: all of configs.OPT_IN and the "
                     "other weight layout)")
     ap.add_argument("--nodecode", action="store_true", help="also time the layer with its decode left out (see above)")
+    ap.add_argument("--plan-arch", choices=("sm80", "sm90", "sm100", "sm120"), help="plan (and pick the forms) as "
+                    "this architecture does, with its SM count, instead of this GPU")
+    ap.add_argument("--mma-sync", action="store_true", help="compile the dots to mma.sync instead of wgmma "
+                    "(glm5_fp4.bench.mma); fails if any kernel still uses wgmma")
+    ap.add_argument("--precompile", type=int, default=0, metavar="JOBS", help="compile every plan the run will time "
+                    "in JOBS processes first (benchmarks/moe_kernel.py's precompile)")
     ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
                     "atomic adds (wrong results, not checked): the combine's cost")
     args = ap.parse_args(argv)
@@ -58,6 +67,9 @@ def main(argv=None) -> int:
     unknown = forms - set(C.OPT_IN) - set(layouts) if forms else set()
     if unknown:
         ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)} or a weight layout {layouts}")
+    from glm5_fp4.bench import mma as MMA
+
+    cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles
     import torch
 
     if not torch.cuda.is_available():
@@ -68,7 +80,7 @@ def main(argv=None) -> int:
     from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import copy_bandwidth_gbs
     from glm5_fp4.kernels import prepare_experts
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+    from glm5_fp4.kernels.moe import device_arch, fused_moe_triton, plan_for
     from glm5_fp4.kernels.launch import DIAG_NO_DECODE, DIAG_PLAIN_STORES
     from glm5_fp4.kernels.layout import default_layout
 
@@ -77,13 +89,32 @@ def main(argv=None) -> int:
     routings = [r for r in args.routings.split(",") if r]
     meta = result_metadata(benchmark="moe_variants", layers=args.layers, shards=shards, tokens=tokens,
                            routings=routings, copy_gbs=round(copy_bandwidth_gbs(), 1),
-                           opt_in={name: o.purpose for name, o in C.OPT_IN.items()})  # what each variant is for
+                           opt_in={name: o.purpose for name, o in C.OPT_IN.items()},  # what each variant is for
+                           plan_arch=args.plan_arch, mma="mma.sync (forced)" if args.mma_sync else "Triton's choice")
+    arch, sms = device_arch(torch.device("cuda"))
+    if args.plan_arch:
+        arch, sms = args.plan_arch, C.sm_count_guess(args.plan_arch)
     rows: list[dict] = []
 
     def save():
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
 
+    if args.precompile:  # the default and every form's plan at each (shard, T): plans do not depend on the routing
+        from moe_kernel import _empty_call, precompile_plans
+
+        work = []
+        for name in shards:
+            for t in tokens:
+                sh, _, _, prep, _ = _empty_call(name, t)
+                base = plan_for(arch, sms, t, sh.top_k, prep, "w4a16")
+                work.append((name, t, base))
+                for form in (forms or C.OPT_IN):
+                    if form in C.OPT_IN:
+                        vplan = plan_for(arch, sms, t, sh.top_k, prep, "w4a16", form=form)
+                        if vplan != base:
+                            work.append((name, t, vplan))
+        precompile_plans(work, args.precompile, lambda m: print(m, flush=True))
     gen = torch.Generator(device="cuda").manual_seed(13)
     for name in shards:
         sh = B.glm5_shard(name)
@@ -104,7 +135,7 @@ def main(argv=None) -> int:
                 t0 = time.time()
                 x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
                 tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
-                plan = default_plan(x, ids, lay.prepared[0], "w4a16")
+                plan = plan_for(arch, sms, t, sh.top_k, lay.prepared[0], "w4a16")
                 row = {"shard": name, "tokens": t, "routing": routing, "plan": dataclasses.asdict(plan),
                        "plan_label": B.plan_label(dataclasses.asdict(plan)), "us": {}, "errors": {}}
                 try:
@@ -113,7 +144,7 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - the row records it
                     row["errors"]["default"] = repr(exc)[:400]
                 for vname, (layers, diag, check, form) in variants.items():
-                    vplan = default_plan(x, ids, lay.prepared[0], "w4a16", form=form) if form else plan
+                    vplan = plan_for(arch, sms, t, sh.top_k, lay.prepared[0], "w4a16", form=form) if form else plan
                     if form and vplan == plan:
                         continue  # the form does not serve here, or is the default: nothing to compare
                     try:
@@ -135,8 +166,13 @@ def main(argv=None) -> int:
                 print(f"{name} T={t} {routing}: {us} {row['errors'] or ''} [{row['wall_s']}s]", flush=True)
         del lay, alts
         torch.cuda.empty_cache()
+    built_ok = True
+    if cache is not None:  # what was really built (a Triton that ignores the variable would time wgmma)
+        meta["compiled_mma"] = MMA.cached_mma(cache)
+        meta["still_wgmma"] = MMA.wgmma_kernels(meta["compiled_mma"])
+        built_ok = not meta["still_wgmma"]
     save()
-    return 1 if any(r["errors"] for r in rows) else 0
+    return 1 if any(r["errors"] for r in rows) or not built_ok else 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 #                                                            # wgmma, the same plans with mma.sync, sm_120's plans
 #                                                            # with mma.sync (each checks what Triton built)
 #   OUT=dir bash benchmarks/h200/mma_sync_job.sh sweep       # sm_120's candidates swept around its plans, mma.sync
+#   OUT=dir bash benchmarks/h200/mma_sync_job.sh ab          # same-run A/B of sm_120's plans against its former ones
+#                                                            # (opt-in "sm120_former"), TP8 then TP4 / TP1, mma.sync
 #   OUT=dir bash benchmarks/h200/mma_sync_job.sh tests       # tests/gpu/test_sm120_plans_gpu.py under mma.sync
 # Each table is its own process because Triton's in-memory kernel cache does not key on the variable.
 set -u
@@ -29,6 +31,14 @@ for s in "$@"; do
       GREP="precompiled|best|ERROR|rror" step sweep_sm120 "${T_SWEEP:-540}" python3 benchmarks/moe_kernel.py --sweep \
         --plan-arch sm120 --mma-sync --shards tp8 --tokens "${SWEEP_TOKENS:-1,4,16,64,512,1024,4096}" --layers 2 \
         --only '^(g1|g2|split)' --precompile 14 --json "$OUT/sweep_sm120_standin.json" ;;
+    ab)
+      GREP="precompiled|T=|rror" step ab_sm120_tp8 "${T_AB:-300}" python3 benchmarks/moe_variants.py --plan-arch sm120 \
+        --mma-sync --precompile 14 --shards tp8 --tokens "${AB_TOKENS:-1,2,4,16,64,256,512,1024,2048,4096,8192}" \
+        --routings balanced,same_k --forms "${FORMS:-sm120_former}" --json "$OUT/variants_sm120_standin_tp8.json"
+      GREP="precompiled|T=|rror" step ab_sm120_tp4_tp1 "${T_AB1:-200}" python3 benchmarks/moe_variants.py \
+        --plan-arch sm120 --mma-sync --precompile 14 --shards tp4,tp1 --tokens "${AB1_TOKENS:-1,4,64,512,4096}" \
+        --routings balanced,same_k --layers 2 --forms "${FORMS:-sm120_former}" \
+        --json "$OUT/variants_sm120_standin_tp4_tp1.json" ;;
     tests)
       DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-cache-mma-sync step sm120_tests "${T_TESTS:-240}" \
         python3 -m pytest tests/gpu/test_sm120_plans_gpu.py -q -rA -p no:cacheprovider ;;

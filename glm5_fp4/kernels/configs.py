@@ -297,10 +297,12 @@ SLOT_DEDUP_MIN_TOKENS = 3
 # by slots the sweep (benchmarks/results/moe_kernel_h200_sweep_split_slots_8deb18e.json, TP8 whole layer, us) has T=1
 # 19.0 vs 21.3 and T=2 29.0 vs 33.5 with eight MMAs per tile (18.7-19.0 for three of the four unmerged candidates,
 # 21.5 for the 3-stage 128-register one; 19.6 / 30.1 with the merged one); the same-run A/B of the defaults:
-# write-up 14. sm_120 keeps the one-program form
-# (unmeasured there); the former is opt-in "one_program_gemm2".
-SPLIT_SLOTS_ARCHS = ("sm90", "sm100")
-SPLIT_SLOTS_GEMM2 = {"sm90": Gemm2Config(64, 16, 4, 3, merged=False)}
+# write-up 14. sm_120 splits too, in its merged slot tile (never run on an SM120; the H200 stand-in, 2026-12-04 sweep,
+# TP8 T=1 with the new slot GEMM1 tile: 26.8 -> 22.7 us; benchmarks/h200/mma_sync_job.sh), but not with the wide
+# GEMM1 split nor PDL (SLOT_WIDE_SPLIT_ARCHS: the sweep had PDL at 25.9, PDL and the fused reduce at 24.3); the former
+# is opt-in "one_program_gemm2".
+SPLIT_SLOTS_ARCHS = ("sm90", "sm100", "sm120")
+SPLIT_SLOTS_GEMM2 = {"sm90": Gemm2Config(64, 16, 4, 3, merged=False), "sm120": Gemm2Config(64, 16, 4, 2, merged=True)}
 SPLIT_SLOTS_GEMM2["sm100"] = SPLIT_SLOTS_GEMM2["sm90"]
 # Programmatic dependent launch (Plan.pdl) from this many tokens on, on SM90+ (griddepcontrol). H200,
 # 2026-12-02, benchmarks/results/moe_variants_h200_pdl.json, TP8 us per layer, plain -> pdl: T=4 same_k 37.2 ->
@@ -471,13 +473,20 @@ _DEFAULT_GEMM1 = {
         # which spills 172 B (TP8 T=4096: 64x128x64/4 warps 1,527 us vs 1,306)
         ("grouped", 128): Gemm1Config(128, 128, 128, 8, 3),
     },
-    # sm120: unmeasured; small tiles that fit 99 KB of shared memory (tests/test_kernels_configs.py).
+    # sm120: never run on an SM120. Picked on the H200 stand-in (sm_120's plans, SM count and gate-passing
+    # candidates, the dots as mma.sync like sm_120's: benchmarks/h200/mma_sync_job.sh), 2026-12-04 sweep
+    # (benchmarks/results/moe_kernel_h200_standin_sweep_sm120_d4ee23a.json, TP8 whole layer, us, former -> this tile
+    # alone): T=1 44.9 -> 26.8, T=4 156.8 -> 58.5 (the former 16x16x256 slot tile), T=16 141.0 -> 130.7, T=64 281.1
+    # -> 251.4, T=512 500.4 -> 495.2, T=1024 780.9 -> 770.9, T=4096 4,619 -> 2,196 (32-token blocks at prefill: the
+    # gate-passing 64-token tile is 32 rows wide, 32x64x128, and re-reads the activations twice as often); the
+    # 64-token entry (T ~ 1,300-2,560) is unmeasured and follows its neighbours. The former tiles: opt-in
+    # "sm120_former".
     "sm120": {
-        ("slot", 16): Gemm1Config(16, 16, 256, 4, 3),
-        ("grouped", 16): Gemm1Config(64, 16, 128, 4, 3),
-        ("grouped", 32): Gemm1Config(64, 32, 128, 4, 3),
-        ("grouped", 64): Gemm1Config(32, 64, 128, 8, 2),
-        ("grouped", 128): Gemm1Config(32, 64, 128, 8, 2),
+        ("slot", 16): Gemm1Config(64, 16, 256, 4, 2),
+        ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
+        ("grouped", 32): Gemm1Config(64, 32, 128, 4, 4),
+        ("grouped", 64): Gemm1Config(64, 32, 128, 4, 4),
+        ("grouped", 128): Gemm1Config(64, 32, 128, 4, 4),
     },
 }
 _DEFAULT_GEMM1["sm100"] = _DEFAULT_GEMM1["sm90"]
@@ -504,16 +513,38 @@ _DEFAULT_GEMM2 = {
         ("grouped", 64): Gemm2Config(128, 32, 8, 3, merged=False),
         ("grouped", 128): Gemm2Config(64, 128, 4, 3, n_split=6, merged=False),
     },
-    "sm120": {  # one MMA chain per tile: see GEMM2_CANDIDATES["sm120"]
+    # sm120: one MMA chain per tile (see GEMM2_CANDIDATES["sm120"]); picked on the H200 stand-in as GEMM1's above
+    # (TP8, this tile alone, us): T=4 156.8 -> 155.2, T=16 141.0 -> 129.0, T=64 281.1 -> 250.2 (3 stages instead of
+    # 2); T=512 500.4 -> 429.6, T=1024 780.9 -> 662.0, T=4096 4,619 -> 4,319 (4 warps instead of 8); with GEMM1's
+    # tile T=4096 1,922. The 64-token entry is unmeasured.
+    "sm120": {
         ("slot", 16): Gemm2Config(64, 16, 4, 2, merged=True),
-        ("grouped", 16): Gemm2Config(64, 16, 4, 2, merged=True),
-        ("grouped", 32): Gemm2Config(64, 32, 8, 2, merged=True),
-        ("grouped", 64): Gemm2Config(64, 32, 8, 2, merged=True),
-        ("grouped", 128): Gemm2Config(64, 32, 8, 2, merged=True),
+        ("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=True),
+        ("grouped", 32): Gemm2Config(64, 32, 4, 3, merged=True),
+        ("grouped", 64): Gemm2Config(64, 32, 4, 3, merged=True),
+        ("grouped", 128): Gemm2Config(64, 32, 4, 3, merged=True),
     },
 }
 _DEFAULT_GEMM2["sm100"] = _DEFAULT_GEMM2["sm90"]
 _DEFAULT_GEMM2["sm80"] = _DEFAULT_GEMM2["sm120"]
+
+# The sm_120 (and sm80) tables before the H200 stand-in picked the ones above (2026-12-04): chosen to fit 99 KB, never
+# timed anywhere. Opt-in "sm120_former", so that a run on an SM120 (glm5-fp4 selftest) can time both.
+_FORMER_GEMM1 = {"sm120": {
+    ("slot", 16): Gemm1Config(16, 16, 256, 4, 3),
+    ("grouped", 16): Gemm1Config(64, 16, 128, 4, 3),
+    ("grouped", 32): Gemm1Config(64, 32, 128, 4, 3),
+    ("grouped", 64): Gemm1Config(32, 64, 128, 8, 2),
+    ("grouped", 128): Gemm1Config(32, 64, 128, 8, 2),
+}}
+_FORMER_GEMM2 = {"sm120": {
+    ("slot", 16): Gemm2Config(64, 16, 4, 2, merged=True),
+    ("grouped", 16): Gemm2Config(64, 16, 4, 2, merged=True),
+    ("grouped", 32): Gemm2Config(64, 32, 8, 2, merged=True),
+    ("grouped", 64): Gemm2Config(64, 32, 8, 2, merged=True),
+    ("grouped", 128): Gemm2Config(64, 32, 8, 2, merged=True),
+}}
+_FORMER_GEMM1["sm80"], _FORMER_GEMM2["sm80"] = _FORMER_GEMM1["sm120"], _FORMER_GEMM2["sm120"]
 
 # GEMM2 where the expert's intermediate size I (GEMM2's K) changes the best tile: (above, up to, table) for I in
 # (above, up to] (None: no upper bound); keys a table lacks, and sizes no range covers (the TP8 shard, I = 256, on
@@ -677,7 +708,10 @@ def plan(
         schedule = "slot" if tokens <= SLOT_MAX_TOKENS.get(arch, 4) else "grouped"
     routed = tokens if not global_experts else tokens * num_experts / global_experts  # tokens that stay here
     bm = 16 if schedule == "slot" else pick_bm(routed, num_experts, top_k)
-    g1 = gemm1 or _DEFAULT_GEMM1[arch][(schedule, bm)]
+    # a form that asks for an arch's former tables (PLAN_RULES "tables")
+    tables1, tables2 = (_FORMER_GEMM1, _FORMER_GEMM2) if change.get("tables") == "former" else (_DEFAULT_GEMM1,
+                                                                                                _DEFAULT_GEMM2)
+    g1 = gemm1 or tables1[arch][(schedule, bm)]
     # A form that sets slot_dedup decides it here: GEMM2's config, split and unroll below follow from it.
     slot_dedup = schedule == "slot" and change.get("slot_dedup", tokens >= SLOT_DEDUP_MIN_TOKENS)
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
@@ -689,7 +723,7 @@ def plan(
     split_slots = schedule == "slot" and not slot_dedup and change.get(
         "gemm2_split_slots", arch in SPLIT_SLOTS_ARCHS and tokens < SLOT_DEDUP_MIN_TOKENS)
     g2 = (gemm2 or (split_slots and SPLIT_SLOTS_GEMM2.get(arch)) or _gemm2_override(arch, intermediate, g2_key)
-          or _DEFAULT_GEMM2[arch][g2_key])
+          or tables2[arch][g2_key])
     # Explicit configs are what the sweep and the compile matrix ask for: kept as given (a misfit then fails
     # there, by name); the defaults must fit any shape the backend serves.
     fg1, fg2 = fit_shared_memory(arch, g1, g2, intermediate)
@@ -741,7 +775,7 @@ def plan(
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
-PLAN_RULES = ("split_k_rule",)
+PLAN_RULES = ("split_k_rule", "tables")
 
 
 @dataclass(frozen=True)
@@ -811,6 +845,10 @@ OPT_IN: dict[str, OptIn] = {
                           ("w4a16", "w4a4"), compile_tokens=(512,), archs=("sm90", "sm100"), bm=32, max_intermediate=256,
                           purpose="GEMM2 in 8-warp 128x32 tiles split 3 ways (the sm90 default for 32-token blocks "
                                   "before 2026-12-03)"),
+    "sm120_former": OptIn(dict(tables="former", gemm2_split_slots=False), ("slot", "grouped"), None, ("w4a16", "w4a4"),
+                          compile_tokens=(1, 4, 64, 512, 4096), archs=("sm120", "sm80"),
+                          purpose="sm_120's tiles and one-program slot GEMM2 before the H200 stand-in picked the "
+                                  "defaults (2026-12-04; never timed on an SM120: selftest times both there)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
