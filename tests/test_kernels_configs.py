@@ -333,7 +333,9 @@ def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
     """T <= 2 (GEMM2 split by slots): GEMM1's K in any whole number of K tiles that keeps about
     SLOT_SPLIT_PROGRAMS_PER_SM programs per SM, the reduce fused into GEMM1 (2 launches), PDL; the former picks
     (opt-in "slot_split_pow2": powers of two up to SLOT_SPLIT_K_PICK fused at T = 1, up to SPLIT_K_MAX and a reduce
-    launch at T = 2) and T = 3-4 as before; sm_120 keeps the former rule (unmeasured there)."""
+    launch at T = 2) and T = 3-4 as before; sm_120 splits GEMM2 by slots at T <= 2 too (its merged split tile, picked
+    on the H200 stand-in), but keeps GEMM1's former split (up to SPLIT_K_MAX, a reduce launch) and no PDL there; its
+    former tables ("sm120_former") keep the one-program GEMM2."""
     from glm5_fp4.kernels import configs as C
 
     # TP8 / TP4 / whole experts: 32, 64, 256 GEMM1 programs per token, 24 K tiles of 256, 132 SMs
@@ -355,8 +357,13 @@ def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
     assert (old.gemm1_split_k, old.gemm1_fused_reduce, old.gemm2_split_slots, old.pdl) == (4, False, False, False)
     assert old.gemm2_unroll
     for t in (1, 2, 3, 4):
-        sm120 = C.plan("sm120", t, 256, 8, 6144, 256, sm_count=188)  # unmeasured there: the former rule
-        assert sm120.gemm1_split_k <= C.SPLIT_K_MAX and not sm120.gemm1_fused_reduce and not sm120.gemm2_split_slots
+        sm120 = C.plan("sm120", t, 256, 8, 6144, 256, sm_count=188)
+        assert sm120.gemm1_split_k <= C.SPLIT_K_MAX and not sm120.gemm1_fused_reduce
+        assert (sm120.gemm2_split_slots, sm120.pdl) == (t <= 2, t >= C.PDL_MIN_TOKENS), (t, sm120)
+        if t <= 2:
+            assert sm120.gemm2 == C.SPLIT_SLOTS_GEMM2["sm120"] and sm120.gemm2.merged
+        former = C.plan("sm120", t, 256, 8, 6144, 256, sm_count=188, form="sm120_former")
+        assert not former.gemm2_split_slots and former.gemm1 == C._FORMER_GEMM1["sm120"][("slot", 16)]
 
 
 def test_gemm2_split_by_slots_launch_and_refusals():

@@ -8,6 +8,8 @@
 #   OUT=dir bash benchmarks/h200/mma_sync_job.sh ab          # same-run A/B of sm_120's plans against its former ones
 #                                                            # (opt-in "sm120_former"), TP8 then TP4 / TP1, mma.sync
 #   OUT=dir bash benchmarks/h200/mma_sync_job.sh tests       # tests/gpu/test_sm120_plans_gpu.py under mma.sync
+#   OUT=dir bash benchmarks/h200/mma_sync_job.sh sanitize    # memcheck + racecheck of the small cases (with sm_120's
+#                                                            # plans among them) under mma.sync
 # Each table is its own process because Triton's in-memory kernel cache does not key on the variable.
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
@@ -30,7 +32,7 @@ for s in "$@"; do
     sweep)  # (the L2-prefetch variants are left out: rejected on the H200, improvements/12)
       GREP="precompiled|best|ERROR|rror" step sweep_sm120 "${T_SWEEP:-540}" python3 benchmarks/moe_kernel.py --sweep \
         --plan-arch sm120 --mma-sync --shards tp8 --tokens "${SWEEP_TOKENS:-1,4,16,64,512,1024,4096}" --layers 2 \
-        --only '^(g1|g2|split)' --precompile 14 --json "$OUT/sweep_sm120_standin.json" ;;
+        --only '^(g1|g2|split)' --precompile 14 --json "$OUT/sweep_sm120_standin${SWEEP_TAG:-}.json" ;;
     ab)
       GREP="precompiled|T=|rror" step ab_sm120_tp8 "${T_AB:-300}" python3 benchmarks/moe_variants.py --plan-arch sm120 \
         --mma-sync --precompile 14 --shards tp8 --tokens "${AB_TOKENS:-1,2,4,16,64,256,512,1024,2048,4096,8192}" \
@@ -42,5 +44,9 @@ for s in "$@"; do
     tests)
       DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-cache-mma-sync step sm120_tests "${T_TESTS:-240}" \
         python3 -m pytest tests/gpu/test_sm120_plans_gpu.py -q -rA -p no:cacheprovider ;;
+    sanitize)
+      DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-cache-mma-sync memcheck_step memcheck_mma_sync
+      DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-cache-mma-sync step racecheck_mma_sync "${T_RACECHECK:-120}" \
+        compute-sanitizer --tool racecheck --print-limit 20 python3 tests/gpu/memcheck_moe_kernel.py ;;
   esac
 done

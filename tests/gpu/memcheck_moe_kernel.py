@@ -122,6 +122,24 @@ def main() -> int:
             ok = err < moe_tolerance(mode, x.dtype) and bool(ref.abs().max() > 0)  # some slot must be local
             failures += not ok
             print(f"T={t} split slots map={use_map} pdl={pdl} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # sm_120's own plans (its tiles, rules and SM count: what an RTX PRO 6000 launches; with DISABLE_MMA_V3=1 also
+    # its mma.sync instruction, glm5_fp4/bench/mma.py), both schedules, remote slots, the slot GEMM2 split by slots
+    from glm5_fp4.kernels.moe import plan_for
+
+    for t, routing, use_map in ((1, "balanced", False), (2, "same_k", True), (3, "one_hot", False),
+                                (40, "same_k", False), (40, "zipf2", True)):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing(routing, t, 12 if use_map else e, k, device="cuda")
+        m = emap if use_map else None
+        for mode in ("w4a16", "w4a4"):
+            plan = plan_for("sm120", C.sm_count_guess("sm120"), t, k, prep, mode, m)
+            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m)
+            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
+                                compute_dtype=torch.float64, expert_map=None if m is None else m.cpu())
+            err = rel_error(out, ref)
+            ok = err < moe_tolerance(mode, x.dtype)
+            failures += not ok
+            print(f"T={t} {routing} map={use_map} sm_120 plan {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

@@ -524,3 +524,23 @@ def test_slot_groups_have_one_leader_each(gen, with_map):
     assert count.tolist() == want_count
     assert rows.tolist() == want_rows
     assert sum(want_count) == int((local >= 0).sum()) and max(want_count) > 1
+
+
+@pytest.mark.parametrize("form", [None, "sm120_former"])
+@pytest.mark.parametrize("t,routing,mode", [(1, "balanced", "w4a16"), (2, "same_k", "w4a4"), (4, "one_hot", "w4a16"),
+                                            (40, "same_k", "w4a16"), (300, "zipf1.2", "w4a4")])
+def test_sm120_plans_match_reference(gen, t, routing, mode, form):
+    """sm_120's own plans (its tiles, schedule rules and 188 SMs, as an RTX PRO 6000 would launch them; "sm120_former":
+    the tables before the H200 stand-in picked them), which no other test here runs: the GPU suite plans for its own
+    arch and the cases above pin sm_90 plans. 16 experts, H = 512: each tile sees several K tiles and blocks."""
+    e, h, i, k = 16, 512, 128, 4
+    ex = random_experts(e, h, i, generator=gen)
+    prep = prepare_experts(ex)
+    plan = C.plan("sm120", t, e, k, h, i, sm_count=C.sm_count_guess("sm120"), mode=mode, form=form)
+    x = torch.randn(t, h, generator=gen).half()
+    w, ids = make_routing(routing, t, e, k, gen)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype), plan
