@@ -198,3 +198,17 @@ def test_the_report_names_the_plans_form():
     assert _schedule({"schedule": "slot", "slot_dedup": True, "gemm1_split_k": 4}) == "slot dedup K/4"
     assert _schedule({"schedule": "grouped", "gemm1_split_k": 1}) == "grouped"
     assert _schedule({"schedule": "grouped"}) == "grouped" and _schedule({}) == "—"
+
+
+def test_former_plans_table_shows_each_ratio_and_failures():
+    res = fake_result()
+    res["verdict"] = report.verdict(res)
+    res["benchmark"]["former_plans"] = [
+        {"form": "sm120_former", "purpose": "the former tables", "rows": [
+            {"shard": "tp8", "tokens": 1, "default_us": 20.0, "former_us": 40.0, "former_over_default": 2.0},
+            {"shard": "tp8", "tokens": 256, "default_us": 200.0, "former_us": None, "error": "RuntimeError: boom"}]},
+        {"form": "other_former", "purpose": "x", "rows": [], "error": "ValueError: no plan"}]
+    text = report.markdown(res)
+    assert "### Former plans: `sm120_former`" in text and "| tp8 | 1 | 20.0 | 40.0 | 2.00 |" in text
+    assert "| tp8 | 256 | 200.0 | — | **error**: RuntimeError: boom |" in text
+    assert "### Former plans: `other_former`" in text and "Failed: ValueError: no plan" in text

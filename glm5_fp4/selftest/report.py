@@ -138,6 +138,19 @@ def markdown(result: dict) -> str:
                 f"{_f(r.get('marlin_us'))} | {_f(r.get('speedup_vs_marlin'), '{:.2f}')} | "
                 f"{_f(r.get('bf16_grouped_mm_us'))} | {_f(r.get('speedup_vs_bf16'), '{:.2f}')} |"
             )
+    for entry in (bench or {}).get("former_plans", []):
+        lines += ["", f"### Former plans: `{entry['form']}`", "",
+                  f"{entry.get('purpose', '')}. This GPU's default plans were picked on another GPU; the same run "
+                  "times the former ones (balanced routing). A ratio below 1 means the former plan is faster here: "
+                  "please report it with selftest.json.", ""]
+        if "error" in entry:
+            lines.append(f"Failed: {entry['error']}")
+            continue
+        lines += ["| shard | T | default µs | former µs | former / default |", "|---|---|---|---|---|"]
+        for r in entry["rows"]:
+            ratio = f"**error**: {r['error'][:120]}" if "error" in r else _f(r.get("former_over_default"), "{:.2f}")
+            lines.append(f"| {r['shard']} | {r['tokens']} | {_f(r.get('default_us'))} | {_f(r.get('former_us'))} | "
+                         f"{ratio} |")
     lines += ["", f"Command: `{meta.get('command', 'glm5-fp4 selftest')}`. Attach selftest.json to bug reports.", ""]
     return "\n".join(lines)
 

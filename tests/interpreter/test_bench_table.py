@@ -70,3 +70,22 @@ def test_marlin_unavailable_says_why(fake_timers):
                       baselines=False, device="cpu")
     assert res["marlin"] == why
     assert torch.isfinite(torch.tensor(res["rows"][0]["us"]))
+
+
+def test_selftest_times_the_former_sm120_plans_beside_the_defaults(fake_timers):
+    """On an sm_120 the self-test times the former plan tables (opt-in "sm120_former") on the first shard's balanced
+    rows of the same run (former / default; tests/test_selftest_report.py renders it); on an arch without former tables
+    it times nothing."""
+    from glm5_fp4.selftest import bench as SB
+
+    assert SB.former_forms("sm120") == ["sm120_former"] and SB.former_forms("sm90") == []
+    tiny = B.Shard("tiny", 8, 256, 128, 2, 8)
+    plan = {"shards": (tiny,), "tokens": (1, 24), "routings": ("balanced",), "layers": 1}
+    rows = [{"shard": "tiny", "tokens": 1, "routing": "balanced", "us": 50.0},
+            {"shard": "tiny", "tokens": 24, "routing": "balanced", "us": 200.0}]
+    (entry,) = SB.former_plans("sm120", 188, plan, rows, device="cpu")
+    assert entry["form"] == "sm120_former" and "error" not in entry
+    assert [r["tokens"] for r in entry["rows"]] == [1, 24]
+    for r in entry["rows"]:
+        assert "error" not in r and r["former_over_default"] == pytest.approx(r["former_us"] / r["default_us"])
+    assert SB.former_plans("sm90", 132, plan, rows, device="cpu") == []
