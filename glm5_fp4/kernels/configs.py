@@ -204,9 +204,8 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             # 64 x 64 tiles spill on sm_120 once the decoded tile is one merged operand
             (32, 64, 128, 8, 2),
             # the sm90 list's tiles that pass the sm_120 gate at the TP8 / TP4 shards (AOT, Triton 3.9, 2026-12-04:
-            # 64x32x256, 64x64 and 128-token tiles of 128 rows spill), swept on the H200 stand-in (mma.sync, sm_120's
-            # plans: benchmarks/h200/mma_sync_job.sh)
-            (32, 16, 256, 4, 2),
+            # 64x32x256, 64x64 and 128-token tiles of 128 rows spill, 32x16x256 in 2 stages in W4A4), swept on the
+            # H200 stand-in (mma.sync, sm_120's plans: benchmarks/h200/mma_sync_job.sh)
             (64, 16, 256, 4, 2),
             (64, 16, 256, 4, 3),
             (64, 32, 128, 4, 4),
