@@ -319,10 +319,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-routing", default="balanced")
     ap.add_argument("--only", metavar="REGEX", help="sweep only the variants whose names match (and the default)")
     ap.add_argument("--plans", help="a --sweep JSON whose best plans replace the defaults where swept")
-    ap.add_argument("--plan-arch", choices=("sm80", "sm90", "sm100", "sm120"), help="make every plan this "
-                    "architecture's (its tables, rules and SM count) instead of this GPU's")
-    ap.add_argument("--mma-sync", action="store_true", help="compile the dots to mma.sync (sm_120's instruction) "
-                    "instead of Hopper's wgmma, in a Triton cache of their own; fails if any kernel still uses wgmma")
+    from glm5_fp4.bench import mma as MMA
+
+    MMA.add_standin_arguments(ap)
     ap.add_argument("--precompile", type=int, default=0, metavar="JOBS", help="compile the default plans' kernels "
                     "(with --sweep: every variant's) in JOBS processes first")
     ap.add_argument("--json", default=str(RESULTS / "moe_kernel_h200.json"))
@@ -330,7 +329,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.plan_arch and args.plans:
         ap.error("--plan-arch replaces the plans: it does not combine with --plans")
-    from glm5_fp4.bench import mma as MMA
 
     cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles (the workers inherit it)
     import torch
@@ -371,8 +369,7 @@ def main(argv=None) -> int:
         a Triton that ignores the variable would time wgmma under an mma.sync label."""
         if cache is None:
             return True
-        meta["compiled_mma"] = MMA.cached_mma(cache)
-        still = MMA.wgmma_kernels(meta["compiled_mma"])
+        meta["compiled_mma"], still = MMA.what_was_built(cache)
         if still:
             out.setdefault("rows", []).append({"shard": "-", "tokens": 0, "routing": "-",
                                                "error": f"--mma-sync: still wgmma in {still}"})

@@ -51,10 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", help="comma-separated opt-in forms to time (default: all of configs.OPT_IN and the "
                     "other weight layout)")
     ap.add_argument("--nodecode", action="store_true", help="also time the layer with its decode left out (see above)")
-    ap.add_argument("--plan-arch", choices=("sm80", "sm90", "sm100", "sm120"), help="plan (and pick the forms) as "
-                    "this architecture does, with its SM count, instead of this GPU")
-    ap.add_argument("--mma-sync", action="store_true", help="compile the dots to mma.sync instead of wgmma "
-                    "(glm5_fp4.bench.mma); fails if any kernel still uses wgmma")
+    from glm5_fp4.bench import mma as MMA
+
+    MMA.add_standin_arguments(ap)
     ap.add_argument("--precompile", type=int, default=0, metavar="JOBS", help="compile every plan the run will time "
                     "in JOBS processes first (benchmarks/moe_kernel.py's precompile)")
     ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
@@ -67,8 +66,6 @@ def main(argv=None) -> int:
     unknown = forms - set(C.OPT_IN) - set(layouts) if forms else set()
     if unknown:
         ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)} or a weight layout {layouts}")
-    from glm5_fp4.bench import mma as MMA
-
     cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles
     import torch
 
@@ -166,13 +163,10 @@ def main(argv=None) -> int:
                 print(f"{name} T={t} {routing}: {us} {row['errors'] or ''} [{row['wall_s']}s]", flush=True)
         del lay, alts
         torch.cuda.empty_cache()
-    built_ok = True
-    if cache is not None:  # what was really built (a Triton that ignores the variable would time wgmma)
-        meta["compiled_mma"] = MMA.cached_mma(cache)
-        meta["still_wgmma"] = MMA.wgmma_kernels(meta["compiled_mma"])
-        built_ok = not meta["still_wgmma"]
+    if cache is not None:
+        meta["compiled_mma"], meta["still_wgmma"] = MMA.what_was_built(cache)
     save()
-    return 1 if any(r["errors"] for r in rows) or not built_ok else 0
+    return 1 if any(r["errors"] for r in rows) or meta.get("still_wgmma") else 0
 
 
 if __name__ == "__main__":

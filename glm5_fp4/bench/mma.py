@@ -55,3 +55,23 @@ def cached_mma(cache_dir: str | Path) -> dict[str, list[str]]:
 def wgmma_kernels(forms: dict[str, list[str]]) -> list[str]:
     """The kernels of :func:`cached_mma` that still use wgmma (none may, where mma.sync was forced)."""
     return [k for k, v in forms.items() if any(f.startswith("wgmma") for f in v)]
+
+
+def add_standin_arguments(ap) -> None:
+    """The two options a benchmark script takes to run another arch's plans with sm_120's instruction."""
+    from glm5_fp4.kernels.configs import arch_tables
+
+    ap.add_argument("--plan-arch", choices=arch_tables(), help="make every plan this architecture's (its tables, "
+                    "rules and SM count) instead of this GPU's")
+    ap.add_argument("--mma-sync", action="store_true", help="compile the dots to mma.sync (sm_120's instruction) "
+                    "instead of Hopper's wgmma, in a Triton cache of their own; fails if any kernel still uses wgmma")
+
+
+def what_was_built(cache_dir: str | Path | None) -> tuple[dict[str, list[str]], list[str]]:
+    """(:func:`cached_mma` of ``cache_dir``, the kernels among them still on wgmma); nothing where no mma.sync run
+    was asked for (``cache_dir`` None). A Triton that ignores the variable would time wgmma under an mma.sync label:
+    callers fail the run when the second part is not empty."""
+    if cache_dir is None:
+        return {}, []
+    forms = cached_mma(cache_dir)
+    return forms, wgmma_kernels(forms)

@@ -896,5 +896,10 @@ def all_configs(arch: str) -> tuple[list[Gemm1Config], list[Gemm2Config]]:
     return g1, g2
 
 
+def arch_tables() -> list[str]:
+    """The architectures with plan tables (what ``plan``'s ``arch`` accepts)."""
+    return sorted(_DEFAULT_GEMM1)
+
+
 def ceil_div(a: int, b: int) -> int:
     return math.ceil(a / b)
