@@ -583,3 +583,17 @@ def test_tiled_layout_passes_its_runs_to_gemm1_only_and_refuses_what_cannot_read
         launches(dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=512, tma=True)), call)
     pf = [ln for ln in launches(dataclasses.replace(plan, l2_prefetch=4), call) if ln.name == "moe_gemm1_kernel"]
     assert pf[0].kwargs["PF_DIST"] == 4 and pf[0].kwargs["KT"] == W13_K_TILE
+
+
+def test_every_form_plans_on_every_arch():
+    """An opt-in form asked for on an arch it does not serve gives that arch's default plan, never an error (the
+    compile matrix builds every form for every arch: "sm120_former" once raised KeyError on sm90/sm100)."""
+    from glm5_fp4.kernels import configs as C
+
+    for arch in C.arch_tables():
+        for form, o in C.OPT_IN.items():
+            for t in (1, 2, 4, 64, 512, 4096):
+                for i in (256, 2048):
+                    p = C.plan(arch, t, 256, 8, 6144, i, form=form)
+                    if o.archs is not None and arch not in o.archs:
+                        assert p == C.plan(arch, t, 256, 8, 6144, i), (arch, form, t, i)

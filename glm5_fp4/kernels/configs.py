@@ -701,7 +701,9 @@ def plan(
     """
     if form is not None and form not in OPT_IN:
         raise Glm5Fp4Error(f"unknown MoE plan form {form!r}; choose one of {sorted(OPT_IN)}")
-    change = OPT_IN[form].change if form is not None else {}
+    # a form changes nothing on an arch it does not serve (its rules, e.g. an arch's former tables, may not exist there)
+    serves_arch = form is not None and (OPT_IN[form].archs is None or arch in OPT_IN[form].archs)
+    change = OPT_IN[form].change if serves_arch else {}
     sm_count = sm_count or sm_count_guess(arch)
     if schedule is None:
         schedule = "slot" if tokens <= SLOT_MAX_TOKENS.get(arch, 4) else "grouped"
@@ -766,9 +768,7 @@ def plan(
              slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS
                                         or (spread and gemm2_k_chunk(intermediate) == intermediate)))
-    archs = OPT_IN[form].archs if form is not None else None
-    if form is not None and (archs is None or arch in archs) and opt_in_serves(form, p, tokens, hidden, mode,
-                                                                                intermediate):
+    if serves_arch and opt_in_serves(form, p, tokens, hidden, mode, intermediate):
         p = dataclasses.replace(p, **{k: v for k, v in change.items() if k not in PLAN_RULES})
     return p
 
