@@ -54,6 +54,10 @@ class Gemm1Config:
     # The activations stay pointer loads (their rows are a gather). Sweep candidates, no default: no faster on the
     # H200 (improvements/13).
     tma: bool = False
+    # The tile's gate and up rows as one [2*bn, bk] weight tile: one load, one decode and one MMA of M = 2*bn per K
+    # tile, so the wgmmas alternate between two accumulators. Otherwise each matrix's K tile is one dependent chain
+    # of bk/16 wgmmas (N = bm) after the other's. Not with tma (two runs per K tile, not one box).
+    stacked: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,17 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (128, 64, 128, 8, 3),
             (128, 128, 128, 8, 3),
             (64, 128, 64, 4, 4),
+        ]
+    ] + [
+        # Gate and up rows as one tile (Gemm1Config.stacked): the wgmmas alternate between the two accumulators
+        Gemm1Config(bn, bm, bk, w, s, stacked=True)
+        for bn, bm, bk, w, s in [
+            (64, 16, 256, 4, 3),
+            (64, 32, 256, 4, 3),
+            (64, 32, 128, 4, 4),
+            (32, 32, 256, 4, 3),
+            (64, 64, 128, 4, 3),
+            (128, 128, 128, 8, 3),
         ]
     ],
     "sm120": [
@@ -713,6 +728,8 @@ def plan(
     tables1, tables2 = (_FORMER_GEMM1, _FORMER_GEMM2) if change.get("tables") == "former" else (_DEFAULT_GEMM1,
                                                                                                 _DEFAULT_GEMM2)
     g1 = gemm1 or tables1[arch][(schedule, bm)]
+    if change.get("gemm1_stacked") and schedule == "grouped" and not g1.tma:  # (PLAN_RULES)
+        g1 = dataclasses.replace(g1, stacked=True)
     # A form that sets slot_dedup decides it here: GEMM2's config, split and unroll below follow from it.
     slot_dedup = schedule == "slot" and change.get("slot_dedup", tokens >= SLOT_DEDUP_MIN_TOKENS)
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
@@ -774,7 +791,7 @@ def plan(
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
-PLAN_RULES = ("split_k_rule", "tables")
+PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked")
 
 
 @dataclass(frozen=True)
@@ -848,6 +865,10 @@ OPT_IN: dict[str, OptIn] = {
                           compile_tokens=(1, 4, 64, 512, 4096), archs=("sm120", "sm80"),
                           purpose="sm_120's tiles and one-program slot GEMM2 before the H200 stand-in picked the "
                                   "defaults (2026-12-04; never timed on an SM120: selftest times both there)"),
+    "stacked": OptIn(dict(gemm1_stacked=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(64, 512, 4096),
+                     archs=("sm90", "sm100"),
+                     purpose="GEMM1's gate and up rows as one tile, its wgmmas alternating between two accumulators "
+                             "(Gemm1Config.stacked) in the default tile"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

@@ -64,7 +64,7 @@ class Launch:
 
 
 # The constexprs that size a kernel's shared memory and registers (the rest are shapes and switches).
-_SIZING = ("H", "I", "BN", "BM", "BK", "KC", "MERGED", "SPLIT_K", "N_SPLIT", "W4A4", "num_warps", "num_stages", "maxnreg")
+_SIZING = ("H", "I", "BN", "BM", "BK", "KC", "MERGED", "STACK", "SPLIT_K", "N_SPLIT", "W4A4", "num_warps", "num_stages", "maxnreg")
 
 
 def out_of_resources_message(launch: Launch, e) -> str:
@@ -197,6 +197,10 @@ def _w13(plan: cfgs.Plan, call: MoECall) -> tuple[tuple, dict]:
     return (wd, sd), dict(W_DESC=True, S_DESC=True, **tiled)
 
 
+def _stack(g1: cfgs.Gemm1Config) -> dict:
+    return dict(STACK=True) if g1.stacked else {}
+
+
 def _emap(call: MoECall):
     # Kernels take a pointer either way; without a map the ids pointer stands in (never read: HAS_MAP=False).
     return call.expert_map if call.expert_map is not None else call.topk_ids
@@ -306,6 +310,8 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         if g1.tma and g1.bk > kt:
             raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box of {g1.bk} K lies across the {kt}-wide runs of experts "
                                f"prepared with layout={call.prepared.layout!r}")
+    if g1.tma and g1.stacked:
+        raise Glm5Fp4Error(f"MoE plan {plan}: a stacked GEMM1 tile (gate and up rows as one) has no TMA form")
     if g1.tma:
         _check_tma(plan, call)
     if plan.schedule != "slot":
@@ -398,7 +404,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1)),
             stage="gemm1",
         )
     ]
@@ -453,7 +459,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1)),
             stage="gemm1",
         ),
         *reduce,

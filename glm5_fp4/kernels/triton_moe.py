@@ -591,6 +591,7 @@ def moe_gemm1_kernel(
     W_DESC: tl.constexpr = False,
     S_DESC: tl.constexpr = False,
     KT: tl.constexpr = 0,
+    STACK: tl.constexpr = False,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
 
@@ -606,6 +607,10 @@ def moe_gemm1_kernel(
     ``PF_DIST > 0`` (Plan.l2_prefetch): at each K tile the program asks L2 for the gate/up words and scales
     PF_DIST K tiles ahead (one request per row and matrix), so more of the weight stream is in flight than the
     pipeline's shared-memory stages hold.
+
+    ``STACK`` (Gemm1Config.stacked): the tile's gate rows and up rows are one [2*BN, BK] weight tile (one load, one
+    decode, one MMA of M = 2*BN), so the MMA instructions alternate between the gate and the up accumulator (one
+    accumulator, its two halves) instead of running one dependent chain per matrix after the other.
 
     ``DEDUP`` (slot mode, Plan.slot_dedup): the program of a group's leader slot computes every slot routed to
     the same expert, the others none (:func:`_slot_group`; ``SP`` = the slot count rounded up to a power of 2).
@@ -635,6 +640,7 @@ def moe_gemm1_kernel(
     tl.static_assert(not ((W_DESC or S_DESC) and PF_DIST > 0), "the L2 prefetch addresses rows by pointer")
     tl.static_assert(KT == 0 or BK % KT == 0 or KT % BK == 0, "a K tile must divide the layout's runs or span them")
     tl.static_assert(not (KT > 0 and (W_DESC or S_DESC)) or BK <= KT, "a descriptor box lies within one run")
+    tl.static_assert(not (STACK and (W_DESC or S_DESC)), "a stacked tile's rows are two runs, not one box")
     _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
     K_PER: tl.constexpr = H // SPLIT_K
@@ -659,13 +665,18 @@ def moe_gemm1_kernel(
 
     # first gate row of the tile in the [E*2I, .] views of the descriptors (tiled: [E*(H/KT)*2I, .])
     row_g = e * (2 * I) * (1 if KT == 0 else H // KT) + pid_n * BN
+    if STACK:
+        rr = tl.arange(0, 2 * BN)
+        offs_r = pid_n * BN + rr % BN + (rr // BN) * I  # the tile's gate rows, then its up rows
+    else:
+        offs_r = offs_i
     W_ROW: tl.constexpr = H // 8 if KT == 0 else KT // 8  # stored words between consecutive rows
     S_ROW: tl.constexpr = H // 16 if KT == 0 else KT // 16
     if not W_DESC:
-        w_gate = w_ptr + e64 * (2 * I * (H // 8)) + offs_i[:, None] * W_ROW + _w13_cols(offs_w, NW, KT, 2 * I, 8)[None, :]
+        w_gate = w_ptr + e64 * (2 * I * (H // 8)) + offs_r[:, None] * W_ROW + _w13_cols(offs_w, NW, KT, 2 * I, 8)[None, :]
         w_up = w_gate + I * W_ROW
     if not S_DESC:
-        s_gate = (s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * S_ROW
+        s_gate = (s_ptr + e64 * (2 * I * (H // 16)) + offs_r[:, None] * S_ROW
                   + _w13_cols(offs_ks, BK // 16, KT, 2 * I, 16)[None, :])
         s_up = s_gate + I * S_ROW
     if PF_DIST > 0:
@@ -699,8 +710,11 @@ def moe_gemm1_kernel(
             xp = xq_ptr + tok[None, :] * H + offs_k[:, None]
         else:
             xp = x_ptr + tok[None, :] * stride_xt + mk[:, None]
-        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        if STACK:
+            acc = tl.zeros((2 * BN, BM), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(k_begin, k_begin + K_PER, BK):
             if PF_DIST > 0:
                 kp = tl.minimum(k0 + PF_DIST * BK, k_last)
@@ -724,32 +738,43 @@ def moe_gemm1_kernel(
             else:
                 d_row = (k0 // KT) * (2 * I)
                 d_col = k0 % KT
-            if W_DESC:
-                wg = w_ptr.load([row_g + d_row, d_col // 8])
+            if STACK:
+                wt = tl.load(w_gate + k_w)
+                st = tl.load(s_gate + k_s)
+                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wt, st, 2 * BN, BK, USE_ASM, DIAG, PLACED)
+                if MERGED:
+                    acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, 2 * BN, NW), xt, acc)
+                else:
+                    acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc)
             else:
-                wg = tl.load(w_gate + k_w)
-            if S_DESC:
-                sg = s_ptr.load([row_g + d_row, d_col // 16])
-            else:
-                sg = tl.load(s_gate + k_s)
-            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wg, sg, BN, BK, USE_ASM, DIAG, PLACED)
-            if MERGED:
-                acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
-            else:
-                acc_g = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_g)
-            if W_DESC:
-                wu = w_ptr.load([row_g + d_row + I, d_col // 8])
-            else:
-                wu = tl.load(w_up + k_w)
-            if S_DESC:
-                su = s_ptr.load([row_g + d_row + I, d_col // 16])
-            else:
-                su = tl.load(s_up + k_s)
-            d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wu, su, BN, BK, USE_ASM, DIAG, PLACED)
-            if MERGED:
-                acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)
-            else:
-                acc_u = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_u)
+                if W_DESC:
+                    wg = w_ptr.load([row_g + d_row, d_col // 8])
+                else:
+                    wg = tl.load(w_gate + k_w)
+                if S_DESC:
+                    sg = s_ptr.load([row_g + d_row, d_col // 16])
+                else:
+                    sg = tl.load(s_gate + k_s)
+                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wg, sg, BN, BK, USE_ASM, DIAG, PLACED)
+                if MERGED:
+                    acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
+                else:
+                    acc_g = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_g)
+                if W_DESC:
+                    wu = w_ptr.load([row_g + d_row + I, d_col // 8])
+                else:
+                    wu = tl.load(w_up + k_w)
+                if S_DESC:
+                    su = s_ptr.load([row_g + d_row + I, d_col // 16])
+                else:
+                    su = tl.load(s_up + k_s)
+                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wu, su, BN, BK, USE_ASM, DIAG, PLACED)
+                if MERGED:
+                    acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)
+                else:
+                    acc_u = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_u)
+        if STACK:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
         gate = acc_g * alpha
         up = acc_u * alpha
         if SLOT_MODE:

@@ -596,3 +596,37 @@ def test_gemm1_weight_tiles_by_tma(shape, t, routing, mode):
     for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=p),
                                        w, ids, out, e, 2):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=base)) < moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("shape,t,routing,mode", [
+    (GLM_TP8, 16, "same_k", "w4a16"), (GLM_TP8, 64, "zipf1.2", "w4a16"), (GLM_TP8, 512, "balanced", "w4a16"),
+    (GLM_TP8, 1024, "same_k", "w4a16"), (GLM_TP4, 512, "zipf1.2", "w4a4"), (GLM_TP8, 4096, "balanced", "w4a16"),
+    (GLM_EP8, 512, "balanced", "w4a16")])
+def test_gemm1_stacked_gate_and_up_rows(shape, t, routing, mode):
+    """Gemm1Config.stacked (gate and up rows as one tile, the wgmmas alternating between the accumulator's halves)
+    against the float64 reference, NaN-poisoned outputs: the 'stacked' form of the default plan and every stacked
+    candidate at the plan's token block; a CUDA-graph replay of the form with new routings matches eager."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import default_plan, device_arch, fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
+    emap = _ep_map(shape["global_e"], torch.arange(3, 256, 8, device="cuda")[:e]) if "global_e" in shape else None
+    ref = reference(x, w, ids, ex, mode, expert_map=emap)
+    base = default_plan(x, ids, prep, mode, expert_map=emap)
+    form = default_plan(x, ids, prep, mode, expert_map=emap, form="stacked")
+    assert form.gemm1.stacked and form.gemm1 == dataclasses.replace(base.gemm1, stacked=True)
+    arch, _ = device_arch(x.device)
+    tiles = [g for g in C.GEMM1_CANDIDATES[arch] if g.stacked and g.bm == base.gemm1.bm and i % g.bn == 0]
+    for p in [form] + [dataclasses.replace(base, gemm1=g1) for g1 in tiles]:
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=p, expert_map=emap)
+        assert torch.isfinite(out).all(), p.gemm1
+        assert rel_error(out, ref) < moe_tolerance(mode, x.dtype), p.gemm1
+    out = torch.full_like(x, float("nan"))
+    for _ in replays_with_new_routings(
+            lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=form, expert_map=emap), w, ids, out,
+            shape.get("global_e", e), 2):
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=base, expert_map=emap)) < \
+            moe_tolerance(mode, x.dtype)

@@ -35,12 +35,13 @@ def _experts(gen, h=H):
     return ex, prepare_experts(ex)
 
 
-def _plan(t, schedule, h=H, bm=16, merged=True, bk=128, tma=False, **flags):
+def _plan(t, schedule, h=H, bm=16, merged=True, bk=128, tma=False, stacked=False, **flags):
     """A pinned plan: the per-slot / unsplit forms unless ``flags`` ask for dedup or split-K (the defaults moved
     to them at T >= 3 / short grouped lists; each test here names the form it checks). At T <= 2 the slot plans
     are sm_90's defaults there: GEMM2 split by slots, a fused split-K reduce where K splits (PDL, in the plan, runs
     as plain launches in the interpreter); test_gemm2_split_slots pins the one-program GEMM2 against it."""
-    plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, bk, 4, 2, merged, tma=tma),
+    plan = C.plan("sm90", t, E, K, h, I, schedule=schedule, gemm1=C.Gemm1Config(16, bm, bk, 4, 2, merged, tma=tma,
+                                                                                 stacked=stacked),
                   gemm2=C.Gemm2Config(32, 16, 4, 2, merged=merged),
                   form="per_slot" if schedule == "slot" else "grouped_unsplit")
     return dataclasses.replace(plan, **flags)
@@ -93,6 +94,20 @@ def test_gemm1_tensor_descriptor_with_expert_map(gen, schedule, t):
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("schedule,t,routing,merged,bm,split", [
+    ("grouped", 40, "same_k", True, 16, 1), ("grouped", 40, "zipf2", False, 32, 1), ("slot", 3, "balanced", True, 16, 2)])
+def test_gemm1_stacked_gate_and_up_rows(gen, schedule, t, routing, merged, bm, split, mode):
+    """Gemm1Config.stacked: the gate and up rows of a tile as one [2*BN, BK] weight tile (one load, one decode, one
+    MMA whose accumulator is split in two after the K loop) give the float64 reference's layer: four K tiles of the
+    tiled layout's 256-wide runs, three blocks per hot expert, both operand forms, the slot schedule's split K
+    reduced by GEMM1's last program."""
+    out, ref = _run(gen, t, mode, schedule, routing, h=512, bm=bm, merged=merged, stacked=True,
+                    gemm1_split_k=split, gemm1_fused_reduce=split > 1)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
+    assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
 
 
 @pytest.mark.parametrize("routing", ["same_k", "one_hot", "zipf2"])
