@@ -3,8 +3,9 @@
 # one [2*BN, BK] weight tile and one MMA of M = 2*BN, so the wgmmas alternate between the gate and the up accumulator
 # instead of one dependent chain of BK/16 wgmmas (N = BM) per matrix after the other.
 #   OUT=dir bash benchmarks/h200/stacked_job.sh ab        # same-run A/B default / stacked / default: TP8, then TP4
-#   OUT=dir bash benchmarks/h200/stacked_job.sh sweep     # the stacked candidates and the 3-CTA 128-wide K tiles
-#                                                         # (64x32x128 s4) on the tiled layout, T = 512, 1024
+#   OUT=dir bash benchmarks/h200/stacked_job.sh sweep     # the stacked candidates, the 3-CTA 128-wide K tiles
+#                                                         # (64x32x128 s4) on the tiled layout and GEMM2's merged
+#                                                         # 64x32 tile, T = 512, 1024
 #   OUT=dir bash benchmarks/h200/stacked_job.sh tests     # tests/gpu: the stacked tiles against float64
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh).
 set -u
@@ -20,7 +21,7 @@ for s in "$@"; do
         --json "$OUT/variants_stacked_tp4_tp1.json" ;;
     sweep)
       GREP="precompiled|best|rror" step sweep_stacked "${T_SWEEP:-240}" python3 benchmarks/moe_kernel.py --sweep \
-        --shards tp8 --tokens "${SWEEP_TOKENS:-512,1024}" --layers 2 --only "${SWEEP_ONLY:-gu|x128w4s4$}" \
+        --shards tp8 --tokens "${SWEEP_TOKENS:-512,1024}" --layers 2 --only "${SWEEP_ONLY:-gu|x128w4s4$|g2 64x32w4s3 n}" \
         --precompile 14 --json "$OUT/sweep_stacked.json" ;;
     tests)
       step tests_stacked "${T_TESTS:-240}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \

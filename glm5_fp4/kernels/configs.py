@@ -240,6 +240,9 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 16, 4, 3, True),
             (64, 16, 4, 3, False),
             (128, 16, 8, 3, False),
+            # one MMA chain per 32-token tile: the whole tile decoded, then its 16 wgmmas and one wait (the eight-MMA
+            # form waits after every pair: sm_90 SASS, Triton 3.6, 2026-12-05)
+            (64, 32, 4, 3, True),
             (64, 32, 8, 3, False),
             (128, 32, 8, 3, False),
             (128, 32, 4, 3, False),
