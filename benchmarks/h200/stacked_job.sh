@@ -7,7 +7,10 @@
 #                                                         # (64x32x128 s4) on the tiled layout and GEMM2's merged
 #                                                         # 64x32 tile, T = 512, 1024
 #   OUT=dir bash benchmarks/h200/stacked_job.sh tests     # tests/gpu: the stacked tiles against float64
-# carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh).
+#   OUT=dir bash benchmarks/h200/stacked_job.sh former    # same-run A/B of the stacked default against the former
+#                                                         # 32-token tile (opt-in "gemm1_64x32x256"), TP8 / TP4 / TP1
+# carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh). Ran 2026-12-05: ab, sweep, tests at
+# 61c6dbd (benchmarks/results/*stacked*_61c6dbd*), then the default changed and `former` + sanitize ran.
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
 for s in "$@"; do
@@ -23,6 +26,14 @@ for s in "$@"; do
       GREP="precompiled|best|rror" step sweep_stacked "${T_SWEEP:-240}" python3 benchmarks/moe_kernel.py --sweep \
         --shards tp8 --tokens "${SWEEP_TOKENS:-512,1024}" --layers 2 --only "${SWEEP_ONLY:-gu|x128w4s4$|g2 64x32w4s3 n}" \
         --precompile 14 --json "$OUT/sweep_stacked.json" ;;
+    former)
+      GREP="precompiled|T=|rror" step ab_former_tp8 "${T_AB:-240}" python3 benchmarks/moe_variants.py --precompile 14 \
+        --shards tp8 --tokens "${AB_TOKENS:-256,512,1024,2048}" --routings balanced,same_k,zipf1.2 \
+        --forms gemm1_64x32x256 --json "$OUT/variants_stacked_default_tp8.json"
+      GREP="precompiled|T=|rror" step ab_former_tp4_tp1 "${T_AB1:-200}" python3 benchmarks/moe_variants.py --precompile 14 \
+        --shards tp4,tp1 --tokens "${AB1_TOKENS:-512,1024}" --routings balanced,same_k --layers 2 \
+        --forms gemm1_64x32x256 --json "$OUT/variants_stacked_default_tp4_tp1.json" ;;
+    sanitize) sanitize_steps ;;
     tests)
       step tests_stacked "${T_TESTS:-240}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
         -k "stacked" ;;

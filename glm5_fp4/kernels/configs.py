@@ -481,7 +481,12 @@ _DEFAULT_GEMM1 = {
         # slower with all tokens on 8 experts at T=4; the former is opt-in "slot_stages4"
         ("slot", 16): Gemm1Config(64, 16, 256, 4, 2, maxnreg=168),
         ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
-        ("grouped", 32): Gemm1Config(64, 32, 256, 4, 3),
+        # 32-token blocks (T ~ 260-1,300 on the TP8 shard): gate and up rows as one tile (Gemm1Config.stacked, its
+        # wgmmas alternating between two accumulators) in 128-wide K tiles, 4 stages (59 KB: 3 CTAs per SM by shared
+        # memory): the 2026-12-05 sweep on the tiled layout (benchmarks/results/moe_kernel_h200_sweep_stacked_61c6dbd
+        # .json, TP8 whole layer, 2 layers) T=512 278.0 -> 264.9 us, T=1024 416.3 -> 388.3 (64x32x256 stacked 265.9 /
+        # 398.5; 64x32x128 s4 unstacked 274.1 / 400.6); the former tile is opt-in "gemm1_64x32x256"
+        ("grouped", 32): Gemm1Config(64, 32, 128, 4, 4, stacked=True),
         # 64-token blocks (T ~ 1,300-2,560 on the shards): the 2026-12-02 prefill sweep
         # (benchmarks/results/moe_kernel_h200_prefill_sweep.json, whole layer, TP8 T=2048): 64x64x128/4 warps 868 us
         # vs 911 for 128x64x128/8 warps (TP1 T=2048, moe_kernel_h200_prefill_sweep_tp1.json: 5,292 vs 5,538)
@@ -868,10 +873,15 @@ OPT_IN: dict[str, OptIn] = {
                           compile_tokens=(1, 4, 64, 512, 4096), archs=("sm120", "sm80"),
                           purpose="sm_120's tiles and one-program slot GEMM2 before the H200 stand-in picked the "
                                   "defaults (2026-12-04; never timed on an SM120: selftest times both there)"),
-    "stacked": OptIn(dict(gemm1_stacked=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(64, 512, 4096),
+    "stacked": OptIn(dict(gemm1_stacked=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(64, 4096),
                      archs=("sm90", "sm100"),
                      purpose="GEMM1's gate and up rows as one tile, its wgmmas alternating between two accumulators "
-                             "(Gemm1Config.stacked) in the default tile"),
+                             "(Gemm1Config.stacked), in the default tile where it is not stacked (H200 2026-12-05, "
+                             "same run: TP8 T=16/64 +3-5 %, T=4096/8192 +2-7 % balanced; the 32-token default is)"),
+    "gemm1_64x32x256": OptIn(dict(gemm1=Gemm1Config(64, 32, 256, 4, 3)), "grouped", None, ("w4a16", "w4a4"),
+                             compile_tokens=(512,), archs=("sm90", "sm100"), bm=32,
+                             purpose="GEMM1 in 64x32x256 tiles of gate rows then up rows, 3 stages (the sm90 default "
+                                     "for 32-token blocks before 2026-12-05)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

@@ -103,6 +103,23 @@ def main() -> int:
         ok = err < moe_tolerance("w4a16", x.dtype)
         failures += not ok
         print(f"T={t} {routing} tma bk={bk}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # GEMM1's stacked tile (Gemm1Config.stacked: gate and up rows as one tile, the accumulator split after the K
+    # loop): the sm90 32-token default (64x32x128, 4 stages) and a 16-row one, remote slots, both modes
+    for t, routing, use_map, cfg in ((40, "same_k", False, C.Gemm1Config(64, 32, 128, 4, 4, stacked=True)),
+                                     (40, "zipf2", True, C.Gemm1Config(16, 16, 256, 4, 2, stacked=True))):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing(routing, t, 12 if use_map else e, k, device="cuda")
+        m = emap if use_map else None
+        plan = dataclasses.replace(default_plan(x, ids, prep, "w4a16", m), gemm1=cfg, gemm1_split_k=1)
+        for mode in ("w4a16", "w4a4"):
+            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m)
+            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
+                                compute_dtype=torch.float64, expert_map=None if m is None else m.cpu())
+            err = rel_error(out, ref)
+            ok = err < moe_tolerance(mode, x.dtype)
+            failures += not ok
+            print(f"T={t} {routing} stacked {cfg.bn}x{cfg.bm}x{cfg.bk} map={use_map} {mode}: rel err {err:.2e} "
+                  f"{'ok' if ok else 'FAIL'}")
     # the slot GEMM2 split by slots (Plan.gemm2_split_slots: per-slot rows, the last arrival adds them), with PDL,
     # remote slots, and a token whose experts are all remote
     for t, use_map, pdl in ((1, False, False), (2, True, True)):
