@@ -482,11 +482,13 @@ _DEFAULT_GEMM1 = {
         ("slot", 16): Gemm1Config(64, 16, 256, 4, 2, maxnreg=168),
         ("grouped", 16): Gemm1Config(64, 16, 256, 4, 3),
         # 32-token blocks (T ~ 260-1,300 on the TP8 shard): gate and up rows as one tile (Gemm1Config.stacked, its
-        # wgmmas alternating between two accumulators) in 128-wide K tiles, 4 stages (59 KB: 3 CTAs per SM by shared
-        # memory): the 2026-12-05 sweep on the tiled layout (benchmarks/results/moe_kernel_h200_sweep_stacked_61c6dbd
-        # .json, TP8 whole layer, 2 layers) T=512 278.0 -> 264.9 us, T=1024 416.3 -> 388.3 (64x32x256 stacked 265.9 /
-        # 398.5; 64x32x128 s4 unstacked 274.1 / 400.6); the former tile is opt-in "gemm1_64x32x256"
-        ("grouped", 32): Gemm1Config(64, 32, 128, 4, 4, stacked=True),
+        # wgmmas alternating between two accumulators). Same-run A/B on the H200, 2026-12-05 (benchmarks/results/
+        # moe_variants_h200_stacked_*_61c6dbd.json, us per layer, former twice / stacked): TP8 T=512 273.5, 273.1 /
+        # 262.5, T=1024 412.0, 417.1 / 393.3, TP4 T=512 552.4, 553.2 / 529.7, TP1 T=1024 3,297, 3,451 / 3,191. The
+        # 128-wide K tile in 4 stages (3 CTAs per SM) was faster still on the H200 at T=1024 (388.3 against 398.5 us)
+        # but 7 % slower than the former tile on an H100 at T=512 (335.2 against 316.2; this one 314.0): sweeps
+        # benchmarks/results/moe_kernel_h{200,100}_sweep_stacked_*.json. The former tile is opt-in "gemm1_64x32x256".
+        ("grouped", 32): Gemm1Config(64, 32, 256, 4, 3, stacked=True),
         # 64-token blocks (T ~ 1,300-2,560 on the shards): the 2026-12-02 prefill sweep
         # (benchmarks/results/moe_kernel_h200_prefill_sweep.json, whole layer, TP8 T=2048): 64x64x128/4 warps 868 us
         # vs 911 for 128x64x128/8 warps (TP1 T=2048, moe_kernel_h200_prefill_sweep_tp1.json: 5,292 vs 5,538)

@@ -104,8 +104,9 @@ def main() -> int:
         failures += not ok
         print(f"T={t} {routing} tma bk={bk}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # GEMM1's stacked tile (Gemm1Config.stacked: gate and up rows as one tile, the accumulator split after the K
-    # loop): the sm90 32-token default (64x32x128, 4 stages) and a 16-row one, remote slots, both modes
-    for t, routing, use_map, cfg in ((40, "same_k", False, C.Gemm1Config(64, 32, 128, 4, 4, stacked=True)),
+    # loop): the sm90 32-token default (64x32x256), a 128-wide K tile and a 16-row one, remote slots, both modes
+    for t, routing, use_map, cfg in ((40, "same_k", False, C.Gemm1Config(64, 32, 256, 4, 3, stacked=True)),
+                                     (40, "balanced", False, C.Gemm1Config(64, 32, 128, 4, 4, stacked=True)),
                                      (40, "zipf2", True, C.Gemm1Config(16, 16, 256, 4, 2, stacked=True))):
         x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
         w, ids = make_routing(routing, t, 12 if use_map else e, k, device="cuda")
