@@ -548,6 +548,34 @@ def _w13_cols(offs, N: tl.constexpr, KT: tl.constexpr, ROWS: tl.constexpr, U: tl
 
 
 @triton.jit
+def _w13_tile(w_ptr, s_ptr, w_rows, s_rows, k_w, k_s, d_row, d_col, W_DESC: tl.constexpr, S_DESC: tl.constexpr):
+    """One K tile of GEMM1's gate or up weight tile: its words and scales, by pointer (``w_rows``/``s_rows`` plus the
+    K tile's offsets) or by descriptor (row ``d_row``, column ``d_col`` of the views)."""
+    if W_DESC:
+        wt = w_ptr.load([d_row, d_col // 8])
+    else:
+        wt = tl.load(w_rows + k_w)
+    if S_DESC:
+        st = s_ptr.load([d_row, d_col // 16])
+    else:
+        st = tl.load(s_rows + k_s)
+    return wt, st
+
+
+@triton.jit
+def _mma_tile(wt, st, xs, acc, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DIAG: tl.constexpr,
+              PLACED: tl.constexpr, MERGED: tl.constexpr):
+    """acc + (decoded [R, BK] weight tile) @ activations: one merged MMA chain (``xs`` the [BK, BM] tile) or eight
+    MMAs (``xs`` its eight sets)."""
+    NW: tl.constexpr = BK // 8
+    d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wt, st, R, BK, USE_ASM, DIAG, PLACED)
+    if MERGED:
+        return tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, R, NW), xs, acc)
+    else:
+        return _dot8(d0, d1, d2, d3, d4, d5, d6, d7, xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], acc)
+
+
+@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     stride_xt,
@@ -675,10 +703,16 @@ def moe_gemm1_kernel(
     if not W_DESC:
         w_gate = w_ptr + e64 * (2 * I * (H // 8)) + offs_r[:, None] * W_ROW + _w13_cols(offs_w, NW, KT, 2 * I, 8)[None, :]
         w_up = w_gate + I * W_ROW
+    else:  # (not read: _w13_tile takes the descriptor)
+        w_gate = w_ptr
+        w_up = w_ptr
     if not S_DESC:
         s_gate = (s_ptr + e64 * (2 * I * (H // 16)) + offs_r[:, None] * S_ROW
                   + _w13_cols(offs_ks, BK // 16, KT, 2 * I, 16)[None, :])
         s_up = s_gate + I * S_ROW
+    else:
+        s_gate = s_ptr
+        s_up = s_ptr
     if PF_DIST > 0:
         # rows of this tile's gate half then its up half; the last K tile's address stands in past the end
         pr = tl.arange(0, 2 * BN)
@@ -720,14 +754,15 @@ def moe_gemm1_kernel(
                 kp = tl.minimum(k0 + PF_DIST * BK, k_last)
                 _prefetch_l2_at(pf_w + _w13_k_offset(kp, KT, 2 * I, H, 8))
                 _prefetch_l2_at(pf_s + _w13_k_offset(kp, KT, 2 * I, H, 16))
+            # the activation tile: whole (one merged MMA chain) or its eight sets
             if X_PREP and not MERGED:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _load_sets(xp + k0, mmask[None, :], NW)
+                xs = _load_sets(xp + k0, mmask[None, :], NW)
             else:
-                xt = tl.load(xp + k0, mask=mmask[None, :], other=0.0)
+                xs = tl.load(xp + k0, mask=mmask[None, :], other=0.0)
                 if not X_PREP:
-                    xt = _x_operand(xt, g_in, W4A4, BK, BM)
+                    xs = _x_operand(xs, g_in, W4A4, BK, BM)
                 if not MERGED:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _split_sets(xt, NW, BM)
+                    xs = _split_sets(xs, NW, BM)
             # this K tile in the gate and up tiles alike: pointer offsets of its words and scales, or its row and
             # column in the descriptors' views
             k_w = _w13_k_offset(k0, KT, 2 * I, H, 8)
@@ -739,40 +774,13 @@ def moe_gemm1_kernel(
                 d_row = (k0 // KT) * (2 * I)
                 d_col = k0 % KT
             if STACK:
-                wt = tl.load(w_gate + k_w)
-                st = tl.load(s_gate + k_s)
-                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wt, st, 2 * BN, BK, USE_ASM, DIAG, PLACED)
-                if MERGED:
-                    acc = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, 2 * BN, NW), xt, acc)
-                else:
-                    acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc)
+                acc = _mma_tile(tl.load(w_gate + k_w), tl.load(s_gate + k_s), xs, acc, 2 * BN, BK, USE_ASM, DIAG,
+                                PLACED, MERGED)
             else:
-                if W_DESC:
-                    wg = w_ptr.load([row_g + d_row, d_col // 8])
-                else:
-                    wg = tl.load(w_gate + k_w)
-                if S_DESC:
-                    sg = s_ptr.load([row_g + d_row, d_col // 16])
-                else:
-                    sg = tl.load(s_gate + k_s)
-                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wg, sg, BN, BK, USE_ASM, DIAG, PLACED)
-                if MERGED:
-                    acc_g = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_g)
-                else:
-                    acc_g = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_g)
-                if W_DESC:
-                    wu = w_ptr.load([row_g + d_row + I, d_col // 8])
-                else:
-                    wu = tl.load(w_up + k_w)
-                if S_DESC:
-                    su = s_ptr.load([row_g + d_row + I, d_col // 16])
-                else:
-                    su = tl.load(s_up + k_s)
-                d0, d1, d2, d3, d4, d5, d6, d7 = _decode_sets(wu, su, BN, BK, USE_ASM, DIAG, PLACED)
-                if MERGED:
-                    acc_u = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, BN, NW), xt, acc_u)
-                else:
-                    acc_u = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, x0, x1, x2, x3, x4, x5, x6, x7, acc_u)
+                wg, sg = _w13_tile(w_ptr, s_ptr, w_gate, s_gate, k_w, k_s, row_g + d_row, d_col, W_DESC, S_DESC)
+                acc_g = _mma_tile(wg, sg, xs, acc_g, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
+                wu, su = _w13_tile(w_ptr, s_ptr, w_up, s_up, k_w, k_s, row_g + d_row + I, d_col, W_DESC, S_DESC)
+                acc_u = _mma_tile(wu, su, xs, acc_u, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
         if STACK:
             acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
         gate = acc_g * alpha

@@ -16,6 +16,14 @@ from glm5_fp4.reference import moe_reference, random_experts
 from glm5_fp4.tolerances import moe_tolerance, rel_error
 
 
+def _checked(out, x, w, ids, ex, mode, m) -> tuple[float, bool]:
+    """The relative error of ``out`` against the float64 reference of the same call, and whether it is within tolerance."""
+    ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
+                        compute_dtype=torch.float64, expert_map=None if m is None else m.cpu())
+    err = rel_error(out, ref)
+    return err, err < moe_tolerance(mode, x.dtype)
+
+
 def main() -> int:
     g = torch.Generator().manual_seed(0)
     e, h, i, k = 8, 768, 128, 2  # H = 3 runs of the tiled layout's 256 K: a run's bounds matter
@@ -113,11 +121,7 @@ def main() -> int:
         m = emap if use_map else None
         plan = dataclasses.replace(default_plan(x, ids, prep, "w4a16", m), gemm1=cfg, gemm1_split_k=1)
         for mode in ("w4a16", "w4a4"):
-            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m)
-            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
-                                compute_dtype=torch.float64, expert_map=None if m is None else m.cpu())
-            err = rel_error(out, ref)
-            ok = err < moe_tolerance(mode, x.dtype)
+            err, ok = _checked(fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m), x, w, ids, ex, mode, m)
             failures += not ok
             print(f"T={t} {routing} stacked {cfg.bn}x{cfg.bm}x{cfg.bk} map={use_map} {mode}: rel err {err:.2e} "
                   f"{'ok' if ok else 'FAIL'}")
@@ -151,11 +155,7 @@ def main() -> int:
         m = emap if use_map else None
         for mode in ("w4a16", "w4a4"):
             plan = plan_for("sm120", C.sm_count_guess("sm120"), t, k, prep, mode, m)
-            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m)
-            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
-                                compute_dtype=torch.float64, expert_map=None if m is None else m.cpu())
-            err = rel_error(out, ref)
-            ok = err < moe_tolerance(mode, x.dtype)
+            err, ok = _checked(fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m), x, w, ids, ex, mode, m)
             failures += not ok
             print(f"T={t} {routing} map={use_map} sm_120 plan {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
