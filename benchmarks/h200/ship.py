@@ -9,7 +9,8 @@ Python 3.12 never loads (``strip``) -- by zipfile, so a stripped file is never w
 installed into the same ``site`` folder by ``pip install --target --platform`` (pip does the unpacking here, the
 device only extracts); for SGLang the site's import closure is checked against the device image (every package
 the server imports at start-up is shipped or already there, ``import_closure.py``). Everything is packed as one
-tar.xz and cut into equal pieces of at most PIECE_MIB under ``<out>/p0``, ``<out>/p1``, ... each with the
+tar.xz and cut into equal pieces of at most :func:`piece_limit_mib` (what a device call carries beside the working
+tree) under ``<out>/p0``, ``<out>/p1``, ... each with the
 manifest (sha256 of every piece and of the whole, the ``.pth`` folders the site needs on ``PYTHONPATH``).
 
 There (``receive``): each call copies the piece it carried to the set's ship folder under /tmp (carried paths
@@ -42,7 +43,12 @@ from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-PIECE_MIB = 58  # a call carries 64 MiB with the working tree (~4 MiB) and nothing else
+# A device call carries 64 MiB in all: the working tree (git's tracked files and the untracked ones it does not
+# ignore) and the carried paths. The tree grows with the committed results (3.4 MB on 2026-12-01, 17 MB on
+# 2026-12-05, when 47 MiB pieces prepared for the former no longer fit beside it), so a piece is sized to what the tree
+# leaves, less a margin for the piece's manifest and files written between prepare and the calls.
+CALL_MIB = 64
+MARGIN_MIB = 2
 MANIFEST = "manifest.json"
 ARCHIVE = "payload.tar.xz"
 PYTHONPATH_FILE = ".pythonpath"
@@ -273,6 +279,24 @@ def smoke_argv(ship_set: ShipSet) -> list[str]:
 
 
 # -- shared helpers ------------------------------------------------------------------------------------------------
+
+def travelling_bytes(root: Path = ROOT) -> int:
+    """Bytes every device call sends besides its carried paths: the files git tracks and the untracked ones it does not
+    ignore, as they are in the working tree."""
+    names = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           capture_output=True, check=True).stdout.split(b"\0")
+    files = (root / os.fsdecode(n) for n in names if n)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def piece_limit_mib(root: Path = ROOT) -> int:
+    """The largest piece (MiB) that fits one call beside the working tree of ``root``."""
+    left = (CALL_MIB << 20) - travelling_bytes(root) - (MARGIN_MIB << 20)
+    if left < 8 << 20:
+        raise ShipError(f"the working tree of {root} takes {travelling_bytes(root) / 2**20:.1f} MiB of the {CALL_MIB} MiB "
+                        f"a device call carries: less than 8 MiB would be left per piece (ignore what calls need not send)")
+    return left >> 20
+
 
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -606,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="default: .ship (vllm), .ship-sglang (sglang)")
     p.add_argument("--cache", type=Path, default=ROOT / ".cache")
     p.add_argument("--python", default=sys.executable, help="interpreter whose pip downloads (any Python)")
-    p.add_argument("--piece-mib", type=int, default=PIECE_MIB)
+    p.add_argument("--piece-mib", type=int, default=None,
+                   help="largest piece (default: what a call carries beside this working tree, piece_limit_mib)")
     p.add_argument("--kinds-md", type=Path, default=KINDS_MD)
     r = sub.add_parser("receive", help="there: copy the carried piece(s) to the set's ship folder")
     r.add_argument("--carried", type=Path, default=None)
@@ -620,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     ship_set = SETS[args.engine]
     try:
         if args.cmd == "prepare":
-            m = prepare(ship_set, args.out or ROOT / ship_set.out, args.cache, args.python, args.piece_mib, args.kinds_md)
+            m = prepare(ship_set, args.out or ROOT / ship_set.out, args.cache, args.python,
+                        args.piece_mib or piece_limit_mib(), args.kinds_md)
             print(json.dumps({k: m[k] for k in ("wheel", "archive_bytes", "site_bytes", "stripped", "prepare_timings",
                                                 "pythonpath", "import_closure")}
                              | {"pieces": [(p["name"], p["bytes"]) for p in m["pieces"]]}, indent=1))
