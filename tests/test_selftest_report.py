@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 
@@ -212,3 +213,14 @@ def test_former_plans_table_shows_each_ratio_and_failures():
     assert "### Former plans: `sm120_former`" in text and "| tp8 | 1 | 20.0 | 40.0 | 2.00 |" in text
     assert "| tp8 | 256 | 200.0 | — | **error**: RuntimeError: boom |" in text
     assert "### Former plans: `other_former`" in text and "Failed: ValueError: no plan" in text
+
+
+def test_config_label_names_the_tile_forms():
+    """The report's tile column tells a register cap, TMA tiles and a stacked gate/up tile apart (they time apart)."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.selftest.report import _cfg
+
+    plain = dataclasses.asdict(C.Gemm1Config(64, 32, 256, 4, 3))
+    assert _cfg(plain) == "64/32/256/4/3"
+    assert _cfg(dataclasses.asdict(C.Gemm1Config(64, 32, 256, 4, 3, stacked=True))) == "64/32/256/4/3 gate+up"
+    assert _cfg(dataclasses.asdict(C.Gemm1Config(64, 32, 256, 4, 2, maxnreg=168, tma=True))) == "64/32/256/4/2 r168 tma"

@@ -22,7 +22,8 @@ def _cfg(d: dict | None) -> str:
         return "—"
     regs = f" r{d['maxnreg']}" if d.get("maxnreg") else ""  # a register cap (Gemm1Config.maxnreg)
     tma = " tma" if d.get("tma") else ""  # weight tiles by TMA (Gemm1Config.tma)
-    return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d) + regs + tma
+    stacked = " gate+up" if d.get("stacked") else ""  # gate and up rows as one tile (Gemm1Config.stacked)
+    return "/".join(str(d[k]) for k in ("bn", "bm", "bk", "num_warps", "num_stages") if k in d) + regs + tma + stacked
 
 
 def _tolerance(tol) -> str:
