@@ -879,11 +879,12 @@ OPT_IN: dict[str, OptIn] = {
                           compile_tokens=(1, 4, 64, 512, 4096), archs=("sm120", "sm80"),
                           purpose="sm_120's tiles and one-program slot GEMM2 before the H200 stand-in picked the "
                                   "defaults (2026-12-04; never timed on an SM120: selftest times both there)"),
-    "stacked": OptIn(dict(gemm1_stacked=True), "grouped", None, ("w4a16",), compile_tokens=(64, 4096),
+    "stacked": OptIn(dict(gemm1_stacked=True), "grouped", 2048, ("w4a16",), compile_tokens=(64,),
                      archs=("sm90", "sm100"),
                      purpose="GEMM1's gate and up rows as one tile, its wgmmas alternating between two accumulators "
-                             "(Gemm1Config.stacked), in the default tile where it is not stacked (H200 2026-12-05, "
-                             "same run: TP8 T=16/64 +3-5 %, T=4096/8192 +2-7 % balanced; the 32-token default is)"),
+                             "(Gemm1Config.stacked), in the default tile where it is not stacked, up to the 64-token "
+                             "blocks (H200 2026-12-05, same run: TP8 T=16/64 +3-5 % balanced; the 32-token default is; "
+                             "the 128-token prefill tile stacked was 2-7 % slower and spills under Triton 3.8)"),
     "gemm1_64x32x256": OptIn(dict(gemm1=Gemm1Config(64, 32, 256, 4, 3)), "grouped", None, ("w4a16", "w4a4"),
                              compile_tokens=(512,), archs=("sm90", "sm100"), bm=32,
                              purpose="GEMM1 in 64x32x256 tiles of gate rows then up rows, 3 stages (the sm90 default "
