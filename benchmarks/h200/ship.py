@@ -291,9 +291,10 @@ def travelling_bytes(root: Path = ROOT) -> int:
 
 def piece_limit_mib(root: Path = ROOT) -> int:
     """The largest piece (MiB) that fits one call beside the working tree of ``root``."""
-    left = (CALL_MIB << 20) - travelling_bytes(root) - (MARGIN_MIB << 20)
+    tree = travelling_bytes(root)
+    left = (CALL_MIB << 20) - tree - (MARGIN_MIB << 20)
     if left < 8 << 20:
-        raise ShipError(f"the working tree of {root} takes {travelling_bytes(root) / 2**20:.1f} MiB of the {CALL_MIB} MiB "
+        raise ShipError(f"the working tree of {root} takes {tree / 2**20:.1f} MiB of the {CALL_MIB} MiB "
                         f"a device call carries: less than 8 MiB would be left per piece (ignore what calls need not send)")
     return left >> 20
 

@@ -37,11 +37,7 @@ def main() -> int:
         w, ids = make_routing(routing, t, 12 if use_map else e, k, device="cuda")
         m = emap if use_map else None
         for mode in ("w4a16", "w4a4"):
-            out = fused_moe(x, w, ids, prep, mode=mode, expert_map=m)
-            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
-                                compute_dtype=torch.float64, expert_map=None if m is None else m.cpu())
-            err = rel_error(out, ref)
-            ok = err < moe_tolerance(mode, x.dtype)
+            err, ok = _checked(fused_moe(x, w, ids, prep, mode=mode, expert_map=m), x, w, ids, ex, mode, m)
             failures += not ok
             print(f"T={t} {routing} map={use_map} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # the slot schedule's fused split-K reduce (plan.gemm1_fused_reduce: arrival counters, last program reduces)
@@ -57,11 +53,7 @@ def main() -> int:
         plan = dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=128), gemm1_split_k=2,
                                    gemm1_fused_reduce=True)
         for mode in ("w4a16", "w4a4"):
-            out = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
-            ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode=mode,
-                                compute_dtype=torch.float64)
-            err = rel_error(out, ref)
-            ok = err < moe_tolerance(mode, x.dtype)
+            err, ok = _checked(fused_moe_triton(x, w, ids, prep, mode, plan=plan), x, w, ids, ex, mode, None)
             failures += not ok
             print(f"T={t} fused split-K reduce {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # the parallel align (plan.parallel_align: count + scan by the last arrival, scatter kernel), remote slots
@@ -70,11 +62,8 @@ def main() -> int:
         w, ids = make_routing("zipf2", t, 12 if use_map else e, k, device="cuda")
         m = emap if use_map else None
         plan = dataclasses.replace(default_plan(x, ids, prep, "w4a16", m), parallel_align=True)
-        out = fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m)
-        ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, compute_dtype=torch.float64,
-                            expert_map=None if m is None else m.cpu())
-        err = rel_error(out, ref)
-        ok = err < moe_tolerance("w4a16", x.dtype)
+        err, ok = _checked(fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m), x, w, ids, ex,
+                           "w4a16", m)
         failures += not ok
         print(f"T={t} parallel align map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # programmatic dependent launch (plan.pdl; its prefetches address the weights by the routing), both
@@ -88,11 +77,9 @@ def main() -> int:
         if form == "pdl_fused":  # two K tiles of 128 (H = 256) so that K splits in two
             plan = dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, bk=128), gemm1_split_k=2,
                                        gemm1_fused_reduce=True)
-        out = fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m)
-        ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, compute_dtype=torch.float64,
-                            expert_map=None if m is None else m.cpu())
-        err = rel_error(out, ref)
-        ok = err < moe_tolerance("w4a16", x.dtype) and plan.pdl
+        err, ok = _checked(fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m), x, w, ids, ex,
+                           "w4a16", m)
+        ok = ok and plan.pdl
         failures += not ok
         print(f"T={t} {form} map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # GEMM1's weight tiles by TMA (Gemm1Config.tma): words and scales by descriptor (BK = 256), words only (BK = 128)
@@ -104,11 +91,7 @@ def main() -> int:
         base = default_plan(x, ids, prep, "w4a16")
         plan = dataclasses.replace(base, gemm1=C.Gemm1Config(16, base.gemm1.bm, bk, 4, 2, tma=True),
                                    gemm1_split_k=1, gemm1_fused_reduce=False)
-        out = fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan)
-        ref = moe_reference(x.double().cpu(), w.double().cpu(), ids.long().cpu(), ex, mode="w4a16",
-                            compute_dtype=torch.float64)
-        err = rel_error(out, ref)
-        ok = err < moe_tolerance("w4a16", x.dtype)
+        err, ok = _checked(fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan), x, w, ids, ex, "w4a16", None)
         failures += not ok
         print(f"T={t} {routing} tma bk={bk}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # GEMM1's stacked tile (Gemm1Config.stacked: gate and up rows as one tile, the accumulator split after the K
