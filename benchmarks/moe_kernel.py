@@ -78,9 +78,18 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         name = (f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
                 f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}")
         out[name] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll, gemm2_split_slots=False)
+        if base.schedule == "grouped" and (g2.bn, g2.bm) == (base.gemm2.bn, base.gemm2.bm):
+            # the same tile's other splits along H (program count against tiles walked per program)
+            for ns in GEMM2_SPLITS:
+                if ns != n_split and (hidden // g2.bn) % ns == 0:
+                    out[name.rsplit(" n", 1)[0] + f" n{ns}"] = rep(base, gemm2=g2, gemm2_n_split=ns, gemm2_split_slots=False)
         if split_slots:
             out[name + " slots"] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=False,
                                        gemm2_split_slots=True)
+    if base.schedule == "grouped":
+        for ns in GEMM2_SPLITS:
+            if ns != base.gemm2_n_split and (hidden // base.gemm2.bn) % ns == 0:
+                out[f"g2 n{ns}"] = rep(base, gemm2_n_split=ns)
     for dist in L2_PREFETCH_DISTANCES:
         if dist != base.l2_prefetch:
             out[f"pf{dist}"] = rep(base, l2_prefetch=dist)
@@ -100,6 +109,8 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     return out
 
 
+# GEMM2 splits along H the sweep tries for the default tile and its same-shape candidates (grouped schedule)
+GEMM2_SPLITS = (2, 3, 4, 6, 8, 12)
 # Plan.l2_prefetch distances the sweep tries (K tiles of GEMM1, N tiles of the grouped GEMM2 ahead)
 L2_PREFETCH_DISTANCES = (2, 4, 8)
 

@@ -10,16 +10,16 @@
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh).
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
-ONLY=${SWEEP_ONLY:-x64w4s(6|7|8|10)|x128w[48]s6|g2 64x(16|32)w4s[456]u}
+ONLY=${SWEEP_ONLY:-^g2 (64x(16|32)w4s[3-8]u )?n[0-9]+$}
 for s in "$@"; do
   case $s in
     sweep)
       GREP="precompiled|best|rror" step sweep_deep "${T_SWEEP:-330}" python3 benchmarks/moe_kernel.py --sweep \
-        --shards tp8 --tokens "${SWEEP_TOKENS:-64,256,512,1024}" --layers 2 --only "$ONLY" \
+        --shards tp8 --tokens "${SWEEP_TOKENS:-64,128,256,512,1024}" --layers 2 --only "$ONLY" \
         --precompile 14 --json "$OUT/sweep_deep.json" ;;
     sweep4)
       GREP="precompiled|best|rror" step sweep_deep_tp4 "${T_SWEEP4:-200}" python3 benchmarks/moe_kernel.py --sweep \
-        --shards tp4 --tokens "${SWEEP4_TOKENS:-512}" --layers 2 --only "$ONLY" \
+        --shards tp4 --tokens "${SWEEP4_TOKENS:-64,256,512}" --layers 2 --only "$ONLY" \
         --precompile 14 --json "$OUT/sweep_deep_tp4.json" ;;
     ab)
       GREP="precompiled|T=|rror" step ab_deep_tp8 "${T_AB:-300}" python3 benchmarks/moe_variants.py --precompile 14 \

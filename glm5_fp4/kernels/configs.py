@@ -208,23 +208,6 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (64, 32, 128, 4, 4),
             (64, 64, 128, 4, 3),
         ]
-    ] + [
-        # Deep rings: narrow K tiles in many stages. Triton issues a stage's copies after the iteration's last wgmma,
-        # so S stages keep S - 2 in flight during compute: 64-wide K tiles in 6-8 stages hold 2x the default's weight
-        # bytes in flight per SM (sm_90, Triton 3.6: 64x32x64 stacked s6 123 registers / 47.6 KB, s7 128 / 56 KB: 4
-        # CTAs per SM; 64x32x128 in 8 warps s6 102 / 95 KB: 2 CTAs), at ~20 % more instructions per weight.
-        Gemm1Config(bn, bm, bk, w, s, stacked=st)
-        for bn, bm, bk, w, s, st in [
-            (64, 16, 64, 4, 8, False),
-            (64, 16, 64, 4, 10, False),
-            (64, 16, 128, 4, 6, False),
-            (64, 16, 64, 4, 8, True),
-            (64, 32, 64, 4, 6, True),
-            (64, 32, 64, 4, 7, True),
-            (64, 32, 64, 4, 8, True),
-            (64, 32, 128, 8, 6, True),
-            (64, 32, 128, 4, 6, True),
-        ]
     ],
     "sm120": [
         Gemm1Config(bn, bm, bk, w, s)
@@ -272,7 +255,10 @@ GEMM2_CANDIDATES: dict[str, list[Gemm2Config]] = {
             (64, 128, 4, 3, False),
             (256, 64, 8, 2, False),
             # deeper rings along H (GEMM2 takes I whole at the TP8 shard: its stages are N tiles)
+            (64, 16, 4, 4, False),
             (64, 16, 4, 5, False),
+            (64, 16, 4, 6, False),
+            (64, 16, 4, 8, False),
             (64, 32, 4, 4, False),
             (64, 32, 4, 5, False),
             (64, 32, 4, 6, False),
