@@ -547,6 +547,28 @@ def test_former_tile_defaults_are_opt_in_on_the_archs_they_were_defaults_on():
         assert C.plan("sm90", t, 256, 8, 6144, i, form="gemm2_128x32") == C.plan("sm90", t, 256, 8, 6144, i), (t, i)
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_tp8_gemm2_of_16_token_blocks_splits_12_ways_and_the_former_rule_is_opt_in(arch):
+    """The TP8 shard's GEMM2 of 16-token blocks: 12 programs along H in 4 stages; "gemm2_split_rule" restores the
+    3-stage tile split by pick_n_split (3 ways at T = 64-256, more at small T). The TP4 shard, whole experts and
+    slot dedup (T = 3-4) keep the former tile and rule whatever the form, as does every other token block."""
+    dims = (256, 8, 6144)
+    former = C.Gemm2Config(64, 16, 4, 3, merged=False)
+    for t in (8, 16, 64, 256):
+        new, old = C.plan(arch, t, *dims, 256), C.plan(arch, t, *dims, 256, form="gemm2_split_rule")
+        assert (new.gemm2.bm, new.gemm2.num_stages, new.gemm2_n_split) == (16, 4, 12), t
+        assert old.gemm2 == former and old.gemm2_n_split == C.pick_n_split(
+            6144 // 64, min(C.expected_active_experts(t, 256, 8), t * 8), 132), t
+        assert dataclasses.replace(old, gemm2=new.gemm2, gemm2_n_split=12) == new  # nothing else differs
+    assert [C.plan(arch, t, *dims, 256, form="gemm2_split_rule").gemm2_n_split for t in (16, 64)] == [6, 3]
+    for t, i in ((3, 256), (4, 256), (64, 512), (256, 512), (64, 2048)):
+        p = C.plan(arch, t, *dims, i)
+        assert p.gemm2 == former and p.gemm2_n_split == C.plan(arch, t, *dims, i, form="gemm2_split_rule").gemm2_n_split
+    for t, i in ((512, 256), (4096, 256), (3, 256), (64, 512)):  # the form serves none of these: plan unchanged
+        assert C.plan(arch, t, *dims, i, form="gemm2_split_rule") == C.plan(arch, t, *dims, i), (t, i)
+    assert C.plan("sm120", 64, *dims, 256, form="gemm2_split_rule") == C.plan("sm120", 64, *dims, 256)
+
+
 def test_free_decode_bound_keeps_one_scale_instruction_per_output():
     """DIAG_NO_DECODE's stand-in (benchmarks' free-decode bound) computes each of a word's four outputs by a
     different expression of the word and the scale pair: ptxas merged four identical multiplies into one (SASS,

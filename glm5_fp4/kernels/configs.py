@@ -530,7 +530,15 @@ _DEFAULT_GEMM2 = {
     # which halves the CTAs per SM for 8-warp tiles.
     "sm90": {
         ("slot", 16): Gemm2Config(64, 16, 4, 3),
-        ("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
+        # 16-token blocks (T ~ 5-260 on the TP8 shard): 12 programs per block along H (8 N tiles each), 4 stages. The
+        # split rule (pick_n_split: ~4 programs per SM) gave 3 at T = 64-256, ~1.2 waves of this 92-register tile (5
+        # CTAs per SM), so most SMs idled through the last one. H100 sweep, 2026-12-05 (benchmarks/results/
+        # moe_kernel_h100_sweep_gemm2_split_cce8db9.json, TP8 whole layer, us, split 3 s3 -> this): T=64 252.7 -> 233.2,
+        # T=128 291.7 -> 262.8, T=256 308.4 -> 281.6; 3 stages at split 12 235.4 / 263.9 / 283.8. The TP4 shard keeps
+        # the rule (T=64 444 -> 432 at split 12 but T=256 522 -> 532: _GEMM2_BY_INTERMEDIATE), as does slot dedup
+        # ("dedup"). The former is opt-in "gemm2_split_rule".
+        ("grouped", 16): Gemm2Config(64, 16, 4, 4, n_split=12, merged=False),
+        ("dedup", 16): Gemm2Config(64, 16, 4, 3, merged=False),
         # 4-warp 64x32 tiles, 6 programs per block along H (each walks as many N tiles as the former 128x32 8-warp
         # tiles split 3 ways, opt-in "gemm2_128x32", over half the rows): found by the 2026-12-03 sweeps (a
         # 128-register cap that does not bind, moe_kernel_h200_sweep_caps_08c041b.json), measured uncapped in the
@@ -587,14 +595,16 @@ _GEMM2_BY_INTERMEDIATE = {
         # benchmarks/results/moe_kernel_h200_prefill_sweep_tp4.json, whole layer: T=2048 1,338 us vs 1,444 for
         # 32-token steps, T=4096 2,202 vs 2,250 for the 64x128 tile); 32-token blocks keep the shards' former
         # 128x32 tile (the TP8 shard's 64x32 one lost here: 602 vs 593 us at T=512, 2026-12-03 sweep)
-        (256, GEMM2_MAX_K_CHUNK, {("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
+        (256, GEMM2_MAX_K_CHUNK, {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
+                                  ("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
                                   ("grouped", 64): Gemm2Config(128, 64, 8, 3, merged=False),
                                   ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
         # whole experts (TP1, the EP layouts): the shards' prefill tiles lose (moe_kernel_h200_prefill_sweep_tp1.json,
         # TP1 T=2048: 32-token steps 5,846 us vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the
         # former defaults, in the 2 stages that fit at I = 2048 (the 128-token entry said 3, which plan() cut to 2);
         # 32-token blocks keep the shards' former 128x32 tile (3 stages fit: the 64x32 one is unmeasured here)
-        (GEMM2_MAX_K_CHUNK, None, {("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
+        (GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
+                                   ("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
                                    ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
                                    ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False)}),
     ],
@@ -755,8 +765,8 @@ def plan(
     # A form that sets slot_dedup decides it here: GEMM2's config, split and unroll below follow from it.
     slot_dedup = schedule == "slot" and change.get("slot_dedup", tokens >= SLOT_DEDUP_MIN_TOKENS)
     # slot dedup's GEMM2 is the grouped kernel: its grouped config (the slot one's merged operand spills there
-    # on sm_90: 255 registers, 36 B, at I = 512 and whole experts)
-    g2_key = ("grouped", 16) if slot_dedup else (schedule, bm)
+    # on sm_90: 255 registers, 36 B, at I = 512 and whole experts), or a table's own "dedup" entry
+    g2_key = (("dedup" if ("dedup", 16) in tables2[arch] else "grouped"), 16) if slot_dedup else (schedule, bm)
     # so does one that sets gemm2_split_slots (its tile, and no unrolled k experts, follow), or the split-K rule
     # (PLAN_RULES). (Read before opt_in_serves below: the forms that set them serve only the slot calls without
     # dedup, T < SLOT_DEDUP_MIN_TOKENS, where these decisions are made.)
@@ -776,13 +786,12 @@ def plan(
     while hidden % g2.bn and g2.bn > 16:
         g2 = dataclasses.replace(g2, bn=g2.bn // 2)
     n_tiles = hidden // g2.bn
-    if g2.n_split is not None and n_tiles % g2.n_split == 0:
-        n_split = g2.n_split
-    elif schedule == "slot" and not slot_dedup:
-        n_split = pick_n_split(n_tiles, tokens, sm_count)
+    if schedule == "slot" and not slot_dedup:
+        rule_split = pick_n_split(n_tiles, tokens, sm_count)
     else:
-        active = min(expected_active_experts(tokens, num_experts, top_k), tokens * top_k)
-        n_split = pick_n_split(n_tiles, active, sm_count)
+        rule_split = pick_n_split(n_tiles, min(expected_active_experts(tokens, num_experts, top_k), tokens * top_k),
+                                  sm_count)
+    n_split = g2.n_split if g2.n_split is not None and n_tiles % g2.n_split == 0 else rule_split
     split_k = 1
     unroll = False
     # GEMM2 split by slots on a wide-split arch: GEMM1's K in as many ranges as keep SLOT_SPLIT_PROGRAMS_PER_SM
@@ -809,11 +818,13 @@ def plan(
                                         or (spread and gemm2_k_chunk(intermediate) == intermediate)))
     if serves_arch and opt_in_serves(form, p, tokens, hidden, mode, intermediate):
         p = dataclasses.replace(p, **{k: v for k, v in change.items() if k not in PLAN_RULES})
+        if change.get("gemm2_split") == "rule":  # (PLAN_RULES) GEMM2's split by pick_n_split, not its config's
+            p = dataclasses.replace(p, gemm2_n_split=rule_split)
     return p
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
-PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked")
+PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked", "gemm2_split")
 
 
 @dataclass(frozen=True)
@@ -897,6 +908,11 @@ OPT_IN: dict[str, OptIn] = {
                              compile_tokens=(512,), archs=("sm90", "sm100"), bm=32,
                              purpose="GEMM1 in 64x32x256 tiles of gate rows then up rows, 3 stages (the sm90 default "
                                      "for 32-token blocks before 2026-12-05)"),
+    "gemm2_split_rule": OptIn(dict(gemm2=Gemm2Config(64, 16, 4, 3, merged=False), gemm2_split="rule"), "grouped", None,
+                              ("w4a16", "w4a4"), compile_tokens=(64,), archs=("sm90", "sm100"), bm=16,
+                              max_intermediate=256,
+                              purpose="GEMM2 of 16-token blocks in 3 stages, split along H by pick_n_split (the sm90 "
+                                      "default before 2026-12-05)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
