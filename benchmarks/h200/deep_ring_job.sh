@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# H200 calls for deep rings (2026-12-05): narrow K tiles in many pipeline stages. Triton 3.6 issues a stage's copies
+# H200 (or H100) calls for deep rings (2026-12-05): narrow K tiles in many pipeline stages. Triton 3.6 issues a stage's copies
 # after the iteration's last wgmma, so S stages keep S - 2 stages in flight while a CTA computes; 64-wide K tiles in
 # 6-10 stages (and GEMM2 in 4-6 stages along H) keep more of the weight stream in flight per SM than the 256-wide
 # tiles in 3 stages (configs.GEMM1_CANDIDATES / GEMM2_CANDIDATES "deep rings").
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh sweep   # those candidates beside the defaults, TP8 (SWEEP_TOKENS)
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh sweep4  # the same at the TP4 shard, T = 512
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh ab      # same-run A/B default / FORMS / default, TP8 then TP4, TP1
+#                                                         # (AB1_TOKENS=none: TP8 only)
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh tests   # tests/gpu: the deep-ring tiles against float64
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh).
 set -u
@@ -25,12 +26,12 @@ for s in "$@"; do
       GREP="precompiled|T=|rror" step ab_deep_tp8 "${T_AB:-300}" python3 benchmarks/moe_variants.py --precompile 14 \
         --shards tp8 --tokens "${AB_TOKENS:-64,256,512,1024,2048}" --routings "${AB_ROUTINGS:-balanced,same_k}" \
         --forms "${FORMS:?FORMS=opt-in forms to time}" --json "$OUT/variants_deep_tp8.json"
-      GREP="precompiled|T=|rror" step ab_deep_tp4_tp1 "${T_AB1:-200}" python3 benchmarks/moe_variants.py --precompile 14 \
+      [ "${AB1_TOKENS:-}" = none ] || GREP="precompiled|T=|rror" step ab_deep_tp4_tp1 "${T_AB1:-200}" python3 benchmarks/moe_variants.py --precompile 14 \
         --shards tp4,tp1 --tokens "${AB1_TOKENS:-512,1024}" --routings balanced,same_k --layers 2 --forms "$FORMS" \
         --json "$OUT/variants_deep_tp4_tp1.json" ;;
     sanitize) sanitize_steps ;;
     tests)
       step tests_deep "${T_TESTS:-240}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
-        -k "${TESTS_K:-stacked or deep}" ;;
+        -k "${TESTS_K:-gemm2_split_along}" ;;
   esac
 done

@@ -631,3 +631,33 @@ def test_gemm1_stacked_gate_and_up_rows(shape, t, routing, mode):
             shape.get("global_e", e), 2):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=base, expert_map=emap)) < \
             moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("t,routing,mode", [(8, "balanced", "w4a16"), (64, "same_k", "w4a16"), (128, "zipf1.2", "w4a4"),
+                                            (256, "balanced", "w4a16"), (256, "one_hot", "w4a16")])
+def test_gemm2_split_along_h_of_16_token_blocks(t, routing, mode):
+    """The TP8 shard's GEMM2 of 16-token blocks split 12 ways in 4 stages (the sm90 default) and the former form
+    (opt-in gemm2_split_rule), each GEMM2 candidate of the same tile at every split the sweep tries, against the
+    float64 reference with NaN-poisoned outputs; a CUDA-graph replay with new routings matches eager."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import default_plan, device_arch, fused_moe_triton
+
+    e, h, i, k = (GLM_TP8[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**GLM_TP8)
+    x, w, ids = inputs(t, e, h, k, routing=routing)
+    ref = reference(x, w, ids, ex, mode)
+    base = default_plan(x, ids, prep, mode)
+    assert base.schedule == "grouped" and base.gemm2.bm == 16
+    arch, _ = device_arch(x.device)
+    plans = [base, default_plan(x, ids, prep, mode, form="gemm2_split_rule")]
+    plans += [dataclasses.replace(base, gemm2=g2, gemm2_n_split=ns) for g2 in C.GEMM2_CANDIDATES[arch]
+              if (g2.bn, g2.bm, g2.merged) == (64, 16, False) and not g2.maxnreg for ns in (2, 3, 12)]
+    for p in plans:
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=p)
+        assert torch.isfinite(out).all(), (p.gemm2, p.gemm2_n_split)
+        assert rel_error(out, ref) < moe_tolerance(mode, x.dtype), (p.gemm2, p.gemm2_n_split)
+    out = torch.full_like(x, float("nan"))
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=base), w, ids,
+                                       out, e, 2):
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plans[1])) < moe_tolerance(mode, x.dtype)
