@@ -7,8 +7,6 @@
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh sweep4  # the same at the TP4 shard, T = 512
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh ab      # same-run A/B default / FORMS / default, TP8 then TP4, TP1
 #                                                         # (AB1_TOKENS=none: TP8 only)
-#   OUT=dir bash benchmarks/h200/deep_ring_job.sh splitk  # GEMM1 split-K 2 / 4 of the grouped schedule at T = 128, 256
-#                                                         # (beyond the picker's 64 tokens), balanced and same_k
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh tests   # tests/gpu: the deep-ring tiles against float64
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh).
 set -u
@@ -24,12 +22,6 @@ for s in "$@"; do
       GREP="precompiled|best|rror" step sweep_deep_tp4 "${T_SWEEP4:-200}" python3 benchmarks/moe_kernel.py --sweep \
         --shards tp4 --tokens "${SWEEP4_TOKENS:-64,256,512}" --layers 2 --only "$ONLY" \
         --precompile 14 --json "$OUT/sweep_deep_tp4.json" ;;
-    splitk)
-      for r in balanced same_k; do
-        GREP="precompiled|best|rror" step "sweep_splitk_$r" "${T_SPLITK:-150}" python3 benchmarks/moe_kernel.py --sweep \
-          --shards tp8,tp4 --tokens "${SPLITK_TOKENS:-128,256}" --layers 2 --only 'splitK' --sweep-routing "$r" \
-          --precompile 14 --json "$OUT/sweep_splitk_$r.json"
-      done ;;
     ab)
       GREP="precompiled|T=|rror" step ab_deep_tp8 "${T_AB:-300}" python3 benchmarks/moe_variants.py --precompile 14 \
         --shards tp8 --tokens "${AB_TOKENS:-64,256,512,1024,2048}" --routings "${AB_ROUTINGS:-balanced,same_k}" \
