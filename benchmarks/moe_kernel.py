@@ -99,11 +99,6 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         out["g2 slots" if not base.gemm2_split_slots else "g2 one program"] = rep(
             base, gemm2_split_slots=not base.gemm2_split_slots,
             gemm2_unroll=base.gemm2_split_slots and C.gemm2_slot_unrolls(arch, base.gemm2, intermediate, 8))
-    if base.schedule == "grouped" and base.gemm1_split_k == 1 and intermediate <= 512:
-        # GEMM1 split-K beyond the picker's range (the workspace's; W4A16): more, shorter programs
-        for s in (2, 4):
-            if C.split_k_fits(s, hidden, base.gemm1.bk):
-                out[f"g1 splitK{s}"] = rep(base, gemm1_split_k=s)
     if base.schedule == "slot":
         # up to SLOT_SPLIT_K_MAX ranges: at T=1 a program per 1-2 K tiles (the picker stops at SPLIT_K_MAX)
         for s in (1, 2, 4, 6, 8, 12, 24):

@@ -263,7 +263,7 @@ def test_default_forms_are_sized_for_skewed_routing(arch, sms):
             p = C.plan(arch, t, *d, sm_count=sms)
             tiles = d[3] // p.gemm1.bn
             want = 1
-            while t <= C.GROUPED_SPLIT_K_PICK_TOKENS and want < C.SPLIT_K_MAX and 8 * tiles * want < sms \
+            while t <= C.GROUPED_SPLIT_K_MAX_TOKENS and want < C.SPLIT_K_MAX and 8 * tiles * want < sms \
                     and C.split_k_fits(want * 2, 6144, p.gemm1.bk):
                 want *= 2
             assert p.gemm1_split_k == want, (name, t, tiles)

@@ -82,7 +82,7 @@ class Plan:
     gemm2_n_split: int
     # GEMM1 programs per (N tile, rows) along K, their fp32 partial sums added (in split order) and SwiGLU
     # applied by moe_splitk_reduce_kernel (one launch more). Slot schedule: the default for T <= 4. Grouped
-    # schedule (W4A16, T <= GROUPED_SPLIT_K_PICK_TOKENS): the default where the skewed case's work list would not
+    # schedule (W4A16, T <= GROUPED_SPLIT_K_MAX_TOKENS): the default where the skewed case's work list would not
     # fill the GPU (pick_grouped_split_k). A short work list (all tokens on a few experts: 8 blocks x I/BN tiles
     # = 32 programs at TP8 T=16) leaves most SMs idle with each program walking all of K.
     gemm1_split_k: int = 1
@@ -306,10 +306,9 @@ NATIVE_GEMM2 = {"sm120": Gemm2Config(64, 32, 4, 2), "sm100": Gemm2Config(128, 32
 SPLIT_K_MAX = 4
 SLOT_SPLIT_K_MAX = 24
 SPLIT_K_MAX_TOKENS = 8
-# Grouped schedule with split-K (Plan.gemm1_split_k): the partial-sum workspace holds this many tokens; the
-# default picks it (pick_grouped_split_k) up to GROUPED_SPLIT_K_PICK_TOKENS.
-GROUPED_SPLIT_K_MAX_TOKENS = 256
-GROUPED_SPLIT_K_PICK_TOKENS = 64
+# Grouped schedule with split-K (Plan.gemm1_split_k; pick_grouped_split_k): the partial-sum workspace holds this
+# many tokens.
+GROUPED_SPLIT_K_MAX_TOKENS = 64
 # Slot schedule: one program group per expert (Plan.slot_dedup) from this many tokens on. The plan is fixed per
 # batch size (CUDA graphs) before the routing is known, so it is sized for skew, which costs little on balanced
 # routing (H200, 2026-12-02, benchmarks/results/moe_variants_h200_dedup_split.json, us per layer, per-slot ->
@@ -703,7 +702,7 @@ def pick_slot_split_k(programs: int, k_tiles: int, sm_count: int) -> int:
 
 
 def pick_grouped_split_k(top_k: int, n_tiles: int, hidden: int, bk: int, sm_count: int) -> int:
-    """GEMM1 split-K of the grouped schedule (W4A16, T <= GROUPED_SPLIT_K_PICK_TOKENS), sized for the skewed case.
+    """GEMM1 split-K of the grouped schedule (W4A16, T <= GROUPED_SPLIT_K_MAX_TOKENS), sized for the skewed case.
 
     All tokens on ``top_k`` experts make a work list of ``top_k`` blocks x ``n_tiles`` (I / BN) programs; where
     that does not fill the SMs, split K (powers of two up to SPLIT_K_MAX) until it does. H200, 2026-12-02
@@ -807,7 +806,7 @@ def plan(
     elif schedule == "slot" and tokens <= SPLIT_K_MAX_TOKENS:
         split_k = pick_split_k((intermediate // g1.bn) * tokens * top_k, hidden // g1.bk, sm_count,
                                most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
-    elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_PICK_TOKENS:
+    elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
         split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
     if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
@@ -871,7 +870,7 @@ OPT_IN: dict[str, OptIn] = {
     "serial_align": OptIn(dict(parallel_align=False), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(4096,),
                           purpose="routing counted and placed by one program (the default below "
                                   "PARALLEL_ALIGN_MIN_TOKENS; 0-3 % slower at T = 1,024-8,192)"),
-    "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_PICK_TOKENS, ("w4a16",),
+    "grouped_split2": OptIn(dict(gemm1_split_k=2), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                             compile_tokens=(16, 64), purpose="GEMM1 along K in 2 ranges (short work lists)"),
     "pdl": OptIn(dict(pdl=True), "slot", PDL_MIN_TOKENS - 1, ("w4a16", "w4a4"), compile_tokens=(1,),
                  purpose="programmatic dependent launch below PDL_MIN_TOKENS where the default launches plainly "
@@ -914,7 +913,7 @@ OPT_IN: dict[str, OptIn] = {
                               max_intermediate=256,
                               purpose="GEMM2 of 16-token blocks in 3 stages, split along H by pick_n_split (the sm90 "
                                       "default before 2026-12-05)"),
-    "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_PICK_TOKENS, ("w4a16",),
+    "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
 }
