@@ -7,6 +7,9 @@
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh sweep4  # the same at the TP4 shard, T = 512
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh ab      # same-run A/B default / FORMS / default, TP8 then TP4, TP1
 #                                                         # (AB1_TOKENS=none: TP8 only)
+#   OUT=dir bash benchmarks/h200/deep_ring_job.sh diag    # bounds on the defaults (decode left out, GEMM2's atomics as
+#                                                         # plain stores, the parallel align) and ncu's per-kernel
+#                                                         # durations and DRAM throughput, TP8 T = 64-1024
 #   OUT=dir bash benchmarks/h200/deep_ring_job.sh tests   # tests/gpu: the deep-ring tiles against float64
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh).
 set -u
@@ -22,6 +25,16 @@ for s in "$@"; do
       GREP="precompiled|best|rror" step sweep_deep_tp4 "${T_SWEEP4:-200}" python3 benchmarks/moe_kernel.py --sweep \
         --shards tp4 --tokens "${SWEEP4_TOKENS:-64,256,512}" --layers 2 --only "$ONLY" \
         --precompile 14 --json "$OUT/sweep_deep_tp4.json" ;;
+    diag)
+      GREP="precompiled|T=|rror" step diag_bounds "${T_DIAG:-150}" python3 benchmarks/moe_variants.py --precompile 14 \
+        --shards tp8 --tokens "${DIAG_TOKENS:-64,256,512,1024}" --routings balanced --forms parallel_align --nodecode \
+        --noatomic --json "$OUT/variants_diag_tp8.json"
+      for t in ${NCU_TOKENS:-64 256 512}; do
+        GREP="rror" step "ncu_tp8_t$t" "${T_NCU:-90}" ncu --clock-control none --profile-from-start off --csv \
+          --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active \
+          python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens "$t"
+        cp "$L/ncu_tp8_t$t.log" "$OUT/ncu_tp8_t$t.csv"
+      done ;;
     ab)
       GREP="precompiled|T=|rror" step ab_deep_tp8 "${T_AB:-300}" python3 benchmarks/moe_variants.py --precompile 14 \
         --shards tp8 --tokens "${AB_TOKENS:-64,256,512,1024,2048}" --routings "${AB_ROUTINGS:-balanced,same_k}" \
