@@ -42,8 +42,7 @@ def _plan_of(d: dict):
                   gemm2_unroll=d.get("gemm2_unroll", False), gemm1_fused_reduce=d.get("gemm1_fused_reduce", False),
                   parallel_align=d.get("parallel_align", False), slot_dedup=d.get("slot_dedup", False),
                   pdl=d.get("pdl", False), l2_prefetch=d.get("l2_prefetch", 0),
-                  gemm2_split_slots=d.get("gemm2_split_slots", False),
-                  gemm2_fused_finalize=d.get("gemm2_fused_finalize", False))
+                  gemm2_split_slots=d.get("gemm2_split_slots", False))
 
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:

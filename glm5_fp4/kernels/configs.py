@@ -122,10 +122,6 @@ class Plan:
     # token's N range to arrive (a counter) adds the k rows in slot order (the one-program form's order: bit-equal
     # in the interpreter, equal to rounding on the GPU). The default at T <= 2 on SPLIT_SLOTS_ARCHS.
     gemm2_split_slots: bool = False
-    # Grouped schedule, every slot local (no expert map): GEMM2 also finalizes: per (token, N range) an arrival
-    # counter, and the program that brings a token's count to k writes the token's fp32 sums over its N range to
-    # the output; no moe_finalize_kernel launch (launch.py falls back to it where an expert map drops slots).
-    gemm2_fused_finalize: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -917,9 +913,6 @@ OPT_IN: dict[str, OptIn] = {
                               max_intermediate=256,
                               purpose="GEMM2 of 16-token blocks in 3 stages, split along H by pick_n_split (the sm90 "
                                       "default before 2026-12-05)"),
-    "fused_finalize": OptIn(dict(gemm2_fused_finalize=True), "grouped", None, ("w4a16", "w4a4"),
-                            compile_tokens=(64, 512), purpose="GEMM2's last arrival per (token, N range) writes the "
-                                                              "output: no finalize launch"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

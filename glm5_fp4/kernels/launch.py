@@ -353,16 +353,9 @@ def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage
     )
 
 
-def fuses_finalize(plan: cfgs.Plan, call: MoECall) -> bool:
-    """Whether the grouped GEMM2 writes the output itself (Plan.gemm2_fused_finalize): not where an expert map
-    drops slots (a token's arrivals would not reach k, and a token with none must still be written)."""
-    return plan.gemm2_fused_finalize and plan.schedule == "grouped" and call.expert_map is None
-
-
 def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool = False) -> Launch:
     """The grouped GEMM2 over ``rows`` work-list blocks, or (``slot_dedup``) over the call's slots, each leading
-    a group or idle; into the fp32 combine buffer (atomics per token, or stores per slot), and with the fused
-    finalize on to the output."""
+    a group or idle; into the fp32 combine buffer (atomics per token, or stores per slot)."""
     from glm5_fp4.kernels import triton_moe as K
 
     p, ws, g2 = call.prepared, call.workspace, plan.gemm2
@@ -371,10 +364,8 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
     return Launch(
         K.moe_gemm2_grouped_kernel, (rows, plan.gemm2_n_split),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
-         ws.blocks, ws.num_blocks, call.topk_ids, _emap(call), call.top_k, call.out, call.out.stride(0),
-         ws.fin_count),
+         ws.blocks, ws.num_blocks, call.topk_ids, _emap(call), call.top_k),
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
-             FUSED_FIN=not slot_dedup and fuses_finalize(plan, call),
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout in PLACED_LAYOUTS,
              SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
@@ -473,7 +464,8 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         ),
         *reduce,
         _gemm2_grouped(plan, call, nblk),
-    ] + ([] if fuses_finalize(plan, call) else [_finalize(call, pdl=pdl)])
+        _finalize(call, pdl=pdl),
+    ]
 
 
 def _native_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
@@ -539,13 +531,11 @@ def run(todo: list[Launch]) -> None:
 
 
 def count(plan: cfgs.Plan) -> int:
-    """Kernel launches per layer call under ``plan`` (without an expert map: with one, a fused finalize is a
-    launch of its own again, fuses_finalize)."""
+    """Kernel launches per layer call under ``plan``."""
     if plan.schedule == "slot":
         return 2 + (plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce) + plan.slot_dedup
     grouped = plan.schedule == "grouped"
-    return (4 + (plan.parallel_align and grouped) + (grouped and plan.gemm1_split_k > 1)
-            - (grouped and plan.gemm2_fused_finalize))
+    return 4 + (plan.parallel_align and grouped) + (grouped and plan.gemm1_split_k > 1)
 
 
 def kernel_functions() -> dict:

@@ -89,9 +89,6 @@ class Workspace:
         # arrivals per (token, GEMM2 N range) of the slot GEMM2 split by slots (Plan.gemm2_split_slots), whose
         # per-slot rows go to ``combine``; the last arrival sets it back to zero
         self.slot_count = torch.zeros(slot_tokens * (hidden // 16), **i32)
-        # arrivals per (token, GEMM2 N range) of the grouped GEMM2's fused finalize (Plan.gemm2_fused_finalize;
-        # N ranges <= H / 16); the last arrival sets it back to zero
-        self.fin_count = torch.zeros(max_tokens * (hidden // 16), **i32)
         # NVFP4 act (codes + scales) between the native FP4 GEMMs; allocated on first native use
         self.act_q: torch.Tensor | None = None
         self.act_s: torch.Tensor | None = None

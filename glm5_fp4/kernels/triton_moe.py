@@ -811,27 +811,6 @@ def moe_gemm1_kernel(
 
 
 @triton.jit
-def _finalize_rows(ws_ptr, out_ptr, stride_ot, cnt_ptr, out_row, mmask, pid_s, n_begin, TOPK, H: tl.constexpr,
-                   BN: tl.constexpr, BM: tl.constexpr, N_SPLIT: tl.constexpr):
-    """The grouped GEMM2's fused finalize: one arrival per token of the block at (token, N range) counters; where
-    this program's is a token's TOPK-th, it writes the token's fp32 sum over this N range to the output and sets
-    the counter back to zero. :func:`_last_arrival` per row: the CTA barrier orders every thread's atomic adds
-    before the gpu-scope release; the last arrival reads the sums through L2."""
-    tl.debug_barrier()
-    cnt = cnt_ptr + out_row * N_SPLIT + pid_s
-    old = tl.atomic_add(cnt, tl.full((BM,), 1, tl.int32), mask=mmask, sem="acq_rel", scope="gpu")
-    last = mmask & (old == TOPK - 1)
-    tl.atomic_xchg(cnt, tl.zeros((BM,), dtype=tl.int32), mask=last, sem="relaxed", scope="gpu")
-    tl.debug_barrier()
-    offs_bn = tl.arange(0, BN)
-    src = ws_ptr + out_row[None, :] * H + offs_bn[:, None]
-    dst = out_ptr + out_row[None, :] * stride_ot + offs_bn[:, None]
-    for n0 in range(n_begin, n_begin + H // N_SPLIT, BN):
-        v = tl.load(src + n0, mask=last[None, :], other=0.0, cache_modifier=".cg")
-        tl.store(dst + n0, v.to(out_ptr.dtype.element_ty), mask=last[None, :])
-
-
-@triton.jit
 def _store_part(ptrs, v, mmask, OWN_ROWS: tl.constexpr, DIAG: tl.constexpr = 0):
     """GEMM2's output tile: stored where each row is this program's alone (slot dedup), else added atomically.
     DIAG (launch.DIAG_PLAIN_STORES; benchmarks only, wrong sums) stores anyway: the time difference is the
@@ -857,9 +836,6 @@ def moe_gemm2_grouped_kernel(
     ids_ptr,
     emap_ptr,
     TOPK,
-    out_ptr,
-    stride_ot,
-    fin_ptr,
     H: tl.constexpr,
     I: tl.constexpr,
     BN: tl.constexpr,
@@ -871,7 +847,6 @@ def moe_gemm2_grouped_kernel(
     KC: tl.constexpr = 0,
     PLACED: tl.constexpr = False,
     SLOT_DEDUP: tl.constexpr = False,
-    FUSED_FIN: tl.constexpr = False,
     SP: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
     DIAG: tl.constexpr = 0,
@@ -894,11 +869,6 @@ def moe_gemm2_grouped_kernel(
     (``PF_W`` / ``PF_S`` 128-byte requests of words / scales): the work list it reads for that was written two
     or more launches back (the align kernel).
 
-    ``FUSED_FIN`` (Plan.gemm2_fused_finalize; every slot local, no dedup): the finalize happens here, not in
-    moe_finalize_kernel: each program counts one arrival per token of its block and N range in ``fin_ptr``
-    [T, N_SPLIT] (zero between calls), and the program whose arrival is a token's TOPK-th writes that token's
-    summed fp32 row range of ``ws`` to ``out_ptr`` in the output dtype (:func:`_finalize_rows`).
-
     ``SLOT_DEDUP`` (the slot schedule's dedup form): program (slot, N range) computes the group of slots that
     share its slot's expert when it leads the group (:func:`_slot_group`), and stores ws[slot, n] (no atomics:
     every local slot's row is written once); moe_finalize_kernel then adds each token's k rows in slot order.
@@ -906,7 +876,6 @@ def moe_gemm2_grouped_kernel(
     K (= I) is taken KC at a time: KC == I (GLM-5's TP shards, I <= 512) loads the act tile once per token
     block and reuses it for every N tile; whole experts (I = 2048: TP1, expert parallelism) loop over K
     chunks, whose decoded weight tiles would not fit registers or shared memory at once."""
-    tl.static_assert(not (FUSED_FIN and SLOT_DEDUP), "slot dedup stores per-slot rows: its finalize adds them")
     NW: tl.constexpr = KC // 8
     pid_s = tl.program_id(1)
     if SLOT_DEDUP:
@@ -979,9 +948,6 @@ def moe_gemm2_grouped_kernel(
                         a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :], NW)
                         acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
                 _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
-        if FUSED_FIN:
-            _finalize_rows(ws_ptr, out_ptr, stride_ot, fin_ptr, out_row, mmask, pid_s, n_begin, TOPK, H, BN, BM,
-                           N_SPLIT)
 
 
 @triton.jit

@@ -661,38 +661,3 @@ def test_gemm2_split_along_h_of_16_token_blocks(t, routing, mode):
     for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=base), w, ids,
                                        out, e, 2):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plans[1])) < moe_tolerance(mode, x.dtype)
-
-
-@pytest.mark.parametrize("shape,t,routing,mode", [
-    (GLM_TP8, 16, "same_k", "w4a16"), (GLM_TP8, 64, "balanced", "w4a4"), (GLM_TP8, 512, "zipf1.2", "w4a16"),
-    (GLM_TP8, 1024, "one_hot", "w4a16"), (GLM_TP4, 512, "balanced", "w4a16"), (GLM_TP8, 4096, "same_k", "w4a16"),
-    (GLM_TP1, 64, "balanced", "w4a16"), (GLM_EP8, 512, "balanced", "w4a16")])
-def test_gemm2_fused_finalize(shape, t, routing, mode):
-    """Plan.gemm2_fused_finalize (opt-in "fused_finalize"): GEMM2's last arrival per (token, N range) writes the
-    output; against the float64 reference and the unfused form, NaN-poisoned outputs, twice in a row (its counters
-    must be zero again), and CUDA-graph replays with new routings equal to eager calls. Under expert parallelism the
-    launcher keeps the finalize launch."""
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, get_workspace
-
-    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
-    ex, prep = experts(**shape)
-    x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
-    emap = _ep_map(shape["global_e"], torch.arange(3, 256, 8, device="cuda")[:e]) if "global_e" in shape else None
-    ref = reference(x, w, ids, ex, mode, expert_map=emap)
-    base = default_plan(x, ids, prep, mode, expert_map=emap)
-    fused = default_plan(x, ids, prep, mode, expert_map=emap, form="fused_finalize")
-    assert fused == dataclasses.replace(base, gemm2_fused_finalize=True)
-    want = fused_moe_triton(x, w, ids, prep, mode=mode, plan=base, expert_map=emap)
-    for _ in range(2):
-        out = torch.full_like(x, float("nan"))
-        fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=fused, expert_map=emap)
-        assert torch.isfinite(out).all()
-        assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
-        assert rel_error(out, want) < moe_tolerance(mode, x.dtype)
-        assert not get_workspace(x.device, e, k, h, i, t).fin_count.any()
-    out = torch.full_like(x, float("nan"))
-    for _ in replays_with_new_routings(
-            lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=fused, expert_map=emap), w, ids, out,
-            shape.get("global_e", e), 2):
-        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=base, expert_map=emap)) < \
-            moe_tolerance(mode, x.dtype)

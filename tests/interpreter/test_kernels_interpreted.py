@@ -250,42 +250,6 @@ def test_gemm2_split_slots(gen, mode, t, n_split, with_map):
         assert out[0].abs().max() == 0
 
 
-@pytest.mark.parametrize("mode,t,routing,n_split,bm", [("w4a16", 40, "balanced", 2, 16), ("w4a4", 37, "same_k", 4, 16),
-                                                       ("w4a16", 64, "zipf1.2", 8, 32)])
-def test_gemm2_fused_finalize(gen, mode, t, routing, n_split, bm):
-    """Plan.gemm2_fused_finalize: the grouped GEMM2's last arrival per (token, N range) writes the output, with no
-    finalize launch. Bitwise the unfused form (the same fp32 sums, converted once), twice in a row (the counters
-    zero again after each call: otherwise the second would write too early or never), N ranges of one and several
-    tiles, several blocks per hot expert, against float64; with an expert map the launcher keeps the finalize
-    launch (remote slots never arrive, an all-remote token still gets its zero row)."""
-    from glm5_fp4.kernels import launch as L
-    from glm5_fp4.kernels.moe import get_workspace
-
-    ex, prep = _experts(gen, 256)
-    x = torch.randn(t, 256, generator=gen).half()
-    w, ids = make_routing(routing, t, E, K, gen)
-    base = _plan(t, "grouped", 256, bm=bm, gemm2_n_split=n_split)
-    fused = dataclasses.replace(base, gemm2_fused_finalize=True)
-    names = [la.name for la in L.launches(fused, _call(x, w, ids, prep, mode, None))]
-    assert "moe_finalize_kernel" not in names and L.count(fused) == L.count(base) - 1
-    want = fused_moe_triton(x, w, ids, prep, mode, plan=base)
-    for _ in range(2):
-        out = torch.full_like(x, float("nan"))
-        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused)
-        assert torch.equal(out, want)
-        assert not get_workspace(x.device, E, K, 256, I, t).fin_count.any()
-    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
-    assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
-    emap = _emap()
-    w, ids = make_routing("balanced", t, 16, K, gen)
-    ids[0] = torch.tensor([0, 2])  # both experts remote
-    assert "moe_finalize_kernel" in [la.name for la in L.launches(fused, _call(x, w, ids, prep, mode, emap))]
-    out = torch.full_like(x, float("nan"))
-    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused, expert_map=emap)
-    assert out[0].abs().max() == 0 and torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=base,
-                                                                          expert_map=emap))
-
-
 def _call(x, w, ids, prep, mode, emap):
     from glm5_fp4.kernels.moe import make_call
 
