@@ -534,7 +534,9 @@ _DEFAULT_GEMM2 = {
         # split rule (pick_n_split: ~4 programs per SM) gave 3 at T = 64-256, ~1.2 waves of this 92-register tile (5
         # CTAs per SM), so most SMs idled through the last one. H100 sweep, 2026-12-05 (benchmarks/results/
         # moe_kernel_h100_sweep_gemm2_split_cce8db9.json, TP8 whole layer, us, split 3 s3 -> this): T=64 252.7 -> 233.2,
-        # T=128 291.7 -> 262.8, T=256 308.4 -> 281.6; 3 stages at split 12 235.4 / 263.9 / 283.8. The TP4 shard keeps
+        # T=128 291.7 -> 262.8, T=256 308.4 -> 281.6; 3 stages at split 12 235.4 / 263.9 / 283.8. Same-run A/B
+        # (moe_variants_h100_gemm2_split_9c6cd0d.json, former -> this): T=128 291.7 -> 261.6, T=256 306.9 -> 282.6,
+        # all tokens on 8 experts T = 16-256 -11 to -26 %, T = 8-16 balanced within +1.2 % (improvements/19). The TP4 shard keeps
         # the rule (T=64 444 -> 432 at split 12 but T=256 522 -> 532: _GEMM2_BY_INTERMEDIATE), as does slot dedup
         # ("dedup"). The former is opt-in "gemm2_split_rule".
         ("grouped", 16): Gemm2Config(64, 16, 4, 4, n_split=12, merged=False),

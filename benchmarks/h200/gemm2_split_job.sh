@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# H200 (or H100) calls for deep rings (2026-12-05): narrow K tiles in many pipeline stages. Triton 3.6 issues a stage's copies
-# after the iteration's last wgmma, so S stages keep S - 2 stages in flight while a CTA computes; 64-wide K tiles in
-# 6-10 stages (and GEMM2 in 4-6 stages along H) keep more of the weight stream in flight per SM than the 256-wide
-# tiles in 3 stages (configs.GEMM1_CANDIDATES / GEMM2_CANDIDATES "deep rings").
-#   OUT=dir bash benchmarks/h200/deep_ring_job.sh sweep   # those candidates beside the defaults, TP8 (SWEEP_TOKENS)
-#   OUT=dir bash benchmarks/h200/deep_ring_job.sh sweep4  # the same at the TP4 shard, T = 512
-#   OUT=dir bash benchmarks/h200/deep_ring_job.sh ab      # same-run A/B default / FORMS / default, TP8 then TP4, TP1
+# Device calls of improvements/19 (2026-12-05; every call ran on an H100): GEMM2's stages and split along H (the
+# 16-token default it found: 12 programs per block in 4 stages), the bounds and per-kernel ncu on the defaults. The
+# first sweep (a927a2d) tried GEMM1 in 64-wide K tiles of 6-10 stages ("deep rings": slower everywhere, candidates
+# since removed); the splitk step (2cac3f6) and the fused_finalize form (64c404b) were reverted with their code.
+#   OUT=dir bash benchmarks/h200/gemm2_split_job.sh sweep   # GEMM2 stage x split candidates, TP8 (SWEEP_TOKENS)
+#   OUT=dir bash benchmarks/h200/gemm2_split_job.sh sweep4  # the same at the TP4 shard, T = 64, 256, 512
+#   OUT=dir bash benchmarks/h200/gemm2_split_job.sh ab      # same-run A/B default / FORMS / default, TP8 then TP4, TP1
 #                                                         # (AB1_TOKENS=none: TP8 only)
-#   OUT=dir bash benchmarks/h200/deep_ring_job.sh diag    # bounds on the defaults (decode left out, GEMM2's atomics as
+#   OUT=dir bash benchmarks/h200/gemm2_split_job.sh diag    # bounds on the defaults (decode left out, GEMM2's atomics as
 #                                                         # plain stores, the parallel align) and ncu's per-kernel
 #                                                         # durations and DRAM throughput, TP8 T = 64-1024
-#   OUT=dir bash benchmarks/h200/deep_ring_job.sh tests   # tests/gpu: the deep-ring tiles against float64
+#   OUT=dir bash benchmarks/h200/gemm2_split_job.sh tests   # tests/gpu: TESTS_K (the GEMM2 split test) against float64
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh).
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
