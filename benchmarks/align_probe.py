@@ -40,9 +40,7 @@ def main(argv=None) -> int:
     from glm5_fp4.kernels import launch as L
     from glm5_fp4.kernels.moe import default_plan, make_call
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    sh = B.glm5_shard(args.shard)
-    lay = B.make_layers(sh, 1, gen)
+    sh, lay, gen = B.one_cuda_layer(args.shard)
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)

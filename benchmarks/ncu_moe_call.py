@@ -36,9 +36,7 @@ def main(argv=None) -> int:
     from glm5_fp4.bench import routing as R
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    sh = B.glm5_shard(args.shard)
-    lay = B.make_layers(sh, 1, gen)
+    sh, lay, gen = B.one_cuda_layer(args.shard)
     x = torch.randn(args.tokens, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
     tw, ids = R.make_routing(args.routing, args.tokens, sh.global_experts, sh.top_k, gen, "cuda")
     plan = default_plan(x, ids, lay.prepared[0], "w4a16", form=args.form)

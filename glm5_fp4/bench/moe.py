@@ -82,6 +82,14 @@ def make_layers(shard: Shard, count: int, gen: torch.Generator, marlin: bool = F
     return out
 
 
+def one_cuda_layer(shard_name: str, seed: int = 1) -> tuple[Shard, Layers, torch.Generator]:
+    """The one-layer set-up of the single-call GPU probes (benchmarks/ncu_moe_call.py, align_probe.py): the GLM-5
+    shard, one random NVFP4 layer on the GPU, and the seeded generator that drew it (for the probe's inputs)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sh = glm5_shard(shard_name)
+    return sh, make_layers(sh, 1, gen), gen
+
+
 def expert_map_for(shard: Shard, device="cuda") -> torch.Tensor | None:
     """Rank 0's map of an expert-parallel shard: global experts 0..E_local-1 are local."""
     if not shard.expert_parallel:
