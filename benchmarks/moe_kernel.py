@@ -82,7 +82,8 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
             # the same tile's other splits along H (program count against tiles walked per program)
             for ns in GEMM2_SPLITS:
                 if ns != n_split and (hidden // g2.bn) % ns == 0:
-                    out[name.rsplit(" n", 1)[0] + f" n{ns}"] = rep(base, gemm2=g2, gemm2_n_split=ns, gemm2_split_slots=False)
+                    out[name.rsplit(" n", 1)[0] + f" n{ns}"] = rep(base, gemm2=g2, gemm2_n_split=ns,
+                                                                   gemm2_split_slots=False)
         if split_slots:
             out[name + " slots"] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=False,
                                        gemm2_split_slots=True)

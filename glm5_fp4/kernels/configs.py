@@ -536,9 +536,9 @@ _DEFAULT_GEMM2 = {
         # moe_kernel_h100_sweep_gemm2_split_cce8db9.json, TP8 whole layer, us, split 3 s3 -> this): T=64 252.7 -> 233.2,
         # T=128 291.7 -> 262.8, T=256 308.4 -> 281.6; 3 stages at split 12 235.4 / 263.9 / 283.8. Same-run A/B
         # (moe_variants_h100_gemm2_split_9c6cd0d.json, former -> this): T=128 291.7 -> 261.6, T=256 306.9 -> 282.6,
-        # all tokens on 8 experts T = 16-256 -11 to -26 %, T = 8-16 balanced within +1.2 % (improvements/19). The TP4 shard keeps
-        # the rule (T=64 444 -> 432 at split 12 but T=256 522 -> 532: _GEMM2_BY_INTERMEDIATE), as does slot dedup
-        # ("dedup"). The former is opt-in "gemm2_split_rule".
+        # all tokens on 8 experts T = 16-256 -11 to -26 %, T = 8-16 balanced within +1.2 % (improvements/19). The TP4
+        # shard keeps the rule (T=64 444 -> 432 at split 12 but T=256 522 -> 532: _GEMM2_BY_INTERMEDIATE), as does
+        # slot dedup ("dedup"). The former is opt-in "gemm2_split_rule".
         ("grouped", 16): Gemm2Config(64, 16, 4, 4, n_split=12, merged=False),
         ("dedup", 16): Gemm2Config(64, 16, 4, 3, merged=False),
         # 4-warp 64x32 tiles, 6 programs per block along H (each walks as many N tiles as the former 128x32 8-warp

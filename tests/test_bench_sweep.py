@@ -1,0 +1,41 @@
+"""benchmarks/moe_kernel.py --sweep's variant list (the sweep itself needs a GPU): GEMM2's splits along H."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.kernels import configs as C
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_kernel.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("moe_kernel_bench", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("t,intermediate", [(64, 256), (256, 256), (512, 256), (256, 512)])
+def test_sweep_tries_every_gemm2_split_of_the_default_tile(bench, t, intermediate):
+    """Each split of GEMM2_SPLITS that cuts H into whole N tiles, for the default tile and every candidate of its
+    shape, named by tile and split, each variant the base plan with only GEMM2's tile and split changed."""
+    base = C.plan("sm90", t, 256, 8, 6144, intermediate, sm_count=132)
+    variants = bench.sweep_variants(base, 6144, intermediate, "sm90")
+    n_tiles = 6144 // base.gemm2.bn
+    splits = {v.gemm2_n_split for n, v in variants.items() if n.startswith("g2 n")}
+    assert splits == {s for s in bench.GEMM2_SPLITS if n_tiles % s == 0} - {base.gemm2_n_split}
+    same_shape = [g for g in C.GEMM2_CANDIDATES["sm90"] if (g.bn, g.bm) == (base.gemm2.bn, base.gemm2.bm)]
+    for g2 in same_shape:
+        tried = {v.gemm2_n_split for v in variants.values() if v.gemm2 == g2}
+        assert {s for s in bench.GEMM2_SPLITS if n_tiles % s == 0} <= tried | {base.gemm2_n_split}, g2
+    for name, v in variants.items():
+        if name.startswith("g2 ") and "slots" not in name:
+            assert dataclasses.replace(v, gemm2=base.gemm2, gemm2_n_split=base.gemm2_n_split,
+                                       gemm2_unroll=base.gemm2_unroll) == base, name
+            assert name.endswith(f" n{v.gemm2_n_split}"), name
