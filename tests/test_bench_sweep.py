@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from glm5_fp4.kernels import configs as C
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_kernel.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("moe_kernel_bench", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/moe_kernel.py", "moe_kernel_bench")
 
 
 @pytest.mark.parametrize("t,intermediate", [(64, 256), (256, 256), (512, 256), (256, 512)])

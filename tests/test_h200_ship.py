@@ -7,7 +7,6 @@ payload goes the same way.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -15,12 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ship", ROOT / "benchmarks" / "h200" / "ship.py")
-ship = importlib.util.module_from_spec(_spec)
-sys.modules["ship"] = ship
-_spec.loader.exec_module(ship)
+ship = load_script("benchmarks/h200/ship.py", "ship")
 
 
 @pytest.mark.parametrize("name,left", [
