@@ -49,8 +49,7 @@ def main(argv=None) -> int:
         if plan.schedule != "grouped":
             continue
         call = make_call(x, tw, ids, lay.prepared[0], "w4a16")
-        align = L.launches(dataclasses.replace(plan, parallel_align=False), call, stages=("align",))
-        (base,) = align
+        (base,) = L.launches(dataclasses.replace(plan, parallel_align=False), call, stages=("align",))
         forms = {
             "planned": [base],
             "program0": [dataclasses.replace(base, grid=(1,))],

@@ -524,6 +524,11 @@ _DEFAULT_GEMM1 = {
 _DEFAULT_GEMM1["sm100"] = _DEFAULT_GEMM1["sm90"]
 _DEFAULT_GEMM1["sm80"] = _DEFAULT_GEMM1["sm120"]
 
+# GEMM2's 16-token tile split along H by pick_n_split: the sm90 default of the grouped schedule before 2026-12-05,
+# which the TP4 shard, whole experts and slot dedup still run (_DEFAULT_GEMM2, _GEMM2_BY_INTERMEDIATE) and the opt-in
+# "gemm2_split_rule" restores for the TP8 shard
+_GEMM2_16_BY_RULE = Gemm2Config(64, 16, 4, 3, merged=False)
+
 _DEFAULT_GEMM2 = {
     # sm90, grouped: eight MMAs per tile (merged=False) beat one merged chain in the 2026-11-29 variants run
     # (T=512: 347 vs 378 us per layer): the merged operand raises registers from 126 to 161 per thread,
@@ -540,7 +545,7 @@ _DEFAULT_GEMM2 = {
         # shard keeps the rule (T=64 444 -> 432 at split 12 but T=256 522 -> 532: _GEMM2_BY_INTERMEDIATE), as does
         # slot dedup ("dedup"). The former is opt-in "gemm2_split_rule".
         ("grouped", 16): Gemm2Config(64, 16, 4, 4, n_split=12, merged=False),
-        ("dedup", 16): Gemm2Config(64, 16, 4, 3, merged=False),
+        ("dedup", 16): _GEMM2_16_BY_RULE,
         # 4-warp 64x32 tiles, 6 programs per block along H (each walks as many N tiles as the former 128x32 8-warp
         # tiles split 3 ways, opt-in "gemm2_128x32", over half the rows): found by the 2026-12-03 sweeps (a
         # 128-register cap that does not bind, moe_kernel_h200_sweep_caps_08c041b.json), measured uncapped in the
@@ -597,7 +602,7 @@ _GEMM2_BY_INTERMEDIATE = {
         # benchmarks/results/moe_kernel_h200_prefill_sweep_tp4.json, whole layer: T=2048 1,338 us vs 1,444 for
         # 32-token steps, T=4096 2,202 vs 2,250 for the 64x128 tile); 32-token blocks keep the shards' former
         # 128x32 tile (the TP8 shard's 64x32 one lost here: 602 vs 593 us at T=512, 2026-12-03 sweep)
-        (256, GEMM2_MAX_K_CHUNK, {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
+        (256, GEMM2_MAX_K_CHUNK, {("grouped", 16): _GEMM2_16_BY_RULE,
                                   ("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
                                   ("grouped", 64): Gemm2Config(128, 64, 8, 3, merged=False),
                                   ("grouped", 128): Gemm2Config(128, 64, 8, 3, merged=False)}),
@@ -605,7 +610,7 @@ _GEMM2_BY_INTERMEDIATE = {
         # TP1 T=2048: 32-token steps 5,846 us vs 5,538; the 64x128 tiles do not fit shared memory at I = 2048): the
         # former defaults, in the 2 stages that fit at I = 2048 (the 128-token entry said 3, which plan() cut to 2);
         # 32-token blocks keep the shards' former 128x32 tile (3 stages fit: the 64x32 one is unmeasured here)
-        (GEMM2_MAX_K_CHUNK, None, {("grouped", 16): Gemm2Config(64, 16, 4, 3, merged=False),
+        (GEMM2_MAX_K_CHUNK, None, {("grouped", 16): _GEMM2_16_BY_RULE,
                                    ("grouped", 32): Gemm2Config(128, 32, 8, 3, merged=False),
                                    ("grouped", 64): Gemm2Config(128, 64, 8, 2, merged=False),
                                    ("grouped", 128): Gemm2Config(128, 64, 8, 2, merged=False)}),
@@ -910,7 +915,7 @@ OPT_IN: dict[str, OptIn] = {
                              compile_tokens=(512,), archs=("sm90", "sm100"), bm=32,
                              purpose="GEMM1 in 64x32x256 tiles of gate rows then up rows, 3 stages (the sm90 default "
                                      "for 32-token blocks before 2026-12-05)"),
-    "gemm2_split_rule": OptIn(dict(gemm2=Gemm2Config(64, 16, 4, 3, merged=False), gemm2_split="rule"), "grouped", None,
+    "gemm2_split_rule": OptIn(dict(gemm2=_GEMM2_16_BY_RULE, gemm2_split="rule"), "grouped", None,
                               ("w4a16", "w4a4"), compile_tokens=(64,), archs=("sm90", "sm100"), bm=16,
                               max_intermediate=256,
                               purpose="GEMM2 of 16-token blocks in 3 stages, split along H by pick_n_split (the sm90 "
