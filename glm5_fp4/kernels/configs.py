@@ -122,6 +122,12 @@ class Plan:
     # token's N range to arrive (a counter) adds the k rows in slot order (the one-program form's order: bit-equal
     # in the interpreter, equal to rounding on the GPU). The default at T <= 2 on SPLIT_SLOTS_ARCHS.
     gemm2_split_slots: bool = False
+    # Slot dedup (Plan.slot_dedup): GEMM2's program that writes the last of a token's k per-slot rows of an N range
+    # (an arrival counter per token and N range) adds them in slot order into the output, instead of the finalize
+    # launch: GEMM1 and GEMM2 only, as at T <= 2, with dedup's one read of each expert's weights under skew.
+    # GEMM1's K then splits by pick_slot_split_k with the reduce fused, as where GEMM2 is split by slots.
+    # Opt-in "dedup_by_arrival" (not measured on a GPU yet).
+    dedup_fused_finalize: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -779,6 +785,8 @@ def plan(
     # dedup, T < SLOT_DEDUP_MIN_TOKENS, where these decisions are made.)
     split_slots = schedule == "slot" and not slot_dedup and change.get(
         "gemm2_split_slots", arch in SPLIT_SLOTS_ARCHS and tokens < SLOT_DEDUP_MIN_TOKENS)
+    # (likewise: GEMM1's split below follows from it)
+    fused_finalize = slot_dedup and change.get("dedup_fused_finalize", False)
     g2 = (gemm2 or (split_slots and SPLIT_SLOTS_GEMM2.get(arch)) or _gemm2_override(arch, intermediate, g2_key)
           or tables2[arch][g2_key])
     # Explicit configs are what the sweep and the compile matrix ask for: kept as given (a misfit then fails
@@ -805,7 +813,8 @@ def plan(
     # programs per SM, reduced by its last program, launched with PDL where GEMM2 takes K whole (its weight rows then
     # prefetched before it waits; whole experts lost with PDL: TP1 T=1 94.2 vs 78.3 us, 2c13851) (the "pow2" rule:
     # the former picks)
-    spread = split_slots and arch in SLOT_WIDE_SPLIT_ARCHS and change.get("split_k_rule", "spread") == "spread"
+    spread = ((split_slots or fused_finalize) and arch in SLOT_WIDE_SPLIT_ARCHS
+              and change.get("split_k_rule", "spread") == "spread")
     few = (not spread and schedule == "slot" and not slot_dedup and tokens <= SLOT_WIDE_SPLIT_MAX_TOKENS
            and arch in SLOT_WIDE_SPLIT_ARCHS)
     if spread:
@@ -818,7 +827,7 @@ def plan(
     if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
-             gemm2_split_slots=split_slots,
+             gemm2_split_slots=split_slots, dedup_fused_finalize=fused_finalize,
              gemm1_fused_reduce=(few or spread) and split_k > 1,
              slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS
@@ -869,6 +878,10 @@ OPT_IN: dict[str, OptIn] = {
                                  "before 2026-12-02: 24.8 us against 21.5)"),
     "slot_dedup": OptIn(dict(slot_dedup=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                         compile_tokens=(2,), purpose="one program group per expert below SLOT_DEDUP_MIN_TOKENS"),
+    "dedup_by_arrival": OptIn(dict(slot_dedup=True, dedup_fused_finalize=True), "slot", None, ("w4a16", "w4a4"),
+                              compile_tokens=(2, 4),
+                              purpose="slot dedup with the finalize fused into GEMM2 by arrival counters and GEMM1's K "
+                                      "split to ~3 programs per SM, its reduce fused: 2 launches (not yet timed)"),
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                       purpose="one program group per slot (the default before 2026-12-02; costs skewed T=3-4 up to 2.7x)"),
     "parallel_align": OptIn(dict(parallel_align=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(512,),

@@ -11,7 +11,8 @@ Per schedule:
 
 * ``slot``: [split-K GEMM1 + reduce | GEMM1 (split-K with the reduce fused: plan.gemm1_fused_reduce)],
   GEMM2-with-combine (2-3 launches, no workspace zeroing); with plan.slot_dedup, GEMM1 and GEMM2 per group of
-  slots sharing an expert, GEMM2 into per-slot rows, then the finalize adding each token's k rows (3-4).
+  slots sharing an expert, GEMM2 into per-slot rows, then the finalize adding each token's k rows (3-4), or
+  GEMM2's last writer of a token's rows adding them (plan.dedup_fused_finalize: 2-3).
 * ``grouped``: align (+ zero + activation conversion), GEMM1 over the work list, GEMM2 over the work list
   (atomics into the fp32 workspace), finalize (4 launches; one more with plan.parallel_align: count + scan,
   scatter; one more with plan.gemm1_split_k > 1: the split-K reduce after GEMM1).
@@ -281,8 +282,11 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
     if plan.gemm2_split_slots and call.num_slots > call.workspace.combine.shape[0]:
         raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots needs {call.num_slots} combine rows (T x k), the "
                            f"workspace holds {call.workspace.combine.shape[0]}")
-    if plan.gemm2_split_slots and call.tokens * plan.gemm2_n_split > call.workspace.slot_count.numel():
-        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2 split by slots needs {call.tokens * plan.gemm2_n_split} arrival "
+    if plan.dedup_fused_finalize and not (plan.schedule == "slot" and plan.slot_dedup):
+        raise Glm5Fp4Error(f"MoE plan {plan}: the finalize fused into GEMM2 by arrival is a form of the slot dedup")
+    if ((plan.gemm2_split_slots or plan.dedup_fused_finalize)
+            and call.tokens * plan.gemm2_n_split > call.workspace.slot_count.numel()):
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2's arrivals per token need {call.tokens * plan.gemm2_n_split} "
                            f"counters (T x N ranges), the workspace holds {call.workspace.slot_count.numel()}")
     if plan.schedule == "slot" and plan.gemm1_split_k > 1:
         ws = call.workspace
@@ -355,7 +359,8 @@ def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage
 
 def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool = False) -> Launch:
     """The grouped GEMM2 over ``rows`` work-list blocks, or (``slot_dedup``) over the call's slots, each leading
-    a group or idle; into the fp32 combine buffer (atomics per token, or stores per slot)."""
+    a group or idle; into the fp32 combine buffer (atomics per token, or stores per slot; with
+    plan.dedup_fused_finalize the last writer of a token's rows adds them into the output)."""
     from glm5_fp4.kernels import triton_moe as K
 
     p, ws, g2 = call.prepared, call.workspace, plan.gemm2
@@ -364,10 +369,12 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
     return Launch(
         K.moe_gemm2_grouped_kernel, (rows, plan.gemm2_n_split),
         (ws.act, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha, a2, call.topk_weights, ws.combine, ws.slots,
-         ws.blocks, ws.num_blocks, call.topk_ids, _emap(call), call.top_k),
+         ws.blocks, ws.num_blocks, call.topk_ids, _emap(call), call.out, call.out.stride(0), ws.slot_count,
+         call.top_k),
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout in PLACED_LAYOUTS,
-             SLOT_DEDUP=slot_dedup, SP=_pow2(call.num_slots) if slot_dedup else 1,
+             SLOT_DEDUP=slot_dedup, ARRIVE=slot_dedup and plan.dedup_fused_finalize,
+             SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
              num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **_pdl(plan, call),
              **_l2_prefetch2(plan, call, g2.bn),
@@ -412,8 +419,10 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2", pdl))
     if dedup:
         # GEMM2 per (slot group, N range) into per-slot fp32 rows of the combine buffer, then each token's k rows
-        # added in slot order: every expert's W2 read and decoded once however many tokens share it
-        return out + [_gemm2_grouped(plan, call, num_slots, slot_dedup=True), _finalize(call, rows=k, pdl=pdl)]
+        # added in slot order (by the finalize, or by GEMM2's last writer of each token's rows): every expert's W2
+        # read and decoded once however many tokens share it
+        g2 = _gemm2_grouped(plan, call, num_slots, slot_dedup=True)
+        return out + ([g2] if plan.dedup_fused_finalize else [g2, _finalize(call, rows=k, pdl=pdl)])
     # Plan.gemm2_split_slots: one program per (N range, token, slot), the k rows added by the last to arrive
     split_slots = plan.gemm2_split_slots
     out.append(Launch(
@@ -533,7 +542,8 @@ def run(todo: list[Launch]) -> None:
 def count(plan: cfgs.Plan) -> int:
     """Kernel launches per layer call under ``plan``."""
     if plan.schedule == "slot":
-        return 2 + (plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce) + plan.slot_dedup
+        return (2 + (plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce)
+                + (plan.slot_dedup and not plan.dedup_fused_finalize))
     grouped = plan.schedule == "grouped"
     return 4 + (plan.parallel_align and grouped) + (grouped and plan.gemm1_split_k > 1)
 

@@ -835,6 +835,9 @@ def moe_gemm2_grouped_kernel(
     num_blocks_ptr,
     ids_ptr,
     emap_ptr,
+    out_ptr,
+    stride_ot,
+    cnt_ptr,
     TOPK,
     H: tl.constexpr,
     I: tl.constexpr,
@@ -847,6 +850,7 @@ def moe_gemm2_grouped_kernel(
     KC: tl.constexpr = 0,
     PLACED: tl.constexpr = False,
     SLOT_DEDUP: tl.constexpr = False,
+    ARRIVE: tl.constexpr = False,
     SP: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
     DIAG: tl.constexpr = 0,
@@ -871,11 +875,15 @@ def moe_gemm2_grouped_kernel(
 
     ``SLOT_DEDUP`` (the slot schedule's dedup form): program (slot, N range) computes the group of slots that
     share its slot's expert when it leads the group (:func:`_slot_group`), and stores ws[slot, n] (no atomics:
-    every local slot's row is written once); moe_finalize_kernel then adds each token's k rows in slot order.
+    every local slot's row is written once); moe_finalize_kernel then adds each token's k rows in slot order, or
+    (``ARRIVE``, Plan.dedup_fused_finalize) the program that writes a token's last row of an N range does
+    (:func:`_arrive_and_add`; ``cnt_ptr`` [T, N_SPLIT] counts each token's k slots, a remote slot's own program
+    arrives for it), into ``out_ptr``: no finalize launch.
 
     K (= I) is taken KC at a time: KC == I (GLM-5's TP shards, I <= 512) loads the act tile once per token
     block and reuses it for every N tile; whole experts (I = 2048: TP1, expert parallelism) loop over K
     chunks, whose decoded weight tiles would not fit registers or shared memory at once."""
+    tl.static_assert(SLOT_DEDUP or not ARRIVE, "arrivals count the slot dedup's per-slot rows")
     NW: tl.constexpr = KC // 8
     pid_s = tl.program_id(1)
     if SLOT_DEDUP:
@@ -948,6 +956,45 @@ def moe_gemm2_grouped_kernel(
                         a0, a1, a2, a3, a4, a5, a6, a7 = _load_sets(a_rows + k0 + offs_w[:, None], mmask[None, :], NW)
                         acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
                 _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
+        if ARRIVE:
+            _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot, mmask, pid_s, n_begin, TOPK,
+                            H, BN, BM, N_SPLIT, HAS_MAP)
+    if ARRIVE:
+        # a remote slot is in no group and its row is never written: its own program arrives for it
+        _, here = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
+        if here == 0:
+            first = tl.arange(0, BM)
+            _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, start + first * 0, first < 1,
+                            pid_s, n_begin, TOPK, H, BN, BM, N_SPLIT, HAS_MAP)
+
+
+@triton.jit
+def _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot, smask, pid_s, n_begin, TOPK,
+                    H: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, N_SPLIT: tl.constexpr, HAS_MAP: tl.constexpr):
+    """The slot dedup's finalize by arrival (Plan.dedup_fused_finalize): after this program stored the rows of
+    ``slot`` [BM] (``smask``) over N range ``pid_s``, each of those slots arrives at its token's counter; where it
+    is the token's k-th arrival, this program adds the token's k rows in slot order (a remote slot's, never
+    written, skipped) as moe_finalize_kernel would, bit for bit, and stores them. :func:`_last_arrival`'s pattern
+    per lane: a CTA barrier, then gpu-scope acq_rel atomics; the rows read back through L2 (``.cg``)."""
+    tok = slot // TOPK
+    cnt = cnt_ptr + tok * N_SPLIT + pid_s
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt, tl.full((BM,), 1, tl.int32), mask=smask, sem="acq_rel", scope="gpu")
+    last = smask & (old == TOPK - 1)
+    tl.atomic_xchg(cnt, tl.zeros((BM,), tl.int32), mask=last, sem="relaxed", scope="gpu")
+    if tl.max(last.to(tl.int32), axis=0) > 0:
+        offs_bn = tl.arange(0, BN)
+        tok64 = tok.to(tl.int64)
+        n_per: tl.constexpr = H // N_SPLIT
+        for n0 in range(n_begin, n_begin + n_per, BN):
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for j in range(TOPK):
+                s_j = tok64 * TOPK + j
+                _, local = _slot_expert(s_j, ids_ptr, emap_ptr, HAS_MAP)
+                acc += tl.load(ws_ptr + s_j[None, :] * H + n0 + offs_bn[:, None], mask=(last & (local > 0))[None, :],
+                               other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tok64[None, :] * stride_ot + n0 + offs_bn[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=last[None, :])
 
 
 @triton.jit

@@ -481,10 +481,13 @@ def test_slot_dedup_computes_what_the_slot_form_computes(gen):
     assert torch.equal(out, want)
 
 
-def test_slot_dedup_groups_longer_than_a_block(gen):
+@pytest.mark.parametrize("split,fused", [(1, False), (2, True)])
+def test_slot_dedup_groups_longer_than_a_block(gen, split, fused):
     """A group of more slots than GEMM's token block (20 tokens on the same experts, block 16) is walked a block
-    at a time; 40 slots round up to 64 in the group search."""
-    out, ref = _run(gen, 20, "w4a16", "slot", "same_k", slot_dedup=True)
+    at a time; 40 slots round up to 64 in the group search. With GEMM1's split-K reduce fused, each block of the
+    group counts its own arrivals (one counter per leader once let the first block's last arrival reduce partial
+    sums the other programs had not written yet: NaN)."""
+    out, ref = _run(gen, 20, "w4a16", "slot", "same_k", slot_dedup=True, gemm1_split_k=split, gemm1_fused_reduce=fused)
     assert torch.isfinite(out).all()
     assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
 
@@ -505,6 +508,59 @@ def test_slot_dedup_under_expert_parallelism(gen, split):
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
+
+
+@pytest.mark.parametrize("t,routing,mode,n_split,with_map", [
+    (4, "same_k", "w4a16", 4, False), (4, "zipf2", "w4a4", 8, False), (3, "balanced", "w4a16", 8, False),
+    (4, "same_k", "w4a16", 2, True), (20, "same_k", "w4a16", 2, False)])
+def test_dedup_by_arrival_is_the_finalize_launchs_sum(gen, t, routing, mode, n_split, with_map):
+    """plan.dedup_fused_finalize: GEMM2's program that writes the last of a token's k per-slot rows of an N range
+    adds them, instead of the finalize launch. The same rows added in the same order: bit for bit the dedup form
+    with the finalize launch (skewed routings make groups of up to T slots, balanced ones groups of one; 20 tokens
+    on the same experts make groups longer than the 16-token block; N ranges of one to four tiles); against float64;
+    the arrival counters zero again after each call (a second call would add too early or never); under an expert
+    map a remote slot arrives by its own program and a token whose experts are all remote comes out exactly zero."""
+    from glm5_fp4.kernels import launch as L
+    from glm5_fp4.kernels.moe import get_workspace
+
+    emap = _emap() if with_map else None
+    ex, prep = _experts(gen, 256)
+    x = torch.randn(t, 256, generator=gen).half()
+    w, ids = make_routing(routing, t, 16 if with_map else E, K, gen)
+    if with_map:
+        ids[1:] = torch.tensor([3, 9])  # three tokens share two local experts
+        ids[0] = torch.tensor([0, 2])  # both experts remote
+        ids[2] = torch.tensor([3, 5])  # one local expert (in the group of 3), one remote
+    base = _plan(t, "slot", 256, gemm1_split_k=2, gemm1_fused_reduce=True, slot_dedup=True, gemm2_n_split=n_split)
+    fused = dataclasses.replace(base, dedup_fused_finalize=True)
+    assert L.count(fused) == L.count(base) - 1 == 2
+    names = [la.name for la in L.launches(fused, _call(x, w, ids, prep, mode, emap))]
+    assert names == ["moe_gemm1_kernel", "moe_gemm2_grouped_kernel"]
+    want = fused_moe_triton(x, w, ids, prep, mode, plan=base, expert_map=emap)
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=fused, expert_map=emap)
+        assert torch.equal(out, want)
+        assert not get_workspace(x.device, E, K, 256, I, t).slot_count.any()
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64,
+                        expert_map=emap)
+    assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
+    if with_map:
+        assert out[0].abs().max() == 0
+
+
+def test_dedup_by_arrival_form_matches_reference(gen):
+    """The opt-in form as plan() makes it (sm_90, T = 4 on 4 of 8 experts: GEMM1 split along K with its reduce
+    fused, GEMM2 finalizing by arrival), against float64."""
+    ex, prep = _experts(gen, 512)
+    x = torch.randn(4, 512, generator=gen).half()
+    w, ids = make_routing("same_k", 4, E, K, gen)
+    plan = C.plan("sm90", 4, E, K, 512, I, sm_count=4, form="dedup_by_arrival")
+    assert plan.dedup_fused_finalize and plan.slot_dedup and plan.gemm1_fused_reduce and plan.gemm1_split_k > 1
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)
+    assert rel_error(out, ref) < moe_tolerance("w4a16", x.dtype)
 
 
 @triton.jit
