@@ -794,10 +794,15 @@ def moe_gemm1_kernel(
             tl.store(pp, gate, mask=mmask[None, :])
             tl.store(pp + I, up, mask=mmask[None, :])
             if FUSED_REDUCE:
-                # The last of the SPLIT_K programs of this (N tile, slot) to finish adds the partial sums in
+                # The last of the SPLIT_K programs of this (N tile, rows) to finish adds the partial sums in
                 # split order (bitwise what moe_splitk_reduce_kernel computes) and applies SwiGLU, so the slot
-                # schedule needs no reduce launch.
-                if _last_arrival(cnt_ptr + start * (I // BN) + pid_n, SPLIT_K):
+                # schedule needs no reduce launch. One counter per block of rows, its first row's: a slot dedup
+                # group longer than BM rows is several blocks, each with its own SPLIT_K arrivals.
+                if SLOT_MODE and DEDUP:
+                    first_row = tl.min(tl.where(mmask, rows, 2**31 - 1), axis=0)
+                else:
+                    first_row = start
+                if _last_arrival(cnt_ptr + first_row * (I // BN) + pid_n, SPLIT_K):
                     p0 = part_ptr + rows[None, :] * (2 * I) + offs_i[:, None]
                     gate = tl.load(p0, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
                     up = tl.load(p0 + I, mask=mmask[None, :], other=0.0, cache_modifier=".cg")

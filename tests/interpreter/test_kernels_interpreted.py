@@ -487,7 +487,8 @@ def test_slot_dedup_groups_longer_than_a_block(gen, split, fused):
     at a time; 40 slots round up to 64 in the group search. With GEMM1's split-K reduce fused, each block of the
     group counts its own arrivals (one counter per leader once let the first block's last arrival reduce partial
     sums the other programs had not written yet: NaN)."""
-    out, ref = _run(gen, 20, "w4a16", "slot", "same_k", slot_dedup=True, gemm1_split_k=split, gemm1_fused_reduce=fused)
+    out, ref = _run(gen, 20, "w4a16", "slot", "same_k", h=256, slot_dedup=True, gemm1_split_k=split,
+                    gemm1_fused_reduce=fused)
     assert torch.isfinite(out).all()
     assert rel_error(out, ref) < moe_tolerance("w4a16", out.dtype)
 
@@ -555,7 +556,7 @@ def test_dedup_by_arrival_form_matches_reference(gen):
     ex, prep = _experts(gen, 512)
     x = torch.randn(4, 512, generator=gen).half()
     w, ids = make_routing("same_k", 4, E, K, gen)
-    plan = C.plan("sm90", 4, E, K, 512, I, sm_count=4, form="dedup_by_arrival")
+    plan = C.plan("sm90", 4, E, K, 512, I, sm_count=16, form="dedup_by_arrival")
     assert plan.dedup_fused_finalize and plan.slot_dedup and plan.gemm1_fused_reduce and plan.gemm1_split_k > 1
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)
