@@ -64,7 +64,7 @@ def test_plan_label_names_the_launch_forms():
         return dict(schedule=p.schedule, gemm1=p.gemm1.__dict__, gemm2=p.gemm2.__dict__, gemm2_n_split=p.gemm2_n_split,
                     gemm1_split_k=p.gemm1_split_k, prep_x=p.prep_x, parallel_align=p.parallel_align,
                     slot_dedup=p.slot_dedup, gemm1_fused_reduce=p.gemm1_fused_reduce, pdl=p.pdl,
-                    gemm2_split_slots=p.gemm2_split_slots)
+                    gemm2_split_slots=p.gemm2_split_slots, dedup_fused_finalize=p.dedup_fused_finalize)
 
     one = C.plan("sm90", 1, 256, 8, 6144, 256, sm_count=132)
     assert plan_label(row(one)).endswith("splitK12 fused pdl slots")
@@ -72,4 +72,6 @@ def test_plan_label_names_the_launch_forms():
         "splitK8 fused")
     four = C.plan("sm90", 4, 256, 8, 6144, 256, sm_count=132)
     assert plan_label(row(four)).endswith("splitK4 dedup pdl")
+    arrive = C.plan("sm90", 4, 256, 8, 6144, 256, sm_count=132, form="dedup_by_arrival")
+    assert plan_label(row(arrive)).endswith("splitK3 dedup-arrive fused pdl")
     assert "pdl" not in plan_label(row(dataclasses.replace(four, pdl=False)))

@@ -241,6 +241,59 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     assert C.plan("sm90", 64, e, k, h, i, sm_count=132, form="slot_dedup").slot_dedup is False  # grouped: no effect
 
 
+@pytest.mark.parametrize("t", [2, 3, 4])
+def test_dedup_by_arrival_launches_two_kernels(t):
+    """The opt-in "dedup_by_arrival" (Plan.dedup_fused_finalize): the slot dedup in two launches, GEMM1 with its K
+    split by pick_slot_split_k and the reduce fused (as where GEMM2 is split by slots), the grouped GEMM2 over (slot,
+    N range) with ARRIVE, the output and the per-(token, N range) counters, and no finalize; PDL on both. Refused
+    without slot dedup, and where the workspace holds fewer counters than T x N ranges."""
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels.launch import count, launches
+
+    call = _meta_call("tp8", t, use_asm=True)
+    p = call.prepared
+    dims = (p.num_experts, 8, p.hidden_size, p.intermediate_size)
+    plan = C.plan("sm90", t, *dims, sm_count=132, form="dedup_by_arrival")
+    g1_cfg = plan.gemm1
+    want_split = C.pick_slot_split_k((dims[3] // g1_cfg.bn) * t * 8, dims[2] // g1_cfg.bk, 132)
+    assert plan.slot_dedup and plan.dedup_fused_finalize and not plan.gemm2_split_slots and plan.pdl
+    assert plan.gemm1_split_k == want_split > 1 and plan.gemm1_fused_reduce
+    todo = launches(plan, call)
+    assert [ln.name for ln in todo] == ["moe_gemm1_kernel", "moe_gemm2_grouped_kernel"] and count(plan) == 2
+    g1, g2 = todo
+    assert g1.kwargs["DEDUP"] and g1.kwargs["FUSED_REDUCE"] and g1.grid == (dims[3] // g1_cfg.bn, t * 8, want_split)
+    assert g2.grid == (t * 8, plan.gemm2_n_split) and g2.kwargs["SLOT_DEDUP"] and g2.kwargs["ARRIVE"]
+    assert g2.args[12] is call.out and g2.args[14] is call.workspace.slot_count
+    assert all(ln.kwargs.get("launch_pdl") for ln in todo)
+    default = C.plan("sm90", t, *dims, sm_count=132)
+    assert not default.dedup_fused_finalize and not launches(default, call)[-1].kwargs.get("ARRIVE", False)
+    with pytest.raises(Glm5Fp4Error, match="form of the slot dedup"):
+        launches(dataclasses.replace(plan, slot_dedup=False), call)
+    ws = call.workspace
+    ws.slot_count = ws.slot_count[:plan.gemm2_n_split * t - 1]
+    with pytest.raises(Glm5Fp4Error, match="arrivals per token"):
+        launches(plan, call)
+
+
+@pytest.mark.parametrize("t", [3, 4])
+def test_per_slot_split_form_runs_t4_as_t2_runs(t):
+    """The opt-in "per_slot_split" at T = 3-4: no dedup, GEMM2 split by slots over (N ranges, T, k), GEMM1's K split by
+    pick_slot_split_k with the reduce fused, PDL: the two launches of the T <= 2 default; at T <= 2 it changes
+    nothing; sm_120 keeps its default."""
+    from glm5_fp4.kernels.launch import launches
+
+    call = _meta_call("tp8", t, use_asm=True)
+    p = call.prepared
+    dims = (p.num_experts, 8, p.hidden_size, p.intermediate_size)
+    plan = C.plan("sm90", t, *dims, sm_count=132, form="per_slot_split")
+    assert not plan.slot_dedup and plan.gemm2_split_slots and plan.gemm1_fused_reduce and plan.pdl
+    assert plan.gemm1_split_k == C.pick_slot_split_k((dims[3] // plan.gemm1.bn) * t * 8, dims[2] // plan.gemm1.bk, 132)
+    g1, g2 = launches(plan, call)
+    assert g2.name == "moe_gemm2_slot_kernel" and g2.grid == (plan.gemm2_n_split, t, 8) and g2.kwargs["SPLIT_SLOTS"]
+    assert C.plan("sm90", 2, *dims, sm_count=132, form="per_slot_split") == C.plan("sm90", 2, *dims, sm_count=132)
+    assert C.plan("sm120", t, *dims, sm_count=188, form="per_slot_split") == C.plan("sm120", t, *dims, sm_count=188)
+
+
 @pytest.mark.parametrize("arch,sms", [("sm90", 132), ("sm120", 188)])
 def test_default_forms_are_sized_for_skewed_routing(arch, sms):
     """The plan is fixed per batch size before the routing is known (CUDA graphs), so it is sized for skew
@@ -390,7 +443,7 @@ def test_gemm2_split_by_slots_launch_and_refusals():
     ws = call.workspace
     full_count, full_combine = ws.slot_count, ws.combine
     ws.slot_count = full_count[:plan.gemm2_n_split]  # counters for one token
-    with pytest.raises(Glm5Fp4Error, match="arrival counters"):
+    with pytest.raises(Glm5Fp4Error, match="arrivals per token"):
         launches(plan, call)
     ws.slot_count, ws.combine = full_count, full_combine[:8]  # rows for one token's slots
     with pytest.raises(Glm5Fp4Error, match="combine rows"):

@@ -167,7 +167,7 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
              gemm2=plan.gemm2.__dict__, gemm2_n_split=plan.gemm2_n_split, gemm1_split_k=plan.gemm1_split_k,
              prep_x=plan.prep_x, parallel_align=plan.parallel_align, slot_dedup=plan.slot_dedup,
              gemm1_fused_reduce=plan.gemm1_fused_reduce, pdl=plan.pdl, l2_prefetch=plan.l2_prefetch,
-             gemm2_split_slots=plan.gemm2_split_slots)
+             gemm2_split_slots=plan.gemm2_split_slots, dedup_fused_finalize=plan.dedup_fused_finalize)
     if ctx.check:
         out = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=plan, expert_map=emap)
         if not torch.isfinite(out).all():
@@ -334,7 +334,7 @@ def plan_label(r: dict) -> str:
     if r.get("parallel_align"):
         extra.append("palign")
     if r.get("slot_dedup"):
-        extra.append("dedup")
+        extra.append("dedup-arrive" if r.get("dedup_fused_finalize") else "dedup")
     if r.get("gemm1_fused_reduce"):
         extra.append("fused")
     if r.get("pdl"):

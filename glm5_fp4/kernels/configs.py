@@ -879,9 +879,14 @@ OPT_IN: dict[str, OptIn] = {
     "slot_dedup": OptIn(dict(slot_dedup=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                         compile_tokens=(2,), purpose="one program group per expert below SLOT_DEDUP_MIN_TOKENS"),
     "dedup_by_arrival": OptIn(dict(slot_dedup=True, dedup_fused_finalize=True), "slot", None, ("w4a16", "w4a4"),
-                              compile_tokens=(2, 4),
+                              compile_tokens=(2, 4), archs=SLOT_WIDE_SPLIT_ARCHS,
                               purpose="slot dedup with the finalize fused into GEMM2 by arrival counters and GEMM1's K "
                                       "split to ~3 programs per SM, its reduce fused: 2 launches (not yet timed)"),
+    "per_slot_split": OptIn(dict(slot_dedup=False, gemm2_split_slots=True), "slot", None, ("w4a16", "w4a4"),
+                            compile_tokens=(4,), archs=SLOT_WIDE_SPLIT_ARCHS,
+                            purpose="T = 3-4 as T <= 2 runs: no dedup, GEMM2 split by slots, GEMM1's K split to ~3 "
+                                    "programs per SM, its reduce fused: 2 launches, each token's experts read for it "
+                                    "(not yet timed)"),
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                       purpose="one program group per slot (the default before 2026-12-02; costs skewed T=3-4 up to 2.7x)"),
     "parallel_align": OptIn(dict(parallel_align=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(512,),

@@ -127,6 +127,18 @@ def main() -> int:
             ok = err < moe_tolerance(mode, x.dtype) and bool(ref.abs().max() > 0)  # some slot must be local
             failures += not ok
             print(f"T={t} split slots map={use_map} pdl={pdl} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    # the slot dedup's finalize by arrival (opt-in dedup_by_arrival: per-token counters, the last writer adds the
+    # token's rows), skewed groups, remote slots arriving by their own programs, both modes
+    for t, routing, use_map in ((3, "same_k", False), (4, "zipf2", True)):
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+        w, ids = make_routing(routing, t, 12 if use_map else e, k, device="cuda")
+        m = emap if use_map else None
+        plan = default_plan(x, ids, prep, "w4a16", m, form="dedup_by_arrival")
+        for mode in ("w4a16", "w4a4"):
+            err, ok = _checked(fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m), x, w, ids, ex, mode, m)
+            ok = ok and plan.dedup_fused_finalize
+            failures += not ok
+            print(f"T={t} {routing} dedup by arrival map={use_map} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # sm_120's own plans (its tiles, rules and SM count: what an RTX PRO 6000 launches; with DISABLE_MMA_V3=1 also
     # its mma.sync instruction, glm5_fp4/bench/mma.py), both schedules, remote slots, the slot GEMM2 split by slots
     from glm5_fp4.kernels.moe import plan_for

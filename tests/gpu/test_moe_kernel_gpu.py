@@ -451,6 +451,41 @@ def test_variant_slot_dedup(shape, t, routing, mode):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode, plan=plan)) < moe_tolerance(mode, x.dtype)
 
 
+@pytest.mark.parametrize("shape,t,routing,mode", [
+    (SMALL, 4, "same_k", "w4a16"), (GLM_TP8, 4, "same_k", "w4a16"), (GLM_TP8, 4, "balanced", "w4a4"),
+    (GLM_TP8, 3, "zipf1.2", "w4a16"), (GLM_TP8, 2, "one_hot", "w4a16"), (GLM_TP4, 4, "same_k", "w4a16"),
+    (GLM_EP8, 4, "same_k", "w4a16")])
+def test_dedup_by_arrival(shape, t, routing, mode):
+    """The opt-in "dedup_by_arrival" (Plan.dedup_fused_finalize: GEMM2's last writer of a token's k per-slot rows
+    adds them, no finalize launch; GEMM1 split along K with its reduce fused): against float64 with NaN-poisoned
+    outputs; bit for bit the same plan with the finalize launch (the same GEMM1, the same rows added in the same
+    order; the GEMM2 rows come from the same kernel body); whole experts (K in chunks) and an expert map (remote
+    slots, which arrive by their own programs); CUDA graphs replayed with new routings equal eager calls bit for bit
+    (the arrival counters are zero again after each call)."""
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, get_workspace
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
+    emap = None
+    if "global_e" in shape:
+        emap = torch.full((shape["global_e"],), -1, dtype=torch.int32, device="cuda")
+        emap[:: shape["global_e"] // e] = torch.arange(e, dtype=torch.int32, device="cuda")
+    plan = default_plan(x, ids, prep, mode, expert_map=emap, form="dedup_by_arrival")
+    assert plan.slot_dedup and plan.dedup_fused_finalize
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan, expert_map=emap)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, reference(x, w, ids, ex, mode, emap)) < moe_tolerance(mode, x.dtype)
+    with_finalize = dataclasses.replace(plan, dedup_fused_finalize=False)
+    assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=with_finalize, expert_map=emap))
+    assert not get_workspace(x.device, prep.num_experts, k, h, i, t).slot_count.any()
+    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan,
+                                                                expert_map=emap), w, ids, out,
+                                       shape.get("global_e") or e, 2):
+        assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=with_finalize, expert_map=emap))
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("t,variant", [(3, "unmerged"), (3, "nosplit"), (40, "unmerged"), (40, "noprep"),
                                        (300, "unmerged"), (300, "bm64")])

@@ -550,14 +550,18 @@ def test_dedup_by_arrival_is_the_finalize_launchs_sum(gen, t, routing, mode, n_s
         assert out[0].abs().max() == 0
 
 
-def test_dedup_by_arrival_form_matches_reference(gen):
-    """The opt-in form as plan() makes it (sm_90, T = 4 on 4 of 8 experts: GEMM1 split along K with its reduce
-    fused, GEMM2 finalizing by arrival), against float64."""
+@pytest.mark.parametrize("form", ["dedup_by_arrival", "per_slot_split"])
+def test_two_launch_forms_at_t4_match_reference(gen, form):
+    """The opt-in two-launch forms of T = 3-4 as plan() makes them (sm_90, T = 4 on the same 2 of 8 experts: GEMM1
+    split along K with its reduce fused; GEMM2 finalizing by arrival after the dedup, or split by slots without
+    it), against float64."""
     ex, prep = _experts(gen, 512)
     x = torch.randn(4, 512, generator=gen).half()
     w, ids = make_routing("same_k", 4, E, K, gen)
-    plan = C.plan("sm90", 4, E, K, 512, I, sm_count=16, form="dedup_by_arrival")
-    assert plan.dedup_fused_finalize and plan.slot_dedup and plan.gemm1_fused_reduce and plan.gemm1_split_k > 1
+    plan = C.plan("sm90", 4, E, K, 512, I, sm_count=16, form=form)
+    assert plan.gemm1_fused_reduce and plan.gemm1_split_k > 1
+    assert (plan.slot_dedup, plan.dedup_fused_finalize, plan.gemm2_split_slots) == (
+        (True, True, False) if form == "dedup_by_arrival" else (False, False, True))
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device calls prepared for improvements/20 (2026-12-05, written while no GPU was lent; none of this has run yet): the
+# two-launch forms of T = 2-4 against the default (slot dedup in 3-4 launches), the GPU gates of the new forms, the
+# align probe left over from improvements/19.
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ab      # same-run A/B, TP8 T = 2-4 then TP4 and EP8-sized
+#                                                                # whole experts (AB1_TOKENS=none: TP8 only)
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh tests   # tests/gpu: the new forms, slot dedup, fused reduce
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sanitize
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ncu     # per-kernel durations, TP8 T=4 (default, each form)
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh probe   # benchmarks/align_probe.py, TP8 T = 64-1024
+# carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh); pass GLM5_FP4_GIT_SHA.
+set -u
+. benchmarks/h200/job_steps.sh || exit 2
+FORMS=${FORMS:-dedup_by_arrival,per_slot_split}
+for s in "$@"; do
+  case $s in
+    ab)
+      GREP="precompiled|T=|rror" step ab_small_t_tp8 "${T_AB:-240}" python3 benchmarks/moe_variants.py --precompile 14 \
+        --shards tp8 --tokens "${AB_TOKENS:-2,3,4}" --routings "${AB_ROUTINGS:-balanced,same_k,zipf1.2}" \
+        --forms "$FORMS" --json "$OUT/variants_small_t_tp8.json"
+      [ "${AB1_TOKENS:-}" = none ] || GREP="precompiled|T=|rror" step ab_small_t_tp4_tp1 "${T_AB1:-240}" \
+        python3 benchmarks/moe_variants.py --precompile 14 --shards tp4,tp1 --tokens "${AB1_TOKENS:-2,4}" \
+        --routings balanced,same_k --layers 2 --forms "$FORMS" --json "$OUT/variants_small_t_tp4_tp1.json" ;;
+    tests)
+      step tests_small_t "${T_TESTS:-300}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
+        -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots}" ;;
+    sanitize) sanitize_steps ;;
+    ncu)
+      for f in default ${FORMS//,/ }; do
+        form=$([ "$f" = default ] || echo "--form $f")
+        GREP="rror" step "ncu_tp8_t4_$f" "${T_NCU:-90}" ncu --clock-control none --profile-from-start off --csv \
+          --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread \
+          python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 4 $form
+        cp "$L/ncu_tp8_t4_$f.log" "$OUT/ncu_tp8_t4_$f.csv"
+      done ;;
+    probe)
+      GREP="T=|rror" step align_probe "${T_PROBE:-120}" python3 benchmarks/align_probe.py --shard tp8 \
+        --tokens "${PROBE_TOKENS:-64,256,512,1024}" --json "$OUT/align_probe.json" ;;
+  esac
+done
