@@ -78,17 +78,17 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
         name = (f"g2 {g2.bn}x{g2.bm}w{g2.num_warps}s{g2.num_stages}{'' if g2.merged else 'u'}"
                 f"{f'r{g2.maxnreg}' if g2.maxnreg else ''} n{n_split}")
         out[name] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=unroll, gemm2_split_slots=False)
-        if base.schedule == "grouped" and (g2.bn, g2.bm) == (base.gemm2.bn, base.gemm2.bm):
+        if _by_blocks(base) and (g2.bn, g2.bm) == (base.gemm2.bn, base.gemm2.bm):
             # the same tile's other splits along H (program count against tiles walked per program)
-            for ns in GEMM2_SPLITS:
+            for ns in gemm2_splits(base):
                 if ns != n_split and (hidden // g2.bn) % ns == 0:
                     out[name.rsplit(" n", 1)[0] + f" n{ns}"] = rep(base, gemm2=g2, gemm2_n_split=ns,
                                                                    gemm2_split_slots=False)
         if split_slots:
             out[name + " slots"] = rep(base, gemm2=g2, gemm2_n_split=n_split, gemm2_unroll=False,
                                        gemm2_split_slots=True)
-    if base.schedule == "grouped":
-        for ns in GEMM2_SPLITS:
+    if _by_blocks(base):
+        for ns in gemm2_splits(base):
             if ns != base.gemm2_n_split and (hidden // base.gemm2.bn) % ns == 0:
                 out[f"g2 n{ns}"] = rep(base, gemm2_n_split=ns)
     for dist in L2_PREFETCH_DISTANCES:
@@ -112,6 +112,17 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
 
 # GEMM2 splits along H the sweep tries for the default tile and its same-shape candidates (grouped schedule)
 GEMM2_SPLITS = (2, 3, 4, 6, 8, 12)
+# ... and for the slot dedup's grouped GEMM2 (T = 3-4: ~30 groups at most, each few tokens)
+DEDUP_GEMM2_SPLITS = (6, 12, 24, 48, 96)
+
+
+def _by_blocks(base) -> bool:
+    """Whether GEMM2 is the grouped kernel, whose programs walk N tiles of a block (or a slot dedup group)."""
+    return base.schedule == "grouped" or base.slot_dedup
+
+
+def gemm2_splits(base) -> tuple[int, ...]:
+    return DEDUP_GEMM2_SPLITS if base.slot_dedup else GEMM2_SPLITS
 # Plan.l2_prefetch distances the sweep tries (K tiles of GEMM1, N tiles of the grouped GEMM2 ahead)
 L2_PREFETCH_DISTANCES = (2, 4, 8)
 
@@ -138,11 +149,13 @@ def selected(variants: dict, only: str | None) -> dict:
     return {n: p for n, p in variants.items() if n == "default" or pattern.search(n)}
 
 
-def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=None, plan_arch=None) -> list[dict]:
+def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=None, plan_arch=None,
+              form=None) -> list[dict]:
     """Whole-layer time of each variant at each (shard, T); the best GEMM1 and GEMM2 choices combined last.
     ``on_point(results so far)`` after each (shard, T), so a run cut by its time limit keeps what it measured.
     ``only``: a regular expression the variants' names must match (the default plan always runs). ``plan_arch``:
-    sweep that architecture's default plans and candidate lists instead of this GPU's."""
+    sweep that architecture's default plans and candidate lists instead of this GPU's. ``form``: sweep around an
+    opt-in form's plan (configs.OPT_IN) instead of the default one."""
     import torch
 
     from glm5_fp4.bench import moe as B
@@ -158,7 +171,8 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
         for t in tokens:
             x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
             tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
-            base = arch_plans(plan_arch)(sh, t) if plan_arch else default_plan(x, ids, lay.prepared[0], "w4a16")
+            base = (arch_plans(plan_arch)(sh, t) if plan_arch
+                    else default_plan(x, ids, lay.prepared[0], "w4a16", form=form))
             res = {"shard": name, "tokens": t, "routing": routing, "schedule": base.schedule, "runs": []}
             ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=base)
             timed = {}
@@ -237,7 +251,7 @@ def arch_plans(arch: str):
 
 
 def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: str | None = None,
-               plan_for=None) -> None:
+               plan_for=None, form: str | None = None) -> None:
     """Compile every kernel the default plans will launch (``sweep``: every sweep variant's too), ``jobs``
     processes at a time, into Triton's on-disk cache (the timed runs then load them): compilation dominates a
     short benchmark's wall time, and a sweep compiles ~20 plans per (shard, T) one after another."""
@@ -248,7 +262,8 @@ def precompile(shards, tokens, jobs: int, progress, sweep: bool = False, only: s
     # the plans are made here once and handed to the workers (None: the worker's default plan)
     work = [(s, t, plan_for(B.glm5_shard(s), t) if plan_for else None) for s in shards for t in tokens]
     if sweep:
-        work = [(s, t, plan) for s, t, _ in work for plan in selected(_sweep_plans(s, t, plan_for), only).values()]
+        work = [(s, t, plan) for s, t, _ in work
+                for plan in selected(_sweep_plans(s, t, plan_for, form), only).values()]
         torch.cuda.empty_cache()  # the plans' empty weights: nothing of them is needed past this point
     precompile_plans(work, jobs, progress)
 
@@ -289,8 +304,9 @@ def _empty_call(shard: str, t: int):
     return sh, x, ids, prep, make_call(x, tw, ids, prep, "w4a16", workspace=Workspace(dev, e, k, h, i, t))
 
 
-def _sweep_plans(shard: str, t: int, plan_for=None) -> dict:
-    """The sweep's plans at (``shard``, ``t``) by name (``plan_for``: an :func:`arch_plans` lookup)."""
+def _sweep_plans(shard: str, t: int, plan_for=None, form: str | None = None) -> dict:
+    """The sweep's plans at (``shard``, ``t``) by name (``plan_for``: an :func:`arch_plans` lookup; ``form``: around
+    that opt-in form's plan)."""
     import torch
 
     from glm5_fp4.kernels.moe import default_plan, device_arch
@@ -299,7 +315,7 @@ def _sweep_plans(shard: str, t: int, plan_for=None) -> dict:
     if plan_for is not None:
         return sweep_variants(plan_for(sh, t), sh.hidden, sh.intermediate, plan_for.arch)
     arch, _ = device_arch(torch.device("cuda"))
-    return sweep_variants(default_plan(x, ids, prep, "w4a16"), sh.hidden, sh.intermediate, arch)
+    return sweep_variants(default_plan(x, ids, prep, "w4a16", form=form), sh.hidden, sh.intermediate, arch)
 
 
 def _precompile_one(item) -> int:
@@ -332,6 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-routing", default="balanced")
     ap.add_argument("--only", metavar="REGEX", help="sweep only the variants whose names match (and the default)")
     ap.add_argument("--plans", help="a --sweep JSON whose best plans replace the defaults where swept")
+    ap.add_argument("--form", help="with --sweep: sweep around this opt-in form's plan (glm5_fp4/kernels/configs.py "
+                    "OPT_IN) instead of the default plan")
     from glm5_fp4.bench import mma as MMA
 
     MMA.add_standin_arguments(ap)
@@ -342,6 +360,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.plan_arch and args.plans:
         ap.error("--plan-arch replaces the plans: it does not combine with --plans")
+    if args.form and (not args.sweep or args.plan_arch):
+        ap.error("--form picks the plan a --sweep varies (on this GPU's arch): it needs --sweep, not --plan-arch")
+    from glm5_fp4.kernels import configs as C
+
+    if args.form and args.form not in C.OPT_IN:
+        ap.error(f"unknown --form {args.form!r}; choose from {sorted(C.OPT_IN)}")
 
     cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles (the workers inherit it)
     import torch
@@ -357,7 +381,8 @@ def main(argv=None) -> int:
     routings = [r for r in args.routings.split(",") if r]
     meta = result_metadata(benchmark="moe_kernel", layers=args.layers, shards=shards, tokens=tokens, routings=routings,
                            plans=args.plans or "built-in defaults (glm5_fp4/kernels/configs.py)",
-                           plan_arch=args.plan_arch, mma="mma.sync (forced)" if args.mma_sync else "Triton's choice")
+                           plan_arch=args.plan_arch, form=args.form,
+                           mma="mma.sync (forced)" if args.mma_sync else "Triton's choice")
 
     def progress(msg):
         print(msg, flush=True)
@@ -374,7 +399,8 @@ def main(argv=None) -> int:
     lookup = arch_plans(args.plan_arch) if args.plan_arch else None
     if args.precompile:
         try:
-            precompile(shards, tokens, args.precompile, progress, sweep=args.sweep, only=args.only, plan_for=lookup)
+            precompile(shards, tokens, args.precompile, progress, sweep=args.sweep, only=args.only, plan_for=lookup,
+                       form=args.form)
         except Exception:  # noqa: BLE001 - compiling in the timed run instead only costs time
             traceback.print_exc()
     def built_as_asked(out) -> bool:
@@ -391,7 +417,7 @@ def main(argv=None) -> int:
     if args.sweep:
         out = {"sweeps": run_sweep(shards, tokens, args.sweep_routing, args.layers, progress,
                                    on_point=lambda sw: save({"sweeps": sw}), only=args.only,
-                                   plan_arch=args.plan_arch)}
+                                   plan_arch=args.plan_arch, form=args.form)}
         ok = built_as_asked(out)
         save(out)
         return 0 if ok else 1

@@ -33,3 +33,24 @@ def test_sweep_tries_every_gemm2_split_of_the_default_tile(bench, t, intermediat
             assert dataclasses.replace(v, gemm2=base.gemm2, gemm2_n_split=base.gemm2_n_split,
                                        gemm2_unroll=base.gemm2_unroll) == base, name
             assert name.endswith(f" n{v.gemm2_n_split}"), name
+
+
+@pytest.mark.parametrize("form", [None, "dedup_by_arrival"])
+def test_sweep_splits_the_slot_dedups_gemm2_along_h(bench, form):
+    """At T = 4 (slot dedup, the default's or the opt-in form's), GEMM2 is the grouped kernel over groups: the sweep
+    tries DEDUP_GEMM2_SPLITS for its tile, each variant keeping the base's form (--form sweeps around an opt-in
+    form's plan)."""
+    base = C.plan("sm90", 4, 256, 8, 6144, 256, sm_count=132, form=form)
+    assert base.slot_dedup and base.dedup_fused_finalize == (form is not None)
+    variants = bench.sweep_variants(base, 6144, 256, "sm90")
+    splits = {v.gemm2_n_split for n, v in variants.items() if n.startswith("g2 n")}
+    assert splits == set(bench.DEDUP_GEMM2_SPLITS) - {base.gemm2_n_split}
+    assert all(v.dedup_fused_finalize == base.dedup_fused_finalize for v in variants.values())
+
+
+@pytest.mark.parametrize("argv,msg", [(["--form", "dedup_by_arrival"], "needs --sweep"),
+                                      (["--sweep", "--form", "nope"], "unknown --form")])
+def test_sweep_form_is_checked_before_any_gpu_work(bench, capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err

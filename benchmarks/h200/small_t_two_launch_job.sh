@@ -4,6 +4,8 @@
 # align probe left over from improvements/19.
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ab      # same-run A/B, TP8 T = 2-4 then TP4 and EP8-sized
 #                                                                # whole experts (AB1_TOKENS=none: TP8 only)
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sweep   # around dedup_by_arrival: GEMM2 splits, GEMM1 split-K
+#                                                                # (SWEEP_FORM, SWEEP_TOKENS, SWEEP_ONLY)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh tests   # tests/gpu: the new forms, slot dedup, fused reduce
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sanitize
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ncu     # per-kernel durations, TP8 T=4 (default, each form)
@@ -21,6 +23,10 @@ for s in "$@"; do
       [ "${AB1_TOKENS:-}" = none ] || GREP="precompiled|T=|rror" step ab_small_t_tp4_tp1 "${T_AB1:-240}" \
         python3 benchmarks/moe_variants.py --precompile 14 --shards tp4,tp1 --tokens "${AB1_TOKENS:-2,4}" \
         --routings balanced,same_k --layers 2 --forms "$FORMS" --json "$OUT/variants_small_t_tp4_tp1.json" ;;
+    sweep)
+      GREP="precompiled|best|rror" step sweep_small_t "${T_SWEEP:-240}" python3 benchmarks/moe_kernel.py --sweep \
+        --shards tp8 --tokens "${SWEEP_TOKENS:-3,4}" --layers 4 --form "${SWEEP_FORM:-dedup_by_arrival}" \
+        --only "${SWEEP_ONLY:-^g2 n|^splitK}" --precompile 14 --json "$OUT/sweep_small_t.json" ;;
     tests)
       step tests_small_t "${T_TESTS:-300}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
         -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots}" ;;
