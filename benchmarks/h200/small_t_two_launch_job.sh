@@ -10,6 +10,7 @@
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sanitize
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ncu     # per-kernel durations, TP8 T=4 (default, each form)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh probe   # benchmarks/align_probe.py, TP8 T = 64-1024
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh abx     # prep_x_transpose against the default, TP8 T = 64-1024
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh); pass GLM5_FP4_GIT_SHA.
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
@@ -29,7 +30,7 @@ for s in "$@"; do
         --only "${SWEEP_ONLY:-^g2 n|^splitK}" --precompile 14 --json "$OUT/sweep_small_t.json" ;;
     tests)
       step tests_small_t "${T_TESTS:-300}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
-        -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots}" ;;
+        -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots or prep_x_transpose}" ;;
     sanitize) sanitize_steps ;;
     ncu)
       for f in default ${FORMS//,/ }; do
@@ -39,6 +40,10 @@ for s in "$@"; do
           python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 4 $form
         cp "$L/ncu_tp8_t4_$f.log" "$OUT/ncu_tp8_t4_$f.csv"
       done ;;
+    abx)
+      GREP="precompiled|T=|rror" step ab_prep_x "${T_ABX:-240}" python3 benchmarks/moe_variants.py --precompile 14 \
+        --shards tp8 --tokens "${ABX_TOKENS:-64,256,512,1024}" --routings balanced --forms prep_x_transpose \
+        --json "$OUT/variants_prep_x.json" ;;
     probe)
       GREP="T=|rror" step align_probe "${T_PROBE:-120}" python3 benchmarks/align_probe.py --shard tp8 \
         --tokens "${PROBE_TOKENS:-64,256,512,1024}" --json "$OUT/align_probe.json" ;;

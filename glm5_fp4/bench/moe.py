@@ -167,7 +167,8 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
              gemm2=plan.gemm2.__dict__, gemm2_n_split=plan.gemm2_n_split, gemm1_split_k=plan.gemm1_split_k,
              prep_x=plan.prep_x, parallel_align=plan.parallel_align, slot_dedup=plan.slot_dedup,
              gemm1_fused_reduce=plan.gemm1_fused_reduce, pdl=plan.pdl, l2_prefetch=plan.l2_prefetch,
-             gemm2_split_slots=plan.gemm2_split_slots, dedup_fused_finalize=plan.dedup_fused_finalize)
+             gemm2_split_slots=plan.gemm2_split_slots, dedup_fused_finalize=plan.dedup_fused_finalize,
+             prep_x_transpose=plan.prep_x_transpose)
     if ctx.check:
         out = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=plan, expert_map=emap)
         if not torch.isfinite(out).all():
@@ -328,7 +329,7 @@ def plan_label(r: dict) -> str:
 
     extra = []
     if r.get("schedule") == "grouped" and r.get("prep_x", True):
-        extra.append("prep")
+        extra.append("prepT" if r.get("prep_x_transpose") else "prep")
     if r.get("gemm1_split_k", 1) > 1:
         extra.append(f"splitK{r['gemm1_split_k']}")
     if r.get("parallel_align"):
