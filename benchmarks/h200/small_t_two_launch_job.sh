@@ -10,6 +10,8 @@
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sanitize
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ncu     # per-kernel durations, TP8 T=4 (default, each form)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh probe   # benchmarks/align_probe.py, TP8 T = 64-1024
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh stalls1 # ncu stall reasons per issued instruction, TP8 T=1
+#                                                                # (goal 4's other half: 17.8 us against 12)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh abx     # prep_x_transpose against the default, TP8 T = 64-1024
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh); pass GLM5_FP4_GIT_SHA.
 set -u
@@ -44,6 +46,11 @@ for s in "$@"; do
       GREP="precompiled|T=|rror" step ab_prep_x "${T_ABX:-240}" python3 benchmarks/moe_variants.py --precompile 14 \
         --shards tp8 --tokens "${ABX_TOKENS:-64,256,512,1024}" --routings balanced --forms prep_x_transpose \
         --json "$OUT/variants_prep_x.json" ;;
+    stalls1)
+      GREP="rror" step ncu_stalls_tp8_t1 "${T_NCU:-120}" ncu --clock-control none --profile-from-start off --csv \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__warps_active.avg.per_cycle_active,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch__grid_size,launch__registers_per_thread" \
+        python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 1
+      cp "$L/ncu_stalls_tp8_t1.log" "$OUT/ncu_stalls_tp8_t1.csv" ;;
     probe)
       GREP="T=|rror" step align_probe "${T_PROBE:-120}" python3 benchmarks/align_probe.py --shard tp8 \
         --tokens "${PROBE_TOKENS:-64,256,512,1024}" --json "$OUT/align_probe.json" ;;

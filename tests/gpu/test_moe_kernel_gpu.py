@@ -93,6 +93,17 @@ def replays_with_new_routings(call, w, ids, out, num_experts, n):
         yield i
 
 
+def strided_map(shape):
+    """The expert map of an expert-parallel shape (one with global_e): every (global_e / e)-th global expert local,
+    in order; None for the others."""
+    if "global_e" not in shape:
+        return None
+    e, global_e = shape["e"], shape["global_e"]
+    emap = torch.full((global_e,), -1, dtype=torch.int32, device="cuda")
+    emap[:: global_e // e] = torch.arange(e, dtype=torch.int32, device="cuda")
+    return emap
+
+
 def check(x, w, ids, shape, mode, expert_map=None):
     ex, prep = experts(**shape)
     out = run_checked(x, w, ids, prep, mode, expert_map)
@@ -403,10 +414,7 @@ def test_gemm2_split_slots(shape, t, routing, mode, pdl):
     e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
     ex, prep = experts(**shape)
     x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
-    emap = None
-    if "global_e" in shape:
-        emap = torch.full((shape["global_e"],), -1, dtype=torch.int32, device="cuda")
-        emap[:: shape["global_e"] // e] = torch.arange(e, dtype=torch.int32, device="cuda")
+    emap = strided_map(shape)
     split = dataclasses.replace(default_plan(x, ids, prep, mode, expert_map=emap, form="split_slots"), pdl=pdl)
     base = dataclasses.replace(default_plan(x, ids, prep, mode, expert_map=emap, form="one_program_gemm2"), pdl=pdl)
     assert split.gemm2_split_slots and not base.gemm2_split_slots and base.schedule == "slot"
@@ -492,10 +500,7 @@ def test_dedup_by_arrival(shape, t, routing, mode):
     e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
     ex, prep = experts(**shape)
     x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
-    emap = None
-    if "global_e" in shape:
-        emap = torch.full((shape["global_e"],), -1, dtype=torch.int32, device="cuda")
-        emap[:: shape["global_e"] // e] = torch.arange(e, dtype=torch.int32, device="cuda")
+    emap = strided_map(shape)
     plan = default_plan(x, ids, prep, mode, expert_map=emap, form="dedup_by_arrival")
     assert plan.slot_dedup and plan.dedup_fused_finalize
     out = torch.full_like(x, float("nan"))
