@@ -27,7 +27,19 @@ def output_dir(path: str | Path, flag: str = "--out", *, create: bool = True) ->
             p.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise Glm5Fp4Error(f"{flag} {p}: cannot create the directory ({exc.strerror or exc})") from None
+    else:
+        _check_writable(p, q, flag)
     return p
+
+
+def _check_writable(p: Path, existing: Path, flag: str) -> None:
+    """Try what the command will do later, in the nearest existing directory ``existing`` of ``p``: make (and remove)
+    a scratch directory there. Permission bits say nothing for root, nor for /proc or a read-only mount."""
+    try:
+        Path(tempfile.mkdtemp(prefix=".glm5-fp4-probe-", dir=existing)).rmdir()
+    except OSError as exc:
+        where = f"{p}" if existing == p else f"{p} (in {existing})"
+        raise Glm5Fp4Error(f"{flag} {where}: cannot write there ({exc.strerror or exc})") from None
 
 
 def plain_file_mode(path: str | Path) -> None:
@@ -41,13 +53,30 @@ def plain_file_mode(path: str | Path) -> None:
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``: a reader (a report run while
     recording) or a failed write never sees a half-written file. Errors: one Glm5Fp4Error naming ``path``."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """:func:`write_text_atomic` for bytes (a figure, a trace)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         plain_file_mode(tmp)
         os.replace(tmp, path)
     except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise Glm5Fp4Error(f"{path}: cannot write ({exc.strerror or exc})") from None
+
+
+def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
+    """A matplotlib figure as ``path`` (its format from the suffix), written atomically like the reports beside it."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")
+    write_bytes_atomic(path, buf.getvalue())
+    return Path(path)

@@ -77,3 +77,18 @@ def test_trim_writes_nothing_when_one_rank_fails(tmp_path, capsys):
     assert sorted(p.name for p in dst.iterdir()) == ["a_rank0.pt.trace.json.gz", "z_rank1.pt.trace.json.gz"]
     kept = json.loads(gzip.decompress((dst / "a_rank0.pt.trace.json.gz").read_bytes()))["traceEvents"]
     assert [e["cat"] for e in kept] == ["kernel"]
+
+
+def test_trim_refuses_to_write_over_its_source(tmp_path, capsys):
+    """DST = SRC (or the directory the traces sit in) would replace every full trace by its trimmed copy: refused,
+    the traces untouched (before: rc 0 and the originals gone)."""
+    src = tmp_path / "cap"
+    src.mkdir()
+    body = gzip.compress(json.dumps(_trace(0)).encode())
+    (src / "a_rank0.pt.trace.json.gz").write_bytes(body)
+    for dst in (src, tmp_path / "cap" / "."):
+        assert main(["profile", "trim", str(src), str(dst)]) == 1
+        err = capsys.readouterr().err
+        assert "holds the traces being trimmed" in err and "Traceback" not in err
+        assert (src / "a_rank0.pt.trace.json.gz").read_bytes() == body
+    assert sorted(p.name for p in src.iterdir()) == ["a_rank0.pt.trace.json.gz"]

@@ -88,9 +88,10 @@ def result_metadata(packages: tuple[str, ...] = (), **extra) -> dict:
 
 def write_result(out_dir: str | Path, stem: str, result: dict, markdown: str) -> tuple[Path, Path]:
     """``out_dir/stem.json`` (everything; unknown types as strings) and ``out_dir/stem.md``; returns both paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from glm5_fp4.outputs import output_dir, write_text_atomic
+
+    out_dir = output_dir(out_dir)
     js, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    md.write_text(markdown)
+    write_text_atomic(js, json.dumps(result, indent=1, default=str) + "\n")
+    write_text_atomic(md, markdown)
     return js, md

@@ -18,6 +18,7 @@ from typing import Any
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest.metrics import METRICS
+from glm5_fp4.outputs import output_dir, write_text_atomic
 
 LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL", "chunk_itl": "chunk ITL"}
 THROUGHPUT_ROWS = (
@@ -53,15 +54,13 @@ def requests_path_for(result_path: str | Path, result: dict[str, Any] | None = N
 def write_results(result: dict[str, Any], rows: Iterable[dict[str, Any]], result_path: str | Path) -> dict[str, Path]:
     """Write S.json, S.requests.jsonl and S.md; returns their paths."""
     stem = stem_for(result_path)
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    output_dir(stem.parent, "--result-dir")
     paths = {"json": stem.with_name(stem.name + ".json"), "requests": stem.with_name(stem.name + ".requests.jsonl"),
              "markdown": stem.with_name(stem.name + ".md")}
     result["requests_file"] = paths["requests"].name
-    with paths["requests"].open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-    paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
-    paths["markdown"].write_text(markdown_summary(result) + "\n")
+    write_text_atomic(paths["requests"], "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+    write_text_atomic(paths["json"], json.dumps(result, indent=2, default=_json_default) + "\n")
+    write_text_atomic(paths["markdown"], markdown_summary(result) + "\n")
     return paths
 
 

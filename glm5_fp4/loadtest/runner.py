@@ -47,6 +47,7 @@ from glm5_fp4.loadtest.client import RequestRecord, TokenCounter
 from glm5_fp4.loadtest.metrics import METRICS, compute_metrics, finalize_request
 from glm5_fp4.loadtest.prompts import HfTokenizer, Prompt, ServerTokenizer, Tokenizer, build_prompts
 from glm5_fp4.loadtest.report import ProgressBar, print_summary, write_results
+from glm5_fp4.outputs import output_dir
 
 
 MAX_SERVER_TOKENIZE = 50_000  # distinct chunk texts counted through the server's /tokenize after a run
@@ -172,7 +173,28 @@ class LoadTestConfig:
             raise Glm5Fp4Error(f"--stall-timeout {self.stall_timeout_s} must be >= 0 (0 = off)")
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise Glm5Fp4Error(f"--max-failed-fraction {self.max_failed_fraction} must be in [0, 1]")
+        self._check_counts_and_times()
+        if self.result_filename is not None and (not self.result_filename or Path(self.result_filename).name
+                                                 != self.result_filename or self.result_filename in (".", "..")):
+            raise Glm5Fp4Error(f"--result-filename {self.result_filename!r}: a file name inside --result-dir, "
+                               "not a path")
+        if self.result_dir:
+            # before the measurement, not after it: a result that cannot be written is a run lost
+            output_dir(self.result_dir, "--result-dir", create=False)
         _client.check_loopback(self.url, self.allow_remote)
+
+    def _check_counts_and_times(self) -> None:
+        for flag, value, least in (("--num-prompts", self.num_prompts, 1), ("--num-warmups", self.num_warmups, 0),
+                                   ("--input-len", self.input_len, 1), ("--output-len", self.output_len, 1),
+                                   ("--warmup-output-len", self.warmup_output_len, 1),
+                                   ("--num-gpus", self.num_gpus, 1)):
+            if value is not None and value < least:
+                raise Glm5Fp4Error(f"{flag} {value} must be >= {least}")
+        for flag, value in (("--request-timeout", self.request_timeout_s), ("--read-timeout", self.read_timeout_s)):
+            if value is not None and not value > 0:  # (NaN too)
+                raise Glm5Fp4Error(f"{flag} {value} must be a number of seconds > 0")
+        if self.timeout_s is not None and math.isnan(self.timeout_s):
+            raise Glm5Fp4Error("--timeout nan must be a number of seconds (0: no deadline)")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> LoadTestConfig:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import output_dir, save_figure, write_text_atomic
 
 SWEEP_COLUMNS = (
     ("max_concurrency", "concurrency", "{}"),
@@ -48,10 +49,9 @@ def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
     summary = [{k: v for k, v in r.items() if k not in _SUMMARY_DROP} for r in results]
     out: dict[str, Any] = {"results": results, "summary": summary, "files": {}}
     if result_dir:
-        d = Path(result_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        (d / "sweep.md").write_text(sweep_markdown(results) + "\n")
+        d = output_dir(result_dir, "--result-dir")
+        write_text_atomic(d / "sweep.json", json.dumps(summary, indent=2, default=str) + "\n")
+        write_text_atomic(d / "sweep.md", sweep_markdown(results) + "\n")
         out["files"] = {"json": d / "sweep.json", "markdown": d / "sweep.md", **plot_sweep(results, d)}
     return out
 
@@ -99,7 +99,7 @@ def plot_sweep(results: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dic
     fig.suptitle(label)
     fig.tight_layout()
     p1 = out / "sweep_throughput_tpot.png"
-    fig.savefig(p1, dpi=110)
+    save_figure(fig, p1)
     plt.close(fig)
 
     per_gpu = all(r.get("output_throughput_per_gpu") is not None for r in rs)
@@ -116,6 +116,6 @@ def plot_sweep(results: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dic
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     p2 = out / "sweep_pareto.png"
-    fig.savefig(p2, dpi=110)
+    save_figure(fig, p2)
     plt.close(fig)
     return {"throughput_tpot_png": p1, "pareto_png": p2}

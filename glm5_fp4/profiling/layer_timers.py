@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.outputs import output_dir
+from glm5_fp4.outputs import output_dir, save_figure, write_text_atomic
 
 ENV_ENABLE = "GLM5_FP4_LAYER_TIMERS"
 ENV_OUT = "GLM5_FP4_LAYER_TIMERS_OUT"
@@ -338,7 +338,7 @@ class TimerStats:
         ax.set_title(f"{title} ({self.steps} steps)", fontsize=10)
         ax.tick_params(axis="y", labelsize=7)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path)
         plt.close(fig)
         return path
 
@@ -422,8 +422,8 @@ class TimerReport:
         paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
         doc = {"steps": self.steps, "regions": self.summary(), "group_by": self.group_by,
                "groups": [{"value": v, "steps": g.steps, "regions": g.summary()} for v, g in self.groups]}
-        paths["json"].write_text(json.dumps(doc, indent=1) + "\n")
-        paths["markdown"].write_text(self.to_markdown(title))
+        write_text_atomic(paths["json"], json.dumps(doc, indent=1) + "\n")
+        write_text_atomic(paths["markdown"], self.to_markdown(title))
         if png:
             # the batch size with the most steps (the decode steps of a load wave), or all steps when ungrouped
             value, stats = self.groups[0] if self.groups else (None, self.pooled)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from glm5_fp4.outputs import output_dir
+from glm5_fp4.outputs import output_dir, save_figure, write_text_atomic
 from glm5_fp4.profiling.breakdown import Breakdown
 from glm5_fp4.profiling.host import TOP_RANGES
 from glm5_fp4.profiling.steps import HINT
@@ -296,7 +296,7 @@ def plot_breakdown(b: Breakdown, path: Path) -> Path:
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.suptitle(title(b), fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -335,7 +335,7 @@ def plot_roofline(c: dict, path: Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -343,13 +343,13 @@ def plot_roofline(c: dict, path: Path) -> Path:
 def write_reports(b: Breakdown, out: str | Path, png: bool = True) -> dict[str, Path]:
     out = output_dir(out)
     paths = {"json": out / "breakdown.json", "markdown": out / "breakdown.md"}
-    paths["json"].write_text(json.dumps(b.to_dict(), indent=1) + "\n")
-    paths["markdown"].write_text(markdown(b))
+    write_text_atomic(paths["json"], json.dumps(b.to_dict(), indent=1) + "\n")
+    write_text_atomic(paths["markdown"], markdown(b))
     if png:
         try:
             paths["png"] = plot_breakdown(b, out / "breakdown.png")
             if b.ceilings:
                 paths["roofline"] = plot_roofline(b.ceilings, out / "roofline.png")
         except ImportError:
-            (out / "PLOTS_SKIPPED.txt").write_text("matplotlib is not installed: pip install 'glm5-fp4[profiling]'\n")
+            write_text_atomic(out / "PLOTS_SKIPPED.txt", "matplotlib is not installed: pip install 'glm5-fp4[profiling]'\n")
     return paths

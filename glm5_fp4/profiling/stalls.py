@@ -29,6 +29,7 @@ from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest import metrics
+from glm5_fp4.outputs import output_dir, write_text_atomic
 from glm5_fp4.profiling.host_sampler import ENV, FILE_PREFIX
 
 DEFAULT_MIN_GAP_MS = metrics.STALL_MS
@@ -439,8 +440,8 @@ def markdown(result: dict) -> str:
 
 
 def write_report(result: dict, out: Path) -> dict[str, Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out)
     paths = {"json": out / "stalls.json", "markdown": out / "stalls.md"}
-    paths["json"].write_text(json.dumps(result, indent=1, default=str))
-    paths["markdown"].write_text(markdown(result))
+    write_text_atomic(paths["json"], json.dumps(result, indent=1, default=str))
+    write_text_atomic(paths["markdown"], markdown(result))
     return paths

@@ -531,6 +531,9 @@ def trim_traces(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) ->
 
     files = find_trace_files(src)
     dst = output_dir(dst, "DST", create=False)
+    if dst.exists() and any(f.parent.resolve() == dst.resolve() for f in files):
+        # the trimmed files would replace the full ones they were read from
+        raise Glm5Fp4Error(f"DST {dst} holds the traces being trimmed (SRC {src}); trim into another directory")
     created = next((p for p in reversed([dst, *dst.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(dst.parent, "DST")
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.trim-", dir=dst.parent))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm5_fp4.outputs import save_figure, write_text_atomic
 from glm5_fp4.telemetry.series import (
     MARKDOWN_FILE,
     NO_TELEMETRY,
@@ -86,7 +87,7 @@ def plot_run(run: TelemetryRun, png_path: str | Path) -> Path | None:
         ax.grid(alpha=0.3)
     fig.legend(handles=handles, fontsize=8, ncol=min(len(run.gpus), 8), loc="outside lower center")
     png_path = Path(png_path)
-    fig.savefig(png_path, dpi=110)
+    save_figure(fig, png_path)
     return png_path
 
 
@@ -216,7 +217,7 @@ def render_report(
     if note:
         md += f"\n_{note}_\n"
     md_path = run_dir / MARKDOWN_FILE
-    md_path.write_text(md)
+    write_text_atomic(md_path, md)
     summary_path = run_dir / SUMMARY_FILE
     write_json_atomic(summary_path, summary)
     return ReportFiles(summary=summary, markdown_path=md_path, summary_path=summary_path, png_path=png_path, note=note)
