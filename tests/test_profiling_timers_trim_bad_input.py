@@ -92,3 +92,28 @@ def test_trim_refuses_to_write_over_its_source(tmp_path, capsys):
         assert "holds the traces being trimmed" in err and "Traceback" not in err
         assert (src / "a_rank0.pt.trace.json.gz").read_bytes() == body
     assert sorted(p.name for p in src.iterdir()) == ["a_rank0.pt.trace.json.gz"]
+
+
+@pytest.mark.parametrize("change,culprit", [
+    (dict(dur=-5.0), "dur -5.0"), (dict(ts=None), "ts None"), ("no ts", "no 'ts'"), (dict(args="x"), "args str"),
+    (dict(dur="x"), "dur 'x'")])
+def test_analyze_refuses_gpu_records_it_cannot_place(tmp_path, capsys, change, culprit):
+    """A kernel record without a usable time (missing, negative, not a number) or with non-object args: one error
+    naming the file and the event, exit 1. Before: dropped or counted as idle with exit 0 (a trace whose kernels
+    had negative durations came out as a step of 99.9 % idle GPU), or an AttributeError traceback."""
+    tr = _trace(0)
+    tr["traceEvents"].append({"ph": "X", "cat": "kernel", "name": "bad_kernel", "ts": 20.0, "dur": 1.0, "pid": 0,
+                              "tid": 7})
+    ev = tr["traceEvents"][-1]
+    if change == "no ts":
+        del ev["ts"]
+    else:
+        ev.update(change)
+    tr["deviceProperties"][0]["name"] = 5  # a foreign GPU name: no traceback either (the GPU is left unnamed)
+    src = tmp_path / "cap"
+    src.mkdir()
+    (src / "a_rank0.pt.trace.json").write_text(json.dumps(tr))
+    assert main(["profile", "analyze", str(src), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "a_rank0.pt.trace.json" in err and "event 2" in err and "bad_kernel" in err and culprit in err, err
+    assert "Traceback" not in err

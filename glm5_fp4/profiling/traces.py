@@ -18,6 +18,7 @@ import gc
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import zlib
@@ -226,7 +227,8 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         return idx
 
     bad = 0
-    for ev in events:
+    bad_gpu: list[str] = []  # the GPU records are what every figure is made of: one bad one fails the read
+    for i, ev in enumerate(events):
         if not isinstance(ev, dict):
             bad += 1
             continue
@@ -238,11 +240,14 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         try:
             if kind is not None:
                 args = ev.get("args") or {}
+                ts, dur = _time_field(ev, "ts"), _time_field(ev, "dur", 0.0)
+                if dur < 0 or not isinstance(args, dict):
+                    raise ValueError(f"dur {dur!r}" if dur < 0 else f"args {type(args).__name__}")
                 gpu_rows.append(
                     (
                         intern(str(ev.get("name", "?"))),
-                        float(ev["ts"]),
-                        float(ev.get("dur", 0.0)),
+                        ts,
+                        dur,
                         int(args.get("stream", ev.get("tid", 0)) or 0),
                         int(args.get("correlation", -1)),
                         kind,
@@ -266,9 +271,16 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                     cpu_rows.append(
                         (intern(str(name)), float(ev["ts"]), float(ev.get("dur", 0.0)), int(ev.get("tid", 0) or 0), -1, KIND_CPU_OP)
                     )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             bad += 1
+            if kind is not None:
+                bad_gpu.append(f"event {i} ({cat} {str(ev.get('name', '?'))[:60]!r}): "
+                               f"{'no ' + str(exc) if isinstance(exc, KeyError) else exc}")
 
+    if bad_gpu:
+        raise Glm5Fp4Error(f"{path}: {len(bad_gpu)} GPU records without a time, with a negative or non-finite one, or "
+                           f"with non-object args (first: {bad_gpu[0]}); torch.profiler writes none such, and every "
+                           "figure of the breakdown is made of them")
     if mode == "gpu" and not gpu_rows:
         raise Glm5Fp4Error(
             f"{path}: no GPU kernel records (cat 'kernel'/'gpu_memcpy'/'gpu_memset'); "
@@ -298,7 +310,8 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
     device_name = None
     props = data.get("deviceProperties")
     if isinstance(props, list) and props and isinstance(props[0], dict):
-        device_name = props[0].get("name")
+        name = props[0].get("name")
+        device_name = name if isinstance(name, str) else None  # (a foreign value: the GPU is then not named)
     dist = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else None
 
     def shift(marks: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -501,6 +514,18 @@ def _refuse_mixed_captures(traces: list[RankTrace]) -> None:
                            f"overlap in time: the second starts {gap_s:.1f} s after the first ends, yet one capture "
                            "profiles all its ranks at once (or do the hosts' clocks differ by more than "
                            f"{MAX_CLOCK_SKEW_S:g} s?); put each capture in its own directory")
+
+
+def _time_field(ev: dict, key: str, default: float | None = None) -> float:
+    """A record's time field (µs) as a finite float; ValueError naming the field otherwise (KeyError if absent)."""
+    v = ev[key] if default is None else ev.get(key, default)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = math.nan
+    if isinstance(v, bool) or not math.isfinite(f):
+        raise ValueError(f"{key} {v!r}")
+    return f
 
 
 def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> tuple[int, int]:
