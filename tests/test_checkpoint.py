@@ -265,12 +265,47 @@ def test_make_checkpoint_that_fails_while_writing_removes_what_it_wrote(tmp_path
     def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
+    from glm5_fp4.errors import Glm5Fp4Error
+
     monkeypatch.setattr(mk, "write_safetensors", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(Glm5Fp4Error, match="ck: cannot write the checkpoint \\(No space left on device\\)"):
         make_checkpoint(tmp_path / "ck", "glm4moe", sizes=SMALL)
     assert not (tmp_path / "ck").exists()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.txt").write_text("x")
-    with pytest.raises(OSError):
+    with pytest.raises(Glm5Fp4Error, match="No space left"):
         make_checkpoint(tmp_path / "mine", "glm4moe", sizes=SMALL, overwrite=True)
-    assert (tmp_path / "mine" / "keep.txt").exists()  # a directory it did not create is not removed
+    # a directory it did not create is not removed, nor is anything written into it
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_overwrite_that_fails_leaves_the_former_checkpoint(tmp_path, monkeypatch):
+    """--overwrite writes the new checkpoint beside the old one and moves it in only when whole: a write that fails
+    (a full disk) leaves every former file as it was and no scratch directory (before: the new config and tokenizer
+    beside the former weights, which `inspect` passed), with one error; a later overwrite replaces the files and
+    removes an earlier checkpoint's weight shards that the new one does not have."""
+    from safetensors import SafetensorError
+
+    from glm5_fp4.checkpoint import make as M
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    ck = make_checkpoint(tmp_path / "ck", "glm4moe", seed=1, sizes=SMALL)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    real = M.save_file
+
+    def full_disk(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(M, "save_file", full_disk)
+    with pytest.raises(Glm5Fp4Error, match="cannot write the checkpoint .*File too large.*nothing of it"):
+        make_checkpoint(ck, "glm4moe", seed=2, sizes=SMALL, overwrite=True)
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+    monkeypatch.setattr(M, "save_file", real)
+    (ck / "model-00002-of-00002.safetensors").write_bytes(b"stale shard")
+    make_checkpoint(ck, "glm4moe", seed=2, sizes=SMALL, overwrite=True)
+    after = {p.name: p.read_bytes() for p in ck.iterdir()}
+    assert set(after) == set(before) and after["config.json"] == before["config.json"]
+    assert after["model.safetensors"] != before["model.safetensors"]  # seed 2's weights

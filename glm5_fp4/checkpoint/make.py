@@ -16,11 +16,14 @@ arguments. ``dequantized=True`` writes the BF16 twin: each NVFP4 weight replaced
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -167,13 +170,36 @@ def make_checkpoint(
     check_tokenizer_fits(cfg["vocab_size"], MIN_VOCAB_SIZE, "--size")
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
+    # Written whole into a scratch directory beside ``out``, then moved in: a failed write (a full disk) leaves
+    # ``out`` as it was, never the new config beside the old weights (which `inspect` would then pass).
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.resolve().name}.new-", dir=out.resolve().parent))
     try:
-        _write(out, cfg, seed, dequantized, dense_attention, device, recipe)
+        try:
+            _write(tmp, cfg, seed, dequantized, dense_attention, device, recipe)
+        except (OSError, SafetensorError) as exc:
+            raise Glm5Fp4Error(f"{out}: cannot write the checkpoint ({getattr(exc, 'strerror', None) or exc}); "
+                               "nothing of it was written there") from None
+        _move_in(tmp, out)
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _move_in(tmp: Path, out: Path) -> None:
+    """The finished checkpoint's files from ``tmp`` into ``out`` (renames within one file system); weight shards and
+    an index of an earlier checkpoint there that this one does not have are removed, since a loader would read them
+    as part of it."""
+    new = {f.name for f in tmp.iterdir()}
+    for old in out.iterdir():
+        if old.name not in new and old.is_file() and (old.name.endswith(".safetensors")
+                                                      or old.name == "model.safetensors.index.json"):
+            old.unlink()
+    for name in sorted(new):
+        os.replace(tmp / name, out / name)
 
 
 def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool, device: str = "cpu",
