@@ -32,12 +32,23 @@ def read_config_json(path: str | Path) -> tuple[Path, dict]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
+    if not path.exists():
+        raise Glm5Fp4Error(f"{path}: no such config.json")
+    return path, read_json_file(path)
+
+
+def read_json_file(path: str | Path) -> object:
+    """A JSON file's value; one Glm5Fp4Error naming the file when it is missing, a directory, unreadable, not UTF-8
+    or not JSON (the one reader of the model's and quantizer's config files)."""
+    path = Path(path)
     try:
-        return path, json.loads(path.read_text())
-    except FileNotFoundError:
-        raise Glm5Fp4Error(f"{path}: no such config.json") from None
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise Glm5Fp4Error(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise Glm5Fp4Error(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise Glm5Fp4Error(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def expected_distinct_experts(tokens: float, num_experts: int, top_k: int) -> float:
@@ -54,6 +65,26 @@ def expected_distinct_groups(num_experts: int, top_k: int, groups: int) -> float
     for i in range(top_k):  # probability that none of the k draws (without replacement) lands in one group
         miss *= (num_experts - per_group - i) / (num_experts - i)
     return groups * (1.0 - miss)
+
+
+def _typed(value, default, key: str, where: str):
+    """``value`` of config field ``key`` if it has the type of the spec's default for it (int: not bool; float: any
+    finite number; None default: int or null), else one error naming the field."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+        want = "true or false"
+    elif isinstance(default, int) or default is None:
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or (default is None and value is None)
+        want = "an integer" + (" or null" if default is None else "")
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        want = "a number"
+    else:
+        ok = isinstance(value, type(default))
+        want = f"a {type(default).__name__}"
+    if not ok:
+        raise Glm5Fp4Error(f"{where}: field {key} is {value!r}, expected {want}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -117,13 +148,16 @@ class Glm5Spec:
         for k in cls.REQUIRED_KEYS:
             if type(config[k]) is not int:  # bool is an int subclass: reject it too
                 raise Glm5Fp4Error(f"{where}: field {k} must be an integer, got {config[k]!r}")
-        known = {f.name for f in fields(cls)}
+        defaults = {f.name: f.default for f in fields(cls)}
         kwargs: dict = {}
         for key, value in config.items():
             target = cls._HF_KEYS.get(key, key)
-            if target in known and target not in ("architecture", "name"):
-                kwargs[target] = value
+            if target in defaults and target not in ("architecture", "name"):
+                # (index_topk: null in a dense-attention view)
+                kwargs[target] = _typed(value, None if target == "index_topk" else defaults[target], key, where)
         archs = config.get("architectures") or [cls.architecture]
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise Glm5Fp4Error(f"{where}: field architectures is {archs!r}, expected a list of names")
         kwargs["architecture"] = archs[0]
         kwargs["name"] = name
         if "index_topk" not in config:
@@ -142,9 +176,17 @@ class Glm5Spec:
         return cls.from_config(config, name=str(path.parent.name or path), where=str(path))
 
     def validate(self, name: str = "config") -> None:
-        for f in ("hidden_size", "num_layers", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        for f in ("hidden_size", "num_layers", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "moe_layer_freq", "intermediate_size", "n_group", "topk_group", "num_attention_heads",
+                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "index_n_heads", "index_head_dim", "vocab_size"):
             if getattr(self, f) <= 0:
                 raise Glm5Fp4Error(f"{name}: field {f} must be positive, got {getattr(self, f)}")
+        for f in ("n_shared_experts", "num_mtp_layers"):
+            if getattr(self, f) < 0:
+                raise Glm5Fp4Error(f"{name}: field {f} must be >= 0, got {getattr(self, f)}")
+        if self.index_topk is not None and self.index_topk <= 0:
+            raise Glm5Fp4Error(f"{name}: field index_topk must be positive, got {self.index_topk}")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise Glm5Fp4Error(
                 f"{name}: num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}"

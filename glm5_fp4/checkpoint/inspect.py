@@ -162,12 +162,15 @@ def read_tensor_index(ckpt: Path, notes: list[str] | None = None) -> dict[str, T
                                        f"(a leftover shard? remove one, or add {INDEX_FILE})")
                 tensors[name] = info
         return tensors
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise Glm5Fp4Error(f"{index_path}: not a safetensors index (no 'weight_map' object)") from None
+    from glm5_fp4.spec import read_json_file
+
+    doc = read_json_file(index_path)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise Glm5Fp4Error(f"{index_path}: not a safetensors index (no 'weight_map' object)")
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise Glm5Fp4Error(f"{index_path}: weight_map[{bad[0]!r}] is {bad[1]!r}, expected a file name")
     headers = {}
     for fname in sorted(set(weight_map.values())):
         if not (ckpt / fname).is_file():
@@ -248,19 +251,38 @@ def _check_complete(ckpt: Path, cfg_path: Path, config: dict, tensors: dict[str,
                                f"expected {want} {list(shape)}")
 
 
-def read_quant_config(ckpt: Path, config: dict) -> tuple[str | None, int | None, list[str]]:
-    """(quant_algo, group_size, exclude_modules) from hf_quant_config.json or config.json quantization_config."""
+def read_quant_config(ckpt: Path, config: dict, config_path: Path | None = None
+                      ) -> tuple[str | None, int | None, list[str]]:
+    """(quant_algo, group_size, exclude_modules) from hf_quant_config.json or config.json quantization_config
+    (``config_path``: the file ``config`` came from, for messages; default ckpt/config.json)."""
+    from glm5_fp4.spec import read_json_file
+
     hf = ckpt / "hf_quant_config.json"
     if hf.exists():
-        try:
-            q = json.loads(hf.read_text()).get("quantization", {})
-        except json.JSONDecodeError as exc:
-            raise Glm5Fp4Error(f"{hf}: not valid JSON ({exc})") from None
-        return q.get("quant_algo"), q.get("group_size"), list(q.get("exclude_modules", []))
+        doc = read_json_file(hf)
+        if not isinstance(doc, dict):
+            raise Glm5Fp4Error(f"{hf}: expected a JSON object, got {type(doc).__name__}")
+        return _quant_fields(doc.get("quantization", {}), f"{hf}: quantization", "exclude_modules")
     q = config.get("quantization_config")
     if not q:
         return None, None, []
-    return q.get("quant_algo"), q.get("group_size"), list(q.get("ignore", q.get("exclude_modules", [])))
+    return _quant_fields(q, f"{config_path or ckpt / 'config.json'}: quantization_config", "ignore", "exclude_modules")
+
+
+def _quant_fields(q: object, where: str, *exclude_keys: str) -> tuple[str | None, int | None, list[str]]:
+    """(quant_algo, group_size, excluded modules) of a quantization block, each checked for its type."""
+    if not isinstance(q, dict):
+        raise Glm5Fp4Error(f"{where} is {q!r}, expected an object")
+    algo, group = q.get("quant_algo"), q.get("group_size")
+    if algo is not None and not isinstance(algo, str):
+        raise Glm5Fp4Error(f"{where}.quant_algo is {algo!r}, expected a name such as 'NVFP4'")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
+        raise Glm5Fp4Error(f"{where}.group_size is {group!r}, expected an integer")
+    key = next((k for k in exclude_keys if k in q), exclude_keys[-1])
+    excluded = q.get(key, [])
+    if not isinstance(excluded, list) or not all(isinstance(m, str) for m in excluded):
+        raise Glm5Fp4Error(f"{where}.{key} is {excluded!r}, expected a list of module names")
+    return algo, group, list(excluded)
 
 
 # quant_algo -> the dtype (the cost model's name) of the linears it quantizes; the ones it excludes stay BF16
@@ -278,7 +300,7 @@ def mlp_weight_dtypes(path: str | Path) -> tuple[dict[str, str | None], str] | N
 
     cfg_path, config = read_config_json(path)
     ckpt = cfg_path.parent
-    quant_algo, _, excluded = read_quant_config(ckpt, config)
+    quant_algo, _, excluded = read_quant_config(ckpt, config, cfg_path)
     if not quant_algo:
         return None
     dtype = QUANT_DTYPES.get(quant_algo.upper())
@@ -351,10 +373,9 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
     cfg_path = ckpt / "config.json"
     if not cfg_path.exists():
         raise Glm5Fp4Error(f"{ckpt}: no config.json (is this a Hugging Face checkpoint directory?)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise Glm5Fp4Error(f"{cfg_path}: not valid JSON ({exc})") from None
+    from glm5_fp4.spec import read_json_file
+
+    config = read_json_file(cfg_path)
     check_config(config, str(cfg_path))
     tok_path = ckpt / "tokenizer.json"
     if tok_path.is_file():
