@@ -22,7 +22,7 @@ def _number(text: str, kind: type) -> float | int:
     return value
 
 
-def _ranged(name: str, kind: type, ok, rule: str):
+def ranged(name: str, kind: type, ok, rule: str):
     """A parser of ``kind`` numbers for which ``ok(value)`` holds (``rule`` says which, in the error)."""
 
     def parse(text: str):
@@ -35,8 +35,13 @@ def _ranged(name: str, kind: type, ok, rule: str):
     return parse
 
 
-positive_float = _ranged("positive_float", float, lambda v: v > 0, "> 0")
-nonneg_float = _ranged("nonneg_float", float, lambda v: v >= 0, ">= 0")
-fraction = _ranged("fraction", float, lambda v: 0 < v <= 1, "in (0, 1]")  # a share of a whole
-positive_int = _ranged("positive_int", int, lambda v: v >= 1, ">= 1")
-nonneg_int = _ranged("nonneg_int", int, lambda v: v >= 0, ">= 0")
+positive_float = ranged("positive_float", float, lambda v: v > 0, "> 0")
+nonneg_float = ranged("nonneg_float", float, lambda v: v >= 0, ">= 0")
+fraction = ranged("fraction", float, lambda v: 0 < v <= 1, "in (0, 1]")  # a share of a whole
+positive_int = ranged("positive_int", int, lambda v: v >= 1, ">= 1")
+nonneg_int = ranged("nonneg_int", int, lambda v: v >= 0, ">= 0")
+
+
+def int_in(name: str, lo: int, hi: int):
+    """A parser of integers in [lo, hi]."""
+    return ranged(name, int, lambda v: lo <= v <= hi, f"between {lo} and {hi}")

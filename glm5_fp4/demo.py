@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.outputs import output_dir
 from glm5_fp4.server_process import free_port
 
 console = Console()
@@ -141,8 +142,7 @@ def serve_and_measure(ckpt: Path, out: Path, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out)
     ckpt = make_and_inspect(out, args.arch, args.seed)
     check_moe_layer(ckpt, args.seed)
     if not args.skip_serve:

@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 
+from glm5_fp4.argtypes import int_in, positive_float
 from glm5_fp4.engines.vllm.serve import BACKENDS, MODES, QUANTIZATIONS
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loopback import check_bind_host, is_loopback
@@ -41,13 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="glm5_nvfp4: this plugin; modelopt_fp4: stock vLLM NVFP4; none: as the checkpoint says")
     parser.add_argument("--stock", action="store_true",
                         help="do not load the glm5_fp4 plugin at all (VLLM_PLUGINS='')")
-    parser.add_argument("--port", type=int, default=None, help="default 8000 (or the profile's)")
+    parser.add_argument("--port", type=int_in("port", 1, 65535), default=None, help="default 8000 (or the profile's)")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1, loopback only, or the profile's)")
     parser.add_argument("--allow-remote", action="store_true",
                         help="allow a --host (or profile host) other than loopback: the OpenAI API is then open to "
                              "other machines; give it an API key (vLLM: -- --api-key KEY)")
     parser.add_argument("--log-file", default=None, help="server log (default ./glm5-fp4-vllm-PORT.log)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
+    parser.add_argument("--timeout", type=positive_float, default=900.0, help="seconds to wait for /health")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM unchanged")
 

@@ -68,12 +68,23 @@ def _die_with_parent() -> Callable[[], None] | None:
     return hook
 
 
+def _opened_log(log_path: Path):
+    try:
+        return log_path.open("ab")
+    except OSError as exc:
+        raise Glm5Fp4Error(f"--log-file {log_path}: cannot write ({exc.strerror or exc})") from None
+
+
 def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, header: str) -> subprocess.Popen:
     """Start a server: output appended to ``log_path`` after a ``# header`` line, its own process group, and
     dying with this process (see the module docstring). Raises FileNotFoundError if the program is missing."""
+    from glm5_fp4.outputs import output_dir
+
     log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as f:
+    if log_path.is_dir():
+        raise Glm5Fp4Error(f"--log-file {log_path} is a directory; give a file name")
+    output_dir(log_path.parent, "--log-file")
+    with _opened_log(log_path) as f:
         f.write(f"# {header}\n".encode())
         f.flush()
         return subprocess.Popen(list(argv), stdout=f, stderr=subprocess.STDOUT, env=dict(env),

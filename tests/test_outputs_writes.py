@@ -103,3 +103,59 @@ def test_loadtest_refuses_counts_and_times_that_cannot_be(field, value, msg):
 
     with pytest.raises(Glm5Fp4Error, match=msg.replace("(", "\\(").replace(".", "\\.")):
         LoadTestConfig(**{field: value})
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["compare", "a.json", "b.json", "--seed", "-1"], "argument --seed: '-1' must be >= 0"),
+    (["compare", "a.json", "b.json", "--bootstrap", "100000000000"], "must be between 50 and 100000"),
+    (["plan", "--reserve-gib", "1e300"], "argument --reserve-gib: '1e300' must be between 0 and 4096"),
+    (["serve", "--model", "m", "--port", "99999", "--dry-run"], "argument --port: '99999' must be between 1 and 65535"),
+    (["serve", "--model", "m", "--timeout", "nan", "--dry-run"], "argument --timeout: 'nan' is not a finite number"),
+])
+def test_numeric_options_are_checked_while_parsing(capsys, argv, msg):
+    """Before: a traceback (a 29 TiB bootstrap array, an integer overflow in the planner, numpy's seed check) or a
+    dry run that printed a command with port 99999."""
+    from glm5_fp4.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_compare_labels_one_per_result(tmp_path, capsys):
+    from glm5_fp4.cli import main
+
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--labels", "a"]) == 1
+    assert "--labels 'a': 1 label(s) for 2 RESULT(s)" in capsys.readouterr().err
+
+
+def test_profile_yaml_that_is_not_utf8(tmp_path):
+    from glm5_fp4.launch.profile import load_profile
+
+    p = tmp_path / "p.yaml"
+    p.write_bytes(b'model: x\ndescription: "\xff\xfe"\n')
+    with pytest.raises(Glm5Fp4Error, match="p.yaml: not UTF-8 text"):
+        load_profile(p)
+
+
+def test_server_log_that_cannot_be_written_is_refused_before_the_server_starts(tmp_path, monkeypatch):
+    """--log-file under a file, or a directory: one error, and no process started (before: a FileExistsError traceback
+    from mkdir after the launch command was printed)."""
+    from glm5_fp4 import server_process
+
+    started = []
+    monkeypatch.setattr(server_process.subprocess, "Popen", lambda *a, **k: started.append(a))
+    (tmp_path / "f").write_text("x")
+    for log, msg in ((tmp_path / "f" / "server.log", "not a directory"), (tmp_path, "is a directory")):
+        with pytest.raises(Glm5Fp4Error, match=msg):
+            server_process.spawn(["true"], {}, log, "header")
+    assert started == []
+
+
+def test_demo_out_under_a_file(tmp_path, capsys):
+    from glm5_fp4.cli import main
+
+    (tmp_path / "f").write_text("x")
+    assert main(["demo", "--skip-serve", "--out", str(tmp_path / "f" / "demo")]) == 1
+    err = capsys.readouterr().err
+    assert "--out" in err and "not a directory" in err and "Traceback" not in err

@@ -19,10 +19,14 @@ import json
 import re
 from pathlib import Path
 
-from glm5_fp4.argtypes import fraction, nonneg_float, positive_float, positive_int
+from glm5_fp4.argtypes import ranged, fraction, nonneg_float, positive_float, positive_int
 from glm5_fp4.errors import Glm5Fp4Error
 
 DEFAULT_LAYOUTS = ("tp8", "tp4pp2")
+
+
+# GiB held back per GPU: anything past a GPU's memory is a typo, and 1e300 overflowed the planner's integer bytes
+_reserve_gib = ranged("reserve_gib", float, lambda v: 0 <= v <= 4096, "between 0 and 4096 (GiB)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help="model config.json (default: the profile's model dir if it has one, else GLM-5's)")
     parser.add_argument("--mem-util", type=fraction, default=0.90, help="fraction of GPU memory the engine may use")
-    parser.add_argument("--reserve-gib", type=nonneg_float, default=2.0,
+    parser.add_argument("--reserve-gib", type=_reserve_gib, default=2.0,
                         help="GiB kept for activations, CUDA graphs and NCCL buffers")
     parser.add_argument("--efficiency", type=fraction, default=1.0, help="fraction of peak bandwidth/FLOPS reached")
     parser.add_argument("--kv-cache-dtype", default=None,

@@ -258,6 +258,10 @@ def load_profile(path: str | Path, overrides: dict | None = None,
         raise Glm5Fp4Error(f"{path}: is a directory, expected a YAML launch profile") from None
     except yaml.YAMLError as exc:
         raise Glm5Fp4Error(f"{path}: not valid YAML ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise Glm5Fp4Error(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise Glm5Fp4Error(f"{path}: cannot read ({exc.strerror or exc})") from None
     if data is None:
         raise Glm5Fp4Error(f"{path}: empty launch profile (needs at least 'model:')")
     return profile_from_dict(data, str(path), overrides, override_flags)

@@ -10,13 +10,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from glm5_fp4.argtypes import int_in, nonneg_int
+from glm5_fp4.outputs import output_dir
+
+# Fewer resamples make the noise band itself noisy; more only cost memory (resamples x requests floats) and time.
+MIN_RESAMPLES, MAX_RESAMPLES = 50, 100_000
+_resamples = int_in("resamples", MIN_RESAMPLES, MAX_RESAMPLES)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", metavar="RESULT",
                    help="summary JSON files, baseline first; comma-join repeats; optional LABEL= prefix")
     p.add_argument("--out", default=None, help="write the markdown block(s) to this file")
-    p.add_argument("--bootstrap", type=int, default=300, help="bootstrap resamples for per-request noise")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bootstrap", type=_resamples, default=300,
+                   help=f"bootstrap resamples for per-request noise ({MIN_RESAMPLES}..{MAX_RESAMPLES})")
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--labels", default=None, help="comma list of labels, one per RESULT")
     p.add_argument("--markdown", action="store_true", help="print the markdown block instead of the table")
 
@@ -28,12 +36,13 @@ def run(args: argparse.Namespace) -> int:
     from glm5_fp4.loadtest.compare import compare_files, input_files, non_finite_notes, not_comparable, print_table
     from glm5_fp4.outputs import write_text_atomic
 
-    if args.bootstrap < 50:
-        raise Glm5Fp4Error(f"--bootstrap {args.bootstrap}: use at least 50 resamples")
     out = Path(args.out) if args.out else None
     if out is not None:
         _check_out(out)  # before any work: a bad --out must not cost a table printed for nothing
     labels = [x for x in args.labels.split(",")] if args.labels else None
+    if labels is not None and len(labels) != len(args.results):
+        raise Glm5Fp4Error(f"--labels {args.labels!r}: {len(labels)} label(s) for {len(args.results)} RESULT(s); "
+                           "give one per RESULT, in order")
     groups, tables, md = compare_files(args.results, n_boot=args.bootstrap, seed=args.seed, labels=labels)
     if out is not None:
         for p in input_files(groups):
@@ -76,3 +85,4 @@ def _check_out(out: Path) -> None:
         raise Glm5Fp4Error(f"--out {out}: {parent} is not a folder")
     if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise Glm5Fp4Error(f"--out {out}: not writable")
+    output_dir(parent, "--out", create=False)  # tries it: root's permission bits (and /proc's) say yes
