@@ -106,7 +106,6 @@ def test_report_with_tokens_and_phase(tmp_path, fake_nvml, capsys):
     [
         (["record", "--out", "{tmp}/x"], "give the command"),
         (["record", "--out", "{tmp}/x", "--gpus", "a,b", "--", "true"], "--gpus"),
-        (["record", "--out", "{tmp}/x", "--settle", "-1", "--", "true"], "--settle"),
         (["record", "--out", "{tmp}/x", "--interval", "0", "--", "true"], "interval_s"),
         (["record", "--out", "{tmp}/x", "--", "/no/such/program"], "cannot run"),
         (["report", "{tmp}/missing"], "not a directory"),
@@ -118,6 +117,26 @@ def test_user_errors_are_one_clear_line(tmp_path, fake_nvml, capsys, argv, messa
     err = capsys.readouterr().err
     assert rc == 1
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("settle", ["-1", "nan", "inf", "1e400"])
+def test_settle_is_checked_while_parsing(tmp_path, fake_nvml, capsys, settle):
+    """Before: NaN / inf reached time.sleep (a ValueError / OverflowError traceback) after the output folder was made."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["telemetry", "record", "--out", str(tmp_path / "x"), "--settle", settle, "--", "true"])
+    assert e.value.code == 2 and "argument --settle" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("meta,culprit", [(b"[1]", "expected a JSON object, got list"),
+                                          (b'{"format": "\xff"}', None), (b'\xff\xfe', "not UTF-8 text")])
+def test_report_of_a_foreign_meta_file(tmp_path, capsys, meta, culprit):
+    from glm5_fp4.telemetry.series import META_FILE
+
+    (tmp_path / META_FILE).write_bytes(meta.decode("unicode_escape").encode("latin-1"))
+    assert cli.main(["telemetry", "report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert META_FILE in err and (culprit is None or culprit in err) and "Traceback" not in err, err
 
 
 def test_report_unknown_phase(tmp_path, fake_nvml, capsys):

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from glm5_fp4.argtypes import ranged
 from glm5_fp4.errors import Glm5Fp4Error
 
 
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rec.add_argument("--gpus", help="comma-separated NVML GPU indices (default: CUDA_VISIBLE_DEVICES, else all)")
     rec.add_argument(
         "--settle",
-        type=float,
+        type=ranged("settle", float, lambda v: 0 <= v <= 86_400, "between 0 and 86400 seconds"),
         default=0.0,
         help="also record this many idle seconds before and after the command (phases idle-before/idle-after)",
     )
@@ -77,8 +78,6 @@ def _record(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise Glm5Fp4Error("telemetry record: give the command to run after --, e.g. `-- python bench.py`")
-    if args.settle < 0:
-        raise Glm5Fp4Error(f"--settle {args.settle}: must be >= 0 seconds")
     sampler = TelemetrySampler(
         args.out, interval_s=args.interval, gpus=_parse_gpus(args.gpus), pcie_legacy=args.pcie_legacy
     )

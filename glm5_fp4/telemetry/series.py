@@ -259,10 +259,11 @@ def load_run(run_dir: str | os.PathLike) -> TelemetryRun:
         raise Glm5Fp4Error(f"{run_dir}: not a directory with telemetry")
     if not meta_path.is_file():
         raise Glm5Fp4Error(f"{meta_path}: missing; is {run_dir} a telemetry directory?")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise Glm5Fp4Error(f"{meta_path}: not valid JSON ({exc})") from exc
+    from glm5_fp4.spec import read_json_file
+
+    meta = read_json_file(meta_path)
+    if not isinstance(meta, dict):
+        raise Glm5Fp4Error(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:
         raise Glm5Fp4Error(f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
     run = _run_from_meta(meta, meta_path)
@@ -271,7 +272,10 @@ def load_run(run_dir: str | os.PathLike) -> TelemetryRun:
     if run.available:
         if not samples_path.is_file():
             raise Glm5Fp4Error(f"{samples_path}: missing, but {meta_path} says telemetry was recorded")
-        lines = samples_path.read_text().splitlines()
+        try:
+            lines = samples_path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise Glm5Fp4Error(f"{samples_path}: not UTF-8 text (byte {exc.start})") from None
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
