@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -336,3 +337,27 @@ def test_a_directory_named_like_a_host_file_is_one_error(tmp_path):
     (tmp_path / "host-1.jsonl").mkdir()
     with pytest.raises(Glm5Fp4Error, match="host-1.jsonl.*directory"):
         S.load(tmp_path)
+
+
+@pytest.mark.parametrize("line,field,value,culprit", [
+    (1, "stacks", "x", "malformed 'stacks' record (AttributeError"),
+    (1, "threads", [1], "malformed 'threads' record (AttributeError"),
+    (0, "pid", "x", "malformed 'process' record (invalid literal"),
+    (0, "t0_unix", float("nan"), "malformed 'process' record (t0_unix nan"),
+    (0, "interval_ms", -2, "interval_ms -2 (a finite time and a positive interval)"),
+    (3, "runs", [[1, 0, 100, 50, 3, 10]], "ends before it starts"),
+])
+def test_malformed_records_are_one_error_naming_file_and_line(tmp_path, line, field, value, culprit):
+    """Before: AttributeError tracebacks (stacks / threads not objects), or a report 'sampled every -2 ms' with
+    'CPU nan %' and runs of -0.8 s, exit 0."""
+    path = _host_file(tmp_path)
+    recs = [json.loads(r) for r in path.read_text().splitlines()]
+    if line == 1 and field == "threads":
+        recs[1]["threads"] = value
+    elif field == "stacks":
+        recs[2]["stacks"] = value
+    else:
+        recs[line][field] = value
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(Glm5Fp4Error, match=re.escape(f"{path}:") + r"\d+: .*" + re.escape(culprit)):
+        S.load_process(path)

@@ -23,6 +23,7 @@ def _dump(path, regions_list):
         (-12.5, "region 'layer00' is -12.5 µs"),
         (float("nan"), "region 'layer00' is nan µs"),
         ("x", "region 'layer00' is 'x', expected a number"),
+        (1e308, "region 'layer00' is 1e+308 µs; a duration is finite, >= 0 and under a day"),
     ],
 )
 def test_timers_refuse_durations_no_timer_writes(tmp_path, capsys, value, culprit):

@@ -441,8 +441,13 @@ def _check_regions(regions: dict, where: str) -> None:
     for name, us in regions.items():
         if isinstance(us, bool) or not isinstance(us, (int, float)):
             raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r}, expected a number of µs")
-        if not math.isfinite(us) or us < 0:
-            raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r} µs; a duration is finite and >= 0")
+        if not math.isfinite(us) or us < 0 or us > MAX_REGION_US:
+            raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r} µs; a duration is finite, >= 0 and under a day "
+                               "(one step's region)")
+
+
+# One step's region lasts far less; larger values are corrupt, and 1e308 overflowed the summary's sums.
+MAX_REGION_US = 86_400e6
 
 
 def read_dumps(files: list[Path]) -> TimerReport:

@@ -146,8 +146,13 @@ def load_process(path: Path) -> Process:
             try:
                 proc = Process(path, int(rec["pid"]), str(rec.get("comm", "?")), list(rec.get("argv", [])),
                                float(rec["t0_unix"]), float(rec["interval_ms"]), rec.get("main_tid"))
-            except (KeyError, TypeError, ValueError) as exc:
+                if not (math.isfinite(proc.t0_unix) and math.isfinite(proc.interval_ms) and proc.interval_ms > 0):
+                    raise ValueError(f"t0_unix {rec['t0_unix']!r}, interval_ms {rec['interval_ms']!r} "
+                                     "(a finite time and a positive interval)")
+            except KeyError as exc:
                 raise Glm5Fp4Error(f"{path}:{no}: process record lacks {exc}") from None
+            except (TypeError, ValueError) as exc:
+                raise Glm5Fp4Error(f"{path}:{no}: malformed 'process' record ({exc})") from None
             continue
         try:
             if kind == "comm":
@@ -157,7 +162,11 @@ def load_process(path: Path) -> Process:
             elif kind == "stacks":
                 proc.stacks.update({int(k): [tuple(f) for f in v] for k, v in rec["stacks"].items()})
             elif kind == "runs":
-                proc.runs.extend((int(t), int(s), float(a), float(b), int(n), float(w)) for t, s, a, b, n, w in rec["runs"])
+                runs = [(int(t), int(s), float(a), float(b), int(n), float(w)) for t, s, a, b, n, w in rec["runs"]]
+                bad = next((r for r in runs if not (r[3] >= r[2] and r[5] >= 0 and r[4] >= 0)), None)
+                if bad is not None:
+                    raise ValueError(f"run {list(bad)} ends before it starts or has a negative count or weight")
+                proc.runs.extend(runs)
             elif kind == "cpu":
                 proc.cpu.extend((float(ms), {int(k): int(v) for k, v in d.items()}) for ms, d in rec["cpu"])
             elif kind == "gaps":
@@ -169,7 +178,7 @@ def load_process(path: Path) -> Process:
             elif kind in ("flush", "end"):
                 proc.end_ms = max(proc.end_ms, float(rec["t_ms"]))
                 proc.complete = proc.complete or kind == "end"
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise Glm5Fp4Error(f"{path}:{no}: malformed {kind!r} record ({type(exc).__name__}: {exc})") from None
     if proc is None:
         raise Glm5Fp4Error(f"{path}: empty host-sample file" + (" (or truncated before its first record)" if cut else ""))

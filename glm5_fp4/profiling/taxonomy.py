@@ -111,7 +111,9 @@ def _load_cached(path: str | None) -> Taxonomy:
     else:
         origin = path
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise Glm5Fp4Error(f"{path}: taxonomy is not UTF-8 text (byte {exc.start})") from None
         except OSError as exc:
             raise Glm5Fp4Error(f"{path}: cannot read taxonomy ({exc.strerror})") from None
     try:
