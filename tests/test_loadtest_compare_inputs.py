@@ -122,6 +122,17 @@ def test_a_nan_metric_gets_no_verdict_and_is_named(tmp_path, capsys) -> None:
     assert "output_throughput" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("field,value", [("output_throughput", "fast"), ("output_throughput", -12.5),
+                                         ("mean_ttft_ms", -3.0), ("p99_itl_ms", True), ("duration", [1])])
+def test_a_metric_of_the_wrong_type_or_sign_is_named(tmp_path, capsys, field, value) -> None:
+    """Before: a string metric was shown as "missing" and a negative one got a better / worse verdict, exit 0."""
+    a = _write_run(tmp_path / "a", "c", _rows(40, 10.0, 0))
+    b = _write_run(tmp_path / "b", "c", _rows(40, 10.0, 1), **{field: value})
+    assert cli_main(["compare", a, b, "--bootstrap", "100"]) == 1
+    err = capsys.readouterr().err
+    assert f"{b}: field {field!r} is {json.dumps(value)}, expected a number >= 0" in err and "Traceback" not in err
+
+
 # --- 4. --out ---------------------------------------------------------------------------------------------
 
 def test_out_refuses_an_input_and_bad_paths_before_writing(tmp_path, capsys) -> None:

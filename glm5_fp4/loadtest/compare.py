@@ -168,6 +168,13 @@ def _check_summary_fields(p: Path, res: dict[str, Any]) -> None:
         if key in res and not is_count(res[key]):
             raise Glm5Fp4Error(f"compare: {p}: field {key!r} is {json.dumps(res[key])}, "
                                "expected a count (integer >= 0)")
+    for key, value in res.items():
+        if not (key in THROUGHPUT_KEYS or key in OTHER_KEYS or _is_latency_key(key)) or value is None:
+            continue
+        # (NaN / inf pass here: compare reports them as "not finite, no verdict" and fails the run)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise Glm5Fp4Error(f"compare: {p}: field {key!r} is {json.dumps(value)}, expected a number >= 0 "
+                               "(a rate, a time or a count)")
     if "metadata" in res and not isinstance(res["metadata"], dict):
         raise Glm5Fp4Error(f"compare: {p}: field 'metadata' is {json.dumps(res['metadata'])}, expected an object")
     name = res.get("requests_file")
@@ -271,6 +278,11 @@ def _latency_stats(result: dict[str, Any], m: str) -> list[str]:
     fixed = [s for s in ("mean", "median", "std") if s in stats]
     pcts = sorted((s for s in stats if s.startswith("p") and _is_number(s[1:])), key=lambda s: float(s[1:]))
     return fixed + pcts
+
+
+def _is_latency_key(key: str) -> bool:
+    """Whether ``key`` is a latency statistic of a summary: <stat>_<latency>_ms (mean_ttft_ms, p99_itl_ms...)."""
+    return key.endswith("_ms") and any(key.endswith(f"_{m}_ms") for m in LATENCIES)
 
 
 def _is_number(text: str) -> bool:
