@@ -1,5 +1,6 @@
 """improvements/: the committed index matches the files; `improvements new` numbers, fills and re-indexes."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -111,3 +112,23 @@ def test_from_a_directory_is_one_clear_error(workdir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is a directory" in err and "Traceback" not in err
     assert not list(workdir.glob("01-*.md"))
+
+
+def test_a_title_with_a_pipe_stays_one_index_cell_and_blank_or_multiline_titles_are_refused(tmp_path):
+    """Before: 'A | B' split its index row into an extra column (and `index --check` still passed); an empty title
+    became "untitled"; a newline broke the table."""
+    from glm5_fp4.improvements import writeups as W
+
+    d = tmp_path / "imp"
+    d.mkdir()
+    (d / "TEMPLATE.md").write_text("---\nnumber: 0\ntitle: t\nstatus: proposed\nheadline: h\n---\n# {{title}}\n")
+    (d / "README.md").write_text(f"# Improvements\n\n{W.INDEX_BEGIN}\n{W.INDEX_END}\n")
+    W.new_writeup(d, "A | B")
+    rows = [line for line in (d / "README.md").read_text().splitlines() if line.startswith("| 01")]
+    cells = re.split(r"(?<!\\)\|", rows[0])[1:-1]  # markdown's cells: split at the unescaped pipes
+    assert len(rows) == 1 and len(cells) == 4 and "A \\| B" in cells[1]
+    assert W.regenerate_index(d, check=True)
+    for bad in ("", "  ", "two\nlines"):
+        with pytest.raises(Glm5Fp4Error, match="one-line title"):
+            W.new_writeup(d, bad)
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("0")) == ["01-a-b.md"]

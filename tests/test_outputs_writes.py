@@ -96,7 +96,7 @@ def test_loadtest_refuses_a_result_dir_it_cannot_write_before_sending_anything(t
     ("num_gpus", -1, "--num-gpus -1 must be >= 1"), ("num_gpus", 0, "--num-gpus 0 must be >= 1"),
     ("num_warmups", -1, "--num-warmups -1 must be >= 0"), ("warmup_output_len", -1, "--warmup-output-len -1"),
     ("read_timeout_s", -1.0, "--read-timeout -1.0 must be"), ("request_timeout_s", float("nan"), "--request-timeout"),
-    ("timeout_s", float("nan"), "--timeout nan")])
+    ("timeout_s", float("nan"), "--timeout nan"), ("input_len", 99999999999, "--input-len 99999999999: more than")])
 def test_loadtest_refuses_counts_and_times_that_cannot_be(field, value, msg):
     """Before: accepted, a tok/s/GPU of -451 in the result (--num-gpus -1), or an error naming another flag."""
     from glm5_fp4.loadtest.runner import LoadTestConfig

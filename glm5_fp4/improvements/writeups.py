@@ -89,10 +89,15 @@ def list_writeups(directory: Path) -> list[Writeup]:
     return sorted(items, key=lambda w: w.number)
 
 
+def _cell(text: str) -> str:
+    """Text as one markdown table cell: on one line, its pipes escaped (a '|' would split the row)."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
 def render_index(writeups: list[Writeup]) -> str:
     lines = [INDEX_BEGIN, "", "| # | title | status | headline |", "|---|---|---|---|"]
     for w in writeups:
-        lines.append(f"| {w.number:02d} | [{w.title}]({w.path.name}) | {w.status} | {w.headline} |")
+        lines.append(f"| {w.number:02d} | [{_cell(w.title)}]({w.path.name}) | {w.status} | {_cell(w.headline)} |")
     lines += ["", INDEX_END]
     return "\n".join(lines)
 
@@ -139,6 +144,8 @@ def new_writeup(directory: Path, title: str, compare_md: Path | None = None, sta
     number the next attempt would skip."""
     if status not in STATUSES:
         raise Glm5Fp4Error(f"--status {status!r}; allowed: {', '.join(STATUSES)}")
+    if not title.strip() or "\n" in title or "\r" in title:
+        raise Glm5Fp4Error(f"--title {title!r}: give a one-line title (it heads the write-up and its index row)")
     template = directory / "TEMPLATE.md"
     if not template.exists():
         raise Glm5Fp4Error(f"{template}: missing")

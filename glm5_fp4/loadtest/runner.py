@@ -50,6 +50,8 @@ from glm5_fp4.loadtest.report import ProgressBar, print_summary, write_results
 from glm5_fp4.outputs import output_dir
 
 
+# Longer than any served context (GLM-5: 202,752 tokens); larger values are typos that would exhaust host memory.
+MAX_SEQUENCE_TOKENS = 1 << 20
 MAX_SERVER_TOKENIZE = 50_000  # distinct chunk texts counted through the server's /tokenize after a run
 COUNT_TIMEOUT_S = 120.0
 # A stream is stalled after no token for max(STALL_MIN_S, STALL_FACTOR x p99 chunk gap): 50 x the p99
@@ -190,6 +192,9 @@ class LoadTestConfig:
                                    ("--num-gpus", self.num_gpus, 1)):
             if value is not None and value < least:
                 raise Glm5Fp4Error(f"{flag} {value} must be >= {least}")
+        for flag, value in (("--input-len", self.input_len), ("--output-len", self.output_len)):
+            if value > MAX_SEQUENCE_TOKENS:  # (the prompt builder holds input_len ids per prompt: 1e11 took 792 GiB)
+                raise Glm5Fp4Error(f"{flag} {value}: more than {MAX_SEQUENCE_TOKENS:,} tokens per request")
         for flag, value in (("--request-timeout", self.request_timeout_s), ("--read-timeout", self.read_timeout_s)):
             if value is not None and not value > 0:  # (NaN too)
                 raise Glm5Fp4Error(f"{flag} {value} must be a number of seconds > 0")
