@@ -74,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and "--api-key" not in extra and not os.environ.get("VLLM_API_KEY"):
         print(f"warning: serving on {args.host} without an API key (add -- --api-key KEY)", file=sys.stderr)
     plugin = not args.stock
+    if args.stock and (args.backend != "auto" or args.mode is not None):
+        raise Glm5Fp4Error("--backend/--mode choose the glm5_fp4 MoE backend, which --stock does not load; drop them, "
+                           "or drop --stock")
+    if args.stock and args.quantization == "glm5_nvfp4":
+        raise Glm5Fp4Error("--stock serves without the glm5_fp4 plugin, whose --quantization glm5_nvfp4 is the default: "
+                           "add --quantization modelopt_fp4 (vLLM's NVFP4) or none (as the checkpoint says)")
     spec = build_launch(args.model, args.port, args.backend, extra, host=args.host, quantization=args.quantization,
                         mode=args.mode, plugin=plugin)
     print(spec.shell_command(), flush=True)

@@ -109,3 +109,14 @@ def test_model_check_accepts_checkpoints_and_hub_ids(ckpt, tmp_path, monkeypatch
     for bad in ("out/demo/tiny-glm5-nvfp4", "./ckpt", "ckpt"):
         with pytest.raises(Glm5Fp4Error, match="no such directory"):
             check_model_dir(bad)
+
+
+@pytest.mark.parametrize("extra,msg", [(["--backend", "triton"], "--backend/--mode choose the glm5_fp4 MoE backend"),
+                                       (["--mode", "w4a16"], "which --stock does not load"),
+                                       ([], "add --quantization modelopt_fp4")])
+def test_stock_names_what_the_user_passed(tmp_path, capsys, extra, msg):
+    """--stock with our backend's options, or with the plugin's quantization left at its default: the error names
+    the user's flags (before: '--quantization glm5_nvfp4 needs the plugin', a flag the user did not pass)."""
+    rc = cli_main(["serve", "--model", str(tmp_path), "--stock", "--dry-run", *extra])
+    err = capsys.readouterr().err
+    assert rc == 1 and msg in err, err

@@ -79,7 +79,8 @@ def out_of_resources_message(launch: Launch, e) -> str:
     return (f"the GPU refused {launch.name} ({sizing}): it needs {e.required} of {e.name}, the limit is {e.limit} "
             f"(Triton {triton.__version__}, "
             f"which compiles some configs larger than the versions glm5-fp4 was checked with). Please report it with "
-            f"this line; meanwhile serve with the engine's own NVFP4 MoE (glm5-fp4 serve --stock)")
+            f"this line; meanwhile serve with the engine's own NVFP4 MoE "
+            f"(glm5-fp4 serve --stock --quantization modelopt_fp4)")
 
 
 # MoECall.diag bits (benchmarks only; the results are wrong): time a stage's share by leaving its work out.
