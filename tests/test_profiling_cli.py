@@ -331,3 +331,25 @@ def test_ranks_of_different_world_sizes_are_refused(tmp_path, capsys):
     assert main(["profile", "analyze", str(tmp_path), "--no-png", "--jobs", "1"]) == 1
     err = _one_line_error(capsys)
     assert all(name in err for name, _ in files) and "world_size" in err
+
+
+@pytest.mark.parametrize("argv,msg", [(["--concurrency", "-1"], "argument --concurrency: '-1' must be >= 1"),
+                                      (["--warmup-s", "nan"], "argument --warmup-s: 'nan' is not a finite number"),
+                                      (["--steps", "0"], "argument --steps: '0' must be >= 1")])
+def test_capture_numbers_are_checked_while_parsing(capsys, argv, msg):
+    from glm5_fp4.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "capture", "--url", "http://127.0.0.1:9", "--steps", "2", "--trace-dir", "t", *argv])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_capture_refuses_an_out_it_cannot_write_before_sending_load(tmp_path, capsys, monkeypatch):
+    from glm5_fp4.cli import main
+    from glm5_fp4.profiling import capture as C
+
+    monkeypatch.setattr(C, "capture", lambda cfg: pytest.fail("load sent before --out was checked"))
+    (tmp_path / "f").write_text("x")
+    rc = main(["profile", "capture", "--url", "http://127.0.0.1:9", "--steps", "2", "--trace-dir", str(tmp_path),
+               "--out", str(tmp_path / "f" / "cap")])
+    assert rc == 1 and "--out" in capsys.readouterr().err

@@ -26,15 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     c = sub.add_parser("capture", help="drive a running server's /start_profile and /stop_profile during a decode load")
     c.add_argument("--url", required=True, help="server base URL (loopback only), e.g. http://127.0.0.1:8000")
-    c.add_argument("--steps", type=int, required=True, help="decode steps to profile")
+    c.add_argument("--steps", type=positive_int, required=True, help="decode steps to profile")
     c.add_argument("--trace-dir", required=True, help="the server's profiler output directory (torch_profiler_dir / SGLANG_TORCH_PROFILER_DIR)")
     c.add_argument("--engine", choices=["auto", "vllm", "sglang"], default="auto")
-    c.add_argument("--concurrency", type=int, default=8, help="decode streams kept running during the capture")
-    c.add_argument("--prompt-len", type=int, default=64, help="prompt length in words")
-    c.add_argument("--output-len", type=int, default=4096, help="max_tokens per request (ignore_eos)")
+    c.add_argument("--concurrency", type=positive_int, default=8, help="decode streams kept running during the capture")
+    c.add_argument("--prompt-len", type=positive_int, default=64, help="prompt length in words")
+    c.add_argument("--output-len", type=positive_int, default=4096, help="max_tokens per request (ignore_eos)")
     c.add_argument("--model", help="model name (default: the first of /v1/models)")
-    c.add_argument("--warmup-s", type=float, default=120.0, help="longest wait for every stream to be decoding")
-    c.add_argument("--flush-timeout-s", type=float, default=900.0, help="longest wait for the server to write its traces")
+    c.add_argument("--warmup-s", type=positive_float, default=120.0, help="longest wait for every stream to be decoding")
+    c.add_argument("--flush-timeout-s", type=positive_float, default=900.0,
+                   help="longest wait for the server to write its traces")
     c.add_argument("--analyze", action="store_true", help="run `profile analyze` on the collected traces")
     _analysis_args(c, positional=False)
 
@@ -234,6 +235,7 @@ def run(args) -> int:
     if args.action == "capture":
         from glm5_fp4.profiling.capture import CaptureConfig, capture
 
+        output_dir(args.out, "--out", create=False)  # before any load is sent: the traces would be lost
         cfg = CaptureConfig(
             url=args.url, steps=args.steps, trace_dir=Path(args.trace_dir), out=Path(args.out) / "traces",
             engine=args.engine, concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,
