@@ -361,3 +361,14 @@ def test_malformed_records_are_one_error_naming_file_and_line(tmp_path, line, fi
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     with pytest.raises(Glm5Fp4Error, match=re.escape(f"{path}:") + r"\d+: .*" + re.escape(culprit)):
         S.load_process(path)
+
+
+def test_a_path_that_is_a_file_and_requests_that_are_a_folder_are_named(tmp_path, capsys):
+    """Before: a host file given as PATH was blamed on --out (PATH/stalls), a folder of requests 'did not exist'."""
+    from glm5_fp4.cli import main
+
+    host = _host_file(tmp_path)
+    assert main(["profile", "stalls", str(host)]) == 1
+    assert f"{host} is a file; PATH is the folder of host-<pid>.jsonl files" in capsys.readouterr().err
+    assert main(["profile", "stalls", str(tmp_path), "--requests", str(tmp_path)]) == 1
+    assert f"request records {tmp_path} is a directory" in capsys.readouterr().err

@@ -256,6 +256,7 @@ def run(args) -> int:
     if args.action == "stalls":
         from glm5_fp4.profiling import stalls
 
+        stalls.check_folder(args.path)  # (the default --out lies inside PATH: a wrong PATH is named as such)
         out = args.out or str(Path(args.path) / "stalls")
         output_dir(out, "--out", create=False)  # before reading every sample file
         result = stalls.analyze(Path(args.path), [Path(f) for f in args.requests], args.min_gap_ms)

@@ -193,10 +193,19 @@ def load_process(path: Path) -> Process:
     return proc
 
 
-def load(folder: Path) -> list[Process]:
+def check_folder(folder: Path) -> Path:
+    """``folder`` as a host-sample folder: one error if it is a file (say, one of its host-<pid>.jsonl) or missing."""
     folder = Path(folder)
+    if folder.is_file():
+        raise Glm5Fp4Error(f"{folder} is a file; PATH is the folder of host-<pid>.jsonl files (its parent: "
+                           f"{folder.parent})")
     if not folder.is_dir():
         raise Glm5Fp4Error(f"host-sample folder {folder} does not exist")
+    return folder
+
+
+def load(folder: Path) -> list[Process]:
+    folder = check_folder(folder)
     files = sorted([*folder.glob(f"{FILE_PREFIX}*.jsonl"), *folder.glob(f"{FILE_PREFIX}*.jsonl.gz")])
     if not files:
         raise Glm5Fp4Error(f"{folder} holds no {FILE_PREFIX}<pid>.jsonl files (was {ENV} set for the server?)")
@@ -227,6 +236,8 @@ class Request:
 
 def load_requests(path: Path) -> list[Request]:
     path = Path(path)
+    if path.is_dir():
+        raise Glm5Fp4Error(f"request records {path} is a directory; give a load test's .requests.jsonl(.gz) file")
     if not path.is_file():
         raise Glm5Fp4Error(f"request records {path} do not exist")
     out = []
