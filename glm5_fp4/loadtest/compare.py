@@ -139,6 +139,8 @@ def load_group(spec: str, label: str | None = None) -> Group:
 def _read_summary(p: Path) -> tuple[dict[str, Any], str]:
     if p.is_dir():
         raise Glm5Fp4Error(f"compare: {p} is a directory; give the summary .json file of a run")
+    if p.exists() and not p.is_file():
+        raise Glm5Fp4Error(f"compare: {p} is not a regular file; give the summary .json file of a run")
     if not p.is_file():
         raise Glm5Fp4Error(f"compare: result file {str(p)!r} does not exist")
     try:
