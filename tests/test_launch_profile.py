@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 
@@ -193,3 +194,18 @@ def test_vllm_choice_lists_cover_the_installed_vllm():
 def test_sglang_lists_are_disjoint_from_ours_and_non_empty():
     assert "glm5_fp4" not in SGLANG_MOE_BACKENDS and "glm5_fp4" not in VLLM_MOE_BACKENDS
     assert "flashinfer_cutlass" in SGLANG_MOE_BACKENDS and "fp8_e4m3" in SGLANG_KV_CACHE_DTYPES
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("model: x\nmax_concurrency: 8\nmax_concurrency: 512\n", "key 'max_concurrency' is given twice"),
+    ("model: x\nglm5_fp4:\n  mode: w4a16\n  mode: w4a4\n", "key 'mode' is given twice"),
+    ("model: x\nmax_concurrency: 100000000000000000000\n", "field 'max_concurrency'"),
+    ("model: x\ntensor_parallel: 100000\n", "field 'tensor_parallel'"),
+])
+def test_duplicate_keys_and_impossible_sizes_are_refused(tmp_path, text, msg):
+    """YAML keeps the last of two equal keys silently (the profile would run with the one the reader did not see);
+    sizes past any host's GPUs or any engine's request limit are typos."""
+    p = tmp_path / "p.yaml"
+    p.write_text(text)
+    with pytest.raises(Glm5Fp4Error, match=re.escape(msg)):
+        load_profile(p)

@@ -73,16 +73,17 @@ class LaunchProfile(BaseModel):
     engine: Engine = "vllm"
     model: str = Field(min_length=1)
     description: str = ""
-    tensor_parallel: int = Field(default=1, ge=1)
-    pipeline_parallel: int = Field(default=1, ge=1)
-    data_parallel: int = Field(default=1, ge=1)
+    # (upper bounds: beyond any one host's or cluster's GPUs, or any engine's running-request limit: typos)
+    tensor_parallel: int = Field(default=1, ge=1, le=1024)
+    pipeline_parallel: int = Field(default=1, ge=1, le=1024)
+    data_parallel: int = Field(default=1, ge=1, le=1024)
     expert_parallel: bool = False
     cuda_graphs: Literal["piecewise", "full", "off"] = "full"
     moe_backend: str = OURS
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     glm5_fp4: OurOptions = Field(default_factory=OurOptions)
-    max_concurrency: int = Field(default=512, ge=1)
+    max_concurrency: int = Field(default=512, ge=1, le=1 << 20)
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535)
     extra_args: list[str] | dict[Engine, list[str]] = Field(default_factory=list)
@@ -246,12 +247,27 @@ def profile_from_dict(data: object, origin: str = "profile", overrides: dict | N
         raise Glm5Fp4Error(_format_error(exc, origin, flags)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error: YAML keeps the last silently, so a profile with
+    two `max_concurrency:` lines would run with the one the reader did not look at."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_profile(path: str | Path, overrides: dict | None = None,
                  override_flags: dict[str, str] | None = None) -> LaunchProfile:
     """Read and validate a YAML launch profile."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise Glm5Fp4Error(f"{path}: launch profile not found") from None
     except IsADirectoryError:
