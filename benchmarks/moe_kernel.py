@@ -37,12 +37,10 @@ TOKENS = (1, 4, 16, 64, 256, 512, 1024, 4096, 8192)
 def _plan_of(d: dict):
     from glm5_fp4.kernels import configs as C
 
-    return C.Plan(d["schedule"], C.Gemm1Config(**d["gemm1"]), C.Gemm2Config(**d["gemm2"]), d["gemm2_n_split"],
-                  gemm1_split_k=d.get("gemm1_split_k", 1), prep_x=d.get("prep_x", True),
-                  gemm2_unroll=d.get("gemm2_unroll", False), gemm1_fused_reduce=d.get("gemm1_fused_reduce", False),
-                  parallel_align=d.get("parallel_align", False), slot_dedup=d.get("slot_dedup", False),
-                  pdl=d.get("pdl", False), l2_prefetch=d.get("l2_prefetch", 0),
-                  gemm2_split_slots=d.get("gemm2_split_slots", False))
+    # every Plan field the JSON has (a field added later defaults where an older JSON lacks it)
+    kw = {f.name: d[f.name] for f in dataclasses.fields(C.Plan) if f.name in d}
+    kw.update(gemm1=C.Gemm1Config(**d["gemm1"]), gemm2=C.Gemm2Config(**d["gemm2"]))
+    return C.Plan(**kw)
 
 
 def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:

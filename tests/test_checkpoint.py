@@ -309,3 +309,15 @@ def test_overwrite_that_fails_leaves_the_former_checkpoint(tmp_path, monkeypatch
     after = {p.name: p.read_bytes() for p in ck.iterdir()}
     assert set(after) == set(before) and after["config.json"] == before["config.json"]
     assert after["model.safetensors"] != before["model.safetensors"]  # seed 2's weights
+
+
+def test_a_bf16_twin_written_over_an_nvfp4_checkpoint_leaves_no_quantizer_config(tmp_path):
+    """--overwrite with --dequantized over an NVFP4 checkpoint: the former hf_quant_config.json goes too (a loader
+    reads it first: the BF16 twin would read as NVFP4); the scratch directory lives inside --out (one file system,
+    also where --out is a mount point) and is gone afterwards."""
+    ck = make_checkpoint(tmp_path / "ck", "glm4moe", seed=1, sizes=SMALL)
+    assert (ck / "hf_quant_config.json").is_file()
+    make_checkpoint(ck, "glm4moe", seed=1, sizes=SMALL, dequantized=True, overwrite=True)
+    assert not (ck / "hf_quant_config.json").exists()
+    assert inspect_checkpoint(ck).quant_algo is None
+    assert not [p for p in ck.iterdir() if p.name.startswith(".")]

@@ -209,3 +209,10 @@ def test_duplicate_keys_and_impossible_sizes_are_refused(tmp_path, text, msg):
     p.write_text(text)
     with pytest.raises(Glm5Fp4Error, match=re.escape(msg)):
         load_profile(p)
+
+
+def test_merge_keys_still_load(tmp_path):
+    """The duplicate-key check leaves YAML merge keys (<<: *anchor) to the base loader's rules."""
+    p = tmp_path / "p.yaml"
+    p.write_text("model: x\nenv:\n  <<: {A: '1'}\n  B: '2'\n")
+    assert dict(load_profile(p).env) == {"A": "1", "B": "2"}

@@ -170,16 +170,23 @@ def make_checkpoint(
     check_tokenizer_fits(cfg["vocab_size"], MIN_VOCAB_SIZE, "--size")
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
-    # Written whole into a scratch directory beside ``out``, then moved in: a failed write (a full disk) leaves
-    # ``out`` as it was, never the new config beside the old weights (which `inspect` would then pass).
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.resolve().name}.new-", dir=out.resolve().parent))
+    # Written whole into a scratch directory inside ``out`` (the same file system, even where ``out`` is a mount
+    # point), then moved in: a failed write (a full disk) leaves ``out`` as it was, never the new config beside the
+    # old weights (which `inspect` would then pass).
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".make-checkpoint-", dir=out))
+    except OSError as exc:
+        raise Glm5Fp4Error(f"{out}: cannot write there ({exc.strerror or exc})") from None
     try:
         try:
             _write(tmp, cfg, seed, dequantized, dense_attention, device, recipe)
         except (OSError, SafetensorError) as exc:
             raise Glm5Fp4Error(f"{out}: cannot write the checkpoint ({getattr(exc, 'strerror', None) or exc}); "
                                "nothing of it was written there") from None
-        _move_in(tmp, out)
+        try:
+            _move_in(tmp, out)
+        except OSError as exc:
+            raise Glm5Fp4Error(f"{out}: cannot move the new checkpoint's files in ({exc.strerror or exc})") from None
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -190,13 +197,13 @@ def make_checkpoint(
 
 
 def _move_in(tmp: Path, out: Path) -> None:
-    """The finished checkpoint's files from ``tmp`` into ``out`` (renames within one file system); weight shards and
-    an index of an earlier checkpoint there that this one does not have are removed, since a loader would read them
-    as part of it."""
+    """The finished checkpoint's files from ``tmp`` into ``out`` (renames within one file system); weight shards, an
+    index or a quantizer config of an earlier checkpoint there that this one does not have are removed, since a
+    loader would read them as part of it (a BF16 twin written over an NVFP4 checkpoint would still read as NVFP4)."""
     new = {f.name for f in tmp.iterdir()}
     for old in out.iterdir():
-        if old.name not in new and old.is_file() and (old.name.endswith(".safetensors")
-                                                      or old.name == "model.safetensors.index.json"):
+        if old.name not in new and old.is_file() and (old.name.endswith(".safetensors") or old.name in (
+                "model.safetensors.index.json", "hf_quant_config.json")):
             old.unlink()
     for name in sorted(new):
         os.replace(tmp / name, out / name)

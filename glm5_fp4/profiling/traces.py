@@ -278,9 +278,10 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                                f"{'no ' + str(exc) if isinstance(exc, KeyError) else exc}")
 
     if bad_gpu:
-        raise Glm5Fp4Error(f"{path}: {len(bad_gpu)} GPU records without a time, with a negative or non-finite one, or "
-                           f"with non-object args (first: {bad_gpu[0]}); torch.profiler writes none such, and every "
-                           "figure of the breakdown is made of them")
+        raise Glm5Fp4Error(f"{path}: {len(bad_gpu)} GPU records cannot be read (a missing or non-numeric time, a "
+                           "negative duration, non-object args or a non-integer stream / correlation; first: "
+                           f"{bad_gpu[0]}); torch.profiler writes none such, and every figure of the breakdown is "
+                           "made of them")
     if mode == "gpu" and not gpu_rows:
         raise Glm5Fp4Error(
             f"{path}: no GPU kernel records (cat 'kernel'/'gpu_memcpy'/'gpu_memset'); "
