@@ -8,12 +8,12 @@ token, KV-cache bytes per token, distinct experts touched per decode step.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.inputs import read_json
 from glm5_fp4.nvfp4 import BYTES_PER_ELEMENT as NVFP4_BYTES_PER_PARAM
 
 BF16_BYTES = 2.0
@@ -32,23 +32,7 @@ def read_config_json(path: str | Path) -> tuple[Path, dict]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.exists():
-        raise Glm5Fp4Error(f"{path}: no such config.json")
-    return path, read_json_file(path)
-
-
-def read_json_file(path: str | Path) -> object:
-    """A JSON file's value; one Glm5Fp4Error naming the file when it is missing, a directory, unreadable, not UTF-8
-    or not JSON (the one reader of the model's and quantizer's config files)."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise Glm5Fp4Error(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise Glm5Fp4Error(f"{path}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise Glm5Fp4Error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return path, read_json(path, "config.json")
 
 
 def expected_distinct_experts(tokens: float, num_experts: int, top_k: int) -> float:

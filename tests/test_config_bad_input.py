@@ -53,7 +53,7 @@ def test_plan_names_the_config_field(ckpt, tmp_path, capsys, key, value, culprit
 
 @pytest.mark.parametrize("name,content,culprit", [
     ("config.json", b'{"hidden_size": \xff}', "config.json: not UTF-8 text"),
-    ("config.json", "dir", "config.json: cannot read"),
+    ("config.json", "dir", "config.json: is a directory; expected a config.json file"),
     ("hf_quant_config.json", b"[1]", "hf_quant_config.json: expected a JSON object, got list"),
     ("hf_quant_config.json", b'{"quantization": [1]}', "hf_quant_config.json: quantization is [1], expected an object"),
     ("hf_quant_config.json", b'{"quantization": {"quant_algo": 4}}', "quantization.quant_algo is 4"),

@@ -152,5 +152,5 @@ def test_packaged_file_is_the_one_the_readme_points_at():
 def test_a_taxonomy_file_that_is_not_utf8_is_one_error(tmp_path):
     p = tmp_path / "tax.yaml"
     p.write_bytes(b"version: 1\n\xff\xfe\n")
-    with pytest.raises(Glm5Fp4Error, match="tax.yaml: taxonomy is not UTF-8 text"):
+    with pytest.raises(Glm5Fp4Error, match="tax.yaml: not UTF-8 text"):
         load_taxonomy(p)

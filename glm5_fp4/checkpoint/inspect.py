@@ -22,6 +22,7 @@ from pathlib import Path
 from glm5_fp4.checkpoint.configs import check_config, check_tokenizer_fits
 from glm5_fp4.checkpoint.tokenizer import tokenizer_id_count
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.inputs import read_json
 from glm5_fp4.nvfp4 import BLOCK_SIZE
 
 RECIPE_TEXT = {"glm5": "dense MLPs, shared and routed experts NVFP4",
@@ -162,9 +163,7 @@ def read_tensor_index(ckpt: Path, notes: list[str] | None = None) -> dict[str, T
                                        f"(a leftover shard? remove one, or add {INDEX_FILE})")
                 tensors[name] = info
         return tensors
-    from glm5_fp4.spec import read_json_file
-
-    doc = read_json_file(index_path)
+    doc = read_json(index_path, "safetensors index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise Glm5Fp4Error(f"{index_path}: not a safetensors index (no 'weight_map' object)")
@@ -255,11 +254,9 @@ def read_quant_config(ckpt: Path, config: dict, config_path: Path | None = None
                       ) -> tuple[str | None, int | None, list[str]]:
     """(quant_algo, group_size, exclude_modules) from hf_quant_config.json or config.json quantization_config
     (``config_path``: the file ``config`` came from, for messages; default ckpt/config.json)."""
-    from glm5_fp4.spec import read_json_file
-
     hf = ckpt / "hf_quant_config.json"
     if hf.exists():
-        doc = read_json_file(hf)
+        doc = read_json(hf, "quantizer config")
         if not isinstance(doc, dict):
             raise Glm5Fp4Error(f"{hf}: expected a JSON object, got {type(doc).__name__}")
         return _quant_fields(doc.get("quantization", {}), f"{hf}: quantization", "exclude_modules")
@@ -373,9 +370,7 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
     cfg_path = ckpt / "config.json"
     if not cfg_path.exists():
         raise Glm5Fp4Error(f"{ckpt}: no config.json (is this a Hugging Face checkpoint directory?)")
-    from glm5_fp4.spec import read_json_file
-
-    config = read_json_file(cfg_path)
+    config = read_json(cfg_path, "config.json")
     check_config(config, str(cfg_path))
     tok_path = ckpt / "tokenizer.json"
     if tok_path.is_file():

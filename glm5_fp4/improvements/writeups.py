@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.inputs import read_text as _read_text  # (write-ups are UTF-8 markdown)
 from glm5_fp4.outputs import write_text_atomic
 
 STATUSES = ("proposed", "measured", "adopted", "rejected")
@@ -36,21 +37,6 @@ class Writeup:
 def slugify(title: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
     return slug[:60].rstrip("-") or "untitled"
-
-
-def _read_text(path: Path, what: str) -> str:
-    """Text of a file the command needs, or one error naming it (write-ups are UTF-8 markdown)."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise Glm5Fp4Error(f"{path}: no such {what}") from None
-    except IsADirectoryError:
-        raise Glm5Fp4Error(f"{path}: is a directory; expected a {what} file") from None
-    except UnicodeDecodeError as exc:
-        raise Glm5Fp4Error(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
-                           "save it as UTF-8") from None
-    except OSError as exc:
-        raise Glm5Fp4Error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
 
 
 def read_writeup(path: Path) -> Writeup:

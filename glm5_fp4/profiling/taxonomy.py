@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.inputs import read_text
 
 ALLREDUCE_WAIT = "allreduce_wait"
 """Derived category: the part of an all-reduce kernel spent waiting for the last rank to arrive."""
@@ -110,12 +111,7 @@ def _load_cached(path: str | None) -> Taxonomy:
         origin = "glm5_fp4/data/taxonomy.yaml"
     else:
         origin = path
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise Glm5Fp4Error(f"{path}: taxonomy is not UTF-8 text (byte {exc.start})") from None
-        except OSError as exc:
-            raise Glm5Fp4Error(f"{path}: cannot read taxonomy ({exc.strerror})") from None
+        text = read_text(path, "taxonomy")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

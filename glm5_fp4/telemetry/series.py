@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.inputs import read_json, read_text
 from glm5_fp4.outputs import write_text_atomic
 
 FORMAT = "glm5-fp4-telemetry/1"
@@ -194,6 +195,8 @@ def _run_from_meta(meta: Any, meta_path: Path) -> TelemetryRun:
     gets one error naming the field instead of a TypeError from deep in the summary."""
     if not isinstance(meta, dict):
         raise Glm5Fp4Error(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != FORMAT:
+        raise Glm5Fp4Error(f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
     interval = _number(meta.get("interval_s"), f"{meta_path}: field 'interval_s'", allow_none=True)
     if interval is not None and interval <= 0:
         raise Glm5Fp4Error(f"{meta_path}: field 'interval_s' is {interval!r}, expected a positive number")
@@ -259,23 +262,13 @@ def load_run(run_dir: str | os.PathLike) -> TelemetryRun:
         raise Glm5Fp4Error(f"{run_dir}: not a directory with telemetry")
     if not meta_path.is_file():
         raise Glm5Fp4Error(f"{meta_path}: missing; is {run_dir} a telemetry directory?")
-    from glm5_fp4.spec import read_json_file
-
-    meta = read_json_file(meta_path)
-    if not isinstance(meta, dict):
-        raise Glm5Fp4Error(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
-    if meta.get("format") != FORMAT:
-        raise Glm5Fp4Error(f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
-    run = _run_from_meta(meta, meta_path)
+    run = _run_from_meta(read_json(meta_path, "telemetry meta file"), meta_path)
     by_index = {g.index: g for g in run.gpus}
     samples_path = run_dir / SAMPLES_FILE
     if run.available:
         if not samples_path.is_file():
             raise Glm5Fp4Error(f"{samples_path}: missing, but {meta_path} says telemetry was recorded")
-        try:
-            lines = samples_path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as exc:
-            raise Glm5Fp4Error(f"{samples_path}: not UTF-8 text (byte {exc.start})") from None
+        lines = read_text(samples_path, "telemetry samples file").splitlines()
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
