@@ -112,6 +112,8 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
 GEMM2_SPLITS = (2, 3, 4, 6, 8, 12)
 # ... and for the slot dedup's grouped GEMM2 (T = 3-4: ~30 groups at most, each few tokens)
 DEDUP_GEMM2_SPLITS = (6, 12, 24, 48, 96)
+# Plan.l2_prefetch distances the sweep tries (K tiles of GEMM1, N tiles of the grouped GEMM2 ahead)
+L2_PREFETCH_DISTANCES = (2, 4, 8)
 
 
 def _by_blocks(base) -> bool:
@@ -121,8 +123,6 @@ def _by_blocks(base) -> bool:
 
 def gemm2_splits(base) -> tuple[int, ...]:
     return DEDUP_GEMM2_SPLITS if base.slot_dedup else GEMM2_SPLITS
-# Plan.l2_prefetch distances the sweep tries (K tiles of GEMM1, N tiles of the grouped GEMM2 ahead)
-L2_PREFETCH_DISTANCES = (2, 4, 8)
 
 
 def launch_forms(plan) -> dict:

@@ -394,6 +394,13 @@ def _quant_merged(x, g, BK: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _to_fp16(x):
+    """16-bit activations -> fp16 for the MMA: bf16 values in fp16's normal range convert exactly; the rare larger
+    ones saturate at fp16's largest finite value instead of becoming inf."""
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _x_operand(xt, g, W4A4: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
     """A loaded 16-bit activation tile [BK, BM] (merged K order) -> the fp16 MMA operand.
 
@@ -404,7 +411,7 @@ def _x_operand(xt, g, W4A4: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
     if W4A4:
         return _quant_merged(xt.to(tl.float32), g, BK, BM)
     else:
-        return tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        return _to_fp16(xt)
 
 
 @triton.jit
@@ -1315,8 +1322,7 @@ def moe_align_kernel(
             r = o32 % H
             src = t.to(tl.int64) * stride_xt + (r - r % BK + _merged_k_of(r % BK, BK // 8))
             xv = tl.load(x_ptr + src, mask=m, other=0.0)
-            xv = tl.clamp(xv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            tl.store(xq_ptr + offs, xv, mask=m)
+            tl.store(xq_ptr + offs, _to_fp16(xv), mask=m)
 
 
 @triton.jit
@@ -1332,8 +1338,7 @@ def _prep_x_tiles(x_ptr, stride_xt, xq_ptr, o0, numel, H: tl.constexpr, BK: tl.c
     cols = tl.arange(0, BK)
     src = t.to(tl.int64)[:, None] * stride_xt + k0[:, None] + cols[None, :]
     xv = tl.load(x_ptr + src, mask=live[:, None], other=0.0)
-    xv = tl.clamp(xv.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    xv = tl.reshape(tl.permute(tl.reshape(xv, (NT, BK // 16, 8, 2)), (0, 2, 1, 3)), (NT, BK))
+    xv = tl.reshape(tl.permute(tl.reshape(_to_fp16(xv), (NT, BK // 16, 8, 2)), (0, 2, 1, 3)), (NT, BK))
     dst = tile.to(tl.int64)[:, None] * BK + cols[None, :]
     tl.store(xq_ptr + dst, xv, mask=live[:, None])
 
