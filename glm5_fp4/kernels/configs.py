@@ -132,6 +132,9 @@ class Plan:
     # GEMM1's K then splits by pick_slot_split_k with the reduce fused, as where GEMM2 is split by slots.
     # Opt-in "dedup_by_arrival" (not measured on a GPU yet).
     dedup_fused_finalize: bool = False
+    # Slot dedup's finalize launch: output elements per program (0: launch.FBLOCK_ROWS). The former 4096 is the
+    # opt-in "finalize_4096", kept to measure the rule against.
+    finalize_block: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -894,6 +897,9 @@ OPT_IN: dict[str, OptIn] = {
                             purpose="T = 3-4 as T <= 2 runs: no dedup, GEMM2 split by slots, GEMM1's K split to ~3 "
                                     "programs per SM, its reduce fused: 2 launches, each token's experts read for it "
                                     "(not yet timed)"),
+    "finalize_4096": OptIn(dict(finalize_block=4096), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
+                           purpose="slot dedup's finalize in 4096-wide programs (the default before 2026-12-06: 8 "
+                                   "programs at T=4, their row loads one after another)"),
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                       purpose="one program group per slot (the default before 2026-12-02; costs skewed T=3-4 up to 2.7x)"),
     "parallel_align": OptIn(dict(parallel_align=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(512,),
@@ -965,6 +971,8 @@ def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None
     g2 = o.change.get("gemm2", p.gemm2)
     return (p.schedule in schedules and (o.max_tokens is None or tokens <= o.max_tokens)
             and (mode is None or mode in o.modes) and (not o.needs_split_k or p.gemm1_split_k > 1)
+            # a finalize block matters only where the finalize adds slot dedup's k rows
+            and ("finalize_block" not in o.change or (p.slot_dedup and not p.dedup_fused_finalize))
             and split_k_fits(o.change.get("gemm1_split_k", 1), hidden, p.gemm1.bk, p.schedule == "slot")
             and hidden % g2.bn == 0 and (hidden // g2.bn) % o.change.get("gemm2_n_split", p.gemm2_n_split) == 0)
 

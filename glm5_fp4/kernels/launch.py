@@ -34,6 +34,12 @@ STAGES = ("align", "gemm1", "gemm2")
 # Elements per program of the zeroing / conversion part of the align kernel and of the finalize kernel.
 ZBLOCK = 4096
 FBLOCK = 4096
+# Slot dedup's finalize (k fp32 rows per token added): elements per program and its warps. A 4096-wide block gave
+# T=4 eight programs whose threads each held 8 rows x 32 values, more than their registers: the row loads went one
+# after another, one DRAM round trip each (14 us under ncu on the H100, 2026-12-06). 256 wide: T x 24 programs
+# (TP8), every row load of a thread in flight at once.
+FBLOCK_ROWS = 256
+FBLOCK_ROWS_WARPS = 2
 # Parallel align (plan.parallel_align): slots counted per program, and placed per program of the scatter.
 PAR_BLOCK = 256
 SCATTER_BLOCK = 1024
@@ -250,16 +256,19 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
                    stage="align")]
 
 
-def _finalize(call: MoECall, rows: int = 1, pdl: dict | None = None) -> Launch:
-    """The fp32 combine buffer to the output: one row per token (grouped), or k per-slot rows added (slot dedup)."""
+def _finalize(call: MoECall, rows: int = 1, pdl: dict | None = None, block: int = 0) -> Launch:
+    """The fp32 combine buffer to the output: one row per token (grouped), or k per-slot rows added (slot dedup).
+    ``block``: elements per program (Plan.finalize_block; 0: FBLOCK for one row, FBLOCK_ROWS for k rows)."""
     from glm5_fp4.kernels import triton_moe as K
 
     t, h = call.x.shape
-    fblock = min(FBLOCK, _pow2(h))
+    block = block or (FBLOCK if rows == 1 else FBLOCK_ROWS)
+    fblock = min(block, _pow2(h))
+    warps = 4 if rows == 1 or fblock >= 1024 else FBLOCK_ROWS_WARPS
     return Launch(K.moe_finalize_kernel, (t, -(-h // fblock)),
                   (call.workspace.combine, call.out, call.out.stride(0), call.topk_ids, _emap(call)),
-                  dict(H=h, BLOCK=fblock, ROWS=rows, HAS_MAP=rows > 1 and call.expert_map is not None, num_warps=4,
-                       **(pdl or {})),
+                  dict(H=h, BLOCK=fblock, ROWS=rows, HAS_MAP=rows > 1 and call.expert_map is not None,
+                       num_warps=warps, **(pdl or {})),
                   stage="gemm2")
 
 
@@ -424,7 +433,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         # added in slot order (by the finalize, or by GEMM2's last writer of each token's rows): every expert's W2
         # read and decoded once however many tokens share it
         g2 = _gemm2_grouped(plan, call, num_slots, slot_dedup=True)
-        return out + ([g2] if plan.dedup_fused_finalize else [g2, _finalize(call, rows=k, pdl=pdl)])
+        return out + ([g2] if plan.dedup_fused_finalize else [g2, _finalize(call, rows=k, pdl=pdl, block=plan.finalize_block)])
     # Plan.gemm2_split_slots: one program per (N range, token, slot), the k rows added by the last to arrive
     split_slots = plan.gemm2_split_slots
     out.append(Launch(
