@@ -6,7 +6,6 @@ this times the planned launch beside variants of it (CUDA-graph replays of the a
 * ``planned``: the launch as the default plan makes it;
 * ``program0``: its program 0 only (the routing: counts, work list, slot placement);
 * ``no_prep``: every program, without the activation conversion (zeroing only beside program 0);
-* ``transposed``: the conversion a K tile at a time, transposed on chip (the opt-in ``prep_x_transpose``);
 * ``zero_rows``: the same grid with a one-slot routing count, so program 0 has almost nothing to count or place:
   the zeroing and conversion alone.
 
@@ -55,8 +54,6 @@ def main(argv=None) -> int:
             "planned": [base],
             "program0": [dataclasses.replace(base, grid=(1,))],
             "no_prep": [dataclasses.replace(base, kwargs=dict(base.kwargs, PREP_X=False))],
-            # the conversion a K tile at a time, transposed on chip (Plan.prep_x_transpose), not gathered in pairs
-            "transposed": [dataclasses.replace(base, kwargs=dict(base.kwargs, PREP_T=True))],
             # num_slots (the second argument) = 1: program 0 counts and places one slot, the rest is unchanged
             "zero_rows": [dataclasses.replace(base, args=base.args[:1] + (1,) + base.args[2:])],
         }

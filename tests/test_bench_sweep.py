@@ -56,10 +56,10 @@ def test_sweep_form_is_checked_before_any_gpu_work(bench, capsys, argv, msg):
     assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("form", [None, "dedup_by_arrival", "prep_x_transpose", "per_slot_split"])
+@pytest.mark.parametrize("form", [None, "dedup_by_arrival", "finalize_4096", "per_slot_split"])
 def test_a_swept_plan_reads_back_from_its_json(bench, form):
     """--plans rebuilds the sweep's best plans from its JSON: every Plan field, so a form's own fields
-    (dedup_fused_finalize, prep_x_transpose...) are what the table and ncu then time."""
-    t = 512 if form == "prep_x_transpose" else 4
+    (dedup_fused_finalize, finalize_block...) are what the table and ncu then time."""
+    t = 4
     plan = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132, form=form)
     assert bench._plan_of(dataclasses.asdict(plan)) == plan

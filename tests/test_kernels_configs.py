@@ -275,25 +275,6 @@ def test_dedup_by_arrival_launches_two_kernels(t):
         launches(plan, call)
 
 
-def test_prep_x_transpose_reaches_the_align_launch_only_with_prepared_activations():
-    """The opt-in "prep_x_transpose" sets PREP_T on the grouped align launch (every program converting x then reads a
-    K tile at a time); W4A4, which converts nothing there (its GEMM1 quantizes x itself), launches as before."""
-    from glm5_fp4.kernels.launch import launches
-
-    call = _meta_call("tp8", 512, use_asm=True)
-    p = call.prepared
-    dims = (p.num_experts, 8, p.hidden_size, p.intermediate_size)
-    plan = C.plan("sm90", 512, *dims, sm_count=132, form="prep_x_transpose")
-    assert plan.prep_x_transpose and plan.prep_x
-    align = launches(plan, call)[0]
-    assert align.name == "moe_align_kernel" and align.kwargs["PREP_X"] and align.kwargs["PREP_T"]
-    assert "PREP_T" not in launches(C.plan("sm90", 512, *dims, sm_count=132), call)[0].kwargs
-    w4 = dataclasses.replace(call, mode="w4a4")
-    assert "PREP_T" not in launches(dataclasses.replace(plan, gemm1=dataclasses.replace(plan.gemm1, stacked=False)),
-                                    w4)[0].kwargs
-    assert not C.plan("sm90", 512, *dims, sm_count=132, form="prep_x_transpose", mode="w4a4").prep_x_transpose
-
-
 @pytest.mark.parametrize("t", [3, 4])
 def test_per_slot_split_form_runs_t4_as_t2_runs(t):
     """The opt-in "per_slot_split" at T = 3-4: no dedup, GEMM2 split by slots over (N ranges, T, k), GEMM1's K split by

@@ -12,7 +12,6 @@
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh probe   # benchmarks/align_probe.py, TP8 T = 64-1024
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh stalls1 # ncu stall reasons per issued instruction, TP8 T=1
 #                                                                # (goal 4's other half: 17.8 us against 12)
-#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh abx     # prep_x_transpose against the default, TP8 T = 64-1024
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh); pass GLM5_FP4_GIT_SHA.
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
@@ -32,7 +31,7 @@ for s in "$@"; do
         --only "${SWEEP_ONLY:-^g2 n|^splitK}" --precompile 14 --json "$OUT/sweep_small_t.json" ;;
     tests)
       step tests_small_t "${T_TESTS:-300}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
-        -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots or prep_x_transpose}" ;;
+        -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots}" ;;
     sanitize) sanitize_steps ;;
     ncu)
       for f in default ${FORMS//,/ }; do
@@ -42,10 +41,6 @@ for s in "$@"; do
           python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 4 $form
         cp "$L/ncu_tp8_t4_$f.log" "$OUT/ncu_tp8_t4_$f.csv"
       done ;;
-    abx)
-      GREP="precompiled|T=|rror" step ab_prep_x "${T_ABX:-240}" python3 benchmarks/moe_variants.py --precompile 14 \
-        --shards tp8 --tokens "${ABX_TOKENS:-64,256,512,1024}" --routings balanced --forms prep_x_transpose \
-        --json "$OUT/variants_prep_x.json" ;;
     stalls1)
       GREP="rror" step ncu_stalls_tp8_t1 "${T_NCU:-120}" ncu --clock-control none --profile-from-start off --csv \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__warps_active.avg.per_cycle_active,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch__grid_size,launch__registers_per_thread" \

@@ -168,7 +168,7 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
              prep_x=plan.prep_x, parallel_align=plan.parallel_align, slot_dedup=plan.slot_dedup,
              gemm1_fused_reduce=plan.gemm1_fused_reduce, pdl=plan.pdl, l2_prefetch=plan.l2_prefetch,
              gemm2_split_slots=plan.gemm2_split_slots, dedup_fused_finalize=plan.dedup_fused_finalize,
-             prep_x_transpose=plan.prep_x_transpose)
+             finalize_block=plan.finalize_block)
     if ctx.check:
         out = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=plan, expert_map=emap)
         if not torch.isfinite(out).all():
@@ -329,13 +329,15 @@ def plan_label(r: dict) -> str:
 
     extra = []
     if r.get("schedule") == "grouped" and r.get("prep_x", True):
-        extra.append("prepT" if r.get("prep_x_transpose") else "prep")
+        extra.append("prep")
     if r.get("gemm1_split_k", 1) > 1:
         extra.append(f"splitK{r['gemm1_split_k']}")
     if r.get("parallel_align"):
         extra.append("palign")
     if r.get("slot_dedup"):
         extra.append("dedup-arrive" if r.get("dedup_fused_finalize") else "dedup")
+        if r.get("finalize_block"):
+            extra.append(f"fin{r['finalize_block']}")
     if r.get("gemm1_fused_reduce"):
         extra.append("fused")
     if r.get("pdl"):

@@ -89,10 +89,6 @@ class Plan:
     # Grouped W4A16: the align kernel converts x to fp16 in GEMM1's K order once (False: GEMM1 converts
     # every K tile itself; kept for comparison).
     prep_x: bool = True
-    # With prep_x: the align kernel reads x a whole K tile at a time and transposes it to the merged K order in
-    # registers / shared memory, instead of gathering 4-byte pairs (a warp's lie 32 bytes apart in x: 4 sectors
-    # read per one used). Opt-in "prep_x_transpose" (not measured on a GPU yet).
-    prep_x_transpose: bool = False
     # Slot schedule, GEMM2 one program per (N range, token): it unrolls the token's k experts (all weight loads in
     # flight), where they fit (the plans that split GEMM2 by slots have nothing to unroll).
     gemm2_unroll: bool = False
@@ -889,9 +885,6 @@ OPT_IN: dict[str, OptIn] = {
                               compile_tokens=(2, 4), archs=SLOT_WIDE_SPLIT_ARCHS,
                               purpose="slot dedup with the finalize fused into GEMM2 by arrival counters and GEMM1's K "
                                       "split to ~3 programs per SM, its reduce fused: 2 launches (not yet timed)"),
-    "prep_x_transpose": OptIn(dict(prep_x_transpose=True), "grouped", None, ("w4a16",), compile_tokens=(512,),
-                              purpose="the align kernel's activation conversion a K tile at a time, transposed on chip, "
-                                      "instead of gathered in 4-byte pairs (not yet timed)"),
     "per_slot_split": OptIn(dict(slot_dedup=False, gemm2_split_slots=True), "slot", None, ("w4a16", "w4a4"),
                             compile_tokens=(4,), archs=SLOT_WIDE_SPLIT_ARCHS,
                             purpose="T = 3-4 as T <= 2 runs: no dedup, GEMM2 split by slots, GEMM1's K split to ~3 "

@@ -223,8 +223,8 @@ def align_block(num_slots: int) -> int:
     return max(128, min(8192, _pow2(num_slots)))
 
 
-def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False, pdl: dict | None = None,
-           prep_t: bool = False) -> list[Launch]:
+def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = False, pdl: dict | None = None
+           ) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
     ws, prep = call.workspace, call.prepared
@@ -236,8 +236,7 @@ def _align(call: MoECall, block_m: int, prep_x: bool, bk: int, parallel: bool = 
     args = (call.topk_ids, num_slots, _emap(call), ws.counts, ws.offsets, ws.cursor, ws.slots, ws.blocks,
             ws.num_blocks, ws.combine, t * h, call.x, call.x.stride(0), ws.xq, ws.par_counts)
     pdl = pdl or {}
-    common = dict(E=e, E_POW2=_pow2(e), ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x, HAS_MAP=has_map, **pdl,
-                  **(dict(PREP_T=True) if prep_x and prep_t else {}))
+    common = dict(E=e, E_POW2=_pow2(e), ZBLOCK=ZBLOCK, BM=block_m, H=h, BK=bk, PREP_X=prep_x, HAS_MAP=has_map, **pdl)
     if parallel:
         # PAR_BLOCK slots counted per program (the last arrival scans), then a scatter kernel
         hprog = -(-num_slots // PAR_BLOCK)
@@ -469,7 +468,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     reduce = [] if split == 1 else [_splitk_reduce(call, split, False, False, "gemm1", pdl)]
     w13, w13_kw = _w13(plan, call)
     return [
-        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl, plan.prep_x_transpose),
+        *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl),
         Launch(
             K.moe_gemm1_kernel, (nblk, i // g1.bn, split),
             (call.x, call.x.stride(0), ws.xq, *w13, p.w13_alpha, a13, g13, g2s,

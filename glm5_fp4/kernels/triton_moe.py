@@ -1259,15 +1259,14 @@ def moe_align_kernel(
     HAS_MAP: tl.constexpr = False,
     PAR: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    PREP_T: tl.constexpr = False,
 ):
     """Program 0: per-expert counts and offsets, slots grouped by expert, and the work list of BM-row blocks.
 
     With ``HAS_MAP`` the ids are global and ``emap_ptr`` maps them to local experts (-1: remote, dropped).
     Programs 1..: zero the fp32 combine workspace (GEMM2 adds into it) and, with ``PREP_X``, write the
-    activations as fp16 in GEMM1's merged K order (tiles of BK) to ``xq_ptr`` [T, H]: gathered in 4-byte pairs (a
-    warp's pairs lie 32 bytes apart in x), or (``PREP_T``, Plan.prep_x_transpose) read in whole K tiles and
-    transposed in registers / shared memory: each tile's pairs [a, j] go to [j, a] (:func:`_merged_k_of`).
+    activations as fp16 in GEMM1's merged K order (tiles of BK) to ``xq_ptr`` [T, H], gathered in 4-byte pairs. (Reading
+    whole K tiles and transposing them on chip instead, 633f7dc, saved 0.1-0.6 us of 8-15 us at TP8 T = 256-512 and
+    cost 4.7 us at T=1024 on the H100, 2026-12-06: removed; program 0's serial routing is the launch's long pole.)
 
     ``PAR`` (plan option ``parallel_align``): the first ceil(num_slots / BLOCK) programs each count BLOCK slots
     into ``pcounts_ptr`` ([E] counts + 1 arrival counter, zero between calls); the last to arrive writes offsets,
@@ -1312,9 +1311,7 @@ def moe_align_kernel(
         offs = (pid - 1).to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
         m = offs < ws_numel
         tl.store(ws_ptr + offs, tl.zeros((ZBLOCK,), dtype=tl.float32), mask=m)
-        if PREP_X and PREP_T:
-            _prep_x_tiles(x_ptr, stride_xt, xq_ptr, (pid - 1) * ZBLOCK, ws_numel, H, BK, ZBLOCK)
-        elif PREP_X:
+        if PREP_X:
             # ws is [T, H] like x: the same flat range, written in merged order, read gathered in pairs.
             # 32-bit index math (the launcher keeps T*H < 2^31): fewer registers than the 64-bit offsets.
             o32 = (pid - 1) * ZBLOCK + tl.arange(0, ZBLOCK)
@@ -1323,24 +1320,6 @@ def moe_align_kernel(
             src = t.to(tl.int64) * stride_xt + (r - r % BK + _merged_k_of(r % BK, BK // 8))
             xv = tl.load(x_ptr + src, mask=m, other=0.0)
             tl.store(xq_ptr + offs, _to_fp16(xv), mask=m)
-
-
-@triton.jit
-def _prep_x_tiles(x_ptr, stride_xt, xq_ptr, o0, numel, H: tl.constexpr, BK: tl.constexpr, ZBLOCK: tl.constexpr):
-    """x's flat range [o0, o0 + ZBLOCK) of [T, H] as fp16 in GEMM1's merged K order, a K tile at a time: within a tile
-    K offset 16a + 2j + b (a < BK/16, j < 8, b < 2) is merged row j*(BK/8) + 2a + b, so the tile read contiguously
-    as [a, j, b] is stored contiguously as [j, a, b]. ZBLOCK and H are multiples of BK: a tile is in range or not."""
-    NT: tl.constexpr = ZBLOCK // BK
-    tile = o0 // BK + tl.arange(0, NT)  # flat tile index over [T, H / BK]
-    live = tile * BK < numel
-    t = tile // (H // BK)
-    k0 = (tile % (H // BK)) * BK
-    cols = tl.arange(0, BK)
-    src = t.to(tl.int64)[:, None] * stride_xt + k0[:, None] + cols[None, :]
-    xv = tl.load(x_ptr + src, mask=live[:, None], other=0.0)
-    xv = tl.reshape(tl.permute(tl.reshape(_to_fp16(xv), (NT, BK // 16, 8, 2)), (0, 2, 1, 3)), (NT, BK))
-    dst = tile.to(tl.int64)[:, None] * BK + cols[None, :]
-    tl.store(xq_ptr + dst, xv, mask=live[:, None])
 
 
 @triton.jit

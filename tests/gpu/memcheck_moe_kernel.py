@@ -142,16 +142,6 @@ def main() -> int:
             ok = ok and plan.dedup_fused_finalize
             failures += not ok
             print(f"T={t} {routing} dedup by arrival map={use_map} {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
-    # the align kernel's activation conversion a K tile at a time (opt-in prep_x_transpose): T x H not a multiple of
-    # the conversion block, so the last program's tiles lie partly past the end
-    for t, routing in ((40, "zipf2"), (203, "balanced")):
-        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
-        w, ids = make_routing(routing, t, e, k, device="cuda")
-        plan = default_plan(x, ids, prep, "w4a16", form="prep_x_transpose")
-        err, ok = _checked(fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan), x, w, ids, ex, "w4a16", None)
-        ok = ok and plan.prep_x_transpose
-        failures += not ok
-        print(f"T={t} {routing} prep_x_transpose: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # sm_120's own plans (its tiles, rules and SM count: what an RTX PRO 6000 launches; with DISABLE_MMA_V3=1 also
     # its mma.sync instruction, glm5_fp4/bench/mma.py), both schedules, remote slots, the slot GEMM2 split by slots
     from glm5_fp4.kernels.moe import plan_for

@@ -459,38 +459,6 @@ def test_variant_slot_dedup(shape, t, routing, mode):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode, plan=plan)) < moe_tolerance(mode, x.dtype)
 
 
-@pytest.mark.parametrize("shape,t,routing", [(SMALL, 37, "zipf2"), (GLM_TP8, 64, "balanced"),
-                                             (GLM_TP8, 512, "same_k"), (GLM_TP8, 1024, "zipf1.2"),
-                                             (GLM_TP4, 300, "balanced")])
-def test_prep_x_transpose(shape, t, routing):
-    """The opt-in "prep_x_transpose" (the align kernel's activation conversion a K tile at a time, transposed on
-    chip): the same fp16 activations as the gathered form, bit for bit (the workspace itself, NaN-poisoned first);
-    the layer against float64 with NaN-poisoned outputs, and a CUDA graph replayed with new routings against eager
-    calls of the default. Not the layer bit for bit: the grouped GEMM2 adds a token's k rows by atomics, in
-    whatever order the programs finish (the interpreter runs them in order)."""
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, get_workspace
-
-    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
-    ex, prep = experts(**shape)
-    x, w, ids = inputs(t, e, h, k, routing=routing)
-    plan = default_plan(x, ids, prep, "w4a16", form="prep_x_transpose")
-    base = default_plan(x, ids, prep, "w4a16")
-    assert plan.prep_x_transpose and plan == dataclasses.replace(base, prep_x_transpose=True)
-    xqs = {}
-    for p in (plan, base):
-        ws = get_workspace(x.device, e, k, h, i, t)
-        ws.xq.fill_(float("nan"))
-        out = torch.full_like(x, float("nan"))
-        fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=p)
-        xqs[p.prep_x_transpose] = ws.xq[:t].clone()
-        assert torch.isfinite(out).all()
-        assert rel_error(out, reference(x, w, ids, ex, "w4a16")) < moe_tolerance("w4a16", x.dtype)
-    assert torch.isfinite(xqs[True]).all() and torch.equal(xqs[True], xqs[False])
-    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan), w, ids,
-                                       out, e, 2):
-        assert rel_error(out, fused_moe_triton(x, w, ids, prep, "w4a16", plan=base)) < moe_tolerance("w4a16", x.dtype)
-
-
 @pytest.mark.parametrize("shape,t,routing,mode", [
     (SMALL, 4, "same_k", "w4a16"), (GLM_TP8, 4, "same_k", "w4a16"), (GLM_TP8, 4, "balanced", "w4a4"),
     (GLM_TP8, 3, "zipf1.2", "w4a16"), (GLM_TP8, 2, "one_hot", "w4a16"), (GLM_TP4, 4, "same_k", "w4a16"),

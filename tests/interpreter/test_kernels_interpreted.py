@@ -124,36 +124,6 @@ def test_grouped_kernel_forms(gen, variant):
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype)
 
 
-@pytest.mark.parametrize("t,h,bk", [(40, 256, 128), (9, 512, 256), (3, 256, 64)])
-def test_prep_x_transposed_a_k_tile_at_a_time(gen, t, h, bk):
-    """plan.prep_x_transpose: the align kernel reads x a K tile at a time and transposes it on chip. It writes the
-    same merged-order fp16 activations as the gathered form, bit for bit (checked on the workspace itself, beside
-    an independent merged order built here), and so the same layer; T x H not a multiple of the conversion block
-    (the last program's tiles partly past the end); K tiles of 64, 128 and 256."""
-    from glm5_fp4.kernels.moe import get_workspace
-
-    ex, prep = _experts(gen, h)
-    x = torch.randn(t, h, generator=gen).half()
-    w, ids = make_routing("zipf2", t, E, K, gen)
-    plan = _plan(t, "grouped", h, bk=bk)
-    assert plan.prep_x and not plan.prep_x_transpose
-    outs, xqs = {}, {}
-    for tr in (False, True):
-        ws = get_workspace(x.device, E, K, h, I, t)
-        ws.xq.fill_(float("nan"))
-        out = torch.full_like(x, float("nan"))
-        fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=dataclasses.replace(plan, prep_x_transpose=tr))
-        outs[tr], xqs[tr] = out, ws.xq[:t].clone()
-    nw = bk // 8
-    r = torch.arange(bk)
-    merged = (r % nw) // 2 * 16 + 2 * (r // nw) + (r % nw) % 2  # K offset of merged row r within a tile
-    want = x.reshape(t, h // bk, bk)[:, :, merged].reshape(t, h)
-    assert torch.equal(xqs[True], want) and torch.equal(xqs[False], want)
-    assert torch.equal(outs[True], outs[False])
-    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)
-    assert rel_error(outs[True], ref) < moe_tolerance("w4a16", x.dtype)
-
-
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("schedule,t", [("grouped", 40), ("slot", 3)])
 def test_gemm1_k_tile_of_64(gen, mode, schedule, t):
