@@ -384,6 +384,7 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout in PLACED_LAYOUTS,
              SLOT_DEDUP=slot_dedup, ARRIVE=slot_dedup and plan.dedup_fused_finalize,
+             **(dict(ARRIVE_K=call.top_k) if slot_dedup and plan.dedup_fused_finalize else {}),
              SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
              num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **_pdl(plan, call),

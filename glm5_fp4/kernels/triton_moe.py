@@ -863,6 +863,7 @@ def moe_gemm2_grouped_kernel(
     PLACED: tl.constexpr = False,
     SLOT_DEDUP: tl.constexpr = False,
     ARRIVE: tl.constexpr = False,
+    ARRIVE_K: tl.constexpr = 0,
     SP: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
     DIAG: tl.constexpr = 0,
@@ -969,25 +970,27 @@ def moe_gemm2_grouped_kernel(
                         acc = _dot8(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, acc)
                 _store_part(out_ptrs + n0, acc * scale[None, :], mmask, SLOT_DEDUP, DIAG & 2)
         if ARRIVE:
-            _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot, mmask, pid_s, n_begin, TOPK,
-                            H, BN, BM, N_SPLIT, HAS_MAP)
+            _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot, mmask, pid_s, n_begin,
+                            ARRIVE_K, H, BN, BM, N_SPLIT, HAS_MAP)
     if ARRIVE:
         # a remote slot is in no group and its row is never written: its own program arrives for it
         _, here = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
         if here == 0:
             first = tl.arange(0, BM)
             _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, start + first * 0, first < 1,
-                            pid_s, n_begin, TOPK, H, BN, BM, N_SPLIT, HAS_MAP)
+                            pid_s, n_begin, ARRIVE_K, H, BN, BM, N_SPLIT, HAS_MAP)
 
 
 @triton.jit
-def _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot, smask, pid_s, n_begin, TOPK,
-                    H: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, N_SPLIT: tl.constexpr, HAS_MAP: tl.constexpr):
+def _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot, smask, pid_s, n_begin,
+                    TOPK: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, N_SPLIT: tl.constexpr, HAS_MAP: tl.constexpr):
     """The slot dedup's finalize by arrival (Plan.dedup_fused_finalize): after this program stored the rows of
     ``slot`` [BM] (``smask``) over N range ``pid_s``, each of those slots arrives at its token's counter; where it
     is the token's k-th arrival, this program adds the token's k rows in slot order (a remote slot's, never
     written, skipped) as moe_finalize_kernel would, bit for bit, and stores them. :func:`_last_arrival`'s pattern
-    per lane: a CTA barrier, then gpu-scope acq_rel atomics; the rows read back through L2 (``.cg``)."""
+    per lane: a CTA barrier, then gpu-scope acq_rel atomics; the rows read back through L2 (``.cg``), the k rows of an
+    N tile unrolled (TOPK a constexpr: the launcher's ARRIVE_K) so their loads are in flight together, not k L2
+    round trips one after another."""
     tok = slot // TOPK
     cnt = cnt_ptr + tok * N_SPLIT + pid_s
     tl.debug_barrier()
@@ -1000,7 +1003,7 @@ def _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot
         n_per: tl.constexpr = H // N_SPLIT
         for n0 in range(n_begin, n_begin + n_per, BN):
             acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for j in range(TOPK):
+            for j in tl.static_range(TOPK):
                 s_j = tok64 * TOPK + j
                 _, local = _slot_expert(s_j, ids_ptr, emap_ptr, HAS_MAP)
                 acc += tl.load(ws_ptr + s_j[None, :] * H + n0 + offs_bn[:, None], mask=(last & (local > 0))[None, :],
