@@ -126,7 +126,8 @@ class Plan:
     # (an arrival counter per token and N range) adds them in slot order into the output, instead of the finalize
     # launch: GEMM1 and GEMM2 only, as at T <= 2, with dedup's one read of each expert's weights under skew.
     # GEMM1's K then splits by pick_slot_split_k with the reduce fused, as where GEMM2 is split by slots.
-    # Opt-in "dedup_by_arrival" (not measured on a GPU yet).
+    # Opt-in "dedup_by_arrival" (H100 2026-12-06, improvements/20: slower than the default with its finalize launch
+    # everywhere but whole experts at T=2 under skew).
     dedup_fused_finalize: bool = False
     # Slot dedup's finalize launch: output elements per program (0: launch.FBLOCK_ROWS). The former 4096 is the
     # opt-in "finalize_4096", kept to measure the rule against.
@@ -884,15 +885,19 @@ OPT_IN: dict[str, OptIn] = {
     "dedup_by_arrival": OptIn(dict(slot_dedup=True, dedup_fused_finalize=True), "slot", None, ("w4a16", "w4a4"),
                               compile_tokens=(2, 4), archs=SLOT_WIDE_SPLIT_ARCHS,
                               purpose="slot dedup with the finalize fused into GEMM2 by arrival counters and GEMM1's K "
-                                      "split to ~3 programs per SM, its reduce fused: 2 launches (not yet timed)"),
+                                      "split to ~3 programs per SM, its reduce fused: 2 launches (H100 2026-12-06: TP8 T=4 "
+                                      "47.0 / 34.7 / 44.0 us balanced / same_k / zipf1.2 against the default's 48.8 / "
+                                      "30.0 / 36.6; TP4 T=4 +15-89 %; TP1 T=2 same_k 101 against 123)"),
     "per_slot_split": OptIn(dict(slot_dedup=False, gemm2_split_slots=True), "slot", None, ("w4a16", "w4a4"),
                             compile_tokens=(4,), archs=SLOT_WIDE_SPLIT_ARCHS,
                             purpose="T = 3-4 as T <= 2 runs: no dedup, GEMM2 split by slots, GEMM1's K split to ~3 "
                                     "programs per SM, its reduce fused: 2 launches, each token's experts read for it "
-                                    "(not yet timed)"),
+                                    "(H100 2026-12-06: TP8 T=4 44.3 / 38.7 / 41.7 us balanced / same_k / zipf1.2 "
+                                    "against the default's 48.8 / 30.0 / 36.6; TP4 T=4 same_k 2.2x slower)"),
     "finalize_4096": OptIn(dict(finalize_block=4096), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                            purpose="slot dedup's finalize in 4096-wide programs (the default before 2026-12-06: 8 "
-                                   "programs at T=4, their row loads one after another)"),
+                                   "programs at T=4, their row loads one after another; H100: TP8 T=3/4 balanced "
+                                   "40.2/55.5 us against 33.9/48.8)"),
     "per_slot": OptIn(dict(slot_dedup=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                       purpose="one program group per slot (the default before 2026-12-02; costs skewed T=3-4 up to 2.7x)"),
     "parallel_align": OptIn(dict(parallel_align=True), "grouped", None, ("w4a16", "w4a4"), compile_tokens=(512,),
