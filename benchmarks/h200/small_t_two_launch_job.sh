@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Device calls prepared for improvements/20 (2026-12-05, written while no GPU was lent; none of this has run yet): the
-# two-launch forms of T = 2-4 against the default (slot dedup in 3-4 launches), the GPU gates of the new forms, the
-# align probe left over from improvements/19.
+# Device calls of improvements/20 (written 2026-12-05 while no GPU was lent; run on an H100 on 2026-12-06, commands
+# and results there): the two-launch forms of T = 2-4 and the finalize block against the default, their GPU gates,
+# the align probe, ncu per kernel at T=4 and stall reasons at T=1.
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ab      # same-run A/B, TP8 T = 2-4 then TP4 and EP8-sized
 #                                                                # whole experts (AB1_TOKENS=none: TP8 only)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sweep   # around dedup_by_arrival: GEMM2 splits, GEMM1 split-K
