@@ -55,7 +55,8 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
     bm = base.gemm1.bm
     # GEMM2 one program per slot (Plan.gemm2_split_slots): the slot schedule without dedup; "slots" in the name
     split_slots = base.schedule == "slot" and not base.slot_dedup
-    bms = {bm} if base.schedule == "slot" else {bm, min(128, bm * 2), max(C.MIN_BLOCK_M, bm // 2)}
+    largest = max(g.bm for g in C.GEMM1_CANDIDATES[arch])
+    bms = {bm} if base.schedule == "slot" else {bm, min(largest, bm * 2), max(C.MIN_BLOCK_M, bm // 2)}
     for g1 in C.GEMM1_CANDIDATES[arch]:
         if g1.bm in bms and intermediate % g1.bn == 0 and hidden % g1.bk == 0 and g1 != base.gemm1:
             if base.schedule == "slot" and (hidden // g1.bk) % base.gemm1_split_k:

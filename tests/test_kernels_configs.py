@@ -245,7 +245,7 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
 def test_dedup_by_arrival_launches_two_kernels(t):
     """The opt-in "dedup_by_arrival" (Plan.dedup_fused_finalize): the slot dedup in two launches, GEMM1 with its K
     split by pick_slot_split_k and the reduce fused (as where GEMM2 is split by slots), the grouped GEMM2 over (slot,
-    N range) with ARRIVE, the output and the per-(token, N range) counters, and no finalize; PDL on both. Refused
+    N range) with ARRIVE_K = k, the output and the per-(token, N range) counters, and no finalize; PDL on both. Refused
     without slot dedup, and where the workspace holds fewer counters than T x N ranges."""
     from glm5_fp4.errors import Glm5Fp4Error
     from glm5_fp4.kernels.launch import count, launches
@@ -262,11 +262,11 @@ def test_dedup_by_arrival_launches_two_kernels(t):
     assert [ln.name for ln in todo] == ["moe_gemm1_kernel", "moe_gemm2_grouped_kernel"] and count(plan) == 2
     g1, g2 = todo
     assert g1.kwargs["DEDUP"] and g1.kwargs["FUSED_REDUCE"] and g1.grid == (dims[3] // g1_cfg.bn, t * 8, want_split)
-    assert g2.grid == (t * 8, plan.gemm2_n_split) and g2.kwargs["SLOT_DEDUP"] and g2.kwargs["ARRIVE"]
+    assert g2.grid == (t * 8, plan.gemm2_n_split) and g2.kwargs["SLOT_DEDUP"] and g2.kwargs["ARRIVE_K"] == 8
     assert g2.args[12] is call.out and g2.args[14] is call.workspace.slot_count
     assert all(ln.kwargs.get("launch_pdl") for ln in todo)
     default = C.plan("sm90", t, *dims, sm_count=132)
-    assert not default.dedup_fused_finalize and not launches(default, call)[-1].kwargs.get("ARRIVE", False)
+    assert not default.dedup_fused_finalize and not launches(default, call)[-1].kwargs.get("ARRIVE_K", 0)
     with pytest.raises(Glm5Fp4Error, match="form of the slot dedup"):
         launches(dataclasses.replace(plan, slot_dedup=False), call)
     ws = call.workspace

@@ -5,7 +5,9 @@
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ab      # same-run A/B, TP8 T = 2-4 then TP4 and EP8-sized
 #                                                                # whole experts (AB1_TOKENS=none: TP8 only)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sweep   # around dedup_by_arrival: GEMM2 splits, GEMM1 split-K
-#                                                                # (SWEEP_FORM, SWEEP_TOKENS, SWEEP_ONLY)
+#                                                                # (SWEEP_FORM (default: the default plan),
+#                                                                # SWEEP_TOKENS, SWEEP_ONLY)
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh table   # moe_kernel.py table, TP8 T = 1-16, 3 routings
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh tests   # tests/gpu: the new forms, slot dedup, fused reduce
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sanitize
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ncu     # per-kernel durations, TP8 T=4 (default, each form)
@@ -26,9 +28,14 @@ for s in "$@"; do
         python3 benchmarks/moe_variants.py --precompile 14 --shards tp4,tp1 --tokens "${AB1_TOKENS:-2,4}" \
         --routings balanced,same_k --layers 2 --forms "$FORMS" --json "$OUT/variants_small_t_tp4_tp1.json" ;;
     sweep)
+      form=${SWEEP_FORM:-dedup_by_arrival}
       GREP="precompiled|best|rror" step sweep_small_t "${T_SWEEP:-240}" python3 benchmarks/moe_kernel.py --sweep \
-        --shards tp8 --tokens "${SWEEP_TOKENS:-3,4}" --layers 4 --form "${SWEEP_FORM:-dedup_by_arrival}" \
+        --shards tp8 --tokens "${SWEEP_TOKENS:-3,4}" --layers 4 $([ "$form" = default ] || echo "--form $form") \
         --only "${SWEEP_ONLY:-^g2 n|^splitK}" --precompile 14 --json "$OUT/sweep_small_t.json" ;;
+    table)
+      GREP="precompiled|T=|rror" step table_small_t "${T_TABLE:-300}" python3 benchmarks/moe_kernel.py --shards tp8 \
+        --tokens "${TABLE_TOKENS:-1,2,3,4,8,16}" --routings balanced,same_k,zipf1.2 --layers 4 --no-marlin \
+        --precompile 14 --json "$OUT/table_small_t.json" --md "$OUT/table_small_t.md" ;;
     tests)
       step tests_small_t "${T_TESTS:-300}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
         -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots}" ;;

@@ -218,6 +218,19 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (64, 32, 128, 4, 4),
             (64, 64, 128, 4, 3),
         ]
+    ] + [
+        # Prefill in 256-token blocks (wgmma N = 256): each weight decoded once per 256 tokens instead of per 128,
+        # for the same 128 accumulator registers per thread when stacked (M = 2*bn rows over the CTA's warpgroups).
+        # Improvements/10 found GEMM1 at T = 8,192 latency-bound at 51 % of the bf16 rate with 128-token blocks.
+        # The block holds up to 256 of an expert's tokens, so a balanced T=8192 (256 +- 16 per expert at TP8)
+        # pads about half its experts' second block: sweep candidates, measured against the 128-token default.
+        Gemm1Config(bn, bm, bk, w, s, stacked=st)
+        for bn, bm, bk, w, s, st in [
+            (64, 256, 64, 8, 3, True),
+            (64, 256, 64, 8, 4, True),
+            (32, 256, 64, 4, 3, True),
+            (64, 256, 64, 8, 3, False),
+        ]
     ],
     "sm120": [
         Gemm1Config(bn, bm, bk, w, s)

@@ -40,7 +40,8 @@ FBLOCK = 4096
 # (TP8), every row load of a thread in flight at once: TP8 T=3 / 4 balanced 40.2 / 55.5 -> 33.9 / 48.8 us per layer,
 # TP4 T=4 90.4 -> 80.4 (H100, same run; improvements/20).
 FBLOCK_ROWS = 256
-FBLOCK_ROWS_WARPS = 2
+# finalize elements per warp (at most 4 warps): the 256-wide k-row programs run 2 warps, the 4,096-wide ones 4
+FBLOCK_WARP_SPAN = 128
 # Parallel align (plan.parallel_align): slots counted per program, and placed per program of the scatter.
 PAR_BLOCK = 256
 SCATTER_BLOCK = 1024
@@ -264,7 +265,7 @@ def _finalize(call: MoECall, rows: int = 1, pdl: dict | None = None, block: int 
     t, h = call.x.shape
     block = block or (FBLOCK if rows == 1 else FBLOCK_ROWS)
     fblock = min(block, _pow2(h))
-    warps = 4 if rows == 1 or fblock >= 1024 else FBLOCK_ROWS_WARPS
+    warps = max(1, min(4, fblock // FBLOCK_WARP_SPAN))
     return Launch(K.moe_finalize_kernel, (t, -(-h // fblock)),
                   (call.workspace.combine, call.out, call.out.stride(0), call.topk_ids, _emap(call)),
                   dict(H=h, BLOCK=fblock, ROWS=rows, HAS_MAP=rows > 1 and call.expert_map is not None,
@@ -384,8 +385,7 @@ def _gemm2_grouped(plan: cfgs.Plan, call: MoECall, rows: int, slot_dedup: bool =
          call.top_k),
         dict(H=h, I=i, BN=g2.bn, BM=g2.bm, N_SPLIT=plan.gemm2_n_split, W4A4=call.mode == "w4a4",
              USE_ASM=call.use_asm, MERGED=g2.merged, KC=cfgs.gemm2_k_chunk(i), PLACED=p.layout in PLACED_LAYOUTS,
-             SLOT_DEDUP=slot_dedup, ARRIVE=slot_dedup and plan.dedup_fused_finalize,
-             **(dict(ARRIVE_K=call.top_k) if slot_dedup and plan.dedup_fused_finalize else {}),
+             SLOT_DEDUP=slot_dedup, ARRIVE_K=call.top_k if slot_dedup and plan.dedup_fused_finalize else 0,
              SP=_pow2(call.num_slots) if slot_dedup else 1,
              HAS_MAP=slot_dedup and call.expert_map is not None, DIAG=call.diag & (DIAG_PLAIN_STORES | DIAG_NO_DECODE),
              num_warps=g2.num_warps, num_stages=g2.num_stages, **_regs(g2, call), **_pdl(plan, call),
@@ -434,7 +434,9 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         # added in slot order (by the finalize, or by GEMM2's last writer of each token's rows): every expert's W2
         # read and decoded once however many tokens share it
         g2 = _gemm2_grouped(plan, call, num_slots, slot_dedup=True)
-        return out + ([g2] if plan.dedup_fused_finalize else [g2, _finalize(call, rows=k, pdl=pdl, block=plan.finalize_block)])
+        if plan.dedup_fused_finalize:
+            return out + [g2]
+        return out + [g2, _finalize(call, rows=k, pdl=pdl, block=plan.finalize_block)]
     # Plan.gemm2_split_slots: one program per (N range, token, slot), the k rows added by the last to arrive
     split_slots = plan.gemm2_split_slots
     out.append(Launch(

@@ -862,7 +862,6 @@ def moe_gemm2_grouped_kernel(
     KC: tl.constexpr = 0,
     PLACED: tl.constexpr = False,
     SLOT_DEDUP: tl.constexpr = False,
-    ARRIVE: tl.constexpr = False,
     ARRIVE_K: tl.constexpr = 0,
     SP: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
@@ -889,13 +888,14 @@ def moe_gemm2_grouped_kernel(
     ``SLOT_DEDUP`` (the slot schedule's dedup form): program (slot, N range) computes the group of slots that
     share its slot's expert when it leads the group (:func:`_slot_group`), and stores ws[slot, n] (no atomics:
     every local slot's row is written once); moe_finalize_kernel then adds each token's k rows in slot order, or
-    (``ARRIVE``, Plan.dedup_fused_finalize) the program that writes a token's last row of an N range does
+    (``ARRIVE_K`` = k > 0, Plan.dedup_fused_finalize) the program that writes a token's last row of an N range does
     (:func:`_arrive_and_add`; ``cnt_ptr`` [T, N_SPLIT] counts each token's k slots, a remote slot's own program
     arrives for it), into ``out_ptr``: no finalize launch.
 
     K (= I) is taken KC at a time: KC == I (GLM-5's TP shards, I <= 512) loads the act tile once per token
     block and reuses it for every N tile; whole experts (I = 2048: TP1, expert parallelism) loop over K
     chunks, whose decoded weight tiles would not fit registers or shared memory at once."""
+    ARRIVE: tl.constexpr = ARRIVE_K > 0
     tl.static_assert(SLOT_DEDUP or not ARRIVE, "arrivals count the slot dedup's per-slot rows")
     NW: tl.constexpr = KC // 8
     pid_s = tl.program_id(1)
@@ -983,7 +983,8 @@ def moe_gemm2_grouped_kernel(
 
 @triton.jit
 def _arrive_and_add(ws_ptr, out_ptr, stride_ot, cnt_ptr, ids_ptr, emap_ptr, slot, smask, pid_s, n_begin,
-                    TOPK: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, N_SPLIT: tl.constexpr, HAS_MAP: tl.constexpr):
+                    TOPK: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, N_SPLIT: tl.constexpr,
+                    HAS_MAP: tl.constexpr):
     """The slot dedup's finalize by arrival (Plan.dedup_fused_finalize): after this program stored the rows of
     ``slot`` [BM] (``smask``) over N range ``pid_s``, each of those slots arrives at its token's counter; where it
     is the token's k-th arrival, this program adds the token's k rows in slot order (a remote slot's, never
