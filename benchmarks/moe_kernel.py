@@ -62,8 +62,7 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
             if base.schedule == "slot" and (hidden // g1.bk) % base.gemm1_split_k:
                 continue
             out[f"g1 {g1.bn}x{g1.bm}x{g1.bk}w{g1.num_warps}s{g1.num_stages}{'' if g1.merged else 'u'}"
-                f"{f'r{g1.maxnreg}' if g1.maxnreg else ''}{'t' if g1.tma else ''}{'gu' if g1.stacked else ''}"
-                f"{f' tail{g1.tail_bm}' if g1.tail_bm else ''}"] = rep(
+                f"{f'r{g1.maxnreg}' if g1.maxnreg else ''}{'t' if g1.tma else ''}{'gu' if g1.stacked else ''}"] = rep(
                     base, gemm1=g1)
     for g2 in C.GEMM2_CANDIDATES[arch]:
         if base.schedule == "slot" and g2.bm != 16:

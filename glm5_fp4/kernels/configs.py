@@ -58,9 +58,6 @@ class Gemm1Config:
     # tile, so the wgmmas alternate between two accumulators. Otherwise each matrix's K tile is one dependent chain
     # of bk/16 wgmmas (N = bm) after the other's. Not with tma (two runs per K tile, not one box).
     stacked: bool = False
-    # A block's last step of at most this many rows runs MMAs of N = tail_bm instead of bm (0: always bm), so a
-    # 256-token block whose expert got 270 tokens pays 256 + 32 MMA columns instead of 512.
-    tail_bm: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,23 +217,6 @@ GEMM1_CANDIDATES: dict[str, list[Gemm1Config]] = {
             (64, 32, 256, 4, 3),
             (64, 32, 128, 4, 4),
             (64, 64, 128, 4, 3),
-        ]
-    ] + [
-        # Prefill in 256-token blocks (wgmma N = 256): each weight decoded once per 256 tokens instead of per 128,
-        # for the same 128 accumulator registers per thread when stacked (M = 2*bn rows over the CTA's warpgroups).
-        # Improvements/10 found GEMM1 at T = 8,192 latency-bound at 51 % of the bf16 rate with 128-token blocks.
-        # The block holds up to 256 of an expert's tokens, so a balanced T=8192 (256 +- 16 per expert at TP8)
-        # pads about half its experts' second block (tail_bm: that block's MMAs narrower): sweep candidates, measured
-        # against the 128-token default.
-        Gemm1Config(bn, bm, bk, w, s, stacked=st, tail_bm=tail)
-        for bn, bm, bk, w, s, st, tail in [
-            (64, 256, 64, 8, 3, True, 0),
-            (64, 256, 64, 8, 4, True, 0),
-            (32, 256, 64, 4, 3, True, 0),
-            (64, 256, 64, 8, 3, False, 0),
-            (64, 256, 64, 8, 3, True, 128),
-            (64, 256, 64, 8, 3, True, 64),
-            (32, 256, 64, 4, 3, True, 128),
         ]
     ],
     "sm120": [

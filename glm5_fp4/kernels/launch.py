@@ -207,8 +207,8 @@ def _w13(plan: cfgs.Plan, call: MoECall) -> tuple[tuple, dict]:
     return (wd, sd), dict(W_DESC=True, S_DESC=True, **tiled)
 
 
-def _g1_form(g1: cfgs.Gemm1Config) -> dict:
-    return {**(dict(STACK=True) if g1.stacked else {}), **(dict(TAIL_BM=g1.tail_bm) if g1.tail_bm else {})}
+def _stack(g1: cfgs.Gemm1Config) -> dict:
+    return dict(STACK=True) if g1.stacked else {}
 
 
 def _emap(call: MoECall):
@@ -423,7 +423,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw, **_g1_form(g1)),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1)),
             stage="gemm1",
         )
     ]
@@ -482,7 +482,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw, **_g1_form(g1)),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1)),
             stage="gemm1",
         ),
         *reduce,

@@ -583,103 +583,6 @@ def _mma_tile(wt, st, xs, acc, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.co
 
 
 @triton.jit
-def _gemm1_step(m0, count, start, same, rank, x_ptr, stride_xt, xq_ptr, w_ptr, s_ptr, w_gate, s_gate, w_up, s_up,
-                pf_w, pf_s, k_last, act_ptr, part_ptr, part_stride, cnt_ptr, slots_ptr, alpha, g_in, g_out, offs_i,
-                offs_w, offs_k, mk, k_begin, row_g, pid_n, TOPK, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr, K_PER: tl.constexpr, NW: tl.constexpr, SLOT_MODE: tl.constexpr,
-                DEDUP: tl.constexpr, SP: tl.constexpr, W4A4: tl.constexpr, USE_ASM: tl.constexpr,
-                X_PREP: tl.constexpr, SPLIT_K: tl.constexpr, MERGED: tl.constexpr, DIAG: tl.constexpr,
-                KC: tl.constexpr, PLACED: tl.constexpr, FUSED_REDUCE: tl.constexpr, PF_DIST: tl.constexpr,
-                W_DESC: tl.constexpr, S_DESC: tl.constexpr, KT: tl.constexpr, STACK: tl.constexpr):
-    """GEMM1 over rows m0 .. m0 + BM of the program's block (or slot group): the K loop and the epilogue
-    (:func:`moe_gemm1_kernel`)."""
-    offs_m = m0 + tl.arange(0, BM)
-    mmask = offs_m < count
-    if SLOT_MODE and DEDUP:
-        slot = _group_slots(offs_m, same, rank, SP)
-    elif SLOT_MODE:
-        slot = start + offs_m
-    else:
-        slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
-    tok = (slot // TOPK).to(tl.int64)
-    if X_PREP and not MERGED:
-        xp = xq_ptr + tok[None, :] * H + offs_w[:, None]
-    elif X_PREP:
-        xp = xq_ptr + tok[None, :] * H + offs_k[:, None]
-    else:
-        xp = x_ptr + tok[None, :] * stride_xt + mk[:, None]
-    if STACK:
-        acc = tl.zeros((2 * BN, BM), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + K_PER, BK):
-        if PF_DIST > 0:
-            kp = tl.minimum(k0 + PF_DIST * BK, k_last)
-            _prefetch_l2_at(pf_w + _w13_k_offset(kp, KT, 2 * I, H, 8))
-            _prefetch_l2_at(pf_s + _w13_k_offset(kp, KT, 2 * I, H, 16))
-        # the activation tile: whole (one merged MMA chain) or its eight sets
-        if X_PREP and not MERGED:
-            xs = _load_sets(xp + k0, mmask[None, :], NW)
-        else:
-            xs = tl.load(xp + k0, mask=mmask[None, :], other=0.0)
-            if not X_PREP:
-                xs = _x_operand(xs, g_in, W4A4, BK, BM)
-            if not MERGED:
-                xs = _split_sets(xs, NW, BM)
-        # this K tile in the gate and up tiles alike: pointer offsets of its words and scales, or its row and
-        # column in the descriptors' views
-        k_w = _w13_k_offset(k0, KT, 2 * I, H, 8)
-        k_s = _w13_k_offset(k0, KT, 2 * I, H, 16)
-        if KT == 0:
-            d_row = 0
-            d_col = k0
-        else:
-            d_row = (k0 // KT) * (2 * I)
-            d_col = k0 % KT
-        if STACK:
-            acc = _mma_tile(tl.load(w_gate + k_w), tl.load(s_gate + k_s), xs, acc, 2 * BN, BK, USE_ASM, DIAG,
-                            PLACED, MERGED)
-        else:
-            wg, sg = _w13_tile(w_ptr, s_ptr, w_gate, s_gate, k_w, k_s, row_g + d_row, d_col, W_DESC, S_DESC)
-            acc_g = _mma_tile(wg, sg, xs, acc_g, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
-            wu, su = _w13_tile(w_ptr, s_ptr, w_up, s_up, k_w, k_s, row_g + d_row + I, d_col, W_DESC, S_DESC)
-            acc_u = _mma_tile(wu, su, xs, acc_u, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
-    if STACK:
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
-    gate = acc_g * alpha
-    up = acc_u * alpha
-    if SLOT_MODE:
-        rows = slot.to(tl.int64)  # act / partial-sum rows are slot ids
-    else:
-        rows = (start + offs_m).to(tl.int64)  # sorted positions
-    if SPLIT_K > 1:
-        pp = part_ptr + tl.program_id(2).to(tl.int64) * part_stride + rows[None, :] * (2 * I) + offs_i[:, None]
-        tl.store(pp, gate, mask=mmask[None, :])
-        tl.store(pp + I, up, mask=mmask[None, :])
-        if FUSED_REDUCE:
-            # The last of the SPLIT_K programs of this (N tile, rows) to finish adds the partial sums in
-            # split order (bitwise what moe_splitk_reduce_kernel computes) and applies SwiGLU, so the slot
-            # schedule needs no reduce launch. One counter per block of rows, its first row's: a slot dedup
-            # group longer than BM rows is several blocks, each with its own SPLIT_K arrivals.
-            if SLOT_MODE and DEDUP:
-                first_row = tl.min(tl.where(mmask, rows, 2**31 - 1), axis=0)
-            else:
-                first_row = start
-            if _last_arrival(cnt_ptr + first_row * (I // BN) + pid_n, SPLIT_K):
-                p0 = part_ptr + rows[None, :] * (2 * I) + offs_i[:, None]
-                gate = tl.load(p0, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
-                up = tl.load(p0 + I, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
-                for sk in tl.static_range(1, SPLIT_K):
-                    gate += tl.load(p0 + sk * part_stride, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
-                    up += tl.load(p0 + (sk * part_stride + I), mask=mmask[None, :], other=0.0,
-                                  cache_modifier=".cg")
-                _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I, BN, BM, KC, W4A4)
-    else:
-        _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I, BN, BM, KC, W4A4)
-
-
-@triton.jit
 def moe_gemm1_kernel(
     x_ptr,
     stride_xt,
@@ -724,12 +627,8 @@ def moe_gemm1_kernel(
     S_DESC: tl.constexpr = False,
     KT: tl.constexpr = 0,
     STACK: tl.constexpr = False,
-    TAIL_BM: tl.constexpr = 0,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
-
-    ``TAIL_BM > 0`` (Gemm1Config.tail_bm): a block's last step of at most TAIL_BM rows runs MMAs of N = TAIL_BM
-    instead of BM (the same code, compiled at both widths).
 
     ``KT > 0`` (layout "tiled"): the weights and scales are K-tile-major in runs of KT (layout.tile_k), so each
     K tile of the program's [BN, BK] weight tile is one contiguous run (:func:`_w13_k_offset`); the descriptors
@@ -836,34 +735,91 @@ def moe_gemm1_kernel(
         alpha = alpha * tl.load(a_scale_ptr + e)
         g_out = tl.load(o_gscale_ptr + e)
 
-    if not (SLOT_MODE and DEDUP):
-        same = 0
-        rank = 0
-    if PF_DIST == 0:
-        pf_w = w_ptr
-        pf_s = s_ptr
-        k_last = 0
     for m0 in range(0, count, BM):
-        if TAIL_BM > 0:
-            # a block's last rows: an MMA of N = TAIL_BM instead of one mostly of padding
-            if count - m0 <= TAIL_BM:
-                _gemm1_step(m0, count, start, same, rank, x_ptr, stride_xt, xq_ptr, w_ptr, s_ptr, w_gate, s_gate,
-                            w_up, s_up, pf_w, pf_s, k_last, act_ptr, part_ptr, part_stride, cnt_ptr, slots_ptr, alpha,
-                            g_in, g_out, offs_i, offs_w, offs_k, mk, k_begin, row_g, pid_n, TOPK, H, I, BN, TAIL_BM,
-                            BK, K_PER, NW, SLOT_MODE, DEDUP, SP, W4A4, USE_ASM, X_PREP, SPLIT_K, MERGED, DIAG, KC,
-                            PLACED, FUSED_REDUCE, PF_DIST, W_DESC, S_DESC, KT, STACK)
-            else:
-                _gemm1_step(m0, count, start, same, rank, x_ptr, stride_xt, xq_ptr, w_ptr, s_ptr, w_gate, s_gate,
-                            w_up, s_up, pf_w, pf_s, k_last, act_ptr, part_ptr, part_stride, cnt_ptr, slots_ptr, alpha,
-                            g_in, g_out, offs_i, offs_w, offs_k, mk, k_begin, row_g, pid_n, TOPK, H, I, BN, BM, BK,
-                            K_PER, NW, SLOT_MODE, DEDUP, SP, W4A4, USE_ASM, X_PREP, SPLIT_K, MERGED, DIAG, KC, PLACED,
-                            FUSED_REDUCE, PF_DIST, W_DESC, S_DESC, KT, STACK)
+        offs_m = m0 + tl.arange(0, BM)
+        mmask = offs_m < count
+        if SLOT_MODE and DEDUP:
+            slot = _group_slots(offs_m, same, rank, SP)
+        elif SLOT_MODE:
+            slot = start + offs_m
         else:
-            _gemm1_step(m0, count, start, same, rank, x_ptr, stride_xt, xq_ptr, w_ptr, s_ptr, w_gate, s_gate, w_up,
-                        s_up, pf_w, pf_s, k_last, act_ptr, part_ptr, part_stride, cnt_ptr, slots_ptr, alpha, g_in,
-                        g_out, offs_i, offs_w, offs_k, mk, k_begin, row_g, pid_n, TOPK, H, I, BN, BM, BK, K_PER, NW,
-                        SLOT_MODE, DEDUP, SP, W4A4, USE_ASM, X_PREP, SPLIT_K, MERGED, DIAG, KC, PLACED, FUSED_REDUCE,
-                        PF_DIST, W_DESC, S_DESC, KT, STACK)
+            slot = tl.load(slots_ptr + start + offs_m, mask=mmask, other=0)
+        tok = (slot // TOPK).to(tl.int64)
+        if X_PREP and not MERGED:
+            xp = xq_ptr + tok[None, :] * H + offs_w[:, None]
+        elif X_PREP:
+            xp = xq_ptr + tok[None, :] * H + offs_k[:, None]
+        else:
+            xp = x_ptr + tok[None, :] * stride_xt + mk[:, None]
+        if STACK:
+            acc = tl.zeros((2 * BN, BM), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(k_begin, k_begin + K_PER, BK):
+            if PF_DIST > 0:
+                kp = tl.minimum(k0 + PF_DIST * BK, k_last)
+                _prefetch_l2_at(pf_w + _w13_k_offset(kp, KT, 2 * I, H, 8))
+                _prefetch_l2_at(pf_s + _w13_k_offset(kp, KT, 2 * I, H, 16))
+            # the activation tile: whole (one merged MMA chain) or its eight sets
+            if X_PREP and not MERGED:
+                xs = _load_sets(xp + k0, mmask[None, :], NW)
+            else:
+                xs = tl.load(xp + k0, mask=mmask[None, :], other=0.0)
+                if not X_PREP:
+                    xs = _x_operand(xs, g_in, W4A4, BK, BM)
+                if not MERGED:
+                    xs = _split_sets(xs, NW, BM)
+            # this K tile in the gate and up tiles alike: pointer offsets of its words and scales, or its row and
+            # column in the descriptors' views
+            k_w = _w13_k_offset(k0, KT, 2 * I, H, 8)
+            k_s = _w13_k_offset(k0, KT, 2 * I, H, 16)
+            if KT == 0:
+                d_row = 0
+                d_col = k0
+            else:
+                d_row = (k0 // KT) * (2 * I)
+                d_col = k0 % KT
+            if STACK:
+                acc = _mma_tile(tl.load(w_gate + k_w), tl.load(s_gate + k_s), xs, acc, 2 * BN, BK, USE_ASM, DIAG,
+                                PLACED, MERGED)
+            else:
+                wg, sg = _w13_tile(w_ptr, s_ptr, w_gate, s_gate, k_w, k_s, row_g + d_row, d_col, W_DESC, S_DESC)
+                acc_g = _mma_tile(wg, sg, xs, acc_g, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
+                wu, su = _w13_tile(w_ptr, s_ptr, w_up, s_up, k_w, k_s, row_g + d_row + I, d_col, W_DESC, S_DESC)
+                acc_u = _mma_tile(wu, su, xs, acc_u, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
+        if STACK:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
+        gate = acc_g * alpha
+        up = acc_u * alpha
+        if SLOT_MODE:
+            rows = slot.to(tl.int64)  # act / partial-sum rows are slot ids
+        else:
+            rows = (start + offs_m).to(tl.int64)  # sorted positions
+        if SPLIT_K > 1:
+            pp = part_ptr + tl.program_id(2).to(tl.int64) * part_stride + rows[None, :] * (2 * I) + offs_i[:, None]
+            tl.store(pp, gate, mask=mmask[None, :])
+            tl.store(pp + I, up, mask=mmask[None, :])
+            if FUSED_REDUCE:
+                # The last of the SPLIT_K programs of this (N tile, rows) to finish adds the partial sums in
+                # split order (bitwise what moe_splitk_reduce_kernel computes) and applies SwiGLU, so the slot
+                # schedule needs no reduce launch. One counter per block of rows, its first row's: a slot dedup
+                # group longer than BM rows is several blocks, each with its own SPLIT_K arrivals.
+                if SLOT_MODE and DEDUP:
+                    first_row = tl.min(tl.where(mmask, rows, 2**31 - 1), axis=0)
+                else:
+                    first_row = start
+                if _last_arrival(cnt_ptr + first_row * (I // BN) + pid_n, SPLIT_K):
+                    p0 = part_ptr + rows[None, :] * (2 * I) + offs_i[:, None]
+                    gate = tl.load(p0, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
+                    up = tl.load(p0 + I, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
+                    for sk in tl.static_range(1, SPLIT_K):
+                        gate += tl.load(p0 + sk * part_stride, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
+                        up += tl.load(p0 + (sk * part_stride + I), mask=mmask[None, :], other=0.0,
+                                      cache_modifier=".cg")
+                    _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I, BN, BM, KC, W4A4)
+        else:
+            _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I, BN, BM, KC, W4A4)
 
 
 @triton.jit
