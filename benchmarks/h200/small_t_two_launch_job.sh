@@ -14,6 +14,8 @@
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh probe   # benchmarks/align_probe.py, TP8 T = 64-1024
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh stalls1 # ncu stall reasons per issued instruction, TP8 T=1
 #                                                                # (goal 4's other half: 17.8 us against 12)
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh source  # ncu --set full, then its SASS source page (stall
+#                                                                # samples per instruction), TP8 at SOURCE_TOKENS (1)
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh); pass GLM5_FP4_GIT_SHA.
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
@@ -53,6 +55,16 @@ for s in "$@"; do
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__warps_active.avg.per_cycle_active,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch__grid_size,launch__registers_per_thread" \
         python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 1
       cp "$L/ncu_stalls_tp8_t1.log" "$OUT/ncu_stalls_tp8_t1.csv" ;;
+    source)
+      for t in ${SOURCE_TOKENS:-1}; do
+        GREP="rror" step "ncu_rep_tp8_t$t" "${T_NCU:-240}" ncu --clock-control none --profile-from-start off --set full \
+          -f -o "/tmp/ncu_tp8_t$t" python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens "$t"
+        GREP="rror" step "ncu_source_tp8_t$t" 120 ncu --import "/tmp/ncu_tp8_t$t.ncu-rep" --page source --csv \
+          --print-source sass
+        gzip -c "$L/ncu_source_tp8_t$t.log" > "$OUT/ncu_source_tp8_t$t.csv.gz"
+        GREP="rror" step "ncu_details_tp8_t$t" 120 ncu --import "/tmp/ncu_tp8_t$t.ncu-rep" --page details --csv
+        gzip -c "$L/ncu_details_tp8_t$t.log" > "$OUT/ncu_details_tp8_t$t.csv.gz"
+      done ;;
     probe)
       GREP="T=|rror" step align_probe "${T_PROBE:-120}" python3 benchmarks/align_probe.py --shard tp8 \
         --tokens "${PROBE_TOKENS:-64,256,512,1024}" --json "$OUT/align_probe.json" ;;
