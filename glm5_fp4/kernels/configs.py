@@ -132,12 +132,6 @@ class Plan:
     # Slot dedup's finalize launch: output elements per program (0: launch.FBLOCK_ROWS). The former 4096 is the
     # opt-in "finalize_4096", kept to measure the rule against.
     finalize_block: int = 0
-    # Slot schedule: GEMM1's programs ask L2 for GEMM2's weights of their expert, each its share of the expert's H
-    # rows (PTX prefetch), so GEMM2 reads them from L2: their DRAM stream overlaps GEMM1's tail, its reduce and the
-    # launch boundary instead of following GEMM2's start (GEMM2's own prefetch before it waits can start only once
-    # GEMM1's programs have left the SMs: they hold the registers). 0: none; W2_PREFETCH_AFTER: after the
-    # program's K range; W2_PREFETCH_BEFORE: before it.
-    gemm1_w2_prefetch: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -849,11 +843,6 @@ def plan(
     return p
 
 
-# Plan.gemm1_w2_prefetch: when a GEMM1 program asks L2 for its share of GEMM2's weights.
-W2_PREFETCH_AFTER = 1
-W2_PREFETCH_BEFORE = 2
-
-
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
 PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked", "gemm2_split")
 
@@ -960,12 +949,6 @@ OPT_IN: dict[str, OptIn] = {
                               max_intermediate=256,
                               purpose="GEMM2 of 16-token blocks in 3 stages, split along H by pick_n_split (the sm90 "
                                       "default before 2026-12-05)"),
-    "w2_prefetch": OptIn(dict(gemm1_w2_prefetch=W2_PREFETCH_AFTER), "slot", None, ("w4a16", "w4a4"),
-                         compile_tokens=(1, 4), archs=("sm90", "sm100"), max_intermediate=512,
-                         purpose="GEMM1's programs ask L2 for their expert's GEMM2 weights after their K range"),
-    "w2_prefetch_early": OptIn(dict(gemm1_w2_prefetch=W2_PREFETCH_BEFORE), "slot", None, ("w4a16", "w4a4"),
-                               compile_tokens=(4,), archs=("sm90", "sm100"), max_intermediate=512,
-                               purpose="GEMM1's programs ask L2 for their expert's GEMM2 weights before their K range"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

@@ -166,20 +166,6 @@ def _regs(cfg, call: MoECall) -> dict:
     return dict(maxnreg=cfg.maxnreg) if cfg.maxnreg and call.use_asm else {}
 
 
-def _w2_share(plan: cfgs.Plan, call: MoECall) -> dict:
-    """The slot GEMM1's constexprs of Plan.gemm1_w2_prefetch (PTX: not where inline PTX is off): each of an
-    expert's (I/BN) x split-K programs asks L2 for H / that many of its GEMM2 rows (none where that is no whole
-    number of rows)."""
-    p = call.prepared
-    h, i = p.hidden_size, p.intermediate_size
-    share = (i // plan.gemm1.bn) * plan.gemm1_split_k
-    if not (plan.gemm1_w2_prefetch and call.use_asm) or h % share:
-        return {}
-    words, scales = _w2_row_requests(h // share, i)
-    return dict(W2PF_ROWS=h // share, W2PF_W=words, W2PF_S=scales,
-                W2PF_EARLY=plan.gemm1_w2_prefetch == cfgs.W2_PREFETCH_BEFORE)
-
-
 def _prefetch(plan: cfgs.Plan, call: MoECall, rows: int) -> dict:
     """GEMM2's L2 prefetch before it waits (Plan.pdl): ``rows`` weight rows of each expert it reads, as
     128-byte requests; none for whole experts (K in chunks: a row's first chunk is not one contiguous run)."""
@@ -340,8 +326,6 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         if g1.tma and g1.bk > kt:
             raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box of {g1.bk} K lies across the {kt}-wide runs of experts "
                                f"prepared with layout={call.prepared.layout!r}")
-    if plan.gemm1_w2_prefetch and plan.schedule != "slot":
-        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's prefetch of GEMM2's weights is a form of the slot schedule")
     if g1.tma and g1.stacked:
         raise Glm5Fp4Error(f"MoE plan {plan}: a stacked GEMM1 tile (gate and up rows as one) has no TMA form")
     if g1.tma:
@@ -432,14 +416,14 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     out = [
         Launch(
             K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
-            (call.x, call.x.stride(0), ws.xq, *w13, p.w2.view(torch.int32), p.w2_scale, p.w13_alpha, a13, g13, g2s,
+            (call.x, call.x.stride(0), ws.xq, *w13, p.w13_alpha, a13, g13, g2s,
              ws.act, ws.part, num_slots * 2 * i, ws.split_count, call.topk_ids, emap, ws.slots, ws.blocks,
              ws.num_blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=True, W4A4=w4a4, USE_ASM=call.use_asm,
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **_w2_share(plan, call)),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1)),
             stage="gemm1",
         )
     ]
@@ -491,7 +475,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
         *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl),
         Launch(
             K.moe_gemm1_kernel, (nblk, i // g1.bn, split),
-            (call.x, call.x.stride(0), ws.xq, *w13, p.w2.view(torch.int32), p.w2_scale, p.w13_alpha, a13, g13, g2s,
+            (call.x, call.x.stride(0), ws.xq, *w13, p.w13_alpha, a13, g13, g2s,
              ws.act, ws.part, call.num_slots * 2 * i if split > 1 else 0, ws.split_count, call.topk_ids,
              _emap(call), ws.slots, *blocks, k),
             dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, SLOT_MODE=False, W4A4=w4a4, USE_ASM=call.use_asm,

@@ -523,16 +523,6 @@ def _prefetch_w2_rows(w_ptr, s_ptr, e64, n, ROWS: tl.constexpr, H: tl.constexpr,
 
 
 @triton.jit
-def _prefetch_w2_share(w_ptr, s_ptr, e64, count, pid_n, ROWS: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                       SPLIT_K: tl.constexpr, LINES_W: tl.constexpr, LINES_S: tl.constexpr):
-    """A slot GEMM1 program's share of its expert's down-projection rows, asked of L2 (none where it computes
-    nothing: ``count`` 0). Share q of the (I/BN) x SPLIT_K programs of the expert: rows q * ROWS .."""
-    if count > 0:
-        q = pid_n * SPLIT_K + tl.program_id(2)
-        _prefetch_w2_rows(w_ptr, s_ptr, e64, q * ROWS, ROWS, H, I, LINES_W, LINES_S)
-
-
-@triton.jit
 def _prefetch_l2_at(ptrs):
     """Ask L2 for the line of every pointer of ``ptrs`` (fire and forget)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
@@ -599,8 +589,6 @@ def moe_gemm1_kernel(
     xq_ptr,
     w_ptr,
     s_ptr,
-    w2_ptr,
-    s2_ptr,
     alpha_ptr,
     a_scale_ptr,
     a_gscale_ptr,
@@ -639,18 +627,8 @@ def moe_gemm1_kernel(
     S_DESC: tl.constexpr = False,
     KT: tl.constexpr = 0,
     STACK: tl.constexpr = False,
-    W2PF_ROWS: tl.constexpr = 0,
-    W2PF_W: tl.constexpr = 1,
-    W2PF_S: tl.constexpr = 1,
-    W2PF_EARLY: tl.constexpr = False,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
-
-    ``W2PF_ROWS > 0`` (slot mode, Plan.gemm1_w2_prefetch): each program that computes asks L2 for its share of its
-    expert's down-projection (``w2_ptr`` words, ``s2_ptr`` scales): rows q * W2PF_ROWS .. of the expert's H, q =
-    its place among the (I/BN) x SPLIT_K programs of the expert (``W2PF_W`` / ``W2PF_S`` 128-byte requests), after
-    its K range (``W2PF_EARLY``: before it), so GEMM2 finds them in L2. GEMM2's own prefetch before it waits comes
-    only once GEMM1's programs leave the SMs (they hold the registers GEMM2's need).
 
     ``KT > 0`` (layout "tiled"): the weights and scales are K-tile-major in runs of KT (layout.tile_k), so each
     K tile of the program's [BN, BK] weight tile is one contiguous run (:func:`_w13_k_offset`); the descriptors
@@ -698,7 +676,6 @@ def moe_gemm1_kernel(
     tl.static_assert(KT == 0 or BK % KT == 0 or KT % BK == 0, "a K tile must divide the layout's runs or span them")
     tl.static_assert(not (KT > 0 and (W_DESC or S_DESC)) or BK <= KT, "a descriptor box lies within one run")
     tl.static_assert(not (STACK and (W_DESC or S_DESC)), "a stacked tile's rows are two runs, not one box")
-    tl.static_assert(W2PF_ROWS == 0 or SLOT_MODE, "the W2 prefetch shares out an expert's rows by the slot grid")
     _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
     K_PER: tl.constexpr = H // SPLIT_K
@@ -758,8 +735,6 @@ def moe_gemm1_kernel(
         alpha = alpha * tl.load(a_scale_ptr + e)
         g_out = tl.load(o_gscale_ptr + e)
 
-    if W2PF_ROWS > 0 and W2PF_EARLY:
-        _prefetch_w2_share(w2_ptr, s2_ptr, e64, count, pid_n, W2PF_ROWS, H, I, SPLIT_K, W2PF_W, W2PF_S)
     for m0 in range(0, count, BM):
         offs_m = m0 + tl.arange(0, BM)
         mmask = offs_m < count
@@ -813,9 +788,6 @@ def moe_gemm1_kernel(
                 acc_g = _mma_tile(wg, sg, xs, acc_g, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
                 wu, su = _w13_tile(w_ptr, s_ptr, w_up, s_up, k_w, k_s, row_g + d_row + I, d_col, W_DESC, S_DESC)
                 acc_u = _mma_tile(wu, su, xs, acc_u, BN, BK, USE_ASM, DIAG, PLACED, MERGED)
-        if W2PF_ROWS > 0 and not W2PF_EARLY:
-            if m0 == 0:
-                _prefetch_w2_share(w2_ptr, s2_ptr, e64, count, pid_n, W2PF_ROWS, H, I, SPLIT_K, W2PF_W, W2PF_S)
         if STACK:
             acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
         gate = acc_g * alpha

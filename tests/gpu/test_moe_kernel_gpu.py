@@ -494,37 +494,6 @@ def test_dedup_by_arrival(shape, t, routing, mode):
         assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=with_finalize, expert_map=emap))
 
 
-@pytest.mark.parametrize("shape,t,routing,mode", [
-    (GLM_TP8, 1, "balanced", "w4a16"), (GLM_TP8, 2, "same_k", "w4a4"), (GLM_TP8, 4, "balanced", "w4a16"),
-    (GLM_TP8, 4, "same_k", "w4a16"), (GLM_TP8, 3, "zipf1.2", "w4a4"), (GLM_TP4, 4, "balanced", "w4a16"),
-    (SMALL, 4, "same_k", "w4a16")])
-@pytest.mark.parametrize("when", ["w2_prefetch", "w2_prefetch_early"])
-def test_gemm1_w2_prefetch(shape, t, routing, mode, when):
-    """Plan.gemm1_w2_prefetch (GEMM1's programs ask L2 for their expert's GEMM2 weights): a hint, so the output is
-    the default plan's bit for bit (NaN-poisoned), near the float64 reference, and the same again from a CUDA graph
-    replayed with new routings; the launch carries the prefetch (a plan whose share of rows is no whole number
-    would silently have none)."""
-    from glm5_fp4.kernels import launch as L
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
-
-    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
-    ex, prep = experts(**shape)
-    x, w, ids = inputs(t, e, h, k, routing=routing)
-    base = default_plan(x, ids, prep, mode)
-    plan = default_plan(x, ids, prep, mode, form=when)
-    assert plan.gemm1_w2_prefetch and dataclasses.replace(plan, gemm1_w2_prefetch=0) == base
-    share = (i // plan.gemm1.bn) * plan.gemm1_split_k
-    assert h % share == 0 and L._w2_share(plan, L.MoECall(x, w, ids, prep, mode, x, None))["W2PF_ROWS"] == h // share
-    out = torch.full_like(x, float("nan"))
-    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=base))
-    assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
-    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan), w, ids,
-                                       out, e, 2):
-        assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=base))
-
-
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("t,variant", [(3, "unmerged"), (3, "nosplit"), (40, "unmerged"), (40, "noprep"),
                                        (300, "unmerged"), (300, "bm64")])
