@@ -132,6 +132,11 @@ class Plan:
     # Slot dedup's finalize launch: output elements per program (0: launch.FBLOCK_ROWS). The former 4096 is the
     # opt-in "finalize_4096", kept to measure the rule against.
     finalize_block: int = 0
+    # GEMM1 where it loads and converts x itself (not prep_x: the slot schedule, W4A4): each K tile of x in natural
+    # K order (16-byte loads), put in merged order in registers, instead of gathered 2 bytes at a time in merged
+    # order; x_prefetch: also ask L1 for the next K tile's rows while working on the current one.
+    x_natural: bool = False
+    x_prefetch: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -949,6 +954,10 @@ OPT_IN: dict[str, OptIn] = {
                               max_intermediate=256,
                               purpose="GEMM2 of 16-token blocks in 3 stages, split along H by pick_n_split (the sm90 "
                                       "default before 2026-12-05)"),
+    "x_natural": OptIn(dict(x_natural=True), "slot", None, ("w4a16", "w4a4"), compile_tokens=(1, 4),
+                       purpose="slot GEMM1 loads x in natural K order and merges it in registers"),
+    "x_prefetch": OptIn(dict(x_natural=True, x_prefetch=True), "slot", None, ("w4a16", "w4a4"), compile_tokens=(1, 4),
+                        purpose="x_natural, and the next K tile's x asked of L1"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
