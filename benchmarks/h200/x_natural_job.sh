@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls of improvements/22 (the slot GEMM1 loads x in natural K order, Plan.x_natural / x_prefetch):
+# Device calls of improvements/22 (the slot GEMM1 loads x in natural K order, Plan.x_natural):
 #   OUT=dir bash benchmarks/h200/x_natural_job.sh tests   # tests/gpu: the x_natural forms, slot dedup, fused split-K
 #   OUT=dir bash benchmarks/h200/x_natural_job.sh ab      # same-run A/B against the default: TP8 T = 1-4 (3
 #                                                           # routings), then TP4 T = 1, 2, 4 (balanced, same_k)
@@ -7,7 +7,9 @@
 # carry [".whl"] (pydantic for glm5_fp4.hardware: benchmarks/gpu_deps.sh); pass GLM5_FP4_GIT_SHA.
 set -u
 . benchmarks/h200/job_steps.sh || exit 2
-FORMS=${FORMS:-x_natural,x_prefetch}
+# (the run of 1bb0455 timed FORMS=x_natural,x_prefetch against the gather, then the default; x_prefetch, an L1
+# prefetch of the next K tile's x, gained nothing and is gone)
+FORMS=${FORMS:-x_gathered,x_natural}
 for s in "$@"; do
   case $s in
     tests)

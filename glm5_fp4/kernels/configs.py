@@ -132,11 +132,10 @@ class Plan:
     # Slot dedup's finalize launch: output elements per program (0: launch.FBLOCK_ROWS). The former 4096 is the
     # opt-in "finalize_4096", kept to measure the rule against.
     finalize_block: int = 0
-    # GEMM1 where it loads and converts x itself (not prep_x: the slot schedule, W4A4): each K tile of x in natural
-    # K order (16-byte loads), put in merged order in registers, instead of gathered 2 bytes at a time in merged
-    # order; x_prefetch: also ask L1 for the next K tile's rows while working on the current one.
+    # The slot GEMM1 (which loads and converts x itself): each K tile of x in natural K order (16-byte copies, issued
+    # stages ahead by the pipeliner), put in merged order in registers, instead of gathered 2 bytes at a time in
+    # merged order in the iteration that uses it. The default with slot dedup on X_NATURAL_ARCHS.
     x_natural: bool = False
-    x_prefetch: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -838,7 +837,8 @@ def plan(
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
              gemm2_split_slots=split_slots, dedup_fused_finalize=fused_finalize,
              gemm1_fused_reduce=(few or spread) and split_k > 1,
-             slot_dedup=slot_dedup, parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
+             slot_dedup=slot_dedup, x_natural=slot_dedup and arch in X_NATURAL_ARCHS,
+             parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS
                                         or (spread and gemm2_k_chunk(intermediate) == intermediate)))
     if serves_arch and opt_in_serves(form, p, tokens, hidden, mode, intermediate):
@@ -846,6 +846,15 @@ def plan(
         if change.get("gemm2_split") == "rule":  # (PLAN_RULES) GEMM2's split by pick_n_split, not its config's
             p = dataclasses.replace(p, gemm2_n_split=rule_split)
     return p
+
+
+# The slot GEMM1 loads x in natural K order (Plan.x_natural) where slot dedup runs, on these archs. H100, 2026-12-06,
+# same run (benchmarks/results/moe_variants_h100_x_natural_*_1bb0455.json, us per layer, gathered -> natural): TP8
+# T=3 36.0 -> 35.4 balanced, 26.5 -> 25.7 same_k, 32.5 -> 31.7 zipf1.2; T=4 47.9 -> 46.7, 29.1 -> 28.0, 33.8 -> 33.0;
+# TP4 T=4 81.7 -> 79.4, 35.4 -> 34.4; TP1 T=4 263.2 -> 257.6, 100.7 -> 96.0. Without dedup (T <= 2, GEMM1 split to
+# 2-8 K tiles a program with its reduce fused) it lost everywhere but one noisy row: TP8 T=1 18.1 -> 18.6, T=2
+# 26.0 -> 26.5, TP4 T=2 same_k 39.2 -> 40.9 (opt-in "x_natural"). Unmeasured on sm_120 (it keeps the gather).
+X_NATURAL_ARCHS = ("sm90", "sm100")
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
@@ -954,10 +963,14 @@ OPT_IN: dict[str, OptIn] = {
                               max_intermediate=256,
                               purpose="GEMM2 of 16-token blocks in 3 stages, split along H by pick_n_split (the sm90 "
                                       "default before 2026-12-05)"),
-    "x_natural": OptIn(dict(x_natural=True), "slot", None, ("w4a16", "w4a4"), compile_tokens=(1, 4),
-                       purpose="slot GEMM1 loads x in natural K order and merges it in registers"),
-    "x_prefetch": OptIn(dict(x_natural=True, x_prefetch=True), "slot", None, ("w4a16", "w4a4"), compile_tokens=(1, 4),
-                        purpose="x_natural, and the next K tile's x asked of L1"),
+    "x_natural": OptIn(dict(x_natural=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
+                       compile_tokens=(1, 2), archs=X_NATURAL_ARCHS,
+                       purpose="the slot GEMM1 loads x in natural K order below slot dedup too (H100 2026-12-06: "
+                               "TP8 T=1/2 +0.3-0.5 us, TP4 T=1/2 +0.6-1.7 us)"),
+    "x_gathered": OptIn(dict(x_natural=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
+                        archs=X_NATURAL_ARCHS,
+                        purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
+                                "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

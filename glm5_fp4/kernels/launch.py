@@ -166,11 +166,6 @@ def _regs(cfg, call: MoECall) -> dict:
     return dict(maxnreg=cfg.maxnreg) if cfg.maxnreg and call.use_asm else {}
 
 
-def _x_loads(plan: cfgs.Plan, call: MoECall) -> dict:
-    """GEMM1's constexprs of Plan.x_natural / x_prefetch (the prefetch is PTX: not where inline PTX is off)."""
-    return dict(X_NAT=plan.x_natural or plan.x_prefetch, X_PF=plan.x_prefetch and call.use_asm)
-
-
 def _prefetch(plan: cfgs.Plan, call: MoECall, rows: int) -> dict:
     """GEMM2's L2 prefetch before it waits (Plan.pdl): ``rows`` weight rows of each expert it reads, as
     128-byte requests; none for whole experts (K in chunks: a row's first chunk is not one contiguous run)."""
@@ -428,7 +423,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **_x_loads(plan, call)),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({"X_NAT": True} if plan.x_natural else {})),
             stage="gemm1",
         )
     ]

@@ -530,13 +530,6 @@ def _prefetch_w2_rows(w_ptr, s_ptr, e64, n, ROWS: tl.constexpr, H: tl.constexpr,
 
 
 @triton.jit
-def _prefetch_l1_at(ptrs):
-    """Ask L1 for the line of every pointer of ``ptrs`` (fire and forget)."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_l2_at(ptrs):
     """Ask L2 for the line of every pointer of ``ptrs`` (fire and forget)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
@@ -642,14 +635,12 @@ def moe_gemm1_kernel(
     KT: tl.constexpr = 0,
     STACK: tl.constexpr = False,
     X_NAT: tl.constexpr = False,
-    X_PF: tl.constexpr = False,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
 
-    ``X_NAT`` (not X_PREP; Plan.x_natural): each K tile of x is loaded in natural K order (contiguous rows, 16-byte
-    loads) and put in merged order in registers (:func:`_merge_rows`), instead of gathered 2 bytes at a time in
-    merged order. ``X_PF`` (Plan.x_prefetch): the program asks L1 for the next K tile's x rows while it works on
-    the current one, so the load at the top of the next iteration does not wait for L2.
+    ``X_NAT`` (not X_PREP; Plan.x_natural): each K tile of x is loaded in natural K order (contiguous rows: 16-byte
+    copies, which the pipeliner then issues stages ahead like the weights') and put in merged order in registers
+    (:func:`_merge_rows`), instead of gathered 2 bytes at a time in merged order in the iteration that uses it.
 
     ``KT > 0`` (layout "tiled"): the weights and scales are K-tile-major in runs of KT (layout.tile_k), so each
     K tile of the program's [BN, BK] weight tile is one contiguous run (:func:`_w13_k_offset`); the descriptors
@@ -772,13 +763,6 @@ def moe_gemm1_kernel(
             xp = xq_ptr + tok[None, :] * H + offs_k[:, None]
         else:
             xp = x_ptr + tok[None, :] * stride_xt + (offs_k if X_NAT else mk)[:, None]
-            if X_PF:
-                # one request per 128-byte line of each token's K tile; a masked column's token may be out of
-                # range, so it asks for token 0's line instead
-                XL: tl.constexpr = 128 // (x_ptr.dtype.element_ty.primitive_bitwidth // 8)
-                xpf = (x_ptr + tl.where(mmask, tok, 0)[None, :] * stride_xt
-                       + (tl.arange(0, BK // XL) * XL)[:, None])
-                _prefetch_l1_at(xpf + k_begin)
         if STACK:
             acc = tl.zeros((2 * BN, BM), dtype=tl.float32)
         else:
@@ -795,8 +779,6 @@ def moe_gemm1_kernel(
             else:
                 xs = tl.load(xp + k0, mask=mmask[None, :], other=0.0)
                 if not X_PREP:
-                    if X_PF:
-                        _prefetch_l1_at(xpf + tl.minimum(k0 + BK, k_begin + K_PER - BK))
                     if X_NAT:
                         xs = _merge_rows(xs, BK, BM)
                     xs = _x_operand(xs, g_in, W4A4, BK, BM)

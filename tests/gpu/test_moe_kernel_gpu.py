@@ -498,19 +498,17 @@ def test_dedup_by_arrival(shape, t, routing, mode):
     (GLM_TP8, 1, "balanced", "w4a16"), (GLM_TP8, 2, "same_k", "w4a4"), (GLM_TP8, 4, "balanced", "w4a16"),
     (GLM_TP8, 3, "zipf1.2", "w4a4"), (GLM_TP4, 4, "same_k", "w4a16"), (GLM_TP1, 1, "balanced", "w4a16"),
     (SMALL, 4, "same_k", "w4a16")])
-@pytest.mark.parametrize("form", ["x_natural", "x_prefetch"])
-def test_gemm1_x_in_natural_order(shape, t, routing, mode, form):
-    """Plan.x_natural / x_prefetch (the slot GEMM1 loads x in natural K order, merges the rows in registers; the
-    prefetch only asks L1 early): the same MMA operand as the merged-order gather, so the output is the gathered
-    plan's bit for bit (NaN-poisoned), near float64, and the same again from a CUDA graph replayed with new
-    routings."""
+def test_gemm1_x_in_natural_order(shape, t, routing, mode):
+    """Plan.x_natural (the slot GEMM1 loads x in natural K order and merges the rows in registers; the default with
+    slot dedup on sm_90): the same MMA operand as the merged-order gather, so the output is the gathered plan's bit
+    for bit (NaN-poisoned), near float64, and the same again from a CUDA graph replayed with new routings."""
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
 
     e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
     ex, prep = experts(**shape)
     x, w, ids = inputs(t, e, h, k, routing=routing)
-    base = dataclasses.replace(default_plan(x, ids, prep, mode), x_natural=False, x_prefetch=False)
-    plan = dataclasses.replace(base, x_natural=True, x_prefetch=form == "x_prefetch")
+    base = dataclasses.replace(default_plan(x, ids, prep, mode), x_natural=False)
+    plan = dataclasses.replace(base, x_natural=True)
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
     assert torch.isfinite(out).all()

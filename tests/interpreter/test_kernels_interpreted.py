@@ -570,14 +570,15 @@ def test_two_launch_forms_at_t4_match_reference(gen, form):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("t,bk,routing", [(1, 128, "balanced"), (4, 256, "same_k"), (3, 128, "zipf2")])
 def test_x_in_natural_order_is_the_gathered_operand(gen, t, bk, routing, mode):
-    """Plan.x_natural (GEMM1 loads x in natural K order and merges the rows in registers): the same operand as the
-    merged-order gather, so the layer is bit for bit the gathered one's (slot schedule with dedup and split-K, the
-    T = 3-4 defaults), and near float64."""
+    """Plan.x_natural (the slot GEMM1 loads x in natural K order and merges the rows in registers; the default with
+    slot dedup on sm_90): the same operand as the merged-order gather, so the layer is bit for bit the gathered one's
+    (slot schedule with and without dedup, split K), and near float64."""
     h = 512
     ex, prep = _experts(gen, h)
     x = torch.randn(t, h, generator=gen).half()
     w, ids = make_routing(routing, t, E, K, gen)
-    plan = C.plan("sm90", t, E, K, h, I, sm_count=16, gemm1=C.Gemm1Config(16, 16, bk, 4, 2))
+    plan = dataclasses.replace(C.plan("sm90", t, E, K, h, I, sm_count=16, gemm1=C.Gemm1Config(16, 16, bk, 4, 2)),
+                               x_natural=False)
     want = fused_moe_triton(x, w, ids, prep, mode, plan=plan)
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=dataclasses.replace(plan, x_natural=True))
