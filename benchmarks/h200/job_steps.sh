@@ -18,3 +18,7 @@ memcheck_step() { PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "${1:-memcheck}" "${T_ME
 racecheck_step() { step racecheck "${T_RACECHECK:-120}" compute-sanitizer --tool racecheck --print-limit 20 \
   python3 tests/gpu/memcheck_moe_kernel.py; }
 sanitize_steps() { memcheck_step; racecheck_step; }
+# Same-run A/B of the opt-in forms in $FORMS against the default (benchmarks/moe_variants.py), results in
+# $OUT/variants_NAME.json: ab_step NAME LIMIT SHARDS TOKENS ROUTINGS LAYERS
+ab_step() { GREP="precompiled|T=|rror" step "ab_$1" "$2" python3 benchmarks/moe_variants.py --precompile 14 \
+  --shards "$3" --tokens "$4" --routings "$5" --layers "$6" --forms "$FORMS" --json "$OUT/variants_$1.json"; }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Device calls of improvements/20 (written 2026-12-05 while no GPU was lent; run on an H100 on 2026-12-06, commands
-# and results there): the two-launch forms of T = 2-4 and the finalize block against the default, their GPU gates,
-# the align probe, ncu per kernel at T=4 and stall reasons at T=1.
+# Device calls of improvements/20 and 22 (run on an H100 on 2026-12-06, commands and results there): opt-in forms of
+# T <= 4 against the default (FORMS), their GPU gates (TESTS_K), the align probe, ncu per kernel, stall reasons at T=1
+# and stall samples per SASS instruction. (improvements/22's runs used x_natural_job.sh of 1bb0455 / 596034b, whose
+# steps are these.)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ab      # same-run A/B, TP8 T = 2-4 then TP4 and EP8-sized
 #                                                                # whole experts (AB1_TOKENS=none: TP8 only)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sweep   # around dedup_by_arrival: GEMM2 splits, GEMM1 split-K
@@ -10,7 +11,8 @@
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh table   # moe_kernel.py table, TP8 T = 1-16, 3 routings
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh tests   # tests/gpu: the new forms, slot dedup, fused reduce
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sanitize
-#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ncu     # per-kernel durations, TP8 T=4 (default, each form)
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ncu     # per-kernel durations, TP8 T=4 (NCU_TOKENS;
+#                                                                # default, each form)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh probe   # benchmarks/align_probe.py, TP8 T = 64-1024
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh stalls1 # ncu stall reasons per issued instruction, TP8 T=1
 #                                                                # (goal 4's other half: 17.8 us against 12)
@@ -23,12 +25,9 @@ FORMS=${FORMS:-dedup_by_arrival,per_slot_split}
 for s in "$@"; do
   case $s in
     ab)
-      GREP="precompiled|T=|rror" step ab_small_t_tp8 "${T_AB:-240}" python3 benchmarks/moe_variants.py --precompile 14 \
-        --shards tp8 --tokens "${AB_TOKENS:-2,3,4}" --routings "${AB_ROUTINGS:-balanced,same_k,zipf1.2}" \
-        --forms "$FORMS" --json "$OUT/variants_small_t_tp8.json"
-      [ "${AB1_TOKENS:-}" = none ] || GREP="precompiled|T=|rror" step ab_small_t_tp4_tp1 "${T_AB1:-240}" \
-        python3 benchmarks/moe_variants.py --precompile 14 --shards tp4,tp1 --tokens "${AB1_TOKENS:-2,4}" \
-        --routings balanced,same_k --layers 2 --forms "$FORMS" --json "$OUT/variants_small_t_tp4_tp1.json" ;;
+      ab_step small_t_tp8 "${T_AB:-240}" tp8 "${AB_TOKENS:-2,3,4}" "${AB_ROUTINGS:-balanced,same_k,zipf1.2}" 4
+      [ "${AB1_TOKENS:-}" = none ] || ab_step small_t_tp4_tp1 "${T_AB1:-240}" tp4,tp1 "${AB1_TOKENS:-2,4}" \
+        balanced,same_k 2 ;;
     sweep)
       form=${SWEEP_FORM:-dedup_by_arrival}
       GREP="precompiled|best|rror" step sweep_small_t "${T_SWEEP:-240}" python3 benchmarks/moe_kernel.py --sweep \
@@ -40,16 +39,16 @@ for s in "$@"; do
         --precompile 14 --json "$OUT/table_small_t.json" --md "$OUT/table_small_t.md" ;;
     tests)
       step tests_small_t "${T_TESTS:-300}" python3 -m pytest tests/gpu/test_moe_kernel_gpu.py -q -rA -p no:cacheprovider \
-        -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots}" ;;
+        -k "${TESTS_K:-dedup_by_arrival or slot_dedup or fused_split_k or gemm2_split_slots or x_in_natural_order}" ;;
     sanitize) sanitize_steps ;;
     ncu)
-      for f in default ${FORMS//,/ }; do
+      for t in ${NCU_TOKENS:-4}; do for f in default ${FORMS//,/ }; do
         form=$([ "$f" = default ] || echo "--form $f")
-        GREP="rror" step "ncu_tp8_t4_$f" "${T_NCU:-90}" ncu --clock-control none --profile-from-start off --csv \
+        GREP="rror" step "ncu_tp8_t${t}_$f" "${T_NCU:-90}" ncu --clock-control none --profile-from-start off --csv \
           --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread \
-          python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens 4 $form
-        cp "$L/ncu_tp8_t4_$f.log" "$OUT/ncu_tp8_t4_$f.csv"
-      done ;;
+          python3 benchmarks/ncu_moe_call.py --shard tp8 --tokens "$t" $form
+        cp "$L/ncu_tp8_t${t}_$f.log" "$OUT/ncu_tp8_t${t}_$f.csv"
+      done; done ;;
     stalls1)
       GREP="rror" step ncu_stalls_tp8_t1 "${T_NCU:-120}" ncu --clock-control none --profile-from-start off --csv \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__warps_active.avg.per_cycle_active,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch__grid_size,launch__registers_per_thread" \
