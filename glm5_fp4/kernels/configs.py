@@ -967,10 +967,6 @@ OPT_IN: dict[str, OptIn] = {
                        compile_tokens=(1, 2), archs=X_NATURAL_ARCHS,
                        purpose="the slot GEMM1 loads x in natural K order below slot dedup too (H100 2026-12-06: "
                                "TP8 T=1/2 +0.3-0.5 us, TP4 T=1/2 +0.6-1.7 us)"),
-    "x_in_gemm1": OptIn(dict(prep_x=False, x_natural=True), "grouped", None, ("w4a16",), compile_tokens=(512,),
-                        archs=X_NATURAL_ARCHS,
-                        purpose="the grouped GEMM1 loads x itself in natural K order instead of the align kernel "
-                                "writing it as fp16 in merged order"),
     "x_gathered": OptIn(dict(x_natural=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "

@@ -211,11 +211,6 @@ def _stack(g1: cfgs.Gemm1Config) -> dict:
     return dict(STACK=True) if g1.stacked else {}
 
 
-def _x_natural(plan: cfgs.Plan) -> dict:
-    """GEMM1's constexpr of Plan.x_natural (read only where GEMM1 loads x itself: not with prep_x)."""
-    return dict(X_NAT=True) if plan.x_natural else {}
-
-
 def _emap(call: MoECall):
     # Kernels take a pointer either way; without a map the ids pointer stands in (never read: HAS_MAP=False).
     return call.expert_map if call.expert_map is not None else call.topk_ids
@@ -428,7 +423,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **_x_natural(plan)),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({"X_NAT": True} if plan.x_natural else {})),
             stage="gemm1",
         )
     ]
@@ -487,7 +482,7 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=prep_x, SPLIT_K=split, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=False,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed,
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({} if prep_x else _x_natural(plan))),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1)),
             stage="gemm1",
         ),
         *reduce,
