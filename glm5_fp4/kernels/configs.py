@@ -136,6 +136,10 @@ class Plan:
     # stages ahead by the pipeliner), put in merged order in registers, instead of gathered 2 bytes at a time in
     # merged order in the iteration that uses it. The default with slot dedup on X_NATURAL_ARCHS.
     x_natural: bool = False
+    # Slot dedup: GEMM1's split-K is picked from the routing at run time (triton_moe._dedup_split: the largest
+    # divisor of the K tiles, at most gemm1_split_k, that keeps groups x N tiles x split programs within this many),
+    # the rule pick_slot_split_k applies at plan time where the programs are known (T <= 2); 0: the plan's split.
+    gemm1_split_cap: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -832,12 +836,18 @@ def plan(
                                most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
     elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
         split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
+    split_cap = 0
+    if (slot_dedup and not fused_finalize and arch in DEDUP_RUNTIME_SPLIT_ARCHS
+            and change.get("dedup_split", "runtime") == "runtime"):
+        k_tiles = hidden // g1.bk
+        split_k = max(s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1) if k_tiles % s == 0)
+        split_cap = SLOT_SPLIT_PROGRAMS_PER_SM * sm_count
     if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
              gemm2_split_slots=split_slots, dedup_fused_finalize=fused_finalize,
              gemm1_fused_reduce=(few or spread) and split_k > 1,
-             slot_dedup=slot_dedup, x_natural=slot_dedup and arch in X_NATURAL_ARCHS,
+             slot_dedup=slot_dedup, x_natural=slot_dedup and arch in X_NATURAL_ARCHS, gemm1_split_cap=split_cap,
              parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS
                                         or (spread and gemm2_k_chunk(intermediate) == intermediate)))
@@ -857,8 +867,19 @@ def plan(
 X_NATURAL_ARCHS = ("sm90", "sm100")
 
 
+# Slot dedup's GEMM1 split-K picked from the routing (Plan.gemm1_split_cap) on these archs, at most this many ranges.
+# The best fixed split depends on the routing, which no plan knows (H100, 2026-12-06, TP8 sweep of the fixed splits,
+# benchmarks/results/moe_kernel_h100_sweep_t34_splitk_*_584e6b1.json, us per layer, split 4 (the former) / best):
+# T=4 balanced (26 groups) 47.8 / 43.8 at 6, all tokens on 8 experts 28.0 / 22.2 at 12, heavy-tailed (21 groups) 35.8
+# at 4 (6: 39.6); T=3 balanced 33.2 at 4, on 8 experts 25.8 / 20.8 at 12. The rule of T <= 2 (pick_slot_split_k: as
+# many ranges as keep about SLOT_SPLIT_PROGRAMS_PER_SM programs per SM) picks 4, 12, 4, 4, 12 for these, 3 for T=4
+# balanced; split 24 lost everywhere (too many partial sums), hence the cap.
+DEDUP_RUNTIME_SPLIT_ARCHS = ("sm90", "sm100")
+DEDUP_SPLIT_K_MAX = 12
+
+
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
-PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked", "gemm2_split")
+PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked", "gemm2_split", "dedup_split")
 
 
 @dataclass(frozen=True)
@@ -967,6 +988,10 @@ OPT_IN: dict[str, OptIn] = {
                        compile_tokens=(1, 2), archs=X_NATURAL_ARCHS,
                        purpose="the slot GEMM1 loads x in natural K order below slot dedup too (H100 2026-12-06: "
                                "TP8 T=1/2 +0.3-0.5 us, TP4 T=1/2 +0.6-1.7 us)"),
+    "dedup_split_fixed": OptIn(dict(dedup_split="fixed"), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
+                               archs=DEDUP_RUNTIME_SPLIT_ARCHS,
+                               purpose="the slot dedup GEMM1's split-K fixed by the plan (pick_split_k: 4 at T = 3-4 "
+                                       "on the TP8 shard), not picked from the routing"),
     "x_gathered": OptIn(dict(x_natural=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "

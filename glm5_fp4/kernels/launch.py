@@ -326,6 +326,9 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         if g1.tma and g1.bk > kt:
             raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box of {g1.bk} K lies across the {kt}-wide runs of experts "
                                f"prepared with layout={call.prepared.layout!r}")
+    if plan.gemm1_split_cap and not (plan.schedule == "slot" and plan.slot_dedup and not plan.gemm1_fused_reduce):
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's split picked at run time is a form of the slot dedup with its "
+                           f"reduce launch")
     if g1.tma and g1.stacked:
         raise Glm5Fp4Error(f"MoE plan {plan}: a stacked GEMM1 tile (gate and up rows as one) has no TMA form")
     if g1.tma:
@@ -354,7 +357,18 @@ def _check_tma(plan: cfgs.Plan, call: MoECall) -> None:
             raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs {name} at a {TMA_ROW_BYTES}-byte aligned address")
 
 
-def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str, pdl: dict) -> Launch:
+def _split_cap(plan: cfgs.Plan, call: MoECall) -> dict:
+    """The constexprs with which the slot dedup's GEMM1 and its reduce launch pick the split from the routing
+    (Plan.gemm1_split_cap; triton_moe._dedup_split)."""
+    if not plan.gemm1_split_cap:
+        return {}
+    p = call.prepared
+    return dict(SPLIT_CAP=plan.gemm1_split_cap, SP=_pow2(call.num_slots), N_TILES=p.intermediate_size // plan.gemm1.bn,
+                KT=p.hidden_size // plan.gemm1.bk)
+
+
+def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str, pdl: dict,
+                   split_cap: dict | None = None) -> Launch:
     """GEMM1's split-K partial sums added per row (slot id, or sorted position in the grouped schedule)."""
     from glm5_fp4.kernels import triton_moe as K
 
@@ -364,7 +378,7 @@ def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage
         K.moe_splitk_reduce_kernel, (call.num_slots, i // rblock),
         (ws.part, call.num_slots * 2 * i, ws.act, call.topk_ids, _emap(call), _scales(call)[3]),
         dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), num_warps=4,
-             **pdl),
+             **pdl, **(split_cap or {})),
         stage=stage,
     )
 
@@ -423,12 +437,13 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  X_PREP=False, SPLIT_K=split_k, MERGED=g1.merged, DIAG=call.diag & DIAG_NO_DECODE, HAS_MAP=has_map,
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
-                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({"X_NAT": True} if plan.x_natural else {})),
+                 **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({"X_NAT": True} if plan.x_natural else {}),
+                 **({k: v for k, v in _split_cap(plan, call).items() if k == "SPLIT_CAP"})),
             stage="gemm1",
         )
     ]
     if split_k > 1 and not fused:
-        out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2", pdl))
+        out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2", pdl, _split_cap(plan, call)))
     if dedup:
         # GEMM2 per (slot group, N range) into per-slot fp32 rows of the combine buffer, then each token's k rows
         # added in slot order (by the finalize, or by GEMM2's last writer of each token's rows): every expert's W2

@@ -451,6 +451,24 @@ def _slot_group(s, ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.cons
 
 
 @triton.jit
+def _dedup_split(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr, N_TILES: tl.constexpr,
+                 KT: tl.constexpr, SPLIT_MAX: tl.constexpr, CAP: tl.constexpr):
+    """The slot dedup GEMM1's split-K for this call's routing: configs.pick_slot_split_k's rule (the largest divisor
+    of the KT K tiles, at most SPLIT_MAX, that keeps groups x N_TILES x split programs within CAP; 1 where none does)
+    with the groups counted here, which no plan can know (GEMM1 and its reduce launch each count them alike)."""
+    offs = tl.arange(0, SP)
+    ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < nslots, HAS_MAP)
+    # a local slot leads its group when no earlier local slot has its expert
+    dup = (ids[:, None] == ids[None, :]) & m[None, :] & (offs[None, :] < offs[:, None])
+    groups = tl.sum((m & (tl.max(dup.to(tl.int32), axis=1) == 0)).to(tl.int32), axis=0)
+    sk = groups * 0 + 1
+    for s in tl.static_range(2, SPLIT_MAX + 1):
+        if KT % s == 0:
+            sk = tl.where(groups * N_TILES * s <= CAP, s, sk)
+    return sk
+
+
+@triton.jit
 def _group_slots(offs_m, same, rank, SP: tl.constexpr):
     """Slot ids of a group's rows ``offs_m`` (0 past its end: those columns are masked)."""
     offs = tl.arange(0, SP)
@@ -635,8 +653,12 @@ def moe_gemm1_kernel(
     KT: tl.constexpr = 0,
     STACK: tl.constexpr = False,
     X_NAT: tl.constexpr = False,
+    SPLIT_CAP: tl.constexpr = 0,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
+
+    ``SPLIT_CAP > 0`` (slot dedup, Plan.gemm1_split_cap): SPLIT_K is the grid's largest split; the split used is
+    picked from the routing (:func:`_dedup_split`: the groups the call has), and programs past it do nothing.
 
     ``X_NAT`` (not X_PREP; Plan.x_natural): each K tile of x is loaded in natural K order (contiguous rows: 16-byte
     copies, which the pipeliner then issues stages ahead like the weights') and put in merged order in registers
@@ -688,14 +710,21 @@ def moe_gemm1_kernel(
     tl.static_assert(KT == 0 or BK % KT == 0 or KT % BK == 0, "a K tile must divide the layout's runs or span them")
     tl.static_assert(not (KT > 0 and (W_DESC or S_DESC)) or BK <= KT, "a descriptor box lies within one run")
     tl.static_assert(not (STACK and (W_DESC or S_DESC)), "a stacked tile's rows are two runs, not one box")
+    tl.static_assert(SPLIT_CAP == 0 or (SLOT_MODE and DEDUP and not FUSED_REDUCE),
+                     "the split picked at run time is the slot dedup's, reduced by the reduce launch")
     _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
-    K_PER: tl.constexpr = H // SPLIT_K
+    K_PER = H // SPLIT_K  # (a run-time value where the split is picked from the routing)
     if SLOT_MODE:
         pid_n = tl.program_id(0)
         start = tl.program_id(1)
         if DEDUP:
             e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP)
+            if SPLIT_CAP > 0:
+                sk = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP, I // BN, H // BK, SPLIT_K,
+                                  SPLIT_CAP)
+                count = tl.where(tl.program_id(2) < sk, count, 0)
+                K_PER = (H // BK // sk) * BK
         else:
             e, count = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
     else:
@@ -1196,11 +1225,17 @@ def moe_splitk_reduce_kernel(
     HAS_MAP: tl.constexpr = False,
     KC: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
+    SPLIT_CAP: tl.constexpr = 0,
+    SP: tl.constexpr = 1,
+    N_TILES: tl.constexpr = 1,
+    KT: tl.constexpr = 1,
 ):
     """act[slot] = silu(gate) * up from GEMM1's split-K partial sums (added in split order, so the result
     does not depend on which split finished first), stored like GEMM1's own epilogue would (merged order,
     W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program. For
-    the grouped schedule the rows are sorted slot positions (W4A16 only, HAS_MAP off: no expert is looked up)."""
+    the grouped schedule the rows are sorted slot positions (W4A16 only, HAS_MAP off: no expert is looked up).
+    ``SPLIT_CAP > 0``: the slot dedup's split picked from the routing (:func:`_dedup_split`, counted as GEMM1 did);
+    SPLIT_K is the largest it can be."""
     _pdl_enter(USE_PDL)
     slot = tl.program_id(0).to(tl.int64)
     # a remote slot (expert map): GEMM1 wrote no partial sums and GEMM2 skips it; write nothing
@@ -1210,9 +1245,14 @@ def moe_splitk_reduce_kernel(
     pp = part_ptr + slot * (2 * I) + offs_i
     gate = tl.load(pp, mask=live, other=0.0)
     up = tl.load(pp + I, mask=live, other=0.0)
+    splits = SPLIT_K
+    if SPLIT_CAP > 0:
+        splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP, N_TILES, KT, SPLIT_K, SPLIT_CAP)
     for sk in tl.static_range(1, SPLIT_K):
-        gate += tl.load(pp + sk * part_stride, mask=live, other=0.0)
-        up += tl.load(pp + (sk * part_stride + I), mask=live, other=0.0)
+        # (every split's loads issued at once; those past the call's split masked off)
+        ms = live & (offs_i * 0 + sk < splits)
+        gate += tl.load(pp + sk * part_stride, mask=ms, other=0.0)
+        up += tl.load(pp + (sk * part_stride + I), mask=ms, other=0.0)
     act = tl.reshape(gate / (1.0 + tl.exp(-gate)) * up, (BLOCK, 1))
     if W4A4:
         act = _fake_quant_rows(act, tl.load(o_gscale_ptr + e), BLOCK, 1)

@@ -494,6 +494,43 @@ def test_dedup_by_arrival(shape, t, routing, mode):
         assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=with_finalize, expert_map=emap))
 
 
+@pytest.mark.parametrize("shape,t,mode", [(GLM_TP8, 4, "w4a16"), (GLM_TP8, 3, "w4a4"), (GLM_TP4, 4, "w4a16"),
+                                          (GLM_TP1, 4, "w4a16"), (SMALL, 4, "w4a16")])
+def test_dedup_split_picked_from_the_routing(shape, t, mode):
+    """Plan.gemm1_split_cap (the slot dedup GEMM1's split-K picked from the routing at run time, the default on
+    sm_90/sm_100): one CUDA graph replayed over routings with 8 to 32 groups (a different split each) equals, bit for
+    bit, eager calls of the plan with that routing's split fixed; near float64; NaN-poisoned outputs."""
+    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing="balanced")
+    plan = default_plan(x, ids, prep, mode)
+    assert plan.slot_dedup and plan.gemm1_split_cap > 0
+
+    def fixed_split():
+        k_tiles, groups = h // plan.gemm1.bk, len(set(ids.flatten().tolist()))
+        split = max([s for s in range(1, plan.gemm1_split_k + 1)
+                     if k_tiles % s == 0 and groups * (i // plan.gemm1.bn) * s <= plan.gemm1_split_cap], default=1)
+        return dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=split)
+
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
+    assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fixed_split()))
+    assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
+    for routing in ("same_k", "balanced", "zipf1.2", "one_hot"):
+        nw, nids = make_routing(routing, t, e, k, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids.to(ids.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fixed_split())), routing
+
+
 @pytest.mark.parametrize("shape,t,routing,mode", [
     (GLM_TP8, 1, "balanced", "w4a16"), (GLM_TP8, 2, "same_k", "w4a4"), (GLM_TP8, 4, "balanced", "w4a16"),
     (GLM_TP8, 3, "zipf1.2", "w4a4"), (GLM_TP4, 4, "same_k", "w4a16"), (GLM_TP1, 1, "balanced", "w4a16"),
