@@ -136,9 +136,10 @@ class Plan:
     # stages ahead by the pipeliner), put in merged order in registers, instead of gathered 2 bytes at a time in
     # merged order in the iteration that uses it. The default with slot dedup on X_NATURAL_ARCHS.
     x_natural: bool = False
-    # Slot dedup: GEMM1's split-K is picked from the routing at run time (triton_moe._dedup_split: the largest
-    # divisor of the K tiles, at most gemm1_split_k, that keeps groups x N tiles x split programs within this many),
-    # the rule pick_slot_split_k applies at plan time where the programs are known (T <= 2); 0: the plan's split.
+    # Slot dedup: GEMM1's split-K is gemm1_split_k or more, raised at run time where the routing leaves few groups
+    # (triton_moe._dedup_split: the largest divisor of the K tiles, at most dedup_split_max, that keeps groups x N
+    # tiles x split programs within this many: the rule pick_slot_split_k applies at plan time where the programs
+    # are known, T <= 2); 0: the plan's split.
     gemm1_split_cap: int = 0
 
 
@@ -839,8 +840,6 @@ def plan(
     split_cap = 0
     if (slot_dedup and not fused_finalize and arch in DEDUP_RUNTIME_SPLIT_ARCHS
             and change.get("dedup_split", "runtime") == "runtime"):
-        k_tiles = hidden // g1.bk
-        split_k = max(s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1) if k_tiles % s == 0)
         split_cap = SLOT_SPLIT_PROGRAMS_PER_SM * sm_count
     if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
@@ -876,6 +875,13 @@ X_NATURAL_ARCHS = ("sm90", "sm100")
 # balanced; split 24 lost everywhere (too many partial sums), hence the cap.
 DEDUP_RUNTIME_SPLIT_ARCHS = ("sm90", "sm100")
 DEDUP_SPLIT_K_MAX = 12
+
+
+def dedup_split_max(hidden: int, bk: int) -> int:
+    """The largest split the slot dedup's GEMM1 may pick at run time (the grid's K dimension): the largest divisor of
+    the K tiles, at most DEDUP_SPLIT_K_MAX."""
+    k_tiles = hidden // bk
+    return max(s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1) if k_tiles % s == 0)
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.

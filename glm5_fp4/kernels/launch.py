@@ -300,10 +300,10 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
             and call.tokens * plan.gemm2_n_split > call.workspace.slot_count.numel()):
         raise Glm5Fp4Error(f"MoE plan {plan}: GEMM2's arrivals per token need {call.tokens * plan.gemm2_n_split} "
                            f"counters (T x N ranges), the workspace holds {call.workspace.slot_count.numel()}")
-    if plan.schedule == "slot" and plan.gemm1_split_k > 1:
+    if plan.schedule == "slot" and _gemm1_splits(plan, call) > 1:
         ws = call.workspace
         if (not cfgs.split_k_fits(plan.gemm1_split_k, h, g1.bk, slot=True)
-                or plan.gemm1_split_k * call.num_slots * 2 * i > ws.part.numel()
+                or _gemm1_splits(plan, call) * call.num_slots * 2 * i > ws.part.numel()
                 or call.num_slots * (i // g1.bn) > ws.split_count.numel()):
             raise Glm5Fp4Error(
                 f"MoE plan {plan}: GEMM1 split-K {plan.gemm1_split_k} needs <= {cfgs.SLOT_SPLIT_K_MAX} splits of whole "
@@ -363,8 +363,15 @@ def _split_cap(plan: cfgs.Plan, call: MoECall) -> dict:
     if not plan.gemm1_split_cap:
         return {}
     p = call.prepared
-    return dict(SPLIT_CAP=plan.gemm1_split_cap, SP=_pow2(call.num_slots), N_TILES=p.intermediate_size // plan.gemm1.bn,
-                KT=p.hidden_size // plan.gemm1.bk)
+    return dict(SPLIT_CAP=plan.gemm1_split_cap, SPLIT_MIN=plan.gemm1_split_k, SP=_pow2(call.num_slots),
+                N_TILES=p.intermediate_size // plan.gemm1.bn, KT=p.hidden_size // plan.gemm1.bk)
+
+
+def _gemm1_splits(plan: cfgs.Plan, call: MoECall) -> int:
+    """GEMM1's grid along K: the plan's split, or the largest one picked at run time (Plan.gemm1_split_cap)."""
+    if plan.gemm1_split_cap:
+        return cfgs.dedup_split_max(call.prepared.hidden_size, plan.gemm1.bk)
+    return plan.gemm1_split_k
 
 
 def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str, pdl: dict,
@@ -418,7 +425,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     g1, g2 = plan.gemm1, plan.gemm2
     w4a4 = call.mode == "w4a4"
     a13, a2, g13, g2s = _scales(call)
-    split_k = plan.gemm1_split_k
+    split_k = _gemm1_splits(plan, call)  # (the largest, where the split is picked at run time)
     num_slots = call.num_slots
     has_map = call.expert_map is not None
     emap = _emap(call)
@@ -438,7 +445,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
                  **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({"X_NAT": True} if plan.x_natural else {}),
-                 **({k: v for k, v in _split_cap(plan, call).items() if k == "SPLIT_CAP"})),
+                 **({k: v for k, v in _split_cap(plan, call).items() if k in ("SPLIT_CAP", "SPLIT_MIN")})),
             stage="gemm1",
         )
     ]

@@ -452,17 +452,18 @@ def _slot_group(s, ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.cons
 
 @triton.jit
 def _dedup_split(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr, N_TILES: tl.constexpr,
-                 KT: tl.constexpr, SPLIT_MAX: tl.constexpr, CAP: tl.constexpr):
-    """The slot dedup GEMM1's split-K for this call's routing: configs.pick_slot_split_k's rule (the largest divisor
-    of the KT K tiles, at most SPLIT_MAX, that keeps groups x N_TILES x split programs within CAP; 1 where none does)
-    with the groups counted here, which no plan can know (GEMM1 and its reduce launch each count them alike)."""
+                 KT: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT_MAX: tl.constexpr, CAP: tl.constexpr):
+    """The slot dedup GEMM1's split-K for this call's routing: the plan's split SPLIT_MIN, raised to the largest
+    divisor of the KT K tiles (at most SPLIT_MAX) that keeps groups x N_TILES x split programs within CAP where the
+    routing leaves few groups (skew: configs.pick_slot_split_k's rule, on the groups counted here, which no plan can
+    know; GEMM1 and its reduce launch each count them alike)."""
     offs = tl.arange(0, SP)
     ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < nslots, HAS_MAP)
     # a local slot leads its group when no earlier local slot has its expert
     dup = (ids[:, None] == ids[None, :]) & m[None, :] & (offs[None, :] < offs[:, None])
     groups = tl.sum((m & (tl.max(dup.to(tl.int32), axis=1) == 0)).to(tl.int32), axis=0)
-    sk = groups * 0 + 1
-    for s in tl.static_range(2, SPLIT_MAX + 1):
+    sk = groups * 0 + SPLIT_MIN
+    for s in tl.static_range(SPLIT_MIN + 1, SPLIT_MAX + 1):
         if KT % s == 0:
             sk = tl.where(groups * N_TILES * s <= CAP, s, sk)
     return sk
@@ -654,11 +655,13 @@ def moe_gemm1_kernel(
     STACK: tl.constexpr = False,
     X_NAT: tl.constexpr = False,
     SPLIT_CAP: tl.constexpr = 0,
+    SPLIT_MIN: tl.constexpr = 1,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
 
     ``SPLIT_CAP > 0`` (slot dedup, Plan.gemm1_split_cap): SPLIT_K is the grid's largest split; the split used is
-    picked from the routing (:func:`_dedup_split`: the groups the call has), and programs past it do nothing.
+    the plan's SPLIT_MIN or more, picked from the routing (:func:`_dedup_split`: the groups the call has), and
+    programs past it do nothing.
 
     ``X_NAT`` (not X_PREP; Plan.x_natural): each K tile of x is loaded in natural K order (contiguous rows: 16-byte
     copies, which the pipeliner then issues stages ahead like the weights') and put in merged order in registers
@@ -721,8 +724,8 @@ def moe_gemm1_kernel(
         if DEDUP:
             e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP)
             if SPLIT_CAP > 0:
-                sk = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP, I // BN, H // BK, SPLIT_K,
-                                  SPLIT_CAP)
+                sk = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP, I // BN, H // BK, SPLIT_MIN,
+                                  SPLIT_K, SPLIT_CAP)
                 count = tl.where(tl.program_id(2) < sk, count, 0)
                 K_PER = (H // BK // sk) * BK
         else:
@@ -1226,6 +1229,7 @@ def moe_splitk_reduce_kernel(
     KC: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
     SPLIT_CAP: tl.constexpr = 0,
+    SPLIT_MIN: tl.constexpr = 1,
     SP: tl.constexpr = 1,
     N_TILES: tl.constexpr = 1,
     KT: tl.constexpr = 1,
@@ -1235,7 +1239,7 @@ def moe_splitk_reduce_kernel(
     W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program. For
     the grouped schedule the rows are sorted slot positions (W4A16 only, HAS_MAP off: no expert is looked up).
     ``SPLIT_CAP > 0``: the slot dedup's split picked from the routing (:func:`_dedup_split`, counted as GEMM1 did);
-    SPLIT_K is the largest it can be."""
+    SPLIT_K is the largest it can be, SPLIT_MIN the plan's."""
     _pdl_enter(USE_PDL)
     slot = tl.program_id(0).to(tl.int64)
     # a remote slot (expert map): GEMM1 wrote no partial sums and GEMM2 skips it; write nothing
@@ -1247,7 +1251,8 @@ def moe_splitk_reduce_kernel(
     up = tl.load(pp + I, mask=live, other=0.0)
     splits = SPLIT_K
     if SPLIT_CAP > 0:
-        splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP, N_TILES, KT, SPLIT_K, SPLIT_CAP)
+        splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP, N_TILES, KT, SPLIT_MIN, SPLIT_K,
+                              SPLIT_CAP)
     for sk in tl.static_range(1, SPLIT_K):
         # (every split's loads issued at once; those past the call's split masked off)
         ms = live & (offs_i * 0 + sk < splits)
