@@ -840,7 +840,10 @@ def plan(
     split_cap = 0
     if (slot_dedup and not fused_finalize and arch in DEDUP_RUNTIME_SPLIT_ARCHS
             and change.get("dedup_split", "runtime") == "runtime"):
-        split_cap = SLOT_SPLIT_PROGRAMS_PER_SM * sm_count
+        cap = SLOT_SPLIT_PROGRAMS_PER_SM * sm_count
+        # only where some routing can raise the split (whole experts: even k groups fill the GPU at the plan's split)
+        if dedup_split_max(hidden, g1.bk, intermediate // g1.bn, top_k, cap) > split_k:
+            split_cap = cap
     if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
@@ -872,16 +875,19 @@ X_NATURAL_ARCHS = ("sm90", "sm100")
 # T=4 balanced (26 groups) 47.8 / 43.8 at 6, all tokens on 8 experts 28.0 / 22.2 at 12, heavy-tailed (21 groups) 35.8
 # at 4 (6: 39.6); T=3 balanced 33.2 at 4, on 8 experts 25.8 / 20.8 at 12. The rule of T <= 2 (pick_slot_split_k: as
 # many ranges as keep about SLOT_SPLIT_PROGRAMS_PER_SM programs per SM) picks 4, 12, 4, 4, 12 for these, 3 for T=4
-# balanced; split 24 lost everywhere (too many partial sums), hence the cap.
+# balanced; split 24 lost everywhere (too many partial sums), hence the cap. The split is only ever raised from the
+# plan's: the one-wave rule's split of 1 at TP4 T=4 balanced cost +17 % (90.2 against 76.8 us, 9eff0ad).
 DEDUP_RUNTIME_SPLIT_ARCHS = ("sm90", "sm100")
 DEDUP_SPLIT_K_MAX = 12
 
 
-def dedup_split_max(hidden: int, bk: int) -> int:
+def dedup_split_max(hidden: int, bk: int, n_tiles: int, top_k: int, cap: int) -> int:
     """The largest split the slot dedup's GEMM1 may pick at run time (the grid's K dimension): the largest divisor of
-    the K tiles, at most DEDUP_SPLIT_K_MAX."""
+    the K tiles, at most DEDUP_SPLIT_K_MAX, that the fewest groups a call can have (top_k: every token's k experts
+    are distinct) keep within ``cap`` programs (1 where none does)."""
     k_tiles = hidden // bk
-    return max(s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1) if k_tiles % s == 0)
+    return max((s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1)
+                if k_tiles % s == 0 and top_k * n_tiles * s <= cap), default=1)
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.

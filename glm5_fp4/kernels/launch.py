@@ -370,7 +370,10 @@ def _split_cap(plan: cfgs.Plan, call: MoECall) -> dict:
 def _gemm1_splits(plan: cfgs.Plan, call: MoECall) -> int:
     """GEMM1's grid along K: the plan's split, or the largest one picked at run time (Plan.gemm1_split_cap)."""
     if plan.gemm1_split_cap:
-        return cfgs.dedup_split_max(call.prepared.hidden_size, plan.gemm1.bk)
+        p = call.prepared
+        return max(plan.gemm1_split_k, cfgs.dedup_split_max(p.hidden_size, plan.gemm1.bk,
+                                                            p.intermediate_size // plan.gemm1.bn, call.top_k,
+                                                            plan.gemm1_split_cap))
     return plan.gemm1_split_k
 
 
