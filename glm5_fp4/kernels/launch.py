@@ -326,9 +326,8 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         if g1.tma and g1.bk > kt:
             raise Glm5Fp4Error(f"MoE plan {plan}: a TMA box of {g1.bk} K lies across the {kt}-wide runs of experts "
                                f"prepared with layout={call.prepared.layout!r}")
-    if plan.gemm1_split_cap and not (plan.schedule == "slot" and plan.slot_dedup and not plan.gemm1_fused_reduce):
-        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's split picked at run time is a form of the slot dedup with its "
-                           f"reduce launch")
+    if plan.gemm1_split_cap and not (plan.schedule == "slot" and plan.slot_dedup):
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's split picked at run time is a form of the slot dedup")
     if g1.tma and g1.stacked:
         raise Glm5Fp4Error(f"MoE plan {plan}: a stacked GEMM1 tile (gate and up rows as one) has no TMA form")
     if g1.tma:

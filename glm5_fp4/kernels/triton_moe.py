@@ -713,21 +713,21 @@ def moe_gemm1_kernel(
     tl.static_assert(KT == 0 or BK % KT == 0 or KT % BK == 0, "a K tile must divide the layout's runs or span them")
     tl.static_assert(not (KT > 0 and (W_DESC or S_DESC)) or BK <= KT, "a descriptor box lies within one run")
     tl.static_assert(not (STACK and (W_DESC or S_DESC)), "a stacked tile's rows are two runs, not one box")
-    tl.static_assert(SPLIT_CAP == 0 or (SLOT_MODE and DEDUP and not FUSED_REDUCE),
-                     "the split picked at run time is the slot dedup's, reduced by the reduce launch")
+    tl.static_assert(SPLIT_CAP == 0 or (SLOT_MODE and DEDUP), "the split picked at run time is the slot dedup's")
     _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
-    K_PER = H // SPLIT_K  # (a run-time value where the split is picked from the routing)
+    K_PER = H // SPLIT_K  # (run-time values where the split is picked from the routing)
+    splits = SPLIT_K
     if SLOT_MODE:
         pid_n = tl.program_id(0)
         start = tl.program_id(1)
         if DEDUP:
             e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP)
             if SPLIT_CAP > 0:
-                sk = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP, I // BN, H // BK, SPLIT_MIN,
-                                  SPLIT_K, SPLIT_CAP)
-                count = tl.where(tl.program_id(2) < sk, count, 0)
-                K_PER = (H // BK // sk) * BK
+                splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP, I // BN, H // BK,
+                                      SPLIT_MIN, SPLIT_K, SPLIT_CAP)
+                count = tl.where(tl.program_id(2) < splits, count, 0)
+                K_PER = (H // BK // splits) * BK
         else:
             e, count = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
     else:
@@ -855,13 +855,14 @@ def moe_gemm1_kernel(
                     first_row = tl.min(tl.where(mmask, rows, 2**31 - 1), axis=0)
                 else:
                     first_row = start
-                if _last_arrival(cnt_ptr + first_row * (I // BN) + pid_n, SPLIT_K):
+                if _last_arrival(cnt_ptr + first_row * (I // BN) + pid_n, splits):
                     p0 = part_ptr + rows[None, :] * (2 * I) + offs_i[:, None]
                     gate = tl.load(p0, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
                     up = tl.load(p0 + I, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
                     for sk in tl.static_range(1, SPLIT_K):
-                        gate += tl.load(p0 + sk * part_stride, mask=mmask[None, :], other=0.0, cache_modifier=".cg")
-                        up += tl.load(p0 + (sk * part_stride + I), mask=mmask[None, :], other=0.0,
+                        ms = mmask & (offs_m * 0 + sk < splits)  # (a split past the call's: nothing to add)
+                        gate += tl.load(p0 + sk * part_stride, mask=ms[None, :], other=0.0, cache_modifier=".cg")
+                        up += tl.load(p0 + (sk * part_stride + I), mask=ms[None, :], other=0.0,
                                       cache_modifier=".cg")
                     _store_act(gate, up, g_out, act_ptr, rows, offs_i, mmask, I, BN, BM, KC, W4A4)
         else:

@@ -587,30 +587,37 @@ def test_x_in_natural_order_is_the_gathered_operand(gen, t, bk, routing, mode):
     assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
 
 
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-@pytest.mark.parametrize("t,routing,sm_count", [(4, "same_k", 16), (4, "balanced", 16), (3, "zipf2", 16),
-                                                (4, "one_hot", 64), (4, "balanced", 64)])
-def test_dedup_split_picked_from_the_routing(gen, t, routing, sm_count, mode):
+@pytest.mark.parametrize("t,routing,mode,fused", [(4, "same_k", "w4a16", False), (4, "balanced", "w4a4", False),
+                                                 (3, "zipf2", "w4a16", True), (4, "one_hot", "w4a16", True),
+                                                 (4, "same_k", "w4a4", True)])
+def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     """Plan.gemm1_split_cap (the slot dedup GEMM1's split-K raised at run time where the routing makes few groups, the
     default on sm_90): bit for bit the plan with that split fixed: the plan's split, or the largest divisor of the K
-    tiles (at most dedup_split_max) keeping groups x N tiles x split programs within the cap; near float64."""
+    tiles (at most dedup_split_max) keeping groups x N tiles x split programs within the cap; near float64; with the
+    reduce launch or GEMM1's fused reduce."""
     h = 512
     ex, prep = _experts(gen, h)
     x = torch.randn(t, h, generator=gen).half()
     w, ids = make_routing(routing, t, E, K, gen)
-    plan = C.plan("sm90", t, E, K, h, I, sm_count=sm_count, gemm1=C.Gemm1Config(16, 16, 128, 4, 2))
+    # 64 SMs and 64-wide K tiles: the plan splits K 4 ways and a call with few groups may raise it to 8
+    sm_count, bk = 64, 64
+    plan = C.plan("sm90", t, E, K, h, I, sm_count=sm_count, gemm1=C.Gemm1Config(16, 16, bk, 4, 2))
+    # (``fused``: GEMM1's last program of each tile reduces, counting the run-time split's arrivals)
+    plan = dataclasses.replace(plan, gemm1_fused_reduce=fused)
     cap = C.SLOT_SPLIT_PROGRAMS_PER_SM * sm_count
     assert plan.slot_dedup and plan.gemm1_split_cap == cap
     # no routing could raise the split on 2 SMs: the plan keeps its own
     assert C.plan("sm90", t, E, K, h, I, sm_count=2, gemm1=plan.gemm1).gemm1_split_cap == 0
-    k_tiles, groups = h // 128, len(set(ids.flatten().tolist()))
-    most = C.dedup_split_max(h, 128, I // 16, K, cap)
+    k_tiles, groups = h // bk, len(set(ids.flatten().tolist()))
+    most = C.dedup_split_max(h, bk, I // 16, K, cap)
+    assert most > plan.gemm1_split_k
     want_split = max([s for s in range(plan.gemm1_split_k, most + 1)
                       if k_tiles % s == 0 and groups * (I // 16) * s <= cap], default=plan.gemm1_split_k)
     fixed = dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=want_split)
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
     assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fixed))
+    assert routing != "same_k" or want_split > plan.gemm1_split_k  # (the case that raises it)
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
     assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
 
