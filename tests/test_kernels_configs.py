@@ -235,7 +235,16 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     assert names == ["moe_gemm1_kernel"] + (["moe_splitk_reduce_kernel"] if dedup.gemm1_split_k > 1 else []) + tail
     assert count(dedup) == len(names) == count(base) + 1
     g1, g2, fin = todo[0], todo[-2], todo[-1]
-    assert g1.grid == (i // dedup.gemm1.bn, t * k, dedup.gemm1_split_k) and g1.kwargs["DEDUP"] and g1.kwargs["SP"] == 32
+    # the split is the plan's, raised at run time where the routing leaves few groups (Plan.gemm1_split_cap): the grid
+    # holds the largest, the kernels pick, GEMM1 and the reduce with the same constexprs
+    most = C.dedup_split_max(h, dedup.gemm1.bk, i // dedup.gemm1.bn, k, dedup.gemm1_split_cap)
+    assert dedup.gemm1_split_cap == C.SLOT_SPLIT_PROGRAMS_PER_SM * 132 and most == 12 > dedup.gemm1_split_k == 4
+    assert g1.grid == (i // dedup.gemm1.bn, t * k, most) and g1.kwargs["DEDUP"] and g1.kwargs["SP"] == 32
+    assert (g1.kwargs["SPLIT_K"], g1.kwargs["SPLIT_MIN"], g1.kwargs["SPLIT_CAP"]) == (most, 4, dedup.gemm1_split_cap)
+    red = todo[1].kwargs
+    assert (red["SPLIT_K"], red["SPLIT_MIN"], red["SPLIT_CAP"], red["KT"]) == (most, 4, dedup.gemm1_split_cap, h // 256)
+    fixed = C.plan("sm90", t, e, k, h, i, sm_count=132, form="dedup_split_fixed")
+    assert fixed.gemm1_split_cap == 0 and launches(fixed, call)[0].grid[2] == 4 == fixed.gemm1_split_k
     assert g2.grid == (t * k, dedup.gemm2_n_split) and g2.kwargs["SLOT_DEDUP"] and g2.kwargs["SP"] == 32
     assert fin.grid[0] == t and fin.kwargs["ROWS"] == k
     assert C.plan("sm90", 64, e, k, h, i, sm_count=132, form="slot_dedup").slot_dedup is False  # grouped: no effect
