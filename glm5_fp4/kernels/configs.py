@@ -719,12 +719,16 @@ def pick_split_k(programs: int, k_tiles: int, sm_count: int, waves: float = 8.0,
     return s
 
 
+def _largest_split(k_tiles: int, most: int, programs: int, cap: int) -> int:
+    """Largest divisor of ``k_tiles`` (at most ``most``) that keeps ``programs`` x split within ``cap``; 1 where
+    none does."""
+    return max((s for s in range(1, min(k_tiles, most) + 1) if k_tiles % s == 0 and programs * s <= cap), default=1)
+
+
 def pick_slot_split_k(programs: int, k_tiles: int, sm_count: int) -> int:
     """Largest divisor of ``k_tiles`` (at most SLOT_SPLIT_K_MAX) that keeps the slot GEMM1's programs within
     SLOT_SPLIT_PROGRAMS_PER_SM per SM; 1 where even one range per program exceeds that."""
-    fits = [s for s in range(1, min(k_tiles, SLOT_SPLIT_K_MAX) + 1)
-            if k_tiles % s == 0 and programs * s <= SLOT_SPLIT_PROGRAMS_PER_SM * sm_count]
-    return max(fits, default=1)
+    return _largest_split(k_tiles, SLOT_SPLIT_K_MAX, programs, SLOT_SPLIT_PROGRAMS_PER_SM * sm_count)
 
 
 def pick_grouped_split_k(top_k: int, n_tiles: int, hidden: int, bk: int, sm_count: int) -> int:
@@ -885,9 +889,7 @@ def dedup_split_max(hidden: int, bk: int, n_tiles: int, top_k: int, cap: int) ->
     """The largest split the slot dedup's GEMM1 may pick at run time (the grid's K dimension): the largest divisor of
     the K tiles, at most DEDUP_SPLIT_K_MAX, that the fewest groups a call can have (top_k: every token's k experts
     are distinct) keep within ``cap`` programs (1 where none does)."""
-    k_tiles = hidden // bk
-    return max((s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1)
-                if k_tiles % s == 0 and top_k * n_tiles * s <= cap), default=1)
+    return _largest_split(hidden // bk, DEDUP_SPLIT_K_MAX, top_k * n_tiles, cap)
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.

@@ -356,14 +356,10 @@ def _check_tma(plan: cfgs.Plan, call: MoECall) -> None:
             raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs {name} at a {TMA_ROW_BYTES}-byte aligned address")
 
 
-def _split_cap(plan: cfgs.Plan, call: MoECall) -> dict:
+def _split_cap(plan: cfgs.Plan) -> dict:
     """The constexprs with which the slot dedup's GEMM1 and its reduce launch pick the split from the routing
     (Plan.gemm1_split_cap; triton_moe._dedup_split)."""
-    if not plan.gemm1_split_cap:
-        return {}
-    p = call.prepared
-    return dict(SPLIT_CAP=plan.gemm1_split_cap, SPLIT_MIN=plan.gemm1_split_k, SP=_pow2(call.num_slots),
-                N_TILES=p.intermediate_size // plan.gemm1.bn, KT=p.hidden_size // plan.gemm1.bk)
+    return dict(SPLIT_CAP=plan.gemm1_split_cap, SPLIT_MIN=plan.gemm1_split_k) if plan.gemm1_split_cap else {}
 
 
 def _gemm1_splits(plan: cfgs.Plan, call: MoECall) -> int:
@@ -377,17 +373,23 @@ def _gemm1_splits(plan: cfgs.Plan, call: MoECall) -> int:
 
 
 def _splitk_reduce(call: MoECall, split_k: int, w4a4: bool, has_map: bool, stage: str, pdl: dict,
-                   split_cap: dict | None = None) -> Launch:
-    """GEMM1's split-K partial sums added per row (slot id, or sorted position in the grouped schedule)."""
+                   plan: cfgs.Plan | None = None) -> Launch:
+    """GEMM1's split-K partial sums added per row (slot id, or sorted position in the grouped schedule); ``plan``:
+    the slot dedup's, whose split may be picked at run time (the reduce then counts the groups as GEMM1 does, with
+    GEMM1's tile shape)."""
     from glm5_fp4.kernels import triton_moe as K
 
     ws, i = call.workspace, call.prepared.intermediate_size
     rblock = min(i, 256)
+    split_cap = _split_cap(plan) if plan else {}
+    if split_cap:
+        split_cap.update(SP=_pow2(call.num_slots), N_TILES=i // plan.gemm1.bn,
+                         KT=call.prepared.hidden_size // plan.gemm1.bk)
     return Launch(
         K.moe_splitk_reduce_kernel, (call.num_slots, i // rblock),
         (ws.part, call.num_slots * 2 * i, ws.act, call.topk_ids, _emap(call), _scales(call)[3]),
         dict(I=i, SPLIT_K=split_k, BLOCK=rblock, W4A4=w4a4, HAS_MAP=has_map, KC=cfgs.gemm2_k_chunk(i), num_warps=4,
-             **pdl, **(split_cap or {})),
+             **pdl, **split_cap),
         stage=stage,
     )
 
@@ -447,12 +449,12 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
                  **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({"X_NAT": True} if plan.x_natural else {}),
-                 **({k: v for k, v in _split_cap(plan, call).items() if k in ("SPLIT_CAP", "SPLIT_MIN")})),
+                 **_split_cap(plan)),
             stage="gemm1",
         )
     ]
     if split_k > 1 and not fused:
-        out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2", pdl, _split_cap(plan, call)))
+        out.append(_splitk_reduce(call, split_k, w4a4, has_map, "gemm2", pdl, plan))
     if dedup:
         # GEMM2 per (slot group, N range) into per-slot fp32 rows of the combine buffer, then each token's k rows
         # added in slot order (by the finalize, or by GEMM2's last writer of each token's rows): every expert's W2
