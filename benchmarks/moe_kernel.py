@@ -101,7 +101,7 @@ def sweep_variants(base, hidden: int, intermediate: int, arch: str) -> dict:
             gemm2_unroll=base.gemm2_split_slots and C.gemm2_slot_unrolls(arch, base.gemm2, intermediate, 8))
     if base.schedule == "slot":
         # up to SLOT_SPLIT_K_MAX ranges: at T=1 a program per 1-2 K tiles (the picker stops at SPLIT_K_MAX)
-        for s in (1, 2, 4, 6, 8, 12, 24):
+        for s in (1, 2, 3, 4, 6, 8, 12, 24):
             if s != base.gemm1_split_k and C.split_k_fits(s, hidden, base.gemm1.bk, slot=True):
                 out[f"splitK{s}"] = rep(base, gemm1_split_k=s, gemm1_fused_reduce=False)
                 if s >= 2:

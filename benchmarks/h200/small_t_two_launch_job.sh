@@ -6,8 +6,11 @@
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh ab      # same-run A/B, TP8 T = 2-4 then TP4 and EP8-sized
 #                                                                # whole experts (AB1_TOKENS=none: TP8 only)
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sweep   # around dedup_by_arrival: GEMM2 splits, GEMM1 split-K
-#                                                                # (SWEEP_FORM (default: the default plan),
-#                                                                # SWEEP_TOKENS, SWEEP_ONLY)
+#                                                                # (SWEEP_FORM ("default": the default plan),
+#                                                                # SWEEP_TOKENS, SWEEP_ONLY, SWEEP_SHARDS,
+#                                                                # SWEEP_ROUTINGS, SWEEP_LAYERS)
+#   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh floor   # benchmarks/small_t_floor.py: T <= 2's bytes read by
+#                                                                # one launch, by two, with today's round trips
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh table   # moe_kernel.py table, TP8 T = 1-16, 3 routings
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh tests   # tests/gpu: the new forms, slot dedup, fused reduce
 #   OUT=dir bash benchmarks/h200/small_t_two_launch_job.sh sanitize
@@ -30,9 +33,15 @@ for s in "$@"; do
         balanced,same_k 2 ;;
     sweep)
       form=${SWEEP_FORM:-dedup_by_arrival}
-      GREP="precompiled|best|rror" step sweep_small_t "${T_SWEEP:-240}" python3 benchmarks/moe_kernel.py --sweep \
-        --shards tp8 --tokens "${SWEEP_TOKENS:-3,4}" --layers 4 $([ "$form" = default ] || echo "--form $form") \
-        --only "${SWEEP_ONLY:-^g2 n|^splitK}" --precompile 14 --json "$OUT/sweep_small_t.json" ;;
+      for sh in ${SWEEP_SHARDS:-tp8}; do for r in ${SWEEP_ROUTINGS:-balanced}; do
+        GREP="precompiled|best|rror" step "sweep_small_t_${sh}_$r" "${T_SWEEP:-240}" python3 benchmarks/moe_kernel.py \
+          --sweep --shards "$sh" --tokens "${SWEEP_TOKENS:-3,4}" --layers "${SWEEP_LAYERS:-4}" --sweep-routing "$r" \
+          $([ "$form" = default ] || echo "--form $form") --only "${SWEEP_ONLY:-^g2 n|^splitK}" --precompile 14 \
+          --json "$OUT/sweep_small_t_${sh}_$r.json"
+      done; done ;;
+    floor)
+      GREP="T=|rror" step small_t_floor "${T_FLOOR:-180}" python3 benchmarks/small_t_floor.py \
+        --tokens "${FLOOR_TOKENS:-1,2}" --json "$OUT/small_t_floor.json" ;;
     table)
       GREP="precompiled|T=|rror" step table_small_t "${T_TABLE:-300}" python3 benchmarks/moe_kernel.py --shards tp8 \
         --tokens "${TABLE_TOKENS:-1,2,3,4,8,16}" --routings balanced,same_k,zipf1.2 --layers 4 --no-marlin \

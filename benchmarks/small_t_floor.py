@@ -1,0 +1,173 @@
+"""How fast the bytes of a T <= 2 MoE layer can be read at all, by one launch or by two (issue 13, goal 4: TP8 T=1 <=
+12 us per layer; the fused kernel takes ~18 us on an H100). Each variant reads exactly the weight bytes the layer
+reads -- the routed experts' gate/up words and scales, then their down words and scales, out of the same prepared
+layers the benchmark times, 4 distinct layers per CUDA graph -- and does no arithmetic beyond an XOR per 8 bytes:
+
+* ``layer``: the fused MoE on its default plan (reference; ``gemm1``: its GEMM1 stage alone);
+* ``read1``: one launch reading all four regions (the floor of a single-kernel form);
+* ``read2``: two launches under programmatic dependent launch, gate/up then down, the second reading only after
+  the first has finished (the two-launch form's floor);
+* ``read2_pf``: the same with the second launch asking L2 for its bytes before it waits (what GEMM2 does);
+* ``chain2``: read2 plus the dependent round trips of today's form: every first-launch program stores its result
+  and arrives on a per-slot counter, the last one re-reads the slot's results and writes one value (GEMM1's fused
+  split-K reduce), and every second-launch program reads that value after the wait and arrives likewise (GEMM2 by
+  slots and its sum).
+
+Programs read 32 KB each (``--chunk``), about three per SM on the first launch, like the slot GEMM1. Wrong results
+by design: nothing is checked; the numbers bound what a form with this launch structure can reach.
+
+    python3 benchmarks/small_t_floor.py --tokens 1,2 --json small_t_floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import triton
+import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+
+@triton.jit
+def _region(pid, ids_ptr, slot, r_ptr, r_stride, c_lo, P: tl.constexpr, C: tl.constexpr):
+    """(in region, element offset) of program ``pid`` when region r covers programs c_lo .. c_lo+P-1."""
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    return e * r_stride + (pid - c_lo).to(tl.int64) * C
+
+
+@triton.jit
+def _read_chunk(p, C: tl.constexpr, ROWS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    acc = tl.zeros((ROWS, 16), dtype=tl.int64)
+    for i in tl.static_range(0, C, ROWS * 16):
+        acc ^= tl.load(p + i + offs)
+    return tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0)
+
+
+@triton.jit
+def _floor_kernel(ids_ptr, r0, r1, r2, r3, s0, s1, s2, s3, out_ptr, cnt_ptr, val_ptr,
+                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, C: tl.constexpr,
+                  ROWS: tl.constexpr, NP: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                  ARRIVE: tl.constexpr, READ_VAL: tl.constexpr):
+    """Grid (P0+P1+P2+P3, slots): program (c, slot) reads chunk c of the regions r0..r3 (each [E, stride] int64,
+    P_i chunks of C elements per expert) of the slot's expert."""
+    c = tl.program_id(0)
+    slot = tl.program_id(1)
+    if c < P0:
+        base = r0 + _region(c, ids_ptr, slot, r0, s0, 0, P0, C)
+    elif c < P0 + P1:
+        base = r1 + _region(c, ids_ptr, slot, r1, s1, P0, P1, C)
+    elif c < P0 + P1 + P2:
+        base = r2 + _region(c, ids_ptr, slot, r2, s2, P0 + P1, P2, C)
+    else:
+        base = r3 + _region(c, ids_ptr, slot, r3, s3, P0 + P1 + P2, P3, C)
+    if PREFETCH:
+        offs = tl.arange(0, C // 16) * 16  # one request per 128 bytes
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [base + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    if USE_PDL:
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
+    v = _read_chunk(base, C, ROWS)
+    if READ_VAL:
+        v ^= tl.load(val_ptr + slot, cache_modifier=".cg")
+    tl.store(out_ptr + slot * NP + c, v)
+    if ARRIVE:
+        tl.debug_barrier()
+        last = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu") == NP - 1
+        if last:
+            tl.atomic_xchg(cnt_ptr + slot, 0, sem="relaxed", scope="gpu")
+            allv = tl.load(out_ptr + slot * NP + tl.arange(0, 128), mask=tl.arange(0, 128) < NP, other=0,
+                           cache_modifier=".cg")
+            tl.store(val_ptr + slot, tl.xor_sum(allv, axis=0))
+
+
+def _views(p, chunk: int):
+    """The prepared layer's four weight regions as [E, n] int64 views, and the chunks per expert of each."""
+    regions = [p.w13, p.w13_scale, p.w2, p.w2_scale]
+    views = [r.reshape(r.shape[0], -1).view(dtype=__import__("torch").int64) for r in regions]
+    for v in views:
+        if v.shape[1] % chunk:
+            raise SystemExit(f"region of {v.shape[1]} int64 per expert is not a multiple of --chunk {chunk}")
+    return views, [v.shape[1] // chunk for v in views]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shard", default="tp8")
+    ap.add_argument("--tokens", default="1,2")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=4096, help="int64 elements each program reads (4096: 32 KB)")
+    ap.add_argument("--json", default="small_t_floor.json")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("small_t_floor needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench import routing as R
+    from glm5_fp4.bench.meta import result_metadata
+    from glm5_fp4.bench.timing import copy_bandwidth_gbs, graph_time_us
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sh = B.glm5_shard(args.shard)
+    layers = B.make_layers(sh, args.layers, gen)
+    copy = copy_bandwidth_gbs()
+    rows = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        tw, ids = R.make_routing("balanced", t, sh.global_experts, sh.top_k, gen, "cuda")
+        ids32 = ids.to(torch.int32).reshape(-1).contiguous()
+        slots = ids32.numel()
+        per = [_views(p, args.chunk) for p in layers.prepared]
+        counts = per[0][1]
+        np_all = sum(counts)
+        out = torch.zeros(slots * 128, dtype=torch.int64, device="cuda")
+        cnt = torch.zeros(slots, dtype=torch.int32, device="cuda")
+        val = torch.zeros(slots, dtype=torch.int64, device="cuda")
+        nbytes = sum(int(v.shape[1]) * 8 for v in per[0][0]) * len(set(ids32.tolist()))
+
+        def launch(views, regions, pdl, prefetch=False, arrive=False, read_val=False):
+            ps = [counts[i] if i in regions else 0 for i in range(4)]
+            np_ = sum(ps)
+            r = [views[i] if i in regions else views[regions[0]] for i in range(4)]
+            _floor_kernel[(np_, slots)](
+                ids32, *r, *[v.shape[1] for v in r], out, cnt, val, P0=ps[0], P1=ps[1], P2=ps[2], P3=ps[3],
+                C=args.chunk, ROWS=32, NP=np_, USE_PDL=pdl, PREFETCH=prefetch, ARRIVE=arrive, READ_VAL=read_val,
+                num_warps=4, launch_pdl=pdl)
+
+        def variant(kind):
+            def run():
+                for views, _ in per:
+                    if kind == "read1":
+                        launch(views, (0, 1, 2, 3), True)
+                    elif kind == "read1_13":
+                        launch(views, (0, 1), True)
+                    else:
+                        launch(views, (0, 1), True, arrive=kind == "chain2")
+                        launch(views, (2, 3), True, prefetch=kind in ("read2_pf", "chain2"),
+                               arrive=kind == "chain2", read_val=kind == "chain2")
+            return run
+
+        times = {k: graph_time_us(variant(k), replays=50) / len(per)
+                 for k in ("read1", "read1_13", "read2", "read2_pf", "chain2")}
+        times["layer"] = B.time_ours(layers, x, tw, ids)
+        times["gemm1"] = B.time_ours(layers, x, tw, ids, stages=("align", "gemm1"))
+        floor_us = nbytes / copy / 1e3
+        row = dict(tokens=t, slots=slots, programs_per_slot=np_all, bytes=nbytes, floor_us=floor_us,
+                   us=times)
+        rows.append(row)
+        print(f"T={t}: {nbytes / 1e6:.1f} MB, copy-bandwidth floor {floor_us:.1f} us; "
+              + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
+    res = dict(meta=result_metadata(copy_gbs=copy, shard=args.shard, layers=args.layers, chunk=args.chunk),
+               rows=rows)
+    with open(args.json, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
