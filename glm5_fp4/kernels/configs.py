@@ -842,12 +842,15 @@ def plan(
     elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
         split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
     split_cap = 0
-    if (slot_dedup and not fused_finalize and arch in DEDUP_RUNTIME_SPLIT_ARCHS
-            and change.get("dedup_split", "runtime") == "runtime"):
+    dedup_rule = change.get("dedup_split", "runtime")
+    if slot_dedup and not fused_finalize and arch in DEDUP_RUNTIME_SPLIT_ARCHS and dedup_rule != "fixed":
         cap = SLOT_SPLIT_PROGRAMS_PER_SM * sm_count
-        # only where some routing can raise the split (whole experts: even k groups fill the GPU at the plan's split)
-        if dedup_split_max(hidden, g1.bk, intermediate // g1.bn, top_k, cap) > split_k:
-            split_cap = cap
+        # the least split the run-time pick starts from: the plan's power of two ("raise", the former rule), or
+        # the fewest K ranges that keep each program within DEDUP_SPLIT_K_TILES tiles
+        floor = split_k if dedup_rule == "raise" else dedup_split_floor(hidden, g1.bk)
+        # only where some routing can raise it (whole experts: even k groups fill the GPU at the plan's split)
+        if dedup_split_max(hidden, g1.bk, intermediate // g1.bn, top_k, cap) > max(split_k, floor):
+            split_cap, split_k = cap, floor
     if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
@@ -883,6 +886,20 @@ X_NATURAL_ARCHS = ("sm90", "sm100")
 # plan's: the one-wave rule's split of 1 at TP4 T=4 balanced cost +17 % (90.2 against 76.8 us, 9eff0ad).
 DEDUP_RUNTIME_SPLIT_ARCHS = ("sm90", "sm100")
 DEDUP_SPLIT_K_MAX = 12
+# ... and at least as many as keep each program within this many K tiles. The best split of every measured routing
+# was the largest that keeps the call's programs within one wave of resident CTAs (a 5 % second wave is a whole extra
+# round: TP8 T=4 balanced, 26 groups, split 4 = 416 programs on 396 slots 47.8 us, split 3 = 312 programs 42.5,
+# split 6 43.8), except where that wave leaves programs too long: TP4 T=4 balanced, 24 K tiles a program at split 1,
+# 90.2 against 76.8 us at 4 (H100, 2026-12-06, improvements/23). PENDING the TP4 sweep.
+DEDUP_SPLIT_K_TILES = 8
+
+
+def dedup_split_floor(hidden: int, bk: int) -> int:
+    """The least split the slot dedup's GEMM1 picks at run time: the fewest K ranges (a divisor of the K tiles, at
+    most DEDUP_SPLIT_K_MAX) of at most DEDUP_SPLIT_K_TILES tiles each."""
+    k_tiles = hidden // bk
+    return min((s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1)
+                if k_tiles % s == 0 and k_tiles // s <= DEDUP_SPLIT_K_TILES), default=min(k_tiles, DEDUP_SPLIT_K_MAX))
 
 
 def dedup_split_max(hidden: int, bk: int, n_tiles: int, top_k: int, cap: int) -> int:
@@ -1006,6 +1023,10 @@ OPT_IN: dict[str, OptIn] = {
                                archs=DEDUP_RUNTIME_SPLIT_ARCHS,
                                purpose="the slot dedup GEMM1's split-K fixed by the plan (pick_split_k: 4 at T = 3-4 "
                                        "on the TP8 shard), not picked from the routing"),
+    "dedup_split_raise": OptIn(dict(dedup_split="raise"), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
+                               archs=DEDUP_RUNTIME_SPLIT_ARCHS,
+                               purpose="the slot dedup GEMM1's split picked from the routing but never below the "
+                                       "plan's power of two (4 on the TP shards; the default before 2026-12-06)"),
     "x_gathered": OptIn(dict(x_natural=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
