@@ -29,8 +29,8 @@ for s in "$@"; do
   case $s in
     ab)
       ab_step small_t_tp8 "${T_AB:-240}" tp8 "${AB_TOKENS:-2,3,4}" "${AB_ROUTINGS:-balanced,same_k,zipf1.2}" 4
-      [ "${AB1_TOKENS:-}" = none ] || ab_step small_t_tp4_tp1 "${T_AB1:-240}" tp4,tp1 "${AB1_TOKENS:-2,4}" \
-        balanced,same_k 2 ;;
+      [ "${AB1_TOKENS:-}" = none ] || ab_step small_t_tp4_tp1 "${T_AB1:-240}" "${AB1_SHARDS:-tp4,tp1}" \
+        "${AB1_TOKENS:-2,4}" "${AB1_ROUTINGS:-balanced,same_k}" 2 ;;
     sweep)
       form=${SWEEP_FORM:-dedup_by_arrival}
       for sh in ${SWEEP_SHARDS:-tp8}; do for r in ${SWEEP_ROUTINGS:-balanced}; do
