@@ -205,6 +205,33 @@ def test_grouped_split_k_launches_a_reduce_after_gemm1():
     assert red.grid[0] == t * k and not red.kwargs["HAS_MAP"] and not red.kwargs["W4A4"]
 
 
+def test_dedup_grid_and_split_forms_refused_where_they_do_not_apply():
+    """The launcher names the plan when its run-time split or compact grid cannot run: a compact GEMM1 grid needs
+    the split picked at run time (its rows follow it), which needs the slot dedup."""
+    import dataclasses
+
+    import torch
+
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import MoECall, launches
+    from glm5_fp4.kernels.moe import Workspace
+    from glm5_fp4.sm120 import launches as SL
+
+    shape = {s.name: s for s in SL.shape_classes()}["tp8"]
+    prep = SL.meta_prepared(shape, layout="placed")
+    meta, t, k = torch.device("meta"), 4, 8
+    e, h, i = prep.num_experts, prep.hidden_size, prep.intermediate_size
+    x = torch.empty(t, h, dtype=torch.bfloat16, device=meta)
+    call = MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
+                   torch.empty_like(x), Workspace(meta, e, k, h, i, t))
+    plan = C.plan("sm90", t, e, k, h, i, sm_count=132)
+    with pytest.raises(Glm5Fp4Error, match="compact grid needs its split picked at run time"):
+        launches(dataclasses.replace(plan, gemm1_split_cap=0), call)
+    with pytest.raises(Glm5Fp4Error, match="split picked at run time is a form of the slot dedup"):
+        launches(dataclasses.replace(plan, slot_dedup=False), call)
+
+
 def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     """Plan.slot_dedup (the default at T = 3-4): GEMM1 keeps the slot grid with DEDUP on; GEMM2 is the grouped kernel over
     (slot, N range) storing per-slot rows, split along H for the experts a call touches (not per token); the
@@ -235,16 +262,29 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     assert names == ["moe_gemm1_kernel"] + (["moe_splitk_reduce_kernel"] if dedup.gemm1_split_k > 1 else []) + tail
     assert count(dedup) == len(names) == count(base) + 1
     g1, g2, fin = todo[0], todo[-2], todo[-1]
-    # the split is the plan's, raised at run time where the routing leaves few groups (Plan.gemm1_split_cap): the grid
-    # holds the largest, the kernels pick, GEMM1 and the reduce with the same constexprs
+    # the split is picked at run time from the routing (Plan.gemm1_split_cap), from the floor up (3: 8 K tiles a
+    # program); GEMM1 and the reduce with the same constexprs; GEMM1's compact grid holds only the (group, K range)
+    # rows some routing uses: the cap's at a raised split (396 // 4 N tiles), every slot's group at the floor (32 x 3)
     most = C.dedup_split_max(h, dedup.gemm1.bk, i // dedup.gemm1.bn, k, dedup.gemm1_split_cap)
-    assert dedup.gemm1_split_cap == C.SLOT_SPLIT_PROGRAMS_PER_SM * 132 and most == 12 > dedup.gemm1_split_k == 4
-    assert g1.grid == (i // dedup.gemm1.bn, t * k, most) and g1.kwargs["DEDUP"] and g1.kwargs["SP"] == 32
-    assert (g1.kwargs["SPLIT_K"], g1.kwargs["SPLIT_MIN"], g1.kwargs["SPLIT_CAP"]) == (most, 4, dedup.gemm1_split_cap)
+    cap = C.SLOT_SPLIT_PROGRAMS_PER_SM * 132
+    assert dedup.gemm1_split_cap == cap and most == 12 > dedup.gemm1_split_k == 3 == C.dedup_split_floor(h, 256)
+    n1 = i // dedup.gemm1.bn
+    assert dedup.gemm1_compact_grid and g1.grid == (n1, max(cap // n1, t * k * 3), 1) == (4, 99, 1)
+    assert g1.kwargs["DEDUP"] and g1.kwargs["SP"] == 32 and (g1.kwargs["DEDUP_ROWS"], g1.kwargs["NSLOTS"]) == (99, 32)
+    assert (g1.kwargs["SPLIT_K"], g1.kwargs["SPLIT_MIN"], g1.kwargs["SPLIT_CAP"]) == (most, 3, cap)
     red = todo[1].kwargs
-    assert (red["SPLIT_K"], red["SPLIT_MIN"], red["SPLIT_CAP"], red["KT"]) == (most, 4, dedup.gemm1_split_cap, h // 256)
+    assert (red["SPLIT_K"], red["SPLIT_MIN"], red["SPLIT_CAP"], red["KT"]) == (most, 3, cap, h // 256)
+    # the full grid (opt-in dedup_grid_full): a program per (N tile, slot, K range of the largest split)
+    full = C.plan("sm90", t, e, k, h, i, sm_count=132, form="dedup_grid_full")
+    assert not full.gemm1_compact_grid and launches(full, call)[0].grid == (n1, t * k, most)
+    assert "DEDUP_ROWS" not in launches(full, call)[0].kwargs
+    # the former rule (opt-in dedup_split_raise) starts from the plan's power of two; the fixed form keeps it
+    raise_ = C.plan("sm90", t, e, k, h, i, sm_count=132, form="dedup_split_raise")
+    assert (raise_.gemm1_split_k, raise_.gemm1_split_cap) == (4, cap)
+    assert launches(raise_, call)[0].grid == (n1, max(cap // n1, t * k * 4), 1)
     fixed = C.plan("sm90", t, e, k, h, i, sm_count=132, form="dedup_split_fixed")
-    assert fixed.gemm1_split_cap == 0 and launches(fixed, call)[0].grid[2] == 4 == fixed.gemm1_split_k
+    assert fixed.gemm1_split_cap == 0 and not fixed.gemm1_compact_grid
+    assert launches(fixed, call)[0].grid[2] == 4 == fixed.gemm1_split_k
     assert g2.grid == (t * k, dedup.gemm2_n_split) and g2.kwargs["SLOT_DEDUP"] and g2.kwargs["SP"] == 32
     assert fin.grid[0] == t and fin.kwargs["ROWS"] == k
     assert C.plan("sm90", 64, e, k, h, i, sm_count=132, form="slot_dedup").slot_dedup is False  # grouped: no effect
@@ -413,7 +453,9 @@ def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
         assert (one.gemm1_split_k, one.gemm1_fused_reduce, one.pdl, one.gemm2_split_slots) == (split, fused, False, False)
     for t in (3, 4):
         p = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132)
-        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.gemm2_split_slots) == (4, False, False)
+        # slot dedup: the run-time split's floor (8 of the 24 K tiles a program), a reduce launch
+        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.gemm2_split_slots) == (3, False, False)
+        assert p.gemm1_split_cap > 0 and p.gemm1_compact_grid
     # the T=1 plan before 2026-12-02: 4 K ranges, a reduce launch, one GEMM2 program per token, plain launches
     old = C.plan("sm90", 1, 256, 8, 6144, 256, sm_count=132, form="slot_split4")
     assert (old.gemm1_split_k, old.gemm1_fused_reduce, old.gemm2_split_slots, old.pdl) == (4, False, False, False)

@@ -141,6 +141,10 @@ class Plan:
     # tiles x split programs within this many: the rule pick_slot_split_k applies at plan time where the programs
     # are known, T <= 2); 0: the plan's split.
     gemm1_split_cap: int = 0
+    # With gemm1_split_cap: GEMM1's grid holds only as many (group, K range) rows as some routing can use
+    # (launch.dedup_rows), each program finding its group's leader and K range from the counted groups, instead of a
+    # program per (slot, K range) of the largest split, most of them idle (TP8 T=4: 396 programs against 1,536).
+    gemm1_compact_grid: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -857,6 +861,7 @@ def plan(
              gemm2_split_slots=split_slots, dedup_fused_finalize=fused_finalize,
              gemm1_fused_reduce=(few or spread) and split_k > 1,
              slot_dedup=slot_dedup, x_natural=slot_dedup and arch in X_NATURAL_ARCHS, gemm1_split_cap=split_cap,
+             gemm1_compact_grid=split_cap > 0,
              parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS
                                         or (spread and gemm2_k_chunk(intermediate) == intermediate)))
@@ -1027,6 +1032,11 @@ OPT_IN: dict[str, OptIn] = {
                                archs=DEDUP_RUNTIME_SPLIT_ARCHS,
                                purpose="the slot dedup GEMM1's split picked from the routing but never below the "
                                        "plan's power of two (4 on the TP shards; the default before 2026-12-06)"),
+    "dedup_grid_full": OptIn(dict(gemm1_compact_grid=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
+                             archs=DEDUP_RUNTIME_SPLIT_ARCHS,
+                             purpose="the slot dedup GEMM1 with the split picked at run time launches a program per "
+                                     "(N tile, slot, K range of the largest split), most of them idle (the default "
+                                     "before 2026-12-06)"),
     "x_gathered": OptIn(dict(x_natural=False), "slot", None, ("w4a16", "w4a4"), compile_tokens=(4,),
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "

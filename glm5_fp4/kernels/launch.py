@@ -328,6 +328,9 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
                                f"prepared with layout={call.prepared.layout!r}")
     if plan.gemm1_split_cap and not (plan.schedule == "slot" and plan.slot_dedup):
         raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's split picked at run time is a form of the slot dedup")
+    if plan.gemm1_compact_grid and not plan.gemm1_split_cap:
+        raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1's compact grid needs its split picked at run time "
+                           "(gemm1_split_cap)")
     if g1.tma and g1.stacked:
         raise Glm5Fp4Error(f"MoE plan {plan}: a stacked GEMM1 tile (gate and up rows as one) has no TMA form")
     if g1.tma:
@@ -360,6 +363,15 @@ def _split_cap(plan: cfgs.Plan) -> dict:
     """The constexprs with which the slot dedup's GEMM1 and its reduce launch pick the split from the routing
     (Plan.gemm1_split_cap; triton_moe._dedup_split)."""
     return dict(SPLIT_CAP=plan.gemm1_split_cap, SPLIT_MIN=plan.gemm1_split_k) if plan.gemm1_split_cap else {}
+
+
+def dedup_rows(plan: cfgs.Plan, call: MoECall) -> int:
+    """Plan.gemm1_compact_grid: the (group, K range) rows of GEMM1's grid, the most any routing uses: a split raised
+    above the plan's keeps groups x N tiles x split within the cap; at the plan's split, every group (at most one
+    per slot or per local expert) takes that many rows."""
+    p = call.prepared
+    n_tiles = p.intermediate_size // plan.gemm1.bn
+    return max(plan.gemm1_split_cap // n_tiles, min(call.num_slots, p.num_experts) * plan.gemm1_split_k)
 
 
 def _gemm1_splits(plan: cfgs.Plan, call: MoECall) -> int:
@@ -431,6 +443,9 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     a13, a2, g13, g2s = _scales(call)
     split_k = _gemm1_splits(plan, call)  # (the largest, where the split is picked at run time)
     num_slots = call.num_slots
+    # (N tile, slot, K range), or (N tile, row of group and K range): Plan.gemm1_compact_grid
+    compact = dict(DEDUP_ROWS=dedup_rows(plan, call), NSLOTS=num_slots) if plan.gemm1_compact_grid else {}
+    grid1 = (i // g1.bn, compact["DEDUP_ROWS"], 1) if compact else (i // g1.bn, num_slots, split_k)
     has_map = call.expert_map is not None
     emap = _emap(call)
     placed = p.layout in PLACED_LAYOUTS
@@ -440,7 +455,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     w13, w13_kw = _w13(plan, call)
     out = [
         Launch(
-            K.moe_gemm1_kernel, (i // g1.bn, num_slots, split_k),
+            K.moe_gemm1_kernel, grid1,
             (call.x, call.x.stride(0), ws.xq, *w13, p.w13_alpha, a13, g13, g2s,
              ws.act, ws.part, num_slots * 2 * i, ws.split_count, call.topk_ids, emap, ws.slots, ws.blocks,
              ws.num_blocks, k),
@@ -449,7 +464,7 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
                  KC=cfgs.gemm2_k_chunk(i), PLACED=placed, FUSED_REDUCE=fused, DEDUP=dedup, SP=_pow2(num_slots),
                  num_warps=g1.num_warps, num_stages=g1.num_stages, **_regs(g1, call), **pdl,
                  **_l2_prefetch(plan, call), **w13_kw, **_stack(g1), **({"X_NAT": True} if plan.x_natural else {}),
-                 **_split_cap(plan)),
+                 **_split_cap(plan), **compact),
             stage="gemm1",
         )
     ]

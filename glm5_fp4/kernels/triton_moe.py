@@ -451,22 +451,40 @@ def _slot_group(s, ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.cons
 
 
 @triton.jit
+def _group_leaders(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr):
+    """[SP] mask of the slots that lead a group: local, and no earlier local slot has their expert."""
+    offs = tl.arange(0, SP)
+    ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < nslots, HAS_MAP)
+    dup = (ids[:, None] == ids[None, :]) & m[None, :] & (offs[None, :] < offs[:, None])
+    return m & (tl.max(dup.to(tl.int32), axis=1) == 0)
+
+
+@triton.jit
 def _dedup_split(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr, N_TILES: tl.constexpr,
                  KT: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT_MAX: tl.constexpr, CAP: tl.constexpr):
     """The slot dedup GEMM1's split-K for this call's routing: the plan's split SPLIT_MIN, raised to the largest
     divisor of the KT K tiles (at most SPLIT_MAX) that keeps groups x N_TILES x split programs within CAP where the
     routing leaves few groups (skew: configs.pick_slot_split_k's rule, on the groups counted here, which no plan can
     know; GEMM1 and its reduce launch each count them alike)."""
-    offs = tl.arange(0, SP)
-    ids, m = _local_ids(ids_ptr, emap_ptr, offs, offs < nslots, HAS_MAP)
-    # a local slot leads its group when no earlier local slot has its expert
-    dup = (ids[:, None] == ids[None, :]) & m[None, :] & (offs[None, :] < offs[:, None])
-    groups = tl.sum((m & (tl.max(dup.to(tl.int32), axis=1) == 0)).to(tl.int32), axis=0)
+    groups = tl.sum(_group_leaders(ids_ptr, emap_ptr, nslots, SP, HAS_MAP).to(tl.int32), axis=0)
     sk = groups * 0 + SPLIT_MIN
     for s in tl.static_range(SPLIT_MIN + 1, SPLIT_MAX + 1):
         if KT % s == 0:
             sk = tl.where(groups * N_TILES * s <= CAP, s, sk)
     return sk
+
+
+@triton.jit
+def _dedup_row(r, ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr):
+    """Row ``r`` of the compact GEMM1 grid (Plan.gemm1_compact_grid) -> (leader slot of its group, K range): rows
+    0 .. groups-1 are the groups' first K range (in slot order), the next ``groups`` rows their second, ...; a
+    row past the call's split gets a K range the caller finds idle."""
+    offs = tl.arange(0, SP)
+    lead = _group_leaders(ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
+    groups = tl.maximum(tl.sum(lead.to(tl.int32), axis=0), 1)  # (no local slot: slot 0, idle as a remote slot)
+    g = r % groups
+    nth = tl.cumsum(lead.to(tl.int32), axis=0) - 1
+    return tl.sum(tl.where(lead & (nth == g), offs, 0), axis=0), r // groups
 
 
 @triton.jit
@@ -656,8 +674,14 @@ def moe_gemm1_kernel(
     X_NAT: tl.constexpr = False,
     SPLIT_CAP: tl.constexpr = 0,
     SPLIT_MIN: tl.constexpr = 1,
+    DEDUP_ROWS: tl.constexpr = 0,
+    NSLOTS: tl.constexpr = 0,
 ):
     """act[row, i] = silu(x W_gate^T) * (x W_up^T) for rows of one expert, i in this program's N tile.
+
+    ``DEDUP_ROWS > 0`` (with SPLIT_CAP; Plan.gemm1_compact_grid): the grid is (N tile, DEDUP_ROWS) and row r is
+    the (group, K range) :func:`_dedup_row` finds from the counted groups, instead of (N tile, slot, K range);
+    ``NSLOTS`` is then the call's slot count.
 
     ``SPLIT_CAP > 0`` (slot dedup, Plan.gemm1_split_cap): SPLIT_K is the grid's largest split; the split used is
     the plan's SPLIT_MIN or more, picked from the routing (:func:`_dedup_split`: the groups the call has), and
@@ -714,26 +738,31 @@ def moe_gemm1_kernel(
     tl.static_assert(not (KT > 0 and (W_DESC or S_DESC)) or BK <= KT, "a descriptor box lies within one run")
     tl.static_assert(not (STACK and (W_DESC or S_DESC)), "a stacked tile's rows are two runs, not one box")
     tl.static_assert(SPLIT_CAP == 0 or (SLOT_MODE and DEDUP), "the split picked at run time is the slot dedup's")
+    tl.static_assert(DEDUP_ROWS == 0 or SPLIT_CAP > 0, "the compact grid's rows follow the split picked at run time")
     _pdl_enter(USE_PDL)
     NW: tl.constexpr = BK // 8
     K_PER = H // SPLIT_K  # (run-time values where the split is picked from the routing)
     splits = SPLIT_K
+    pid_k = tl.program_id(2)
     if SLOT_MODE:
         pid_n = tl.program_id(0)
         start = tl.program_id(1)
         if DEDUP:
-            e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP)
+            nslots = tl.num_programs(1) if DEDUP_ROWS == 0 else NSLOTS
+            if DEDUP_ROWS > 0:
+                start, pid_k = _dedup_row(tl.program_id(1), ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
+            e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
             if SPLIT_CAP > 0:
-                splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(1), SP, HAS_MAP, I // BN, H // BK,
+                splits = _dedup_split(ids_ptr, emap_ptr, nslots, SP, HAS_MAP, I // BN, H // BK,
                                       SPLIT_MIN, SPLIT_K, SPLIT_CAP)
-                count = tl.where(tl.program_id(2) < splits, count, 0)
+                count = tl.where(pid_k < splits, count, 0)
                 K_PER = (H // BK // splits) * BK
         else:
             e, count = _slot_expert(start, ids_ptr, emap_ptr, HAS_MAP)
     else:
         pid_n = tl.program_id(1)
         e, count, start = _block_rows(tl.program_id(0), blk_ptr, num_blocks_ptr)
-    k_begin = tl.program_id(2) * K_PER
+    k_begin = pid_k * K_PER
     e64 = e.to(tl.int64)
 
     offs_i = pid_n * BN + tl.arange(0, BN)
@@ -843,7 +872,7 @@ def moe_gemm1_kernel(
         else:
             rows = (start + offs_m).to(tl.int64)  # sorted positions
         if SPLIT_K > 1:
-            pp = part_ptr + tl.program_id(2).to(tl.int64) * part_stride + rows[None, :] * (2 * I) + offs_i[:, None]
+            pp = part_ptr + pid_k.to(tl.int64) * part_stride + rows[None, :] * (2 * I) + offs_i[:, None]
             tl.store(pp, gate, mask=mmask[None, :])
             tl.store(pp + I, up, mask=mmask[None, :])
             if FUSED_REDUCE:

@@ -594,12 +594,14 @@ def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     """Plan.gemm1_split_cap (the slot dedup GEMM1's split-K raised at run time where the routing makes few groups, the
     default on sm_90): bit for bit the plan with that split fixed: the plan's split, or the largest divisor of the K
     tiles (at most dedup_split_max) keeping groups x N tiles x split programs within the cap; near float64; with the
-    reduce launch or GEMM1's fused reduce."""
+    reduce launch or GEMM1's fused reduce; the compact grid (Plan.gemm1_compact_grid, rows of group and K range found
+    from the counted groups) bit for bit the full one (a program per slot and K range of the largest split)."""
     h = 512
     ex, prep = _experts(gen, h)
     x = torch.randn(t, h, generator=gen).half()
     w, ids = make_routing(routing, t, E, K, gen)
-    # 64 SMs and 64-wide K tiles: the plan splits K 4 ways and a call with few groups may raise it to 8
+    # 64 SMs and 64-wide K tiles: the plan's split is the floor (1: 8 K tiles a program) and a call with few groups
+    # raises it up to 8
     sm_count, bk = 64, 64
     plan = C.plan("sm90", t, E, K, h, I, sm_count=sm_count, gemm1=C.Gemm1Config(16, 16, bk, 4, 2))
     # (``fused``: GEMM1's last program of each tile reduces, counting the run-time split's arrivals)
@@ -613,10 +615,14 @@ def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     assert most > plan.gemm1_split_k
     want_split = max([s for s in range(plan.gemm1_split_k, most + 1)
                       if k_tiles % s == 0 and groups * (I // 16) * s <= cap], default=plan.gemm1_split_k)
-    fixed = dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=want_split)
+    fixed = dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=want_split, gemm1_compact_grid=False)
+    assert plan.gemm1_compact_grid
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
     assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fixed))
+    full = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode, out=full, plan=dataclasses.replace(plan, gemm1_compact_grid=False))
+    assert torch.equal(out, full)
     assert routing != "same_k" or want_split > plan.gemm1_split_k  # (the case that raises it)
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
     assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
