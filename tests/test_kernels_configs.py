@@ -262,26 +262,29 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     assert names == ["moe_gemm1_kernel"] + (["moe_splitk_reduce_kernel"] if dedup.gemm1_split_k > 1 else []) + tail
     assert count(dedup) == len(names) == count(base) + 1
     g1, g2, fin = todo[0], todo[-2], todo[-1]
-    # the split is picked at run time from the routing (Plan.gemm1_split_cap), from the floor up (3: 8 K tiles a
-    # program); GEMM1 and the reduce with the same constexprs; GEMM1's compact grid holds only the (group, K range)
-    # rows some routing uses: the cap's at a raised split (396 // 4 N tiles), every slot's group at the floor (32 x 3)
+    # the split is picked at run time from the routing (Plan.gemm1_split_cap): the plan's 4, raised, or lowered to fit
+    # one wave down to the floor (3: 8 K tiles a program); GEMM1 and the reduce with the same constexprs; GEMM1's
+    # compact grid holds only the (group, K range) rows some routing uses: the cap's where the split fits one wave
+    # (396 // 4 N tiles), every slot's group at the plan's split otherwise (32 x 4)
     most = C.dedup_split_max(h, dedup.gemm1.bk, i // dedup.gemm1.bn, k, dedup.gemm1_split_cap)
     cap = C.SLOT_SPLIT_PROGRAMS_PER_SM * 132
-    assert dedup.gemm1_split_cap == cap and most == 12 > dedup.gemm1_split_k == 3 == C.dedup_split_floor(h, 256)
+    assert dedup.gemm1_split_cap == cap and most == 12 > dedup.gemm1_split_k == 4
+    assert dedup.gemm1_split_floor == 3 == C.dedup_split_floor(h, 256)
     n1 = i // dedup.gemm1.bn
-    assert dedup.gemm1_compact_grid and g1.grid == (n1, max(cap // n1, t * k * 3), 1) == (4, 99, 1)
-    assert g1.kwargs["DEDUP"] and g1.kwargs["SP"] == 32 and (g1.kwargs["DEDUP_ROWS"], g1.kwargs["NSLOTS"]) == (99, 32)
-    assert (g1.kwargs["SPLIT_K"], g1.kwargs["SPLIT_MIN"], g1.kwargs["SPLIT_CAP"]) == (most, 3, cap)
+    assert dedup.gemm1_compact_grid and g1.grid == (n1, max(cap // n1, t * k * 4), 1) == (4, 128, 1)
+    assert g1.kwargs["DEDUP"] and g1.kwargs["SP"] == 32 and (g1.kwargs["DEDUP_ROWS"], g1.kwargs["NSLOTS"]) == (128, 32)
+    split_kw = ("SPLIT_K", "SPLIT_MIN", "SPLIT_FLOOR", "SPLIT_CAP")
+    assert tuple(g1.kwargs[n] for n in split_kw) == (most, 4, 3, cap)
     red = todo[1].kwargs
-    assert (red["SPLIT_K"], red["SPLIT_MIN"], red["SPLIT_CAP"], red["KT"]) == (most, 3, cap, h // 256)
+    assert tuple(red[n] for n in split_kw) + (red["KT"],) == (most, 4, 3, cap, h // 256)
     # the full grid (opt-in dedup_grid_full): a program per (N tile, slot, K range of the largest split)
     full = C.plan("sm90", t, e, k, h, i, sm_count=132, form="dedup_grid_full")
     assert not full.gemm1_compact_grid and launches(full, call)[0].grid == (n1, t * k, most)
     assert "DEDUP_ROWS" not in launches(full, call)[0].kwargs
-    # the former rule (opt-in dedup_split_raise) starts from the plan's power of two; the fixed form keeps it
+    # the former rule (opt-in dedup_split_raise) never lowers it; the fixed form keeps it
     raise_ = C.plan("sm90", t, e, k, h, i, sm_count=132, form="dedup_split_raise")
-    assert (raise_.gemm1_split_k, raise_.gemm1_split_cap) == (4, cap)
-    assert launches(raise_, call)[0].grid == (n1, max(cap // n1, t * k * 4), 1)
+    assert (raise_.gemm1_split_k, raise_.gemm1_split_cap, raise_.gemm1_split_floor) == (4, cap, 0)
+    assert launches(raise_, call)[0].kwargs["SPLIT_FLOOR"] == 4
     fixed = C.plan("sm90", t, e, k, h, i, sm_count=132, form="dedup_split_fixed")
     assert fixed.gemm1_split_cap == 0 and not fixed.gemm1_compact_grid
     assert launches(fixed, call)[0].grid[2] == 4 == fixed.gemm1_split_k
@@ -453,9 +456,9 @@ def test_slot_defaults_split_k_up_to_the_pick_limit_and_fuse_its_reduce():
         assert (one.gemm1_split_k, one.gemm1_fused_reduce, one.pdl, one.gemm2_split_slots) == (split, fused, False, False)
     for t in (3, 4):
         p = C.plan("sm90", t, 256, 8, 6144, 256, sm_count=132)
-        # slot dedup: the run-time split's floor (8 of the 24 K tiles a program), a reduce launch
-        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.gemm2_split_slots) == (3, False, False)
-        assert p.gemm1_split_cap > 0 and p.gemm1_compact_grid
+        assert (p.gemm1_split_k, p.gemm1_fused_reduce, p.gemm2_split_slots) == (4, False, False)
+        # slot dedup: the split picked at run time, lowered to fit one wave down to 8 of the 24 K tiles a program
+        assert p.gemm1_split_cap > 0 and p.gemm1_compact_grid and p.gemm1_split_floor == 3
     # the T=1 plan before 2026-12-02: 4 K ranges, a reduce launch, one GEMM2 program per token, plain launches
     old = C.plan("sm90", 1, 256, 8, 6144, 256, sm_count=132, form="slot_split4")
     assert (old.gemm1_split_k, old.gemm1_fused_reduce, old.gemm2_split_slots, old.pdl) == (4, False, False, False)

@@ -145,6 +145,9 @@ class Plan:
     # (launch.dedup_rows), each program finding its group's leader and K range from the counted groups, instead of a
     # program per (slot, K range) of the largest split, most of them idle (TP8 T=4: 396 programs against 1,536).
     gemm1_compact_grid: bool = False
+    # With gemm1_split_cap: the run-time pick may also lower the split below gemm1_split_k, to the largest divisor
+    # of the K tiles from this one up that keeps the call's programs within the cap (one wave); 0: never lowered.
+    gemm1_split_floor: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -845,23 +848,24 @@ def plan(
                                most=SLOT_SPLIT_K_PICK if few else SPLIT_K_MAX)
     elif schedule == "grouped" and mode == "w4a16" and tokens <= GROUPED_SPLIT_K_MAX_TOKENS:
         split_k = pick_grouped_split_k(top_k, intermediate // g1.bn, hidden, g1.bk, sm_count)
-    split_cap = 0
+    split_cap = split_floor = 0
     dedup_rule = change.get("dedup_split", "runtime")
     if slot_dedup and not fused_finalize and arch in DEDUP_RUNTIME_SPLIT_ARCHS and dedup_rule != "fixed":
         cap = SLOT_SPLIT_PROGRAMS_PER_SM * sm_count
-        # the least split the run-time pick starts from: the plan's power of two ("raise", the former rule), or
-        # the fewest K ranges that keep each program within DEDUP_SPLIT_K_TILES tiles
-        floor = split_k if dedup_rule == "raise" else dedup_split_floor(hidden, g1.bk)
         # only where some routing can raise it (whole experts: even k groups fill the GPU at the plan's split)
-        if dedup_split_max(hidden, g1.bk, intermediate // g1.bn, top_k, cap) > max(split_k, floor):
-            split_cap, split_k = cap, floor
+        if dedup_split_max(hidden, g1.bk, intermediate // g1.bn, top_k, cap) > split_k:
+            split_cap = cap
+            # ... and lower it, to fit one wave, down to the fewest K ranges of at most DEDUP_SPLIT_K_TILES tiles
+            # (not "raise", the former rule)
+            floor = dedup_split_floor(hidden, g1.bk)
+            split_floor = floor if dedup_rule != "raise" and floor < split_k else 0
     if schedule == "slot" and not split_slots:
         unroll = gemm2_slot_unrolls(arch, g2, intermediate, top_k)
     p = Plan(schedule, g1, g2, n_split, gemm1_split_k=split_k, gemm2_unroll=unroll and not slot_dedup,
              gemm2_split_slots=split_slots, dedup_fused_finalize=fused_finalize,
              gemm1_fused_reduce=(few or spread) and split_k > 1,
              slot_dedup=slot_dedup, x_natural=slot_dedup and arch in X_NATURAL_ARCHS, gemm1_split_cap=split_cap,
-             gemm1_compact_grid=split_cap > 0,
+             gemm1_compact_grid=split_cap > 0, gemm1_split_floor=split_floor,
              parallel_align=schedule == "grouped" and tokens >= PARALLEL_ALIGN_MIN_TOKENS,
              pdl=arch in PDL_ARCHS and (tokens >= PDL_MIN_TOKENS
                                         or (spread and gemm2_k_chunk(intermediate) == intermediate)))
@@ -891,17 +895,19 @@ X_NATURAL_ARCHS = ("sm90", "sm100")
 # plan's: the one-wave rule's split of 1 at TP4 T=4 balanced cost +17 % (90.2 against 76.8 us, 9eff0ad).
 DEDUP_RUNTIME_SPLIT_ARCHS = ("sm90", "sm100")
 DEDUP_SPLIT_K_MAX = 12
-# ... and at least as many as keep each program within this many K tiles. The best split of every measured routing
-# was the largest that keeps the call's programs within one wave of resident CTAs (a 5 % second wave is a whole extra
-# round: TP8 T=4 balanced, 26 groups, split 4 = 416 programs on 396 slots 47.8 us, split 3 = 312 programs 42.5,
-# split 6 43.8), except where that wave leaves programs too long: TP4 T=4 balanced, 24 K tiles a program at split 1,
-# 90.2 against 76.8 us at 4 (H100, 2026-12-06, improvements/23). PENDING the TP4 sweep.
+# Where even the plan's split leaves more programs than one wave holds, the pick lowers it to the largest split that
+# fits one wave, but never to programs of more than this many K tiles (dedup_split_floor). A few programs past a wave
+# are a whole extra round: H100, 2026-12-06, same run (benchmarks/results/moe_variants_h100_dedup_floor_*_4d7bc51.json,
+# us per layer), TP8 T=4 balanced (26 groups: split 4 = 416 programs on 396 slots) 46.9 raised only, 41.8 lowered to
+# 3 (312 programs); where no split from the floor fits one wave, lowering lost: TP4 T=3 balanced (~24 groups x 8 N
+# tiles) 60.4 at 4 against 64.7 at 3 (1.8 against 1.4 waves), TP4 T=3 / 4 heavy-tailed 52.3 / 62.3 against 56.9 /
+# 67.0; and a split of 1 (24 K tiles a program) cost TP4 T=4 balanced +17 % (improvements/23).
 DEDUP_SPLIT_K_TILES = 8
 
 
 def dedup_split_floor(hidden: int, bk: int) -> int:
-    """The least split the slot dedup's GEMM1 picks at run time: the fewest K ranges (a divisor of the K tiles, at
-    most DEDUP_SPLIT_K_MAX) of at most DEDUP_SPLIT_K_TILES tiles each."""
+    """The least split the slot dedup's GEMM1 may lower to at run time (to fit one wave): the fewest K ranges (a
+    divisor of the K tiles, at most DEDUP_SPLIT_K_MAX) of at most DEDUP_SPLIT_K_TILES tiles each."""
     k_tiles = hidden // bk
     return min((s for s in range(1, min(k_tiles, DEDUP_SPLIT_K_MAX) + 1)
                 if k_tiles % s == 0 and k_tiles // s <= DEDUP_SPLIT_K_TILES), default=min(k_tiles, DEDUP_SPLIT_K_MAX))

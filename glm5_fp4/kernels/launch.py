@@ -362,7 +362,10 @@ def _check_tma(plan: cfgs.Plan, call: MoECall) -> None:
 def _split_cap(plan: cfgs.Plan) -> dict:
     """The constexprs with which the slot dedup's GEMM1 and its reduce launch pick the split from the routing
     (Plan.gemm1_split_cap; triton_moe._dedup_split)."""
-    return dict(SPLIT_CAP=plan.gemm1_split_cap, SPLIT_MIN=plan.gemm1_split_k) if plan.gemm1_split_cap else {}
+    if not plan.gemm1_split_cap:
+        return {}
+    return dict(SPLIT_CAP=plan.gemm1_split_cap, SPLIT_MIN=plan.gemm1_split_k,
+                SPLIT_FLOOR=plan.gemm1_split_floor or plan.gemm1_split_k)
 
 
 def dedup_rows(plan: cfgs.Plan, call: MoECall) -> int:

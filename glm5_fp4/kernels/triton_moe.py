@@ -461,14 +461,16 @@ def _group_leaders(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.cons
 
 @triton.jit
 def _dedup_split(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr, N_TILES: tl.constexpr,
-                 KT: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT_MAX: tl.constexpr, CAP: tl.constexpr):
-    """The slot dedup GEMM1's split-K for this call's routing: the plan's split SPLIT_MIN, raised to the largest
-    divisor of the KT K tiles (at most SPLIT_MAX) that keeps groups x N_TILES x split programs within CAP where the
-    routing leaves few groups (skew: configs.pick_slot_split_k's rule, on the groups counted here, which no plan can
-    know; GEMM1 and its reduce launch each count them alike)."""
+                 KT: tl.constexpr, SPLIT_FLOOR: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT_MAX: tl.constexpr,
+                 CAP: tl.constexpr):
+    """The slot dedup GEMM1's split-K for this call's routing: the largest divisor of the KT K tiles from SPLIT_FLOOR
+    to SPLIT_MAX that keeps groups x N_TILES x split programs within CAP (one wave; configs.pick_slot_split_k's rule,
+    on the groups counted here, which no plan can know), or the plan's split SPLIT_MIN where none does. Few groups
+    (skew) raise it; a wave just overfull at the plan's split lowers it, not below SPLIT_FLOOR (configs.
+    DEDUP_SPLIT_K_TILES). GEMM1 and its reduce launch each count the groups alike."""
     groups = tl.sum(_group_leaders(ids_ptr, emap_ptr, nslots, SP, HAS_MAP).to(tl.int32), axis=0)
     sk = groups * 0 + SPLIT_MIN
-    for s in tl.static_range(SPLIT_MIN + 1, SPLIT_MAX + 1):
+    for s in tl.static_range(SPLIT_FLOOR, SPLIT_MAX + 1):
         if KT % s == 0:
             sk = tl.where(groups * N_TILES * s <= CAP, s, sk)
     return sk
@@ -674,6 +676,7 @@ def moe_gemm1_kernel(
     X_NAT: tl.constexpr = False,
     SPLIT_CAP: tl.constexpr = 0,
     SPLIT_MIN: tl.constexpr = 1,
+    SPLIT_FLOOR: tl.constexpr = 1,
     DEDUP_ROWS: tl.constexpr = 0,
     NSLOTS: tl.constexpr = 0,
 ):
@@ -684,8 +687,8 @@ def moe_gemm1_kernel(
     ``NSLOTS`` is then the call's slot count.
 
     ``SPLIT_CAP > 0`` (slot dedup, Plan.gemm1_split_cap): SPLIT_K is the grid's largest split; the split used is
-    the plan's SPLIT_MIN or more, picked from the routing (:func:`_dedup_split`: the groups the call has), and
-    programs past it do nothing.
+    picked from the routing (:func:`_dedup_split`: the groups the call has; the plan's SPLIT_MIN, raised, or lowered
+    to SPLIT_FLOOR at least), and programs past it do nothing.
 
     ``X_NAT`` (not X_PREP; Plan.x_natural): each K tile of x is loaded in natural K order (contiguous rows: 16-byte
     copies, which the pipeliner then issues stages ahead like the weights') and put in merged order in registers
@@ -754,7 +757,7 @@ def moe_gemm1_kernel(
             e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
             if SPLIT_CAP > 0:
                 splits = _dedup_split(ids_ptr, emap_ptr, nslots, SP, HAS_MAP, I // BN, H // BK,
-                                      SPLIT_MIN, SPLIT_K, SPLIT_CAP)
+                                      SPLIT_FLOOR, SPLIT_MIN, SPLIT_K, SPLIT_CAP)
                 count = tl.where(pid_k < splits, count, 0)
                 K_PER = (H // BK // splits) * BK
         else:
@@ -1260,6 +1263,7 @@ def moe_splitk_reduce_kernel(
     USE_PDL: tl.constexpr = False,
     SPLIT_CAP: tl.constexpr = 0,
     SPLIT_MIN: tl.constexpr = 1,
+    SPLIT_FLOOR: tl.constexpr = 1,
     SP: tl.constexpr = 1,
     N_TILES: tl.constexpr = 1,
     KT: tl.constexpr = 1,
@@ -1269,7 +1273,7 @@ def moe_splitk_reduce_kernel(
     W4A4: NVFP4-quantized). One program per (slot, BLOCK of I); once per slot, not once per GEMM2 program. For
     the grouped schedule the rows are sorted slot positions (W4A16 only, HAS_MAP off: no expert is looked up).
     ``SPLIT_CAP > 0``: the slot dedup's split picked from the routing (:func:`_dedup_split`, counted as GEMM1 did);
-    SPLIT_K is the largest it can be, SPLIT_MIN the plan's."""
+    SPLIT_K is the largest it can be, SPLIT_MIN the plan's, SPLIT_FLOOR the least."""
     _pdl_enter(USE_PDL)
     slot = tl.program_id(0).to(tl.int64)
     # a remote slot (expert map): GEMM1 wrote no partial sums and GEMM2 skips it; write nothing
@@ -1281,8 +1285,8 @@ def moe_splitk_reduce_kernel(
     up = tl.load(pp + I, mask=live, other=0.0)
     splits = SPLIT_K
     if SPLIT_CAP > 0:
-        splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP, N_TILES, KT, SPLIT_MIN, SPLIT_K,
-                              SPLIT_CAP)
+        splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP, N_TILES, KT, SPLIT_FLOOR,
+                              SPLIT_MIN, SPLIT_K, SPLIT_CAP)
     for sk in tl.static_range(1, SPLIT_K):
         # (every split's loads issued at once; those past the call's split masked off)
         ms = live & (offs_i * 0 + sk < splits)

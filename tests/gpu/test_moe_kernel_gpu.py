@@ -497,9 +497,10 @@ def test_dedup_by_arrival(shape, t, routing, mode):
 @pytest.mark.parametrize("shape,t,mode", [(GLM_TP8, 4, "w4a16"), (GLM_TP8, 3, "w4a4"), (GLM_TP4, 4, "w4a16"),
                                           (GLM_TP4, 3, "w4a4")])
 def test_dedup_split_picked_from_the_routing(shape, t, mode):
-    """Plan.gemm1_split_cap (the slot dedup GEMM1's split-K raised from the routing at run time, the default on
-    sm_90/sm_100): one CUDA graph replayed over routings with 8 to 32 groups (a different split each) equals, bit for
-    bit, eager calls of the plan with that routing's split fixed; near float64; NaN-poisoned outputs."""
+    """Plan.gemm1_split_cap (the slot dedup GEMM1's split-K picked from the routing at run time, the default on
+    sm_90/sm_100: raised, or lowered to fit one wave; GEMM1's compact grid): one CUDA graph replayed over routings
+    with 8 to 32 groups (a different split each) equals, bit for bit, eager calls of the plan with that routing's
+    split fixed on the full grid; near float64; NaN-poisoned outputs."""
     from glm5_fp4.kernels import configs as C
     from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
 
@@ -512,10 +513,11 @@ def test_dedup_split_picked_from_the_routing(shape, t, mode):
     def fixed_split():
         k_tiles, groups = h // plan.gemm1.bk, len(set(ids.flatten().tolist()))
         most = C.dedup_split_max(h, plan.gemm1.bk, i // plan.gemm1.bn, k, plan.gemm1_split_cap)
-        split = max([s for s in range(plan.gemm1_split_k, most + 1)
+        split = max([s for s in range(plan.gemm1_split_floor or plan.gemm1_split_k, most + 1)
                      if k_tiles % s == 0 and groups * (i // plan.gemm1.bn) * s <= plan.gemm1_split_cap],
                     default=plan.gemm1_split_k)
-        return dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=split)
+        return dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=split, gemm1_compact_grid=False,
+                                   gemm1_split_floor=0)
 
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)

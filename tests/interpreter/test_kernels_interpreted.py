@@ -600,8 +600,8 @@ def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     ex, prep = _experts(gen, h)
     x = torch.randn(t, h, generator=gen).half()
     w, ids = make_routing(routing, t, E, K, gen)
-    # 64 SMs and 64-wide K tiles: the plan's split is the floor (1: 8 K tiles a program) and a call with few groups
-    # raises it up to 8
+    # 64 SMs and 64-wide K tiles: the plan splits K 4 ways, a call with few groups raises it to 8, one whose plan
+    # split overfills a wave lowers it (down to the floor, 1: 8 K tiles a program)
     sm_count, bk = 64, 64
     plan = C.plan("sm90", t, E, K, h, I, sm_count=sm_count, gemm1=C.Gemm1Config(16, 16, bk, 4, 2))
     # (``fused``: GEMM1's last program of each tile reduces, counting the run-time split's arrivals)
@@ -613,9 +613,10 @@ def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     k_tiles, groups = h // bk, len(set(ids.flatten().tolist()))
     most = C.dedup_split_max(h, bk, I // 16, K, cap)
     assert most > plan.gemm1_split_k
-    want_split = max([s for s in range(plan.gemm1_split_k, most + 1)
+    want_split = max([s for s in range(plan.gemm1_split_floor or plan.gemm1_split_k, most + 1)
                       if k_tiles % s == 0 and groups * (I // 16) * s <= cap], default=plan.gemm1_split_k)
-    fixed = dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=want_split, gemm1_compact_grid=False)
+    fixed = dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=want_split, gemm1_compact_grid=False,
+                                gemm1_split_floor=0)
     assert plan.gemm1_compact_grid
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
@@ -624,6 +625,7 @@ def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     fused_moe_triton(x, w, ids, prep, mode, out=full, plan=dataclasses.replace(plan, gemm1_compact_grid=False))
     assert torch.equal(out, full)
     assert routing != "same_k" or want_split > plan.gemm1_split_k  # (the case that raises it)
+    assert routing != "balanced" or want_split < plan.gemm1_split_k  # (the one that lowers it)
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
     assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
 
