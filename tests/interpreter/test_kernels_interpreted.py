@@ -587,7 +587,7 @@ def test_x_in_natural_order_is_the_gathered_operand(gen, t, bk, routing, mode):
     assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
 
 
-@pytest.mark.parametrize("t,routing,mode,fused", [(4, "same_k", "w4a16", False), (4, "balanced", "w4a4", False),
+@pytest.mark.parametrize("t,routing,mode,fused", [(4, "same_k", "w4a16", False), (4, "distinct", "w4a4", False),
                                                  (3, "zipf2", "w4a16", True), (4, "one_hot", "w4a16", True),
                                                  (4, "same_k", "w4a4", True)])
 def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
@@ -599,7 +599,9 @@ def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     h = 512
     ex, prep = _experts(gen, h)
     x = torch.randn(t, h, generator=gen).half()
-    w, ids = make_routing(routing, t, E, K, gen)
+    w, ids = make_routing("balanced" if routing == "distinct" else routing, t, E, K, gen)
+    if routing == "distinct":  # every slot on its own expert: 8 groups, the most this layer can have
+        ids = torch.randperm(E, generator=gen)[: t * K].reshape(t, K).to(ids.dtype)
     # 64 SMs and 64-wide K tiles: the plan splits K 4 ways, a call with few groups raises it to 8, one whose plan
     # split overfills a wave lowers it (down to the floor, 1: 8 K tiles a program)
     sm_count, bk = 64, 64
@@ -618,14 +620,27 @@ def test_dedup_split_picked_from_the_routing(gen, t, routing, mode, fused):
     fixed = dataclasses.replace(plan, gemm1_split_cap=0, gemm1_split_k=want_split, gemm1_compact_grid=False,
                                 gemm1_split_floor=0)
     assert plan.gemm1_compact_grid
+    from glm5_fp4.kernels.moe import get_workspace
+
+    # GEMM1 writes partial sums of exactly the picked split's ranges (the output alone may not tell splits apart:
+    # fp16 rounds away their different fp32 summation orders); each leader slot's rows, in poisoned ranges
+    part = get_workspace(x.device, E, K, h, I, t).part
+    part.fill_(float("nan"))
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
+    slots = t * K
+    ranges = part[: most * slots * 2 * I].view(most, slots, 2 * I)
+    flat = ids.flatten().tolist()
+    leaders = [s for s in range(slots) if flat[s] not in flat[:s]]
+    written = [int(r) for r in range(most) if torch.isfinite(ranges[r, leaders]).all()]
+    assert written == list(range(want_split)), (written, want_split)
     assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=fixed))
     full = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, mode, out=full, plan=dataclasses.replace(plan, gemm1_compact_grid=False))
     assert torch.equal(out, full)
     assert routing != "same_k" or want_split > plan.gemm1_split_k  # (the case that raises it)
-    assert routing != "balanced" or want_split < plan.gemm1_split_k  # (the one that lowers it)
+    assert routing != "distinct" or want_split < plan.gemm1_split_k  # (the one that lowers it: 8 groups x 8 N tiles
+    # x 4 = 256 programs over the cap of 192, 2 ranges fit)
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
     assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
 
