@@ -205,26 +205,34 @@ def test_grouped_split_k_launches_a_reduce_after_gemm1():
     assert red.grid[0] == t * k and not red.kwargs["HAS_MAP"] and not red.kwargs["W4A4"]
 
 
-def test_dedup_grid_and_split_forms_refused_where_they_do_not_apply():
-    """The launcher names the plan when its run-time split or compact grid cannot run: a compact GEMM1 grid needs
-    the split picked at run time (its rows follow it), which needs the slot dedup."""
-    import dataclasses
-
+def _meta_tp8_call(t: int = 4, k: int = 8):
+    """A TP8-shard call on meta tensors (nothing allocated): what launches() plans for, and (t, k, e, h, i)."""
     import torch
 
-    from glm5_fp4.errors import Glm5Fp4Error
-    from glm5_fp4.kernels import configs as C
-    from glm5_fp4.kernels.launch import MoECall, launches
+    from glm5_fp4.kernels.launch import MoECall
     from glm5_fp4.kernels.moe import Workspace
     from glm5_fp4.sm120 import launches as SL
 
     shape = {s.name: s for s in SL.shape_classes()}["tp8"]
     prep = SL.meta_prepared(shape, layout="placed")
-    meta, t, k = torch.device("meta"), 4, 8
+    meta = torch.device("meta")
     e, h, i = prep.num_experts, prep.hidden_size, prep.intermediate_size
     x = torch.empty(t, h, dtype=torch.bfloat16, device=meta)
     call = MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
                    torch.empty_like(x), Workspace(meta, e, k, h, i, t))
+    return call, (t, k, e, h, i)
+
+
+def test_dedup_grid_and_split_forms_refused_where_they_do_not_apply():
+    """The launcher names the plan when its run-time split or compact grid cannot run: a compact GEMM1 grid needs
+    the split picked at run time (its rows follow it), which needs the slot dedup."""
+    import dataclasses
+
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.launch import launches
+
+    call, (t, k, e, h, i) = _meta_tp8_call()
     plan = C.plan("sm90", t, e, k, h, i, sm_count=132)
     with pytest.raises(Glm5Fp4Error, match="compact grid needs its split picked at run time"):
         launches(dataclasses.replace(plan, gemm1_split_cap=0), call)
@@ -236,20 +244,10 @@ def test_slot_dedup_launches_gemm2_per_slot_group_and_a_k_row_finalize():
     """Plan.slot_dedup (the default at T = 3-4): GEMM1 keeps the slot grid with DEDUP on; GEMM2 is the grouped kernel over
     (slot, N range) storing per-slot rows, split along H for the experts a call touches (not per token); the
     finalize adds k rows per token; one launch more than the slot form."""
-    import torch
-
     from glm5_fp4.kernels import configs as C
-    from glm5_fp4.kernels.launch import MoECall, count, launches
-    from glm5_fp4.kernels.moe import Workspace
-    from glm5_fp4.sm120 import launches as SL
+    from glm5_fp4.kernels.launch import count, launches
 
-    shape = {s.name: s for s in SL.shape_classes()}["tp8"]
-    prep = SL.meta_prepared(shape, layout="placed")
-    meta, t, k = torch.device("meta"), 4, 8
-    e, h, i = prep.num_experts, prep.hidden_size, prep.intermediate_size
-    x = torch.empty(t, h, dtype=torch.bfloat16, device=meta)
-    call = MoECall(x, torch.empty(t, k, device=meta), torch.empty(t, k, dtype=torch.int32, device=meta), prep, "w4a16",
-                   torch.empty_like(x), Workspace(meta, e, k, h, i, t))
+    call, (t, k, e, h, i) = _meta_tp8_call()
     base = C.plan("sm90", t, e, k, h, i, sm_count=132, form="per_slot")
     dedup = C.plan("sm90", t, e, k, h, i, sm_count=132)
     assert base.schedule == "slot" and not base.slot_dedup and dedup.slot_dedup and not dedup.gemm2_unroll

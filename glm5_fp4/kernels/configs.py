@@ -136,10 +136,10 @@ class Plan:
     # stages ahead by the pipeliner), put in merged order in registers, instead of gathered 2 bytes at a time in
     # merged order in the iteration that uses it. The default with slot dedup on X_NATURAL_ARCHS.
     x_natural: bool = False
-    # Slot dedup: GEMM1's split-K is gemm1_split_k or more, raised at run time where the routing leaves few groups
-    # (triton_moe._dedup_split: the largest divisor of the K tiles, at most dedup_split_max, that keeps groups x N
-    # tiles x split programs within this many: the rule pick_slot_split_k applies at plan time where the programs
-    # are known, T <= 2); 0: the plan's split.
+    # Slot dedup: GEMM1's split-K picked at run time from the groups the routing leaves (triton_moe._dedup_split: the
+    # largest divisor of the K tiles, from gemm1_split_floor (or gemm1_split_k) to dedup_split_max, that keeps groups
+    # x N tiles x split programs within this many, one wave: the rule pick_slot_split_k applies at plan time where the
+    # programs are known, T <= 2; gemm1_split_k where none does); 0: the plan's split.
     gemm1_split_cap: int = 0
     # With gemm1_split_cap: GEMM1's grid holds only as many (group, K range) rows as some routing can use
     # (launch.dedup_rows), each program finding its group's leader and K range from the counted groups, instead of a
@@ -891,8 +891,9 @@ X_NATURAL_ARCHS = ("sm90", "sm100")
 # T=4 balanced (26 groups) 47.8 / 43.8 at 6, all tokens on 8 experts 28.0 / 22.2 at 12, heavy-tailed (21 groups) 35.8
 # at 4 (6: 39.6); T=3 balanced 33.2 at 4, on 8 experts 25.8 / 20.8 at 12. The rule of T <= 2 (pick_slot_split_k: as
 # many ranges as keep about SLOT_SPLIT_PROGRAMS_PER_SM programs per SM) picks 4, 12, 4, 4, 12 for these, 3 for T=4
-# balanced; split 24 lost everywhere (too many partial sums), hence the cap. The split is only ever raised from the
-# plan's: the one-wave rule's split of 1 at TP4 T=4 balanced cost +17 % (90.2 against 76.8 us, 9eff0ad).
+# balanced; split 24 lost everywhere (too many partial sums), hence the cap. It is raised from the plan's where few
+# groups leave room, and lowered only into one wave, down to DEDUP_SPLIT_K_TILES (below): the one-wave rule's split of
+# 1 at TP4 T=4 balanced cost +17 % (90.2 against 76.8 us, 9eff0ad). The rule and its measurements: improvements/23, 24.
 DEDUP_RUNTIME_SPLIT_ARCHS = ("sm90", "sm100")
 DEDUP_SPLIT_K_MAX = 12
 # Where even the plan's split leaves more programs than one wave holds, the pick lowers it to the largest split that
