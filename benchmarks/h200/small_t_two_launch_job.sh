@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls of improvements/20 and 22 (run on an H100 on 2026-12-06, commands and results there): opt-in forms of
+# Device calls of improvements/20, 22 and 24 (run on an H100 on 2026-12-06, commands and results there): opt-in forms of
 # T <= 4 against the default (FORMS), their GPU gates (TESTS_K), the align probe, ncu per kernel, stall reasons at T=1
 # and stall samples per SASS instruction. (improvements/22's runs used x_natural_job.sh of 1bb0455 / 596034b, whose
 # steps are these.)
