@@ -31,13 +31,6 @@ from triton.language.extra import cuda as tl_cuda
 
 
 @triton.jit
-def _region(pid, ids_ptr, slot, r_ptr, r_stride, c_lo, P: tl.constexpr, C: tl.constexpr):
-    """(in region, element offset) of program ``pid`` when region r covers programs c_lo .. c_lo+P-1."""
-    e = tl.load(ids_ptr + slot).to(tl.int64)
-    return e * r_stride + (pid - c_lo).to(tl.int64) * C
-
-
-@triton.jit
 def _read_chunk(p, C: tl.constexpr, ROWS: tl.constexpr):
     offs = tl.arange(0, ROWS)[:, None] * 16 + tl.arange(0, 16)[None, :]
     acc = tl.zeros((ROWS, 16), dtype=tl.int64)
@@ -55,14 +48,15 @@ def _floor_kernel(ids_ptr, r0, r1, r2, r3, s0, s1, s2, s3, out_ptr, cnt_ptr, val
     P_i chunks of C elements per expert) of the slot's expert."""
     c = tl.program_id(0)
     slot = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
     if c < P0:
-        base = r0 + _region(c, ids_ptr, slot, r0, s0, 0, P0, C)
+        base = r0 + e * s0 + c.to(tl.int64) * C
     elif c < P0 + P1:
-        base = r1 + _region(c, ids_ptr, slot, r1, s1, P0, P1, C)
+        base = r1 + e * s1 + (c - P0).to(tl.int64) * C
     elif c < P0 + P1 + P2:
-        base = r2 + _region(c, ids_ptr, slot, r2, s2, P0 + P1, P2, C)
+        base = r2 + e * s2 + (c - P0 - P1).to(tl.int64) * C
     else:
-        base = r3 + _region(c, ids_ptr, slot, r3, s3, P0 + P1 + P2, P3, C)
+        base = r3 + e * s3 + (c - P0 - P1 - P2).to(tl.int64) * C
     if PREFETCH:
         offs = tl.arange(0, C // 16) * 16  # one request per 128 bytes
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [base + offs],
@@ -86,8 +80,10 @@ def _floor_kernel(ids_ptr, r0, r1, r2, r3, s0, s1, s2, s3, out_ptr, cnt_ptr, val
 
 def _views(p, chunk: int):
     """The prepared layer's four weight regions as [E, n] int64 views, and the chunks per expert of each."""
+    import torch
+
     regions = [p.w13, p.w13_scale, p.w2, p.w2_scale]
-    views = [r.reshape(r.shape[0], -1).view(dtype=__import__("torch").int64) for r in regions]
+    views = [r.reshape(r.shape[0], -1).view(dtype=torch.int64) for r in regions]
     for v in views:
         if v.shape[1] % chunk:
             raise SystemExit(f"region of {v.shape[1]} int64 per expert is not a multiple of --chunk {chunk}")

@@ -143,7 +143,7 @@ class Plan:
     gemm1_split_cap: int = 0
     # With gemm1_split_cap: GEMM1's grid holds only as many (group, K range) rows as some routing can use
     # (launch.dedup_rows), each program finding its group's leader and K range from the counted groups, instead of a
-    # program per (slot, K range) of the largest split, most of them idle (TP8 T=4: 396 programs against 1,536).
+    # program per (slot, K range) of the largest split, most of them idle (TP8 T=4: 512 programs against 1,536).
     gemm1_compact_grid: bool = False
     # With gemm1_split_cap: the run-time pick may also lower the split below gemm1_split_k, to the largest divisor
     # of the K tiles from this one up that keeps the call's programs within the cap (one wave); 0: never lowered.

@@ -460,15 +460,13 @@ def _group_leaders(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.cons
 
 
 @triton.jit
-def _dedup_split(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr, N_TILES: tl.constexpr,
-                 KT: tl.constexpr, SPLIT_FLOOR: tl.constexpr, SPLIT_MIN: tl.constexpr, SPLIT_MAX: tl.constexpr,
-                 CAP: tl.constexpr):
-    """The slot dedup GEMM1's split-K for this call's routing: the largest divisor of the KT K tiles from SPLIT_FLOOR
-    to SPLIT_MAX that keeps groups x N_TILES x split programs within CAP (one wave; configs.pick_slot_split_k's rule,
-    on the groups counted here, which no plan can know), or the plan's split SPLIT_MIN where none does. Few groups
-    (skew) raise it; a wave just overfull at the plan's split lowers it, not below SPLIT_FLOOR (configs.
-    DEDUP_SPLIT_K_TILES). GEMM1 and its reduce launch each count the groups alike."""
-    groups = tl.sum(_group_leaders(ids_ptr, emap_ptr, nslots, SP, HAS_MAP).to(tl.int32), axis=0)
+def _dedup_split(groups, N_TILES: tl.constexpr, KT: tl.constexpr, SPLIT_FLOOR: tl.constexpr, SPLIT_MIN: tl.constexpr,
+                 SPLIT_MAX: tl.constexpr, CAP: tl.constexpr):
+    """The slot dedup GEMM1's split-K for a call whose routing leaves ``groups`` groups (:func:`_group_leaders`,
+    counted by GEMM1 and its reduce launch alike): the largest divisor of the KT K tiles from SPLIT_FLOOR to SPLIT_MAX
+    that keeps groups x N_TILES x split programs within CAP (one wave; configs.pick_slot_split_k's rule, on the groups
+    counted at run time, which no plan can know), or the plan's split SPLIT_MIN where none does. Few groups (skew)
+    raise it; a wave just overfull at the plan's split lowers it, not below SPLIT_FLOOR (configs.DEDUP_SPLIT_K_TILES)."""
     sk = groups * 0 + SPLIT_MIN
     for s in tl.static_range(SPLIT_FLOOR, SPLIT_MAX + 1):
         if KT % s == 0:
@@ -477,12 +475,11 @@ def _dedup_split(ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.conste
 
 
 @triton.jit
-def _dedup_row(r, ids_ptr, emap_ptr, nslots, SP: tl.constexpr, HAS_MAP: tl.constexpr):
-    """Row ``r`` of the compact GEMM1 grid (Plan.gemm1_compact_grid) -> (leader slot of its group, K range): rows
-    0 .. groups-1 are the groups' first K range (in slot order), the next ``groups`` rows their second, ...; a
-    row past the call's split gets a K range the caller finds idle."""
+def _dedup_row(r, lead, SP: tl.constexpr):
+    """Row ``r`` of the compact GEMM1 grid (Plan.gemm1_compact_grid) -> (leader slot of its group, K range), ``lead``
+    the call's leader mask (:func:`_group_leaders`): rows 0 .. groups-1 are the groups' first K range (in slot order),
+    the next ``groups`` rows their second, ...; a row past the call's split gets a K range the caller finds idle."""
     offs = tl.arange(0, SP)
-    lead = _group_leaders(ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
     groups = tl.maximum(tl.sum(lead.to(tl.int32), axis=0), 1)  # (no local slot: slot 0, idle as a remote slot)
     g = r % groups
     nth = tl.cumsum(lead.to(tl.int32), axis=0) - 1
@@ -752,12 +749,15 @@ def moe_gemm1_kernel(
         start = tl.program_id(1)
         if DEDUP:
             nslots = tl.num_programs(1) if DEDUP_ROWS == 0 else NSLOTS
-            if DEDUP_ROWS > 0:
-                start, pid_k = _dedup_row(tl.program_id(1), ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
+            if SPLIT_CAP > 0:
+                # the call's groups, counted once: the compact grid's rows and the split both follow from them
+                lead = _group_leaders(ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
+                if DEDUP_ROWS > 0:
+                    start, pid_k = _dedup_row(tl.program_id(1), lead, SP)
+                splits = _dedup_split(tl.sum(lead.to(tl.int32), axis=0), I // BN, H // BK, SPLIT_FLOOR, SPLIT_MIN,
+                                      SPLIT_K, SPLIT_CAP)
             e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
             if SPLIT_CAP > 0:
-                splits = _dedup_split(ids_ptr, emap_ptr, nslots, SP, HAS_MAP, I // BN, H // BK,
-                                      SPLIT_FLOOR, SPLIT_MIN, SPLIT_K, SPLIT_CAP)
                 count = tl.where(pid_k < splits, count, 0)
                 K_PER = (H // BK // splits) * BK
         else:
@@ -1285,8 +1285,8 @@ def moe_splitk_reduce_kernel(
     up = tl.load(pp + I, mask=live, other=0.0)
     splits = SPLIT_K
     if SPLIT_CAP > 0:
-        splits = _dedup_split(ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP, N_TILES, KT, SPLIT_FLOOR,
-                              SPLIT_MIN, SPLIT_K, SPLIT_CAP)
+        groups = tl.sum(_group_leaders(ids_ptr, emap_ptr, tl.num_programs(0), SP, HAS_MAP).to(tl.int32), axis=0)
+        splits = _dedup_split(groups, N_TILES, KT, SPLIT_FLOOR, SPLIT_MIN, SPLIT_K, SPLIT_CAP)
     for sk in tl.static_range(1, SPLIT_K):
         # (every split's loads issued at once; those past the call's split masked off)
         ms = live & (offs_i * 0 + sk < splits)
