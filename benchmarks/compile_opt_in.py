@@ -1,7 +1,8 @@
 """Compile only the kernels the opt-in plan forms (configs.OPT_IN) add, for sm_120/sm_100/sm_90, on a CPU: the rows
 of the compile matrix whose every origin is an opt-in selection (the full matrix takes over 25 min on 2 cores).
 
-    python benchmarks/compile_opt_in.py [sm120,sm100,sm90]   # exit 1 if any fails to compile, spills or overflows
+    python benchmarks/compile_opt_in.py [sm120,sm100,sm90 [kernel,...]]   # exit 1 if any fails to compile, spills or
+                                                                        # overflows
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from triton import knobs
 
 from glm5_fp4.sm120 import matrix as M
 
-SHOWN = ("DEDUP", "SLOT_DEDUP", "SPLIT_K", "SP", "ROWS", "FUSED_REDUCE", "PAR", "BM", "BN", "KC")
+SHOWN = ("DEDUP", "SLOT_DEDUP", "SPLIT_K", "SP", "ROWS", "FUSED_REDUCE", "PAR", "BM", "BN", "KC", "I", "NT", "BN2")
 
 
 def main(argv: list[str]) -> int:
@@ -22,6 +23,8 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     todo = M.plan_rows(archs, candidates=False)
     opt = [(r, sp) for r, sp in todo if r.origins and all("opt-in" in o for o in r.origins)]
+    if len(argv) > 1:  # only these kernels
+        opt = [(r, sp) for r, sp in opt if r.kernel in argv[1].split(",")]
     print(len(todo), "rows;", len(opt), "only from opt-in forms", flush=True)
     with tempfile.TemporaryDirectory() as tmp, knobs.cache.scope():
         knobs.cache.dir = tmp  # an empty cache: every kernel really built

@@ -1450,3 +1450,187 @@ def moe_finalize_kernel(ws_ptr, out_ptr, stride_ot, ids_ptr, emap_ptr, H: tl.con
             _, local = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
             v += tl.load(ws_ptr + slot * H + offs, mask=offs < local * H, other=0.0)  # local is 0 or 1
     tl.store(out_ptr + t * stride_ot + offs, v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# T <= 2 in one persistent launch (Plan.persistent). A fixed grid of programs takes work items by ticket: first
+# GEMM1's (N tile, slot, K range) items, which add their fp32 gate/up partial sums into ``gu`` by atomics and
+# arrive at their token's counter, then GEMM2's (N block, token) items, which issue their weight loads, wait until
+# every GEMM1 item of their token has arrived, apply SwiGLU to the summed gate/up rows themselves and store the
+# token's output rows (all k experts in one item: no per-slot rows, no second arrival). Taking items in ticket
+# order makes the waits deadlock-free whatever the residency: a GEMM2 item waits only on GEMM1 items with smaller
+# tickets, each held by a program that is running and never waits. ``ctl`` [2 + T] int32: the ticket, the exits,
+# the tokens' arrivals; the last program to exit sets them and ``gu`` back to zero for the next call.
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _persist_gemm1(t, x_ptr, stride_xt, w_ptr, s_ptr, alpha_ptr, gu_ptr, ctl_ptr, ids_ptr, emap_ptr,
+                   TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, HAS_MAP: tl.constexpr, PLACED: tl.constexpr,
+                   KT: tl.constexpr, X_NAT: tl.constexpr):
+    """GEMM1 item ``t`` = ((slot * N tiles) + N tile) * SPLIT_K + K range: alpha * (x W_gate^T, x W_up^T) over its K
+    range added into the slot's gu row [gate | up] (fp32, natural i order), then one arrival for the slot's token
+    (a remote slot arrives without reading anything)."""
+    BM: tl.constexpr = 16  # the MMA's smallest token side; only column 0 is the slot
+    NW: tl.constexpr = BK // 8
+    K_PER: tl.constexpr = H // SPLIT_K
+    kr = t % SPLIT_K
+    pid_n = (t // SPLIT_K) % (I // BN)
+    slot = t // (SPLIT_K * (I // BN))
+    e, count = _slot_expert(slot, ids_ptr, emap_ptr, HAS_MAP)
+    if count > 0:
+        e64 = e.to(tl.int64)
+        cols = tl.arange(0, BM)
+        mmask = cols < 1
+        offs_i = pid_n * BN + tl.arange(0, BN)
+        W_ROW: tl.constexpr = H // 8 if KT == 0 else KT // 8
+        S_ROW: tl.constexpr = H // 16 if KT == 0 else KT // 16
+        w_gate = (w_ptr + e64 * (2 * I * (H // 8)) + offs_i[:, None] * W_ROW
+                  + _w13_cols(tl.arange(0, NW), NW, KT, 2 * I, 8)[None, :])
+        s_gate = (s_ptr + e64 * (2 * I * (H // 16)) + offs_i[:, None] * S_ROW
+                  + _w13_cols(tl.arange(0, BK // 16), BK // 16, KT, 2 * I, 16)[None, :])
+        tok = (slot // TOPK).to(tl.int64)
+        xp = x_ptr + tok * stride_xt + (tl.arange(0, BK) if X_NAT else _merged_k(BK))[:, None] + cols[None, :] * 0
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(kr * K_PER, kr * K_PER + K_PER, BK):
+            xs = tl.load(xp + k0, mask=mmask[None, :], other=0.0)
+            if X_NAT:
+                xs = _merge_rows(xs, BK, BM)
+            xs = _to_fp16(xs)
+            k_w = _w13_k_offset(k0, KT, 2 * I, H, 8)
+            k_s = _w13_k_offset(k0, KT, 2 * I, H, 16)
+            acc_g = _mma_tile(tl.load(w_gate + k_w), tl.load(s_gate + k_s), xs, acc_g, BN, BK, USE_ASM, 0, PLACED,
+                              True)
+            acc_u = _mma_tile(tl.load(w_gate + (k_w + I * W_ROW)), tl.load(s_gate + (k_s + I * S_ROW)), xs, acc_u, BN,
+                              BK, USE_ASM, 0, PLACED, True)
+        alpha = tl.load(alpha_ptr + e64)
+        dst = gu_ptr + slot.to(tl.int64) * (2 * I) + offs_i[:, None] + cols[None, :] * 0
+        tl.atomic_add(dst, acc_g * alpha, mask=mmask[None, :], sem="relaxed", scope="gpu")
+        tl.atomic_add(dst + I, acc_u * alpha, mask=mmask[None, :], sem="relaxed", scope="gpu")
+    # every thread's adds ordered before the gpu-scope release (the _last_arrival pattern)
+    tl.debug_barrier()
+    tl.atomic_add(ctl_ptr + 2 + slot // TOPK, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _widen_cols(a, R: tl.constexpr, C: tl.constexpr, BM: tl.constexpr):
+    """[R, C] -> [R, BM] (C a power of two, at most BM <= 16 times smaller): column c lands in column c * BM / C,
+    zeros between (the MMA's token side is at least 16 wide; only the k act columns hold registers until here)."""
+    tl.static_assert(C <= BM and BM <= 16 * C, "at most four doublings")
+    if C < BM:
+        a = tl.reshape(tl.join(a, tl.zeros_like(a)), (R, 2 * C))
+    if 2 * C < BM:
+        a = tl.reshape(tl.join(a, tl.zeros_like(a)), (R, 4 * C))
+    if 4 * C < BM:
+        a = tl.reshape(tl.join(a, tl.zeros_like(a)), (R, 8 * C))
+    if 8 * C < BM:
+        a = tl.reshape(tl.join(a, tl.zeros_like(a)), (R, 16 * C))
+    return a
+
+
+@triton.jit
+def _persist_gemm2(u, w_ptr, s_ptr, alpha_ptr, topk_w_ptr, gu_ptr, ctl_ptr, ids_ptr, emap_ptr, out_ptr, stride_ot,
+                   TOPK: tl.constexpr, KP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN2: tl.constexpr,
+                   ARRIVALS: tl.constexpr, USE_ASM: tl.constexpr, HAS_MAP: tl.constexpr, PLACED: tl.constexpr):
+    """GEMM2 item ``u`` = token * (H / BN2) + N block: out[token, block] = sum over the token's k slots of router
+    weight * alpha * (silu(gate) * up)[slot] W_down[e]^T, one [KP * BN2, I] weight tile (row j * BN2 + n: slot j's
+    expert, output row n) against the k act columns; the weight loads go out before the wait for the token's
+    ARRIVALS GEMM1 items."""
+    BM: tl.constexpr = 16
+    R2: tl.constexpr = KP * BN2
+    NW: tl.constexpr = I // 8
+    nb = u % (H // BN2)
+    tok = u // (H // BN2)
+    rr = tl.arange(0, R2)
+    j_r = rr // BN2
+    n_r = (nb * BN2 + rr % BN2).to(tl.int64)
+    slot_r = tok * TOPK + j_r
+    e_r = tl.load(ids_ptr + slot_r, mask=j_r < TOPK, other=-1).to(tl.int32)
+    if HAS_MAP:
+        e_r = tl.load(emap_ptr + tl.maximum(e_r, 0), mask=j_r < TOPK, other=-1)
+    local_r = e_r >= 0
+    e_r64 = tl.maximum(e_r, 0).to(tl.int64)
+    wt = tl.load(w_ptr + e_r64[:, None] * (H * NW) + n_r[:, None] * NW + tl.arange(0, NW)[None, :],
+                 mask=local_r[:, None], other=0)
+    st = tl.load(s_ptr + e_r64[:, None] * (H * (I // 16)) + n_r[:, None] * (I // 16) + tl.arange(0, I // 16)[None, :],
+                 mask=local_r[:, None], other=0)
+    wgt_r = tl.where(local_r, tl.load(alpha_ptr + e_r64) * tl.load(topk_w_ptr + slot_r, mask=local_r, other=0.0), 0.0)
+    # acquire: the gate/up sums every arrival added before it released
+    seen = tl.atomic_add(ctl_ptr + 2 + tok, 0, sem="acquire", scope="gpu")
+    while seen < ARRIVALS:
+        seen = tl.atomic_add(ctl_ptr + 2 + tok, 0, sem="acquire", scope="gpu")
+    kc = tl.arange(0, KP)
+    gp = gu_ptr + (tok * TOPK + kc).to(tl.int64)[None, :] * (2 * I) + _merged_k(I)[:, None]
+    g = tl.load(gp, mask=(kc < TOPK)[None, :], other=0.0, cache_modifier=".cg")
+    up = tl.load(gp + I, mask=(kc < TOPK)[None, :], other=0.0, cache_modifier=".cg")
+    # [I in merged order, slot j at column j * BM / KP] (rounded to fp16 as GEMM1's epilogue stores act)
+    act = _widen_cols((g / (1.0 + tl.exp(-g)) * up).to(tl.float16), I, KP, BM)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _dequant_tile(wt, st, R2, I, USE_ASM, PLACED)
+    prod = tl.dot(_cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, R2, NW), act, tl.zeros((R2, BM), dtype=tl.float32))
+    mine = tl.arange(0, BM)[None, :] == (j_r * (BM // KP))[:, None]
+    v = tl.sum(tl.where(mine, prod, 0.0), axis=1) * wgt_r  # row j*BN2+n: slot j's term
+    o = tl.sum(tl.reshape(v, (KP, BN2)), axis=0)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + nb * BN2 + tl.arange(0, BN2), o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def moe_persistent_kernel(
+    x_ptr,
+    stride_xt,
+    w13_ptr,
+    s13_ptr,
+    alpha13_ptr,
+    w2_ptr,
+    s2_ptr,
+    alpha2_ptr,
+    topk_w_ptr,
+    ids_ptr,
+    emap_ptr,
+    out_ptr,
+    stride_ot,
+    gu_ptr,
+    ctl_ptr,
+    NT: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BN2: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    HAS_MAP: tl.constexpr = False,
+    PLACED: tl.constexpr = False,
+    KT: tl.constexpr = 0,
+    X_NAT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+    CTL: tl.constexpr = 4,
+    ZBLOCK: tl.constexpr = 1024,
+):
+    """The whole MoE layer of NT tokens (W4A16, slot schedule) in one launch of persistent programs (Plan.persistent;
+    the section comment above): GEMM1 items by :func:`_persist_gemm1`, GEMM2 items by :func:`_persist_gemm2`, taken
+    by ticket. The next ticket is taken while the current item runs (its latency hidden); it is never a GEMM1 item
+    held back by a waiting GEMM2 item (tickets grow, and GEMM1 tickets come first)."""
+    _pdl_enter(USE_PDL)
+    N1: tl.constexpr = NT * TOPK * (I // BN) * SPLIT_K
+    N2: tl.constexpr = NT * (H // BN2)
+    t = tl.atomic_add(ctl_ptr, 1, sem="relaxed", scope="gpu")
+    while t < N1 + N2:
+        nxt = tl.atomic_add(ctl_ptr, 1, sem="relaxed", scope="gpu")
+        if t < N1:
+            _persist_gemm1(t, x_ptr, stride_xt, w13_ptr, s13_ptr, alpha13_ptr, gu_ptr, ctl_ptr, ids_ptr, emap_ptr,
+                           TOPK, H, I, BN, BK, SPLIT_K, USE_ASM, HAS_MAP, PLACED, KT, X_NAT)
+        else:
+            _persist_gemm2(t - N1, w2_ptr, s2_ptr, alpha2_ptr, topk_w_ptr, gu_ptr, ctl_ptr, ids_ptr, emap_ptr,
+                           out_ptr, stride_ot, TOPK, KP, H, I, BN2, TOPK * (I // BN) * SPLIT_K, USE_ASM, HAS_MAP,
+                           PLACED)
+        t = nxt
+    # the last program out (every item done, every ticket taken) clears the state for the next call or replay
+    tl.debug_barrier()
+    if tl.atomic_add(ctl_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        offs = tl.arange(0, ZBLOCK)
+        for z in range(0, NT * TOPK * 2 * I, ZBLOCK):
+            tl.store(gu_ptr + z + offs, tl.zeros((ZBLOCK,), dtype=tl.float32), mask=z + offs < NT * TOPK * 2 * I)
+        offs_c = tl.arange(0, CTL)  # (CTL: 2 + NT rounded up to a power of two)
+        tl.store(ctl_ptr + offs_c, tl.zeros((CTL,), dtype=tl.int32), mask=offs_c < 2 + NT)

@@ -697,3 +697,62 @@ def test_sm120_plans_match_reference(gen, t, routing, mode, form):
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
     assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype), plan
+
+
+@pytest.mark.parametrize("t,routing,with_map,x_nat,form", [(1, "balanced", False, False, "persistent"),
+                                                           (2, "same_k", False, True, "persistent"),
+                                                           (2, "balanced", True, False, "persistent_w4")])
+def test_persistent_layer_matches_reference(gen, t, routing, with_map, x_nat, form):
+    """Plan.persistent_programs (opt-in "persistent*"): the layer in one launch of programs taking GEMM1's then
+    GEMM2's items by ticket, as plan() makes it (sm_90, the T <= 2 split of K). Against float64 twice in a row with
+    NaN-poisoned outputs (the first call's counters and gate/up sums must be back at zero, or the second adds onto
+    them or never waits), and against the two-launch default to fp32-order rounding; with an expert map a token
+    whose experts are all remote gets an exact zero row."""
+    from glm5_fp4.kernels import launch as L
+    from glm5_fp4.kernels.moe import get_workspace
+
+    h = 512
+    emap = _emap() if with_map else None
+    ex, prep = _experts(gen, h)
+    x = torch.randn(t, h, generator=gen).half()
+    w, ids = make_routing(routing, t, 16 if with_map else E, K, gen)
+    if with_map:
+        ids[0] = torch.tensor([0, 2])  # both remote
+        ids[1] = torch.tensor([1, 5])  # one local, one remote
+    plan = dataclasses.replace(C.plan("sm90", t, E, K, h, I, sm_count=4, form=form), x_natural=x_nat)
+    assert plan.persistent_programs > 0 and L.count(plan) == 1
+    (la,) = L.launches(plan, _call(x, w, ids, prep, "w4a16", emap))
+    assert la.name == "moe_persistent_kernel" and la.grid == (plan.persistent_programs,)
+    # GEMM1's and GEMM2's items outnumber the programs: each takes several
+    items = t * K * (I // plan.gemm1.bn) * plan.gemm1_split_k + t * (h // plan.persistent_bn2)
+    assert items > 2 * plan.persistent_programs
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64, expert_map=emap)
+    ws = get_workspace(x.device, E, K, h, I, t)
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan, expert_map=emap)
+        assert rel_error(out, ref) < moe_tolerance("w4a16", x.dtype)
+        assert not ws.gu.any() and not ws.persist_ctl.any()
+    base = fused_moe_triton(x, w, ids, prep, "w4a16", plan=C.plan("sm90", t, E, K, h, I, sm_count=4),
+                            expert_map=emap)
+    assert (out.float() - base.float()).abs().max() <= 2 * base.float().abs().max() * 2.0**-10
+    if with_map:
+        assert out[0].abs().max() == 0
+
+
+def test_persistent_layer_refuses_what_it_does_not_serve(gen):
+    """The persistent form serves W4A16 at T <= 2 only: a plan forced onto a W4A4 or T = 3 call is refused by name,
+    before anything is launched."""
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    ex, prep = _experts(gen, 512)
+    plan = C.plan("sm90", 1, E, K, 512, I, sm_count=4, form="persistent")
+    assert C.plan("sm90", 1, E, K, 512, I, sm_count=4, form="persistent", mode="w4a4").persistent_programs == 0
+    x = torch.randn(1, 512, generator=gen).half()
+    w, ids = make_routing("balanced", 1, E, K, gen)
+    with pytest.raises(Glm5Fp4Error, match="persistent layer serves"):
+        fused_moe_triton(x, w, ids, prep, "w4a4", plan=plan)
+    x3 = torch.randn(3, 512, generator=gen).half()
+    w3, ids3 = make_routing("balanced", 3, E, K, gen)
+    with pytest.raises(Glm5Fp4Error, match="persistent layer serves"):
+        fused_moe_triton(x3, w3, ids3, prep, "w4a16", plan=plan)
