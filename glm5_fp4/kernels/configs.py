@@ -892,10 +892,11 @@ def plan(
 # (each program holds a GEMM2 item of the token's k experts; the gate/up sums of T x k slots are a small fp32 buffer).
 PERSIST_MAX_TOKENS = 2
 # Where the opt-in forms serve: the TP8 shard's I = 256 (a [k x BN2, 512] GEMM2 tile and its act columns spill at the
-# forms' register caps: TP4 92-1,168 B on sm_90, compile matrix 2026-12-06), wgmma archs (sm_120's mma.sync tiles
-# spilled 136-196 B at 8 warps; nothing measured there)
+# forms' register caps: TP4 92-1,168 B on sm_90, compile matrix 2026-12-06), sm_90 (sm_100's Triton failed to lower
+# the 8-warp form; sm_120's mma.sync tiles spilled 136-196 B at 8 warps). On sm_90 they still spill 12-64 B at
+# their caps (128 registers at 2 x 8 warps, 168 at 3 x 4): an experiment to time, not a default.
 PERSIST_MAX_INTERMEDIATE = 256
-PERSIST_ARCHS = ("sm90", "sm100")
+PERSIST_ARCHS = ("sm90",)
 REGISTERS_PER_SM = 65536  # sm_90, sm_100, sm_120 alike
 
 
