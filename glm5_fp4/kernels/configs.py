@@ -1107,15 +1107,15 @@ OPT_IN: dict[str, OptIn] = {
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
                                 "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
-    "persistent": OptIn(dict(persistent=(2, 8, 16)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1, 2),
+    "persistent": OptIn(dict(persistent=(3, 4, 8)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1, 2),
                         max_intermediate=PERSIST_MAX_INTERMEDIATE, archs=PERSIST_ARCHS,
-                        purpose="T <= 2 in one launch: 2 persistent programs of 8 warps per SM take GEMM1's items, then "
-                                "GEMM2's (16 output rows x the token's k experts), by ticket; GEMM2's weight loads go "
-                                "out before it waits on the token's GEMM1 arrivals (unmeasured)"),
-    "persistent_w4": OptIn(dict(persistent=(3, 4, 8)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1,),
+                        purpose="T <= 2 in one launch: 3 persistent programs of 4 warps per SM take GEMM1's items, then "
+                                "GEMM2's (8 output rows x the token's k experts), by ticket; GEMM2's weight loads go out "
+                                "before it waits on the token's GEMM1 arrivals"),
+    "persistent_2x": OptIn(dict(persistent=(2, 4, 8)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1,),
                            max_intermediate=PERSIST_MAX_INTERMEDIATE, archs=PERSIST_ARCHS,
-                           purpose="the persistent one-launch layer in 3 programs of 4 warps per SM, GEMM2 items of 8 "
-                                   "output rows (unmeasured)"),
+                           purpose="the persistent one-launch layer in 2 programs of 4 warps per SM (fewer pollers, a "
+                                   "looser register cap)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

@@ -17,6 +17,9 @@ Per schedule:
   (atomics into the fp32 workspace), finalize (4 launches; one more with plan.parallel_align: count + scan,
   scatter; one more with plan.gemm1_split_k > 1: the split-K reduce after GEMM1).
 * ``native`` (SM100/SM120 FP4 MMA, unverified): align, native GEMM1, native GEMM2, finalize.
+
+Any slot plan with ``plan.persistent_programs`` (opt-in, T <= 2, W4A16): one launch of persistent programs taking
+GEMM1's and then GEMM2's items by ticket (triton_moe.moe_persistent_kernel).
 """
 
 from __future__ import annotations
