@@ -881,8 +881,8 @@ def plan(
         if change.get("gemm2_split") == "rule":  # (PLAN_RULES) GEMM2's split by pick_n_split, not its config's
             p = dataclasses.replace(p, gemm2_n_split=rule_split)
         if change.get("persistent") and persistent_serves(p, tokens, top_k, hidden, intermediate, mode):  # (PLAN_RULES)
-            per_sm, warps, bn2 = change["persistent"]
-            p = dataclasses.replace(p, persistent_programs=per_sm * sm_count, persistent_warps=warps,
+            per_sm, warps, bn2, over = (*change["persistent"], 1)[:4]
+            p = dataclasses.replace(p, persistent_programs=per_sm * sm_count * over, persistent_warps=warps,
                                     persistent_bn2=persistent_bn2(bn2, top_k, hidden, intermediate),
                                     persistent_maxnreg=persistent_maxnreg(per_sm, warps))
     return p
@@ -1112,10 +1112,13 @@ OPT_IN: dict[str, OptIn] = {
                         purpose="T <= 2 in one launch: 3 persistent programs of 4 warps per SM take GEMM1's items, then "
                                 "GEMM2's (8 output rows x the token's k experts), by ticket; GEMM2's weight loads go out "
                                 "before it waits on the token's GEMM1 arrivals"),
-    "persistent_2x": OptIn(dict(persistent=(2, 4, 8)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1,),
+    "persistent_x4": OptIn(dict(persistent=(3, 4, 8, 4)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1,),
                            max_intermediate=PERSIST_MAX_INTERMEDIATE, archs=PERSIST_ARCHS,
-                           purpose="the persistent one-launch layer in 2 programs of 4 warps per SM (fewer pollers, a "
-                                   "looser register cap)"),
+                           purpose="the persistent one-launch layer with 4x the programs that fit at once (about one "
+                                   "item each: is the per-program chain of items the cost?)"),
+    "persistent_x16": OptIn(dict(persistent=(3, 4, 8, 16)), "slot", PERSIST_MAX_TOKENS, ("w4a16",),
+                            compile_tokens=(1,), max_intermediate=PERSIST_MAX_INTERMEDIATE, archs=PERSIST_ARCHS,
+                            purpose="the persistent one-launch layer with 16x the programs that fit at once"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

@@ -158,7 +158,7 @@ def main() -> int:
             print(f"T={t} {routing} map={use_map} sm_120 plan {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     # the persistent one-launch layer (opt-in "persistent": tickets, per-token arrivals, gate/up sums by atomics, the
     # last program's reset), T = 1-2, remote slots; twice in a row (the second call runs on the first's reset state)
-    for t, use_map, form in ((1, False, "persistent"), (2, True, "persistent"), (2, False, "persistent_2x")):
+    for t, use_map, form in ((1, False, "persistent"), (2, True, "persistent"), (2, False, "persistent_x4")):
         x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
         w, ids = make_routing("balanced", t, 12 if use_map else e, k, device="cuda")
         m = emap if use_map else None

@@ -496,7 +496,7 @@ def test_dedup_by_arrival(shape, t, routing, mode):
 
 @pytest.mark.parametrize("shape,t,routing,form,oversubscribe", [
     (GLM_TP8, 1, "balanced", "persistent", 1), (GLM_TP8, 2, "same_k", "persistent", 1),
-    (GLM_TP8, 1, "zipf1.2", "persistent_2x", 1), (GLM_TP8, 2, "zipf1.2", "persistent", 1),
+    (GLM_TP8, 1, "zipf1.2", "persistent_x4", 1), (GLM_TP8, 2, "zipf1.2", "persistent", 1),
     (GLM_TP8, 2, "balanced", "persistent", 8), (GLM_EP8 | dict(i=256), 1, "balanced", "persistent", 1)])
 def test_persistent_layer(shape, t, routing, form, oversubscribe):
     """The opt-in persistent one-launch layer (Plan.persistent_programs: programs take GEMM1's items, then GEMM2's,

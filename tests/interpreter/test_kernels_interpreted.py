@@ -701,7 +701,7 @@ def test_sm120_plans_match_reference(gen, t, routing, mode, form):
 
 @pytest.mark.parametrize("t,routing,with_map,x_nat,form", [(1, "balanced", False, False, "persistent"),
                                                            (2, "same_k", False, True, "persistent"),
-                                                           (2, "balanced", True, False, "persistent_2x")])
+                                                           (2, "balanced", True, False, "persistent_x4")])
 def test_persistent_layer_matches_reference(gen, t, routing, with_map, x_nat, form):
     """Plan.persistent_programs (opt-in "persistent*"): the layer in one launch of programs taking GEMM1's then
     GEMM2's items by ticket, as plan() makes it (sm_90, the T <= 2 split of K). Against float64 twice in a row with
