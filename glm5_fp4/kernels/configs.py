@@ -148,13 +148,6 @@ class Plan:
     # With gemm1_split_cap: the run-time pick may also lower the split below gemm1_split_k, to the largest divisor
     # of the K tiles from this one up that keeps the call's programs within the cap (one wave); 0: never lowered.
     gemm1_split_floor: int = 0
-    # T <= PERSIST_MAX_TOKENS (slot schedule without dedup, W4A16, GEMM2's K whole): the layer in one launch of this
-    # many persistent programs taking GEMM1's then GEMM2's items by ticket (triton_moe.moe_persistent_kernel), GEMM2's
-    # items (N block of persistent_bn2 rows, token) waiting on their token's GEMM1 arrivals; 0: the plan's launches.
-    persistent_programs: int = 0
-    persistent_bn2: int = 16
-    persistent_warps: int = 8
-    persistent_maxnreg: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -880,59 +873,7 @@ def plan(
         p = dataclasses.replace(p, **{k: v for k, v in change.items() if k not in PLAN_RULES})
         if change.get("gemm2_split") == "rule":  # (PLAN_RULES) GEMM2's split by pick_n_split, not its config's
             p = dataclasses.replace(p, gemm2_n_split=rule_split)
-        if change.get("persistent") and persistent_serves(p, tokens, top_k, hidden, intermediate, mode):  # (PLAN_RULES)
-            per_sm, warps, bn2, over = (*change["persistent"], 1)[:4]
-            p = dataclasses.replace(p, persistent_programs=per_sm * sm_count * over, persistent_warps=warps,
-                                    persistent_bn2=persistent_bn2(bn2, top_k, hidden, intermediate),
-                                    persistent_maxnreg=persistent_maxnreg(per_sm, warps))
     return p
-
-
-# The persistent one-launch layer (Plan.persistent_programs, opt-in "persistent*"): batches of at most this many tokens
-# (each program holds a GEMM2 item of the token's k experts; the gate/up sums of T x k slots are a small fp32 buffer).
-PERSIST_MAX_TOKENS = 2
-# Where the opt-in forms serve: the TP8 shard's I = 256 (a [k x BN2, 512] GEMM2 tile and its act columns spill at the
-# forms' register caps: TP4 92-1,168 B on sm_90, compile matrix 2026-12-06), sm_90 (sm_100's Triton failed to lower
-# the 8-warp form; sm_120's mma.sync tiles spilled 136-196 B at 8 warps). On sm_90 they still spill 12-64 B at
-# their caps (128 registers at 2 x 8 warps, 168 at 3 x 4): an experiment to time, not a default.
-PERSIST_MAX_INTERMEDIATE = 256
-PERSIST_ARCHS = ("sm90",)
-REGISTERS_PER_SM = 65536  # sm_90, sm_100, sm_120 alike
-
-
-# GEMM2's item: one [k x BN2, I] weight tile, its rows decoded in registers; BN2 is given for I = 256 and halved
-# per doubling of I, so the tile stays 32K weights (the MMA needs k x BN2 >= 16 rows).
-PERSIST_BN2_AT_I = 256
-PERSIST_MIN_ROWS = 16
-
-
-def persistent_bn2(bn2: int, top_k: int, hidden: int, intermediate: int) -> int:
-    """Output rows per GEMM2 item of the persistent layer for these shapes (a power of two dividing ``hidden``)."""
-    kp = 1 << max(0, (top_k - 1).bit_length())
-    i = intermediate
-    while i > PERSIST_BN2_AT_I and (bn2 // 2) * kp >= PERSIST_MIN_ROWS:
-        bn2, i = bn2 // 2, i // 2
-    while kp * bn2 < PERSIST_MIN_ROWS:
-        bn2 *= 2
-    while hidden % bn2:
-        bn2 //= 2
-    return bn2
-
-
-def persistent_maxnreg(per_sm: int, warps: int) -> int:
-    """The register cap that lets ``per_sm`` programs of ``warps`` warps share an SM's 64K registers (multiple of 8)."""
-    return min(255, REGISTERS_PER_SM // (per_sm * warps * 32)) // 8 * 8
-
-
-def persistent_serves(p: Plan, tokens: int, top_k: int, hidden: int, intermediate: int, mode: str) -> bool:
-    """Whether a plan can run as the persistent one-launch layer: the slot schedule without dedup at T <=
-    PERSIST_MAX_TOKENS, W4A16 (its GEMM2 applies SwiGLU to the fp32 sums itself, no activation quantizer), GEMM2's K
-    whole (one [k x BN2, I] tile per item), at most 16 experts a token (the MMA's token side holds the k act
-    columns), GEMM1's split into whole K tiles, a plain pointer-loaded GEMM1 tile."""
-    return (p.schedule == "slot" and not p.slot_dedup and tokens <= PERSIST_MAX_TOKENS and mode == "w4a16"
-            and top_k <= 16
-            and gemm2_k_chunk(intermediate) == intermediate and not p.gemm1.tma and not p.gemm1.stacked
-            and split_k_fits(p.gemm1_split_k, hidden, p.gemm1.bk, slot=True))
 
 
 # The slot GEMM1 loads x in natural K order (Plan.x_natural) where slot dedup runs, on these archs. H100, 2026-12-06,
@@ -981,7 +922,7 @@ def dedup_split_max(hidden: int, bk: int, n_tiles: int, top_k: int, cap: int) ->
 
 
 # Keys of an OptIn's change that pick a rule inside plan() rather than set a Plan field.
-PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked", "gemm2_split", "dedup_split", "persistent")
+PLAN_RULES = ("split_k_rule", "tables", "gemm1_stacked", "gemm2_split", "dedup_split")
 
 
 @dataclass(frozen=True)
@@ -1107,18 +1048,6 @@ OPT_IN: dict[str, OptIn] = {
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
                                 "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
-    "persistent": OptIn(dict(persistent=(3, 4, 8)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1, 2),
-                        max_intermediate=PERSIST_MAX_INTERMEDIATE, archs=PERSIST_ARCHS,
-                        purpose="T <= 2 in one launch: 3 persistent programs of 4 warps per SM take GEMM1's items, then "
-                                "GEMM2's (8 output rows x the token's k experts), by ticket; GEMM2's weight loads go out "
-                                "before it waits on the token's GEMM1 arrivals"),
-    "persistent_x4": OptIn(dict(persistent=(3, 4, 8, 4)), "slot", PERSIST_MAX_TOKENS, ("w4a16",), compile_tokens=(1,),
-                           max_intermediate=PERSIST_MAX_INTERMEDIATE, archs=PERSIST_ARCHS,
-                           purpose="the persistent one-launch layer with 4x the programs that fit at once (about one "
-                                   "item each: is the per-program chain of items the cost?)"),
-    "persistent_x16": OptIn(dict(persistent=(3, 4, 8, 16)), "slot", PERSIST_MAX_TOKENS, ("w4a16",),
-                            compile_tokens=(1,), max_intermediate=PERSIST_MAX_INTERMEDIATE, archs=PERSIST_ARCHS,
-                            purpose="the persistent one-launch layer with 16x the programs that fit at once"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

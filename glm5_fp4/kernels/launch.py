@@ -17,9 +17,6 @@ Per schedule:
   (atomics into the fp32 workspace), finalize (4 launches; one more with plan.parallel_align: count + scan,
   scatter; one more with plan.gemm1_split_k > 1: the split-K reduce after GEMM1).
 * ``native`` (SM100/SM120 FP4 MMA, unverified): align, native GEMM1, native GEMM2, finalize.
-
-Any slot plan with ``plan.persistent_programs`` (opt-in, T <= 2, W4A16): one launch of persistent programs taking
-GEMM1's and then GEMM2's items by ticket (triton_moe.moe_persistent_kernel).
 """
 
 from __future__ import annotations
@@ -499,43 +496,6 @@ def _slot_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     return out
 
 
-def _persistent_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
-    """Plan.persistent_programs: the whole layer in one launch (triton_moe.moe_persistent_kernel)."""
-    from glm5_fp4.kernels import triton_moe as K
-
-    p, ws, g1 = call.prepared, call.workspace, plan.gemm1
-    t = call.tokens
-    (w13, s13), tiled = _w13(plan, call)
-    return [Launch(
-        K.moe_persistent_kernel, (plan.persistent_programs,),
-        (call.x, call.x.stride(0), w13, s13, p.w13_alpha, p.w2.view(torch.int32), p.w2_scale, p.w2_alpha,
-         call.topk_weights, call.topk_ids, _emap(call), call.out, call.out.stride(0), ws.gu, ws.persist_ctl),
-        dict(NT=t, TOPK=call.top_k, KP=_pow2(call.top_k), H=p.hidden_size, I=p.intermediate_size, BN=g1.bn, BK=g1.bk,
-             SPLIT_K=plan.gemm1_split_k, BN2=plan.persistent_bn2, USE_ASM=call.use_asm,
-             HAS_MAP=call.expert_map is not None, PLACED=p.layout in PLACED_LAYOUTS, X_NAT=plan.x_natural,
-             CTL=_pow2(2 + t), num_warps=plan.persistent_warps, num_stages=g1.num_stages,
-             **({"maxnreg": plan.persistent_maxnreg} if plan.persistent_maxnreg and call.use_asm else {}),
-             **tiled, **_pdl(plan, call)),
-        stage="gemm1",
-    )]
-
-
-def _check_persistent(plan: cfgs.Plan, call: MoECall) -> None:
-    p, ws = call.prepared, call.workspace
-    h, i, k = p.hidden_size, p.intermediate_size, call.top_k
-    if not cfgs.persistent_serves(plan, call.tokens, k, h, i, call.mode):
-        raise Glm5Fp4Error(f"MoE plan {plan}: the persistent layer serves the slot schedule without dedup at T <= "
-                           f"{cfgs.PERSIST_MAX_TOKENS}, W4A16, k <= 16, I <= {cfgs.GEMM2_MAX_K_CHUNK} (got T="
-                           f"{call.tokens}, {call.mode}, k={k}, I={i})")
-    bn2 = plan.persistent_bn2
-    if h % bn2 or _pow2(k) * bn2 < cfgs.PERSIST_MIN_ROWS or bn2 & (bn2 - 1):
-        raise Glm5Fp4Error(f"MoE plan {plan}: the persistent GEMM2 item's {bn2} rows must be a power of two dividing "
-                           f"H={h}, with {cfgs.PERSIST_MIN_ROWS} rows or more over the k={k} experts")
-    if call.num_slots * 2 * i > ws.gu.numel() or 2 + call.tokens > ws.persist_ctl.numel():
-        raise Glm5Fp4Error(f"MoE plan {plan}: the persistent layer needs {call.num_slots * 2 * i} gate/up sums, the "
-                           f"workspace holds {ws.gu.numel()}")
-
-
 def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     from glm5_fp4.kernels import triton_moe as K
 
@@ -627,11 +587,7 @@ def launches(plan: cfgs.Plan, call: MoECall, stages: tuple[str, ...] = STAGES) -
                 "prepare with layout='split' (or 'placed') for this plan"
             )
         _check(plan, call)
-        if plan.persistent_programs:
-            _check_persistent(plan, call)
-            out = _persistent_launches(plan, call)
-        else:
-            out = _slot_launches(plan, call) if plan.schedule == "slot" else _grouped_launches(plan, call)
+        out = _slot_launches(plan, call) if plan.schedule == "slot" else _grouped_launches(plan, call)
     return [launch for launch in out if launch.stage in stages]
 
 
@@ -643,8 +599,6 @@ def run(todo: list[Launch]) -> None:
 
 def count(plan: cfgs.Plan) -> int:
     """Kernel launches per layer call under ``plan``."""
-    if plan.persistent_programs:
-        return 1
     if plan.schedule == "slot":
         return (2 + (plan.gemm1_split_k > 1 and not plan.gemm1_fused_reduce)
                 + (plan.slot_dedup and not plan.dedup_fused_finalize))

@@ -89,11 +89,6 @@ class Workspace:
         # arrivals per (token, GEMM2 N range) of the slot GEMM2 split by slots (Plan.gemm2_split_slots), whose
         # per-slot rows go to ``combine``; the last arrival sets it back to zero
         self.slot_count = torch.zeros(slot_tokens * (hidden // 16), **i32)
-        # the persistent one-launch layer (Plan.persistent_programs): fp32 gate/up sums per slot, and its ticket, exit
-        # and per-token arrival counters (triton_moe.moe_persistent_kernel); its last program sets both back to zero
-        self.gu = torch.zeros(min(max_tokens, cfgs.PERSIST_MAX_TOKENS) * top_k * 2 * intermediate, dtype=torch.float32,
-                              device=device)
-        self.persist_ctl = torch.zeros(2 + cfgs.PERSIST_MAX_TOKENS, **i32)
         # NVFP4 act (codes + scales) between the native FP4 GEMMs; allocated on first native use
         self.act_q: torch.Tensor | None = None
         self.act_s: torch.Tensor | None = None

@@ -156,18 +156,6 @@ def main() -> int:
             err, ok = _checked(fused_moe_triton(x, w, ids, prep, mode, plan=plan, expert_map=m), x, w, ids, ex, mode, m)
             failures += not ok
             print(f"T={t} {routing} map={use_map} sm_120 plan {mode}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
-    # the persistent one-launch layer (opt-in "persistent": tickets, per-token arrivals, gate/up sums by atomics, the
-    # last program's reset), T = 1-2, remote slots; twice in a row (the second call runs on the first's reset state)
-    for t, use_map, form in ((1, False, "persistent"), (2, True, "persistent"), (2, False, "persistent_x4")):
-        x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
-        w, ids = make_routing("balanced", t, 12 if use_map else e, k, device="cuda")
-        m = emap if use_map else None
-        plan = default_plan(x, ids, prep, "w4a16", m, form=form)
-        for _ in range(2):
-            err, ok = _checked(fused_moe_triton(x, w, ids, prep, "w4a16", plan=plan, expert_map=m), x, w, ids, ex,
-                               "w4a16", m)
-            failures += not (ok and plan.persistent_programs > 0)
-            print(f"T={t} {form} map={use_map}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     print(f"memcheck cases done, {failures} failed")
     return 1 if failures else 0

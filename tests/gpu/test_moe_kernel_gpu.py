@@ -494,44 +494,6 @@ def test_dedup_by_arrival(shape, t, routing, mode):
         assert torch.equal(out, fused_moe_triton(x, w, ids, prep, mode, plan=with_finalize, expert_map=emap))
 
 
-@pytest.mark.parametrize("shape,t,routing,form,oversubscribe", [
-    (GLM_TP8, 1, "balanced", "persistent", 1), (GLM_TP8, 2, "same_k", "persistent", 1),
-    (GLM_TP8, 1, "zipf1.2", "persistent_x4", 1), (GLM_TP8, 2, "zipf1.2", "persistent", 1),
-    (GLM_TP8, 2, "balanced", "persistent", 8), (GLM_EP8 | dict(i=256), 1, "balanced", "persistent", 1)])
-def test_persistent_layer(shape, t, routing, form, oversubscribe):
-    """The opt-in persistent one-launch layer (Plan.persistent_programs: programs take GEMM1's items, then GEMM2's,
-    by ticket; GEMM2 items wait on their token's GEMM1 arrivals): against float64 with NaN-poisoned outputs and
-    near the default two-launch plan (fp32 atomics add the K ranges in any order), 20 eager calls in a row (the
-    counters and gate/up sums must be zero again after each, or a call adds onto the last one's or never waits);
-    CUDA graphs replayed with new routings; ``oversubscribe``: 8x the programs (more than fit the GPU at once: the
-    ticket order must keep the waits deadlock-free whatever runs), an expert map with remote slots."""
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, get_workspace
-
-    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
-    ex, prep = experts(**shape)
-    x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
-    emap = strided_map(shape)
-    plan = default_plan(x, ids, prep, "w4a16", expert_map=emap, form=form)
-    assert plan.persistent_programs > 0
-    plan = dataclasses.replace(plan, persistent_programs=plan.persistent_programs * oversubscribe)
-    base = default_plan(x, ids, prep, "w4a16", expert_map=emap)
-    ws = get_workspace(x.device, prep.num_experts, k, h, i, t)
-    ref = reference(x, w, ids, ex, "w4a16", emap)
-    for _ in range(20):
-        out = torch.full_like(x, float("nan"))
-        fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan, expert_map=emap)
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all() and not ws.gu.any() and not ws.persist_ctl.any()
-        assert rel_error(out, ref) < moe_tolerance("w4a16", x.dtype)
-    near = lambda a, b: (a.float() - b.float()).abs().max() <= 2 * b.float().abs().max() * 2.0**-8  # noqa: E731
-    assert near(out, fused_moe_triton(x, w, ids, prep, "w4a16", plan=base, expert_map=emap))
-    for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan,
-                                                                expert_map=emap), w, ids, out,
-                                       shape.get("global_e") or e, 3):
-        assert torch.isfinite(out).all()
-        assert near(out, fused_moe_triton(x, w, ids, prep, "w4a16", plan=base, expert_map=emap))
-
-
 @pytest.mark.parametrize("shape,t,mode", [(GLM_TP8, 4, "w4a16"), (GLM_TP8, 3, "w4a4"), (GLM_TP4, 4, "w4a16"),
                                           (GLM_TP4, 3, "w4a4")])
 def test_dedup_split_picked_from_the_routing(shape, t, mode):
