@@ -475,12 +475,13 @@ def _dedup_split(groups, N_TILES: tl.constexpr, KT: tl.constexpr, SPLIT_FLOOR: t
 
 
 @triton.jit
-def _dedup_row(r, lead, SP: tl.constexpr):
+def _dedup_row(r, lead, groups, SP: tl.constexpr):
     """Row ``r`` of the compact GEMM1 grid (Plan.gemm1_compact_grid) -> (leader slot of its group, K range), ``lead``
-    the call's leader mask (:func:`_group_leaders`): rows 0 .. groups-1 are the groups' first K range (in slot order),
-    the next ``groups`` rows their second, ...; a row past the call's split gets a K range the caller finds idle."""
+    the call's leader mask (:func:`_group_leaders`), ``groups`` its count: rows 0 .. groups-1 are the groups' first K
+    range (in slot order), the next ``groups`` rows their second, ...; a row past the call's split gets a K range the
+    caller finds idle."""
     offs = tl.arange(0, SP)
-    groups = tl.maximum(tl.sum(lead.to(tl.int32), axis=0), 1)  # (no local slot: slot 0, idle as a remote slot)
+    groups = tl.maximum(groups, 1)  # (no local slot: slot 0, idle as a remote slot)
     g = r % groups
     nth = tl.cumsum(lead.to(tl.int32), axis=0) - 1
     return tl.sum(tl.where(lead & (nth == g), offs, 0), axis=0), r // groups
@@ -752,10 +753,10 @@ def moe_gemm1_kernel(
             if SPLIT_CAP > 0:
                 # the call's groups, counted once: the compact grid's rows and the split both follow from them
                 lead = _group_leaders(ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
+                groups = tl.sum(lead.to(tl.int32), axis=0)
                 if DEDUP_ROWS > 0:
-                    start, pid_k = _dedup_row(tl.program_id(1), lead, SP)
-                splits = _dedup_split(tl.sum(lead.to(tl.int32), axis=0), I // BN, H // BK, SPLIT_FLOOR, SPLIT_MIN,
-                                      SPLIT_K, SPLIT_CAP)
+                    start, pid_k = _dedup_row(tl.program_id(1), lead, groups, SP)
+                splits = _dedup_split(groups, I // BN, H // BK, SPLIT_FLOOR, SPLIT_MIN, SPLIT_K, SPLIT_CAP)
             e, count, same, rank = _slot_group(start, ids_ptr, emap_ptr, nslots, SP, HAS_MAP)
             if SPLIT_CAP > 0:
                 count = tl.where(pid_k < splits, count, 0)
