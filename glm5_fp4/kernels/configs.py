@@ -554,6 +554,9 @@ _DEFAULT_GEMM1["sm80"] = _DEFAULT_GEMM1["sm120"]
 # which the TP4 shard, whole experts and slot dedup still run (_DEFAULT_GEMM2, _GEMM2_BY_INTERMEDIATE) and the opt-in
 # "gemm2_split_rule" restores for the TP8 shard
 _GEMM2_16_BY_RULE = Gemm2Config(64, 16, 4, 3, merged=False)
+# The opt-in slot_rows forms' GEMM1 tile: 8 gate rows and their 8 up rows stacked (M = 16: mma.sync, not wgmma),
+# 256-wide K tiles in a 4-stage ring (sm_90, Triton 3.9: 80 registers, 14 KB of shared memory).
+_SLOT_ROWS_GEMM1 = Gemm1Config(8, 16, 256, 4, 4, stacked=True)
 
 _DEFAULT_GEMM2 = {
     # sm90, grouped: eight MMAs per tile (merged=False) beat one merged chain in the 2026-11-29 variants run
@@ -1048,6 +1051,25 @@ OPT_IN: dict[str, OptIn] = {
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
                                 "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
+    # T <= 2 without split-K: rows split finely instead (8 gate + 8 up rows a tile: an M = 16 mma.sync, 256 programs
+    # at TP8 T=1), each program walking all of K, so GEMM1 stores act directly (no partial sums, arrivals or reduce
+    # round trip; improvements/24 put GEMM1 alone at 10.8 us against a bare read of its bytes in 6.9). W4A16 only at 8
+# rows: W4A4 quantizes act in 16-row blocks along I, which an 8-row tile cannot (slot_rows16 serves both).
+    "slot_rows": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False), "slot",
+                       SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",), compile_tokens=(1, 2), archs=SLOT_WIDE_SPLIT_ARCHS,
+                       purpose="slot GEMM1 in 8+8-row tiles over all of K (no split-K, no reduce)"),
+    "slot_rows_s8": OptIn(dict(gemm1=dataclasses.replace(_SLOT_ROWS_GEMM1, num_stages=8), gemm1_split_k=1,
+                               gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
+                          compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
+                          purpose="slot_rows with an 8-stage ring (more of each program's stream in flight)"),
+    "slot_rows_w2": OptIn(dict(gemm1=dataclasses.replace(_SLOT_ROWS_GEMM1, num_warps=2), gemm1_split_k=1,
+                               gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
+                          compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
+                          purpose="slot_rows in 2-warp programs"),
+    "slot_rows16": OptIn(dict(gemm1=dataclasses.replace(_SLOT_ROWS_GEMM1, bn=16), gemm1_split_k=1,
+                              gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
+                         compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
+                         purpose="slot_rows in 16+16-row tiles (half the programs)"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
