@@ -876,6 +876,8 @@ def plan(
         p = dataclasses.replace(p, **{k: v for k, v in change.items() if k not in PLAN_RULES})
         if change.get("gemm2_split") == "rule":  # (PLAN_RULES) GEMM2's split by pick_n_split, not its config's
             p = dataclasses.replace(p, gemm2_n_split=rule_split)
+        elif change.get("gemm2_split") == "tiles":  # (PLAN_RULES) one N tile a program
+            p = dataclasses.replace(p, gemm2_n_split=hidden // p.gemm2.bn)
     return p
 
 
@@ -1070,6 +1072,19 @@ OPT_IN: dict[str, OptIn] = {
                               gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
                          compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
                          purpose="slot_rows in 16+16-row tiles (half the programs)"),
+    # ... and GEMM2 one program per (16-row N tile, token) with the token's k experts unrolled (all their weight
+    # loads in flight, asked of L2 before the PDL wait), summed in registers and stored once: no per-slot rows,
+    # arrivals or re-reads (the split-by-slots default's round trip)
+    "slot_rows_g2": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False,
+                               gemm2_split_slots=False, gemm2=Gemm2Config(16, 16, 4, 1), gemm2_split="tiles",
+                               gemm2_unroll=True, pdl=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
+                          compile_tokens=(1, 2), archs=SLOT_WIDE_SPLIT_ARCHS,
+                          purpose="slot_rows, GEMM2 one program per 16-row N tile and token, its k experts unrolled"),
+    "slot_rows_g2_32": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False,
+                                  gemm2_split_slots=False, gemm2=Gemm2Config(32, 16, 4, 1), gemm2_split="tiles",
+                                  gemm2_unroll=True, pdl=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
+                             compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
+                             purpose="slot_rows_g2 in 32-row N tiles"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
@@ -1093,7 +1108,8 @@ def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None
             # a finalize block matters only where the finalize adds slot dedup's k rows
             and ("finalize_block" not in o.change or (p.slot_dedup and not p.dedup_fused_finalize))
             and split_k_fits(o.change.get("gemm1_split_k", 1), hidden, p.gemm1.bk, p.schedule == "slot")
-            and hidden % g2.bn == 0 and (hidden // g2.bn) % o.change.get("gemm2_n_split", p.gemm2_n_split) == 0)
+            and hidden % g2.bn == 0 and (o.change.get("gemm2_split") == "tiles"
+                                         or (hidden // g2.bn) % o.change.get("gemm2_n_split", p.gemm2_n_split) == 0))
 
 
 def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,

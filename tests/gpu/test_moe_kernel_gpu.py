@@ -592,7 +592,8 @@ def test_plan_variants_match_reference(t, variant, mode):
     assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
 
 
-@pytest.mark.parametrize("form", ["slot_rows", "slot_rows_s8", "slot_rows_w2", "slot_rows16"])
+@pytest.mark.parametrize("form", ["slot_rows", "slot_rows_s8", "slot_rows_w2", "slot_rows16", "slot_rows_g2",
+                                  "slot_rows_g2_32"])
 @pytest.mark.parametrize("t,routing", [(1, "balanced"), (2, "same_k"), (2, "balanced")])
 def test_slot_rows_forms_match_reference(t, routing, form):
     """The opt-in slot_rows forms (T <= 2: GEMM1 in 8+8 / 16+16 stacked rows over all of K, an M = 16 mma.sync, no
