@@ -1085,6 +1085,11 @@ OPT_IN: dict[str, OptIn] = {
                                   gemm2_unroll=True, pdl=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
                              compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
                              purpose="slot_rows_g2 in 32-row N tiles"),
+    # T = 3-4 likewise: the slot dedup GEMM1 in slot_rows' tiles, each group's program walking all of K (no split
+    # picked from the routing, no reduce launch: 3 launches instead of 4)
+    "dedup_rows": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False, dedup_split="fixed"),
+                        "slot", None, ("w4a16",), compile_tokens=(4,), archs=SLOT_WIDE_SPLIT_ARCHS,
+                        purpose="the slot dedup GEMM1 (T = 3-4) in 8+8-row tiles over all of K, no split-K"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),

@@ -593,8 +593,8 @@ def test_plan_variants_match_reference(t, variant, mode):
 
 
 @pytest.mark.parametrize("form", ["slot_rows", "slot_rows_s8", "slot_rows_w2", "slot_rows16", "slot_rows_g2",
-                                  "slot_rows_g2_32"])
-@pytest.mark.parametrize("t,routing", [(1, "balanced"), (2, "same_k"), (2, "balanced")])
+                                  "slot_rows_g2_32", "dedup_rows"])
+@pytest.mark.parametrize("t,routing", [(1, "balanced"), (2, "same_k"), (2, "balanced"), (4, "same_k"), (4, "balanced")])
 def test_slot_rows_forms_match_reference(t, routing, form):
     """The opt-in slot_rows forms (T <= 2: GEMM1 in 8+8 / 16+16 stacked rows over all of K, an M = 16 mma.sync, no
     split-K) as plan() makes them on this GPU, with the PTX decode: against the float64 reference, NaN-poisoned."""
@@ -608,6 +608,8 @@ def test_slot_rows_forms_match_reference(t, routing, form):
     ex, prep = experts(**SMALL)
     x, w, ids = inputs(t, e, h, k, routing=routing)
     plan = default_plan(x, ids, prep, "w4a16", form=form)
+    if plan == default_plan(x, ids, prep, "w4a16"):
+        pytest.skip(f"the {form} form does not serve T={t}")
     assert plan.gemm1_split_k == 1 and plan.gemm1.stacked and plan.gemm1.bn in (8, 16), plan
     out = torch.full_like(x, float("nan"))
     fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)

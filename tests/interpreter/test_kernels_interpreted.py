@@ -551,7 +551,8 @@ def test_dedup_by_arrival_is_the_finalize_launchs_sum(gen, t, routing, mode, n_s
 
 @pytest.mark.parametrize("form,t,routing,mode", [("slot_rows", 1, "balanced", "w4a16"), ("slot_rows", 2, "same_k", "w4a16"), ("slot_rows16", 1, "zipf2", "w4a4"),
                                                    ("slot_rows16", 2, "balanced", "w4a16"),
-                                                   ("slot_rows_g2", 2, "zipf2", "w4a16")])
+                                                   ("slot_rows_g2", 2, "zipf2", "w4a16"),
+                                                   ("dedup_rows", 4, "same_k", "w4a16"), ("dedup_rows", 3, "zipf2", "w4a16")])
 def test_slot_rows_forms_match_reference(gen, form, t, routing, mode):
     """The opt-in slot_rows forms as plan() makes them (sm_90, T <= 2): GEMM1 in 8+8 (16+16) stacked rows over all
     of K, no split, act stored by every program (no partial sums), GEMM2 split by slots (slot_rows_g2: one program
