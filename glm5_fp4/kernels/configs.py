@@ -1090,6 +1090,19 @@ OPT_IN: dict[str, OptIn] = {
     "dedup_rows": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False, dedup_split="fixed"),
                         "slot", None, ("w4a16",), compile_tokens=(4,), archs=SLOT_WIDE_SPLIT_ARCHS,
                         purpose="the slot dedup GEMM1 (T = 3-4) in 8+8-row tiles over all of K, no split-K"),
+    # The grouped GEMM2's tiles as one merged MMA chain (one wgmma wait per tile instead of eight): the eight-MMA
+    # form was picked for the 8-warp 128x32 tile (2026-11-29: 161 against 126 registers halved its CTAs per SM); the
+    # 4-warp tiles picked since were never measured merged. ncu on the H100 (2026-12-06, TP8 T=1024): 12.5 % of
+    # GEMM2's stall samples on the eight WARPGROUP.DEPBAR waits per tile.
+    "gemm2_merged16": OptIn(dict(gemm2=Gemm2Config(64, 16, 4, 4, n_split=12, merged=True)), "grouped", None,
+                            ("w4a16", "w4a4"), compile_tokens=(64,), archs=("sm90", "sm100"), bm=16,
+                            max_intermediate=256, purpose="GEMM2 of 16-token blocks as one merged MMA chain"),
+    "gemm2_merged32": OptIn(dict(gemm2=Gemm2Config(64, 32, 4, 3, n_split=6, merged=True)), "grouped", None,
+                            ("w4a16", "w4a4"), compile_tokens=(512,), archs=("sm90", "sm100"), bm=32,
+                            max_intermediate=256, purpose="GEMM2 of 32-token blocks as one merged MMA chain"),
+    "gemm2_merged128": OptIn(dict(gemm2=Gemm2Config(64, 128, 4, 3, n_split=6, merged=True)), "grouped", None,
+                             ("w4a16", "w4a4"), compile_tokens=(4096,), archs=("sm90", "sm100"), bm=128,
+                             max_intermediate=256, purpose="GEMM2 of 128-token blocks as one merged MMA chain"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
