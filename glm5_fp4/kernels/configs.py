@@ -554,9 +554,6 @@ _DEFAULT_GEMM1["sm80"] = _DEFAULT_GEMM1["sm120"]
 # which the TP4 shard, whole experts and slot dedup still run (_DEFAULT_GEMM2, _GEMM2_BY_INTERMEDIATE) and the opt-in
 # "gemm2_split_rule" restores for the TP8 shard
 _GEMM2_16_BY_RULE = Gemm2Config(64, 16, 4, 3, merged=False)
-# The opt-in slot_rows forms' GEMM1 tile: 8 gate rows and their 8 up rows stacked (M = 16: mma.sync, not wgmma),
-# 256-wide K tiles in a 4-stage ring (sm_90, Triton 3.9: 80 registers, 14 KB of shared memory).
-_SLOT_ROWS_GEMM1 = Gemm1Config(8, 16, 256, 4, 4, stacked=True)
 
 _DEFAULT_GEMM2 = {
     # sm90, grouped: eight MMAs per tile (merged=False) beat one merged chain in the 2026-11-29 variants run
@@ -876,8 +873,6 @@ def plan(
         p = dataclasses.replace(p, **{k: v for k, v in change.items() if k not in PLAN_RULES})
         if change.get("gemm2_split") == "rule":  # (PLAN_RULES) GEMM2's split by pick_n_split, not its config's
             p = dataclasses.replace(p, gemm2_n_split=rule_split)
-        elif change.get("gemm2_split") == "tiles":  # (PLAN_RULES) one N tile a program
-            p = dataclasses.replace(p, gemm2_n_split=hidden // p.gemm2.bn)
     return p
 
 
@@ -1053,43 +1048,6 @@ OPT_IN: dict[str, OptIn] = {
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
                                 "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
-    # T <= 2 without split-K: rows split finely instead (8 gate + 8 up rows a tile: an M = 16 mma.sync, 256 programs
-    # at TP8 T=1), each program walking all of K, so GEMM1 stores act directly (no partial sums, arrivals or reduce
-    # round trip; improvements/24 put GEMM1 alone at 10.8 us against a bare read of its bytes in 6.9). W4A16 only at 8
-# rows: W4A4 quantizes act in 16-row blocks along I, which an 8-row tile cannot (slot_rows16 serves both).
-    "slot_rows": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False), "slot",
-                       SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",), compile_tokens=(1, 2), archs=SLOT_WIDE_SPLIT_ARCHS,
-                       purpose="slot GEMM1 in 8+8-row tiles over all of K (no split-K, no reduce)"),
-    "slot_rows_s8": OptIn(dict(gemm1=dataclasses.replace(_SLOT_ROWS_GEMM1, num_stages=8), gemm1_split_k=1,
-                               gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
-                          compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
-                          purpose="slot_rows with an 8-stage ring (more of each program's stream in flight)"),
-    "slot_rows_w2": OptIn(dict(gemm1=dataclasses.replace(_SLOT_ROWS_GEMM1, num_warps=2), gemm1_split_k=1,
-                               gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
-                          compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
-                          purpose="slot_rows in 2-warp programs"),
-    "slot_rows16": OptIn(dict(gemm1=dataclasses.replace(_SLOT_ROWS_GEMM1, bn=16), gemm1_split_k=1,
-                              gemm1_fused_reduce=False), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16", "w4a4"),
-                         compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
-                         purpose="slot_rows in 16+16-row tiles (half the programs)"),
-    # ... and GEMM2 one program per (16-row N tile, token) with the token's k experts unrolled (all their weight
-    # loads in flight, asked of L2 before the PDL wait), summed in registers and stored once: no per-slot rows,
-    # arrivals or re-reads (the split-by-slots default's round trip)
-    "slot_rows_g2": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False,
-                               gemm2_split_slots=False, gemm2=Gemm2Config(16, 16, 4, 1), gemm2_split="tiles",
-                               gemm2_unroll=True, pdl=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
-                          compile_tokens=(1, 2), archs=SLOT_WIDE_SPLIT_ARCHS,
-                          purpose="slot_rows, GEMM2 one program per 16-row N tile and token, its k experts unrolled"),
-    "slot_rows_g2_32": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False,
-                                  gemm2_split_slots=False, gemm2=Gemm2Config(32, 16, 4, 1), gemm2_split="tiles",
-                                  gemm2_unroll=True, pdl=True), "slot", SLOT_DEDUP_MIN_TOKENS - 1, ("w4a16",),
-                             compile_tokens=(1,), archs=SLOT_WIDE_SPLIT_ARCHS,
-                             purpose="slot_rows_g2 in 32-row N tiles"),
-    # T = 3-4 likewise: the slot dedup GEMM1 in slot_rows' tiles, each group's program walking all of K (no split
-    # picked from the routing, no reduce launch: 3 launches instead of 4)
-    "dedup_rows": OptIn(dict(gemm1=_SLOT_ROWS_GEMM1, gemm1_split_k=1, gemm1_fused_reduce=False, dedup_split="fixed"),
-                        "slot", None, ("w4a16",), compile_tokens=(4,), archs=SLOT_WIDE_SPLIT_ARCHS,
-                        purpose="the slot dedup GEMM1 (T = 3-4) in 8+8-row tiles over all of K, no split-K"),
     # The grouped GEMM2's tiles as one merged MMA chain (one wgmma wait per tile instead of eight): the eight-MMA
     # form was picked for the 8-warp 128x32 tile (2026-11-29: 161 against 126 registers halved its CTAs per SM); the
     # 4-warp tiles picked since were never measured merged. ncu on the H100 (2026-12-06, TP8 T=1024): 12.5 % of
@@ -1126,8 +1084,7 @@ def opt_in_serves(form: str, p: Plan, tokens: int, hidden: int, mode: str | None
             # a finalize block matters only where the finalize adds slot dedup's k rows
             and ("finalize_block" not in o.change or (p.slot_dedup and not p.dedup_fused_finalize))
             and split_k_fits(o.change.get("gemm1_split_k", 1), hidden, p.gemm1.bk, p.schedule == "slot")
-            and hidden % g2.bn == 0 and (o.change.get("gemm2_split") == "tiles"
-                                         or (hidden // g2.bn) % o.change.get("gemm2_n_split", p.gemm2_n_split) == 0))
+            and hidden % g2.bn == 0 and (hidden // g2.bn) % o.change.get("gemm2_n_split", p.gemm2_n_split) == 0)
 
 
 def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int,

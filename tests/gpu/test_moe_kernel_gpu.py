@@ -592,31 +592,6 @@ def test_plan_variants_match_reference(t, variant, mode):
     assert rel_error(out, reference(x, w, ids, ex, mode)) < moe_tolerance(mode, x.dtype)
 
 
-@pytest.mark.parametrize("form", ["slot_rows", "slot_rows_s8", "slot_rows_w2", "slot_rows16", "slot_rows_g2",
-                                  "slot_rows_g2_32", "dedup_rows"])
-@pytest.mark.parametrize("t,routing", [(1, "balanced"), (2, "same_k"), (2, "balanced"), (4, "same_k"), (4, "balanced")])
-def test_slot_rows_forms_match_reference(t, routing, form):
-    """The opt-in slot_rows forms (T <= 2: GEMM1 in 8+8 / 16+16 stacked rows over all of K, an M = 16 mma.sync, no
-    split-K) as plan() makes them on this GPU, with the PTX decode: against the float64 reference, NaN-poisoned."""
-    from glm5_fp4.kernels import configs as C
-    from glm5_fp4.kernels.capability import device_arch
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
-
-    if device_arch(torch.device("cuda"))[0] not in C.OPT_IN[form].archs:
-        pytest.skip(f"the {form} form serves {C.OPT_IN[form].archs} only")
-    e, h, k = SMALL["e"], SMALL["h"], SMALL["k"]
-    ex, prep = experts(**SMALL)
-    x, w, ids = inputs(t, e, h, k, routing=routing)
-    plan = default_plan(x, ids, prep, "w4a16", form=form)
-    if plan == default_plan(x, ids, prep, "w4a16"):
-        pytest.skip(f"the {form} form does not serve T={t}")
-    assert plan.gemm1_split_k == 1 and plan.gemm1.stacked and plan.gemm1.bn in (8, 16), plan
-    out = torch.full_like(x, float("nan"))
-    fused_moe_triton(x, w, ids, prep, "w4a16", out=out, plan=plan)
-    assert torch.isfinite(out).all()
-    assert rel_error(out, reference(x, w, ids, ex, "w4a16")) < moe_tolerance("w4a16", x.dtype)
-
-
 def test_fp16_activations():
     x, w, ids = inputs(64, SMALL["e"], SMALL["h"], SMALL["k"], dtype=torch.float16)
     check(x, w, ids, SMALL, "w4a16")

@@ -549,27 +549,6 @@ def test_dedup_by_arrival_is_the_finalize_launchs_sum(gen, t, routing, mode, n_s
                       fused_moe_triton(x, w, ids, prep, mode, plan=base, expert_map=emap))
 
 
-@pytest.mark.parametrize("form,t,routing,mode", [("slot_rows", 1, "balanced", "w4a16"), ("slot_rows", 2, "same_k", "w4a16"), ("slot_rows16", 1, "zipf2", "w4a4"),
-                                                   ("slot_rows16", 2, "balanced", "w4a16"),
-                                                   ("slot_rows_g2", 2, "zipf2", "w4a16"),
-                                                   ("dedup_rows", 4, "same_k", "w4a16"), ("dedup_rows", 3, "zipf2", "w4a16")])
-def test_slot_rows_forms_match_reference(gen, form, t, routing, mode):
-    """The opt-in slot_rows forms as plan() makes them (sm_90, T <= 2): GEMM1 in 8+8 (16+16) stacked rows over all
-    of K, no split, act stored by every program (no partial sums), GEMM2 split by slots (slot_rows_g2: one program
-    per 16-row N tile and token, its k experts unrolled); against float64, the output NaN-poisoned first."""
-    ex, prep = _experts(gen, 512)
-    x = torch.randn(t, 512, generator=gen).half()
-    w, ids = make_routing(routing, t, E, K, gen)
-    plan = C.plan("sm90", t, E, K, 512, I, sm_count=16, form=form)
-    assert (plan.gemm1.bn, plan.gemm1.stacked, plan.gemm1_split_k, plan.gemm1_fused_reduce) == (
-        C.OPT_IN[form].change["gemm1"].bn, True, 1, False)
-    out = torch.full_like(x, float("nan"))
-    fused_moe_triton(x, w, ids, prep, mode, out=out, plan=plan)
-    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
-    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
-    assert rel_error(out, ref) < moe_tolerance(mode, x.dtype)
-
-
 @pytest.mark.parametrize("form", ["dedup_by_arrival", "per_slot_split"])
 def test_two_launch_forms_at_t4_match_reference(gen, form):
     """The opt-in two-launch forms of T = 3-4 as plan() makes them (sm_90, T = 4 on the same 2 of 8 experts: GEMM1
