@@ -1048,19 +1048,6 @@ OPT_IN: dict[str, OptIn] = {
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
                                 "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
-    # The grouped GEMM2's tiles as one merged MMA chain (one wgmma wait per tile instead of eight): the eight-MMA
-    # form was picked for the 8-warp 128x32 tile (2026-11-29: 161 against 126 registers halved its CTAs per SM); the
-    # 4-warp tiles picked since were never measured merged. ncu on the H100 (2026-12-06, TP8 T=1024): 12.5 % of
-    # GEMM2's stall samples on the eight WARPGROUP.DEPBAR waits per tile.
-    "gemm2_merged16": OptIn(dict(gemm2=Gemm2Config(64, 16, 4, 4, n_split=12, merged=True)), "grouped", None,
-                            ("w4a16", "w4a4"), compile_tokens=(64,), archs=("sm90", "sm100"), bm=16,
-                            max_intermediate=256, purpose="GEMM2 of 16-token blocks as one merged MMA chain"),
-    "gemm2_merged32": OptIn(dict(gemm2=Gemm2Config(64, 32, 4, 3, n_split=6, merged=True)), "grouped", None,
-                            ("w4a16", "w4a4"), compile_tokens=(512,), archs=("sm90", "sm100"), bm=32,
-                            max_intermediate=256, purpose="GEMM2 of 32-token blocks as one merged MMA chain"),
-    "gemm2_merged128": OptIn(dict(gemm2=Gemm2Config(64, 128, 4, 3, n_split=6, merged=True)), "grouped", None,
-                             ("w4a16", "w4a4"), compile_tokens=(4096,), archs=("sm90", "sm100"), bm=128,
-                             max_intermediate=256, purpose="GEMM2 of 128-token blocks as one merged MMA chain"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "
                                                            "3-8 % faster balanced at TP8 T=8/32/64, 1.3-1.75x slower skewed)"),
