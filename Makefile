@@ -65,7 +65,8 @@ $(SGLANG0515)/.unpacked:
 # The compiler-dependent checks again under the engines' Triton: whatever .venv-sglang's torch pins (2.14.1: Triton
 # 3.8, as vLLM 0.33's 2.14.0), not .venv's; the two compile some kernels differently (improvements/16).
 ENGINE_TRITON_TESTS := tests/test_sm120_compile_matrix.py tests/test_kernels_load_widths.py \
-  tests/test_kernels_configs.py::test_gemm2_estimate_bounds_tritons_figure
+  tests/test_kernels_configs.py::test_gemm2_estimate_bounds_tritons_figure \
+  tests/test_kernels_configs.py::test_native_fp4_kernels_lower_to_the_fp4_block_scaled_mma
 
 test: setup $(VLLM033)/.unpacked $(VLLM026)/.unpacked $(SGLANG_VENV)/.installed $(SGLANG0515)/.unpacked
 	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) GLM5_FP4_VLLM026_SRC=$(abspath $(VLLM026)) $(PY) -m pytest -q -ra --timeout 1800
