@@ -100,6 +100,12 @@ def moe_gemm2_native_kernel(
     e, count, start = _block_rows(tl.program_id(1), blk_ptr, num_blocks_ptr)
     e64 = e.to(tl.int64)
     alpha = tl.load(w_global_ptr + e) * tl.load(a_scale_ptr + e)
+    # Triton 3.8 (vLLM 0.33's, SGLang 0.5.23's) fails sm_100's build of this kernel in its
+    # TritonGPUOptimizeAccumulatorInit pass ("'ttng.tmem_alloc' op uninitialized alloc must have a mutable memdesc
+    # type") when the dot starts from no accumulator or a constant zero; a zero it cannot prove at compile time
+    # (alpha * 0.0: not folded, alpha is finite) keeps the pass away. 3.9 builds either form; drop this once the
+    # engines ship a Triton past 3.8 (tests/test_kernels_configs.py compiles it under both).
+    zero = alpha * 0.0
     offs_kb = tl.arange(0, I // 2)
     offs_ks = tl.arange(0, I // 16)
     offs_bn = tl.arange(0, BN)
@@ -122,5 +128,5 @@ def moe_gemm2_native_kernel(
         for n0 in range(n_begin, n_begin + n_per, BN):
             w = tl.load(w_base + n0 * (I // 2))
             ws = tl.load(s_base + n0 * (I // 16)).to(tl.float8e4nv, bitcast=True)
-            acc = tl.dot_scaled(w, ws, "e2m1", aq_t, as_, "e2m1")
+            acc = tl.dot_scaled(w, ws, "e2m1", aq_t, as_, "e2m1", acc=tl.full((BN, BM), zero, tl.float32))
             tl.atomic_add(out_ptrs + n0, acc * scale[None, :], mask=mmask[None, :], sem="relaxed")
