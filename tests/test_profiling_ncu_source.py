@@ -82,6 +82,15 @@ def test_bad_exports_get_one_clear_error(tmp_path, text, match):
     assert str(p) in str(info.value)
 
 
+def test_corrupt_gzip_gets_one_clear_error(tmp_path):
+    raw = gzip.compress(SYNTH.encode())
+    p = tmp_path / "corrupt.csv.gz"
+    p.write_bytes(raw[:10] + bytes(b ^ 0xFF for b in raw[10:30]) + raw[30:])  # header intact, deflate data not
+    with pytest.raises(Glm5Fp4Error, match="cannot read it as text or gzip") as info:
+        N.read(p)
+    assert str(p) in str(info.value)
+
+
 def test_cli_errors_exit_2_without_a_traceback(tmp_path, capsys):
     cli = load_script("benchmarks/ncu_stalls.py", "ncu_stalls_script")
     assert cli.main([str(tmp_path / "missing.csv.gz")]) == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def read(path: str | Path) -> list[KernelStalls]:
     try:
         raw = path.read_bytes()
         text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8")
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:  # (zlib.error: corrupt deflate data)
         raise Glm5Fp4Error(f"{path}: cannot read it as text or gzip ({exc})") from None
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(SECTION)]
