@@ -730,15 +730,32 @@ def test_every_form_plans_on_every_arch():
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_stacked_gemm1_tile_is_a_w4a16_default(arch):
-    """The 32-token GEMM1 tile is stacked (gate and up rows as one) in W4A16, where it was measured; W4A4 keeps the
-    unstacked tile (stacked, it spills more under the engines' Triton), also under the opt-in 'stacked' form; explicit
-    configs are kept as given."""
+    """The 32-token GEMM1 tile is stacked (gate and up rows as one) in W4A16, where it was measured; W4A4 takes its
+    own table's unstacked tile (the W4A16 one spills with W4A4's quantizer under the engines' Triton, stacked or
+    not), also under the opt-in 'stacked' form; explicit configs are kept as given."""
     w16 = C.plan(arch, 512, 256, 8, 6144, 256, mode="w4a16")
     w4 = C.plan(arch, 512, 256, 8, 6144, 256, mode="w4a4")
     assert w16.gemm1.stacked and not w4.gemm1.stacked
-    assert w4.gemm1 == dataclasses.replace(w16.gemm1, stacked=False)
+    assert w4.gemm1 == C._W4A4_GEMM1[arch][("grouped", 32)]
     assert not C.plan(arch, 512, 256, 8, 6144, 256, mode="w4a4", form="stacked").gemm1.stacked
     assert C.plan(arch, 64, 256, 8, 6144, 256, mode="w4a16", form="stacked").gemm1.stacked
     assert not C.plan(arch, 64, 256, 8, 6144, 256, mode="w4a16").gemm1.stacked
     assert C.plan(arch, 512, 256, 8, 6144, 256, mode="w4a4", gemm1=w16.gemm1).gemm1.stacked
     assert not C.plan("sm120", 512, 256, 8, 6144, 256, mode="w4a16", form="stacked").gemm1.stacked
+
+
+def test_w4a4_tiles_replace_only_where_the_w4a16_tile_spills():
+    """_W4A4_GEMM1: sm_90 and sm_100 W4A4 take a non-spilling tile at 32- and 128-token blocks (and sm_100 at the
+    slot schedule); every other tile, every W4A16 tile and sm_120's are the W4A16 tables'; an explicit config or a
+    form's former tables win."""
+    for arch in ("sm90", "sm100", "sm120"):
+        for t in (1, 2, 4, 16, 64, 512, 1024, 2048, 4096, 8192):
+            w16 = C.plan(arch, t, 256, 8, 6144, 256, mode="w4a16")
+            w4 = C.plan(arch, t, 256, 8, 6144, 256, mode="w4a4")
+            key = (w16.schedule, w16.gemm1.bm)
+            table = C._W4A4_GEMM1.get(arch, {})
+            assert w4.gemm1 == (table[key] if key in table else dataclasses.replace(w16.gemm1, stacked=False)), (arch, t)
+    assert C.plan("sm100", 1, 256, 8, 6144, 256, mode="w4a4").gemm1.maxnreg is None
+    assert C.plan("sm90", 1, 256, 8, 6144, 256, mode="w4a4").gemm1.maxnreg == 168
+    g = C.Gemm1Config(128, 128, 128, 8, 3)
+    assert C.plan("sm90", 4096, 256, 8, 6144, 256, mode="w4a4", gemm1=g).gemm1 == g

@@ -550,6 +550,51 @@ _DEFAULT_GEMM1 = {
 _DEFAULT_GEMM1["sm100"] = _DEFAULT_GEMM1["sm90"]
 _DEFAULT_GEMM1["sm80"] = _DEFAULT_GEMM1["sm120"]
 
+# W4A4 (emulated: the activation quantizer runs inside GEMM1) where the W4A16 tile spills with it. The tables
+# above were measured in W4A16; with W4A4's quantizer, under Triton 3.8 (the engines'), the 32-token tile spills
+# 44-64 B on sm_90 and 344-708 B on sm_100 (stacked: 140 B on sm_90), the 128-token one 180-304 B / 108 B, and
+# sm_100's capped slot tile 36-92 B (compile matrix, 2026-12-06). Picked by compiling alone: the non-spilling tile
+# nearest the W4A16 one at every shape (TP8, TP4, whole experts, the test shape), which the compile matrix then gates
+# (tests/test_compile_matrix_sm90_sm100.py). W4A4 on these GPUs is a fidelity mode (SM120's numerics without FP4
+# MMAs); these tiles were never timed against the spilling ones.
+_W4A4_GEMM1 = {
+    "sm90": {
+        ("grouped", 32): Gemm1Config(64, 32, 128, 4, 4),  # 64x32x256/4 warps: 44-64 B
+        ("grouped", 128): Gemm1Config(64, 128, 128, 8, 3),  # 128x128x128/8 warps: 180-304 B
+    },
+}
+_W4A4_GEMM1["sm100"] = {
+    **_W4A4_GEMM1["sm90"],  # there 344-708 B and 108 B
+    ("slot", 16): Gemm1Config(64, 16, 256, 4, 3),  # the 168-register cap: 36-92 B at TP8 / TP4 T = 1-2
+}
+
+
+@dataclass(frozen=True)
+class SpillWaiver:
+    """A default kernel that spills registers on one arch and ships there anyway, and why. The compile matrix
+    reports its rows as waived rather than failing while the spill stays within ``max_bytes`` (Triton 3.8, the
+    engines'); a spill above it, or in another config, mode or hidden size, fails as any other. sm_120 has none:
+    nothing can be measured there."""
+
+    arch: str
+    kernel: str
+    gemm1: Gemm1Config | None  # the GEMM1 config of the rows it covers (None: a kernel without one)
+    modes: tuple[str, ...]
+    max_bytes: int
+    why: str
+    hidden: int | None = None  # only at this hidden size (None: any)
+
+
+SPILL_WAIVERS: tuple[SpillWaiver, ...] = (
+    SpillWaiver("sm90", "moe_gemm1_kernel", _DEFAULT_GEMM1["sm90"][("grouped", 128)], ("w4a16",), 76,
+                "measured fastest: every non-spilling prefill tile was 17-92 % slower on the H200 (TP8 T=4096 "
+                "64x128x64/4 warps 1,527 us against this one's 1,306; improvements/10); 76 B at TP8, 12 B at TP4 / TP1"),
+    SpillWaiver("sm90", "moe_align_kernel", None, ("w4a16", "w4a4"), 8,
+                "ptxas allocates 40 registers and spills 8 B at the test shape's H = 512 with 4 warps only (none with "
+                "2 or 8 warps, none at GLM-5's H = 6144, none on sm_100 / sm_120); one sorting program per call",
+                hidden=512),
+)
+
 # GEMM2's 16-token tile split along H by pick_n_split: the sm90 default of the grouped schedule before 2026-12-05,
 # which the TP4 shard, whole experts and slot dedup still run (_DEFAULT_GEMM2, _GEMM2_BY_INTERMEDIATE) and the opt-in
 # "gemm2_split_rule" restores for the TP8 shard
@@ -792,11 +837,8 @@ def plan(
     # a form that asks for an arch's former tables (PLAN_RULES "tables")
     tables1, tables2 = (_FORMER_GEMM1, _FORMER_GEMM2) if change.get("tables") == "former" else (_DEFAULT_GEMM1,
                                                                                                 _DEFAULT_GEMM2)
-    g1 = gemm1 or tables1[arch][(schedule, bm)]
-    if g1.stacked and mode != "w4a16" and not gemm1:
-        # a stacked tile was measured in W4A16 only; with W4A4's in-kernel activation quantizer it spills more under
-        # the engines' Triton 3.8 on sm_90 (140 B against the unstacked tile's 64; compile matrix, 2026-12-05)
-        g1 = dataclasses.replace(g1, stacked=False)
+    g1 = gemm1 or (mode == "w4a4" and tables1 is _DEFAULT_GEMM1 and _W4A4_GEMM1.get(arch, {}).get((schedule, bm))
+                   or tables1[arch][(schedule, bm)])
     if change.get("gemm1_stacked") and schedule == "grouped" and mode == "w4a16" and not g1.tma:  # (PLAN_RULES)
         g1 = dataclasses.replace(g1, stacked=True)
     # A form that sets slot_dedup decides it here: GEMM2's config, split and unroll below follow from it.
@@ -1092,7 +1134,7 @@ def native_plan(arch: str, tokens: int, num_experts: int, top_k: int, hidden: in
 
 def all_configs(arch: str) -> tuple[list[Gemm1Config], list[Gemm2Config]]:
     """Every configuration the picker or the sweep may use on ``arch`` (for the static smem check)."""
-    g1 = list(GEMM1_CANDIDATES[arch]) + list(_DEFAULT_GEMM1[arch].values())
+    g1 = list(GEMM1_CANDIDATES[arch]) + list(_DEFAULT_GEMM1[arch].values()) + list(_W4A4_GEMM1.get(arch, {}).values())
     g2 = (list(GEMM2_CANDIDATES[arch]) + list(_DEFAULT_GEMM2[arch].values()) + ([SPLIT_SLOTS_GEMM2[arch]] if arch in SPLIT_SLOTS_GEMM2 else [])
           + [c for _, _, table in _GEMM2_BY_INTERMEDIATE.get(arch, []) for c in table.values()])
     return g1, g2

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert shapes: GLM-5 TP8/TP4 shards, whole experts (TP1/EP), the small test shape (default: all)")
     p.add_argument("--modes", type=_csv(("w4a16", "w4a4")), default=["w4a16", "w4a4"], help="default: both")
     p.add_argument("--picked-only", action="store_true", help="only the picker's plans, not every candidate config")
+    p.add_argument("--defaults-only", action="store_true",
+                   help="only what the backend launches unless told otherwise: the picker's plans (and the native "
+                        "FP4 path), no candidate configs, no opt-in forms (the sm_90 / sm_100 gate)")
     p.add_argument("--no-asm", action="store_true", help="compile the plain-Triton decode (GLM5_FP4_MOE_NO_ASM=1)")
     p.add_argument("--reuse-cache", action="store_true", help="use Triton's cache (faster reruns; compile times meaningless)")
     p.add_argument("--gpu", default="rtx-pro-6000-ws", help="hardware-table GPU for the predicted floors")
@@ -100,12 +103,13 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
 
     res = run_matrix(
-        archs=tuple(args.arch), shapes=shapes, modes=tuple(args.modes), candidates=not args.picked_only,
-        use_asm=not args.no_asm, fresh_cache=not args.reuse_cache, jobs=args.jobs, progress=progress,
+        archs=tuple(args.arch), shapes=shapes, modes=tuple(args.modes),
+        candidates=not (args.picked_only or args.defaults_only), opt_ins=not args.defaults_only, use_asm=not args.no_asm, fresh_cache=not args.reuse_cache, jobs=args.jobs, progress=progress,
     )
     if not res.rows:
         raise Glm5Fp4Error(f"no kernel to compile for --arch {','.join(args.arch)} --shapes {','.join(args.shapes)} "
                            f"--modes {','.join(args.modes)}" + (" --picked-only" if args.picked_only else "")
+                           + (" --defaults-only" if args.defaults_only else "")
                            + ": nothing was checked")
     result = res.to_dict()
     result["floors"] = floors
@@ -121,5 +125,9 @@ def run(args: argparse.Namespace) -> int:
         for r in bad:
             if not r.configs:
                 print(f"  {r.kernel} {r.constexprs}: {'; '.join(r.problems)}")
+        waived = [r for r in res.rows if r.arch == arch and r.waived]
+        if waived:
+            print(f"  {len(waived)} kernels with a waived spill (configs.SPILL_WAIVERS): "
+                  + "; ".join(sorted({w.split(' (waived')[0] + ' in ' + r.kernel for r in waived for w in r.waived})))
     print(f"{res.meta['distinct_kernels']} kernels in {res.meta['elapsed_s']:.0f} s -> {js}, {md}")
     return 3 if (args.strict and failed) else 0

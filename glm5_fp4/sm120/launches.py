@@ -98,9 +98,11 @@ def selections(
     tokens: tuple[int, ...] = DECODE_TOKENS + PREFILL_TOKENS,
     candidates: bool = True,
     use_asm: bool = True,
+    opt_ins: bool = True,
 ) -> list[Selection]:
     """Everything the backend may launch on ``arch``: the picker's plan for each batch size in ``tokens``,
-    and (``candidates``) every GEMM config of the arch's lists under each schedule it can serve."""
+    (``opt_ins``) each opt-in plan form, and (``candidates``) every GEMM config of the arch's lists under each
+    schedule it can serve."""
     from glm5_fp4.kernels import configs as C
 
     shapes = shapes or shape_classes()
@@ -113,7 +115,8 @@ def selections(
             for t in tokens:
                 p = C.plan(arch, t, *dims, mode=mode)
                 out.append(Selection(arch, shape, mode, p, t, ("align", "gemm1", "gemm2"), f"picked T={t}", use_asm))
-            out += opt_in_selections(arch, shape, mode, use_asm)
+            if opt_ins:
+                out += opt_in_selections(arch, shape, mode, use_asm)
             if not (candidates and shape.candidates):
                 continue
             # The sweep (benchmarks/moe_kernel.py) runs a candidate under the slot schedule only with 16

@@ -76,6 +76,8 @@ def matrix_table(rows: list[dict]) -> list[str]:
         else:
             smem = spill = mma = cvt = regs = "-"
         status = "ok" if r["ok"] else "**" + "; ".join(r["problems"]) + "**"
+        if r.get("waived"):
+            status += " (" + "; ".join(w.split(" (waived")[0] for w in r["waived"]) + ": waived)"
         if r.get("error"):
             status += f" ({r['error'][:80]})"
         lines.append(
@@ -157,6 +159,15 @@ def markdown(result: dict) -> str:
             for w in c["where"]:
                 lines.append(f"  - {w['kernel']} ({w['schedule']}{', picked' if w.get('picked') else ''}), shapes "
                              f"{', '.join(w['shapes'])}, modes {', '.join(w['modes'])}: {'; '.join(w['problems'])}")
+    waived = {}
+    for r in rows:
+        for w in r.get("waived") or []:
+            spill, why = w.split(" (waived: ", 1)
+            waived.setdefault((r["arch"], r["kernel"], why[:-1]), []).append(spill)
+    if waived:
+        lines += ["", "Spills waived (`configs.SPILL_WAIVERS`: shipped on that arch anyway, and why):"]
+        for (arch, kernel, why), spills in sorted(waived.items()):
+            lines.append(f"- **{arch}** {kernel}, {len(spills)} kernels ({', '.join(sorted(set(spills)))}): {why}")
     lines.append("")
     lines.append("Native FP4 MMAs (`mma.sync ... kind::mxf4nvf4.block_scale` on sm_120, `tcgen05.mma kind::mxf4nvf4` on "
                  "sm_100): " + _fp4_summary(rows) + ".")
