@@ -65,16 +65,20 @@ $(SGLANG0515)/.unpacked:
 # The compiler-dependent checks again under the engines' Triton: whatever .venv-sglang's torch pins (2.14.1: Triton
 # 3.8, as vLLM 0.33's 2.14.0), not .venv's; the two compile some kernels differently (improvements/16).
 ENGINE_TRITON_TESTS := tests/test_sm120_compile_matrix.py tests/test_kernels_load_widths.py \
+  tests/test_compile_matrix_sm90_sm100.py \
   tests/test_kernels_configs.py::test_gemm2_estimate_bounds_tritons_figure \
   tests/test_kernels_configs.py::test_native_fp4_kernels_lower_to_the_fp4_block_scaled_mma
 
+# ... and the one gate that holds under the engines' Triton only: sm_90 / sm_100's default kernels (Triton 3.9 spills
+# the 32-token W4A16 GEMM1 tile there, 3.8 does not; the file's docstring)
+ENGINE_TRITON_ONLY := --ignore=tests/test_compile_matrix_sm90_sm100.py
 test: setup $(VLLM033)/.unpacked $(VLLM026)/.unpacked $(SGLANG_VENV)/.installed $(SGLANG0515)/.unpacked
-	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) GLM5_FP4_VLLM026_SRC=$(abspath $(VLLM026)) $(PY) -m pytest -q -ra --timeout 1800
+	GLM5_FP4_VLLM033_SRC=$(abspath $(VLLM033)) GLM5_FP4_VLLM026_SRC=$(abspath $(VLLM026)) $(PY) -m pytest -q -ra --timeout 1800 $(ENGINE_TRITON_ONLY)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
 	GLM5_FP4_REQUIRE_SGLANG=1 GLM5_FP4_SGLANG0515_SRC=$(abspath $(SGLANG0515)) $(SGLANG_VENV)/bin/python -m pytest tests/sglang $(ENGINE_TRITON_TESTS) -q -ra -p no:cacheprovider
 
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not server"
+	$(PY) -m pytest -q -ra -m "not server" $(ENGINE_TRITON_ONLY)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -p no:cacheprovider tests/interpreter
 
 test-sglang: $(SGLANG_VENV)/.installed $(SGLANG0515)/.unpacked
