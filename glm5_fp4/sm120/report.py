@@ -115,6 +115,17 @@ def floors_table(floors: list[dict], gpu_name: str, alt: list[str]) -> list[str]
     return lines
 
 
+def _selection(meta: dict) -> str:
+    """What the run compiled (meta's candidates / opt_ins flags; runs before 2026-12-06 have no opt_ins: all)."""
+    if meta.get("candidates", True):
+        return ("Every kernel the backend may launch - the picker's plan for each batch size, the opt-in forms and "
+                "every config of the per-arch candidate lists (`glm5_fp4/kernels/configs.py`)")
+    if meta.get("opt_ins", True):
+        return "The picker's plan for each batch size and the opt-in forms (`glm5_fp4/kernels/configs.py`), no candidate lists"
+    return ("The default kernels only - the picker's plan for each batch size (`glm5_fp4/kernels/configs.py`), no "
+            "candidate lists, no opt-in forms")
+
+
 def markdown(result: dict) -> str:
     """The whole report from the JSON dict (``MatrixResult.to_dict()`` plus optional ``floors``)."""
     meta, limits, rows = result["meta"], result["limits"], result["rows"]
@@ -122,9 +133,7 @@ def markdown(result: dict) -> str:
         "# Compile matrix: fused NVFP4 MoE kernels for sm_120, sm_100 and sm_90",
         "",
         f"Triton {meta['triton']} (CPU machine, no GPU), {meta['date']}, git {str(meta.get('git_sha') or '?')[:12]}. "
-        f"Every kernel the backend may launch - the "
-        "picker's plan for each batch size and every config of the per-arch candidate lists "
-        "(`glm5_fp4/kernels/configs.py`), W4A16 and W4A4, shapes "
+        + _selection(meta) + ", W4A16 and W4A4, shapes "
         + ", ".join(f"{s['name']} (E={s['num_experts']}, k={s['top_k']}, H={s['hidden']}, I={s['intermediate']})" for s in meta["shapes"])
         + " - specialised by Triton's own JIT binder and compiled ahead of time for each target. "
         f"{meta['distinct_kernels']} distinct kernels in {meta['elapsed_s']:.0f} s "
