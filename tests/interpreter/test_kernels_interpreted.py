@@ -697,3 +697,23 @@ def test_sm120_plans_match_reference(gen, t, routing, mode, form):
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode=mode, compute_dtype=torch.float64)
     assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
     assert rel_error(out, ref) < moe_tolerance(mode, out.dtype), plan
+
+
+@pytest.mark.parametrize("arch,t,routing,bm", [("sm100", 2, "same_k", 16), ("sm90", 100, "balanced", 32),
+                                               ("sm100", 100, "zipf1.2", 32), ("sm90", 340, "zipf1.2", 128)])
+def test_w4a4_tiles_of_sm90_sm100_match_reference(gen, arch, t, routing, bm):
+    """The W4A4 GEMM1 tiles sm_90 / sm_100 take where the W4A16 ones spill (configs._W4A4_GEMM1: the uncapped slot
+    tile on sm_100, 64x32x128 in 4 stages, 64x128x128 on 8 warps), in the picker's own plans against the float64
+    reference: 16 experts, H = 512 (four K tiles of 128), skewed and balanced routings, NaN-poisoned outputs."""
+    e, h, i, k = 16, 512, 128, 4
+    ex = random_experts(e, h, i, generator=gen)
+    prep = prepare_experts(ex)
+    plan = C.plan(arch, t, e, k, h, i, mode="w4a4")
+    assert plan.gemm1 == C._W4A4_GEMM1[arch][(plan.schedule, bm)]
+    x = torch.randn(t, h, generator=gen).half()
+    w, ids = make_routing(routing, t, e, k, gen)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, "w4a4", out=out, plan=plan)
+    ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode="w4a4", compute_dtype=torch.float64)
+    assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
+    assert rel_error(out, ref) < moe_tolerance("w4a4", out.dtype), plan
