@@ -260,6 +260,7 @@ def test_the_kernels_own_shape_rules_reach_the_reason():
 
 # -- mode ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("requested,device,scales,cap,expected", [
     ("auto", "cpu", True, None, "w4a16"),        # no FP4 tensor cores: weight-only, as vLLM does
     ("auto", "cuda", True, None, "w4a16"),       # capability unknown: never assume FP4 tensor cores
@@ -267,14 +268,22 @@ def test_the_kernels_own_shape_rules_reach_the_reason():
     ("auto", "cuda", True, 86, "w4a16"),         # A10 / RTX 3090
     ("auto", "cuda", True, 89, "w4a16"),         # Ada
     ("auto", "cuda", True, 90, "w4a16"),         # Hopper
-    ("auto", "cuda", True, 100, "w4a4"),         # B200
-    ("auto", "cuda", True, 120, "w4a4"),         # RTX PRO 6000 (SM120)
-    ("auto", "cuda", True, (12, 0), "w4a4"),     # the same as a (major, minor) pair
+    ("auto", "cuda", True, 100, "fp4"),          # B200
+    ("auto", "cuda", True, 120, "fp4"),          # RTX PRO 6000 (SM120)
+    ("auto", "cuda", True, (12, 0), "fp4"),      # the same as a (major, minor) pair
     ("auto", "cuda", False, 120, "w4a16"),       # W4A16_NVFP4 checkpoint: no activation scales
     ("w4a16", "cuda", True, 100, "w4a16"),
     ("w4a4", "cpu", True, None, "w4a4"),         # emulation on request
+    ("w4a4", "cuda", True, 90, "w4a4"),
 ])
-def test_mode_resolution(requested, device, scales, cap, expected):
+def test_mode_resolution(requested, device, scales, cap, expected, native, monkeypatch):
+    """``auto`` quantizes activations (W4A4) only where FP4 tensor cores multiply them: a Blackwell GPU with the
+    native FP4 path switched on (GLM5_FP4_NATIVE_FP4=1). Without it W4A4 is emulated by the 16-bit MMA kernels,
+    2.9-19.5x slower than W4A16 on an H200 (benchmarks/results/moe_kernel_h200_w4a4_tp8_5138df7.json: TP8 T=1
+    47.5 against 16.6 us, T=512 2,581 against 260, T=4096 20,867 against 1,071): ``auto`` then means W4A16."""
+    monkeypatch.setenv("GLM5_FP4_NATIVE_FP4", "1" if native else "0")
+    if expected == "fp4":
+        expected = "w4a4" if native else "w4a16"
     assert backends.resolve_mode(requested, device, scales, cap) == expected
 
 
