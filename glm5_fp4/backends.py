@@ -341,8 +341,9 @@ def select(name: str, device: torch.device | str, shape: MoEShape, dtype: torch.
 
 def resolve_mode(requested: str, device: torch.device | str, has_activation_scales: bool,
                  capability: Capability = None, where: str = "this layer") -> str:
-    """The activation mode of a layer: explicit modes as asked; ``auto`` = W4A4 only on a CUDA GPU with FP4
-    tensor cores (:func:`glm5_fp4.kernels.capability.has_fp4_mma`) and a checkpoint with activation scales."""
+    """The activation mode of a layer: explicit modes as asked; ``auto`` = W4A4 only where FP4 tensor cores
+    multiply it (:func:`glm5_fp4.kernels.capability.fp4_mma_serves`: a Blackwell GPU with the native FP4 path on)
+    and the checkpoint has activation scales, else W4A16 (emulated W4A4 is the slower of the two)."""
     if requested not in MODE_CHOICES:
         raise Glm5Fp4Error(f"{where}: unknown mode {requested!r} (choose one of {', '.join(MODE_CHOICES)})")
     if requested == "w4a4":
@@ -352,7 +353,7 @@ def resolve_mode(requested: str, device: torch.device | str, has_activation_scal
         return "w4a4"
     if requested in MODES:
         return requested
-    fp4_cores = torch.device(device).type == "cuda" and kernel_capability.has_fp4_mma(capability)
+    fp4_cores = torch.device(device).type == "cuda" and kernel_capability.fp4_mma_serves(capability)
     return "w4a4" if has_activation_scales and fp4_cores else "w4a16"
 
 

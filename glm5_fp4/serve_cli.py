@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="glm5-fp4 MoE backend (auto: triton on CUDA, dequant on CPU)")
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="activations: w4a16 (weight-only), w4a4 (NVFP4-quantized), auto (W4A4 only on FP4 "
-                             "tensor cores); default: GLM5_FP4_MODE or auto")
+                             "tensor cores with GLM5_FP4_NATIVE_FP4=1, else W4A16); default: GLM5_FP4_MODE or auto")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="glm5_nvfp4",
                         help="glm5_nvfp4: this plugin; modelopt_fp4: stock vLLM NVFP4; none: as the checkpoint says")
     parser.add_argument("--stock", action="store_true",

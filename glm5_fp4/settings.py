@@ -8,8 +8,8 @@ Two spellings, the first one set wins per field:
 2. environment variables ``GLM5_FP4_BACKEND`` and ``GLM5_FP4_MODE`` (the only spelling under SGLang).
 
 ``backend``: ``auto`` (default), ``triton``, ``dequant``, ``reference`` (see :mod:`glm5_fp4.backends`).
-``mode``: ``auto`` (default: W4A4 on GPUs with FP4 tensor cores when the checkpoint has activation scales,
-else W4A16), ``w4a16`` (weight-only) or ``w4a4`` (activation quantization emulated / executed as Blackwell
+``mode``: ``auto`` (default: W4A4 where FP4 tensor cores multiply it -- a Blackwell GPU with the native FP4 path
+on, ``GLM5_FP4_NATIVE_FP4=1`` -- when the checkpoint has activation scales, else W4A16), ``w4a16`` (weight-only) or ``w4a4`` (activation quantization emulated / executed as Blackwell
 kernels do it); :func:`glm5_fp4.backends.resolve_mode` turns it into the layer's mode.
 
 No engine import here: adapters read their engine's config and pass it to :func:`from_sources`.

@@ -75,23 +75,32 @@ def fake_kernels(monkeypatch):
 
 # -- choice of backend and mode -------------------------------------------------------------------
 
-def test_fake_cuda_device_selects_triton_and_w4a4_on_sm120(fake_kernels):
+@pytest.mark.parametrize("native,mode", [("0", "w4a16"), ("1", "w4a4")])
+def test_fake_cuda_device_selects_triton_on_sm120_w4a4_only_with_the_native_path(fake_kernels, monkeypatch, native,
+                                                                                  mode):
+    monkeypatch.setenv("GLM5_FP4_NATIVE_FP4", native)
     sel = moe_mod.choose(PluginSettings(), fake_moe_config("cuda"), True, torch.device("cuda"), 120)
-    assert sel.backend.name == "triton" and sel.mode == "w4a4"
+    assert sel.backend.name == "triton" and sel.mode == mode
 
 
 # (backend, mode) the adapter must decide on a CUDA GPU of each capability, for a checkpoint with input scales:
-# Ampere falls back to vLLM's own NVFP4 path (Marlin), Ada/Hopper run our kernel weight-only, Blackwell W4A4.
+# Ampere falls back to vLLM's own NVFP4 path (Marlin), Ada/Hopper run our kernel weight-only, Blackwell too
+# unless the native FP4 path is on (GLM5_FP4_NATIVE_FP4=1: W4A4 on its FP4 tensor cores; emulated W4A4 is slower
+# than W4A16, glm5_fp4.kernels.capability.fp4_mma_serves).
 DECISIONS = {80: (None, "w4a16"), 86: (None, "w4a16"), 89: ("triton", "w4a16"), 90: ("triton", "w4a16"),
-             100: ("triton", "w4a4"), 120: ("triton", "w4a4")}
+             100: ("triton", "w4a16"), 120: ("triton", "w4a16")}
+NATIVE_DECISIONS = {**DECISIONS, 100: ("triton", "w4a4"), 120: ("triton", "w4a4")}
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("capability", sorted(DECISIONS))
-def test_the_adapter_decision_per_gpu_capability(capability):
+def test_the_adapter_decision_per_gpu_capability(capability, native, monkeypatch):
+    monkeypatch.setenv("GLM5_FP4_NATIVE_FP4", "1" if native else "0")
     moe = fake_moe_config("cuda", hidden_dim=256, hidden_dim_unpadded=256, intermediate_size=128,
                           intermediate_size_per_partition=128)  # a shape the real kernel tiles
     sel = moe_mod.choose(PluginSettings(), moe, True, torch.device("cuda"), capability)
-    assert (sel.backend.name if sel.backend else None, sel.mode) == DECISIONS[capability], sel.reason
+    want = (NATIVE_DECISIONS if native else DECISIONS)[capability]
+    assert (sel.backend.name if sel.backend else None, sel.mode) == want, sel.reason
     if sel.backend is None:
         assert "sm_89" in sel.reason
 

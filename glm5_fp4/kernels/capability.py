@@ -8,11 +8,14 @@ MoE path at load time rather than failing at the first forward.
   (``cvt.rn.f16x2.e4m3x2``) and Triton's ``float8e4nv`` type, both SM89 (Ada) and newer. Ampere
   (SM80/86/87: A100, A10, RTX 3090) has neither.
 * FP4 tensor cores (``mma ... kind::mxf4nvf4``, ``tcgen05``) exist on SM100 and newer; ``auto`` mode
-  quantizes activations (W4A4) only there.
+  quantizes activations (W4A4) only where they multiply them: there, with the native FP4 path switched on
+  (:func:`fp4_mma_serves`). Otherwise W4A4 is emulated by the 16-bit MMA kernels, which is slower than W4A16.
 * TMA (tensor-descriptor copies, ``Gemm1Config.tma``) exists on SM90 and newer.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -42,6 +45,23 @@ def has_fp4_mma(capability) -> bool:
     """Whether a GPU of this capability has FP4 tensor cores (Blackwell and newer)."""
     cap = as_pair(capability)
     return cap is not None and cap >= FP4_MMA_MIN_CAPABILITY
+
+
+# The switch of the opt-in native FP4 path (glm5_fp4.kernels.native_fp4), here so that mode resolution can read it
+# without importing the kernels.
+NATIVE_FP4_ENV = "GLM5_FP4_NATIVE_FP4"
+
+
+def native_fp4_requested() -> bool:
+    """Whether the user switched the native FP4-MMA path on (``GLM5_FP4_NATIVE_FP4=1``)."""
+    return os.environ.get(NATIVE_FP4_ENV, "0") not in ("", "0")
+
+
+def fp4_mma_serves(capability) -> bool:
+    """Whether W4A4 runs on FP4 tensor cores on a GPU of this capability: it has them and the native path is on.
+    Otherwise the W4A16 kernels emulate W4A4 (activations quantized in GEMM1 for every N tile): on an H200 2.9-19.5x
+    slower than W4A16 (benchmarks/results/moe_kernel_h200_w4a4_tp8_5138df7.json, TP8 T = 1-4,096)."""
+    return has_fp4_mma(capability) and native_fp4_requested()
 
 
 def has_tma(capability) -> bool:

@@ -229,9 +229,7 @@ def fused_moe_triton(
 
 def native_fp4_enabled(device: torch.device) -> bool:
     """Whether ``prepare_experts`` should keep the checkpoint layout for the native FP4 path (opt-in)."""
-    from glm5_fp4.kernels.native_fp4 import ENV
-
-    if os.environ.get(ENV, "0") in ("", "0") or device.type != "cuda":
+    if not capability.native_fp4_requested() or device.type != "cuda":
         return False
     return cfgs.arch_of(torch.cuda.get_device_capability(device)) in cfgs.NATIVE_GEMM1
 

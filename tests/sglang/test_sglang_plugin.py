@@ -171,21 +171,26 @@ def test_bf16_draft_layers_get_a_clear_error(published):
 
 
 # (backend, mode) on a CUDA GPU of each capability, for a checkpoint with input scales: our kernel needs SM89+
-# (FP8 hardware conversion), FP4 tensor cores (auto = W4A4) start at SM100. SGLang has no fallback once
+# (FP8 hardware conversion); auto = W4A4 only on FP4 tensor cores (SM100+) with the native FP4 path on
+# (GLM5_FP4_NATIVE_FP4=1), emulated W4A4 being slower than W4A16. SGLang has no fallback once
 # --moe-runner-backend glm5_fp4 is chosen, so Ampere gets the reason as one clear error.
 DECISIONS = {80: (None, "w4a16"), 86: (None, "w4a16"), 89: ("triton", "w4a16"), 90: ("triton", "w4a16"),
-             100: ("triton", "w4a4"), 120: ("triton", "w4a4")}
+             100: ("triton", "w4a16"), 120: ("triton", "w4a16")}
+NATIVE_DECISIONS = {**DECISIONS, 100: ("triton", "w4a4"), 120: ("triton", "w4a4")}
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("capability", sorted(DECISIONS))
-def test_the_adapter_decision_per_gpu_capability(published, capability):
+def test_the_adapter_decision_per_gpu_capability(published, capability, native, monkeypatch):
     from glm5_fp4.engines.sglang.hooks import choose
     from glm5_fp4.settings import PluginSettings
 
+    monkeypatch.setenv("GLM5_FP4_NATIVE_FP4", "1" if native else "0")
     g = torch.Generator().manual_seed(7)
     method, layer = make_layer(random_experts(E, 256, 128, generator=g))  # a shape the real kernel tiles
     sel = choose(method, layer, PluginSettings(), torch.device("cuda"), capability)
-    assert (sel.backend.name if sel.backend else None, sel.mode) == DECISIONS[capability], sel.reason
+    want = (NATIVE_DECISIONS if native else DECISIONS)[capability]
+    assert (sel.backend.name if sel.backend else None, sel.mode) == want, sel.reason
     if sel.backend is None:
         assert "sm_89" in sel.reason and f"sm_{capability}" in sel.reason
 
