@@ -4,7 +4,8 @@ A row is one distinct compiled kernel (launches that specialise identically shar
 origin: shape, mode, schedule, config, batch size). Verdicts per row:
 
 * ``smem``: shared memory per block above the target's opt-in limit (hardware table) - the launch fails,
-* ``spill``: ptxas spilled registers to local memory (slow on every GPU; we do not ship such configs),
+* ``spill``: ptxas spilled registers to local memory (slow on every GPU: such a config ships only where
+  ``configs.SPILL_WAIVERS`` says why, within its bytes; the row then lists it under ``waived``, not ``problems``),
 * ``no_mma``: a kernel written with ``tl.dot`` came out without tensor-core MMAs,
 * ``no_cvt``: the inline-PTX decode (``USE_ASM``) is missing its ``cvt.rn.f16x2.e4m3x2``,
 * ``wrong_fp4``: a native FP4 MMA that is not the target's form (SM120 ``mma.sync kind::mxf4nvf4``, SM100
