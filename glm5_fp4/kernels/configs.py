@@ -837,8 +837,9 @@ def plan(
     # a form that asks for an arch's former tables (PLAN_RULES "tables")
     tables1, tables2 = (_FORMER_GEMM1, _FORMER_GEMM2) if change.get("tables") == "former" else (_DEFAULT_GEMM1,
                                                                                                 _DEFAULT_GEMM2)
-    g1 = gemm1 or (mode == "w4a4" and tables1 is _DEFAULT_GEMM1 and _W4A4_GEMM1.get(arch, {}).get((schedule, bm))
-                   or tables1[arch][(schedule, bm)])
+    w4a4_tile = (_W4A4_GEMM1.get(arch, {}).get((schedule, bm)) if mode == "w4a4" and tables1 is _DEFAULT_GEMM1
+                 else None)
+    g1 = gemm1 or w4a4_tile or tables1[arch][(schedule, bm)]
     if change.get("gemm1_stacked") and schedule == "grouped" and mode == "w4a16" and not g1.tma:  # (PLAN_RULES)
         g1 = dataclasses.replace(g1, stacked=True)
     # A form that sets slot_dedup decides it here: GEMM2's config, split and unroll below follow from it.

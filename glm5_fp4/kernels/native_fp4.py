@@ -18,10 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from glm5_fp4.kernels.capability import NATIVE_FP4_ENV
 from glm5_fp4.kernels.triton_moe import _block_rows, _e2m1_index, _round_e4m3
-
-ENV = NATIVE_FP4_ENV
 
 
 @triton.jit

@@ -128,6 +128,6 @@ def run(args: argparse.Namespace) -> int:
         waived = [r for r in res.rows if r.arch == arch and r.waived]
         if waived:
             print(f"  {len(waived)} kernels with a waived spill (configs.SPILL_WAIVERS): "
-                  + "; ".join(sorted({w.split(' (waived')[0] + ' in ' + r.kernel for r in waived for w in r.waived})))
+                  + "; ".join(sorted({f"{w} in {r.kernel}" for r in waived for w in r.waived})))
     print(f"{res.meta['distinct_kernels']} kernels in {res.meta['elapsed_s']:.0f} s -> {js}, {md}")
     return 3 if (args.strict and failed) else 0

@@ -61,7 +61,8 @@ class Row:
     smem_limit: int = 0
     problems: list[str] = field(default_factory=list)
     error: str | None = None
-    waived: list[str] = field(default_factory=list)  # problems a configs.SPILL_WAIVERS entry covers, with its why
+    waived: list[str] = field(default_factory=list)  # spill problems a configs.SPILL_WAIVERS entry covers ...
+    waiver_why: str = ""  # ... and that entry's why
 
     @property
     def ok(self) -> bool:
@@ -215,7 +216,8 @@ def _compile_row(row: Row, sp) -> Row:
     row.problems = verdicts(row.arch, src, row.constexprs, b, limit)
     waiver = spill_waiver(row, b)
     if waiver is not None:
-        row.waived = [f"{p} (waived: {waiver.why})" for p in row.problems if p.startswith("spill ")]
+        row.waived = [p for p in row.problems if p.startswith("spill ")]
+        row.waiver_why = waiver.why
         row.problems = [p for p in row.problems if not p.startswith("spill ")]
     return row
 

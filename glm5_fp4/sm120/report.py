@@ -77,7 +77,7 @@ def matrix_table(rows: list[dict]) -> list[str]:
             smem = spill = mma = cvt = regs = "-"
         status = "ok" if r["ok"] else "**" + "; ".join(r["problems"]) + "**"
         if r.get("waived"):
-            status += " (" + "; ".join(w.split(" (waived")[0] for w in r["waived"]) + ": waived)"
+            status += " (" + "; ".join(r["waived"]) + ": waived)"
         if r.get("error"):
             status += f" ({r['error'][:80]})"
         lines.append(
@@ -170,9 +170,8 @@ def markdown(result: dict) -> str:
                              f"{', '.join(w['shapes'])}, modes {', '.join(w['modes'])}: {'; '.join(w['problems'])}")
     waived = {}
     for r in rows:
-        for w in r.get("waived") or []:
-            spill, why = w.split(" (waived: ", 1)
-            waived.setdefault((r["arch"], r["kernel"], why[:-1]), []).append(spill)
+        if r.get("waived"):
+            waived.setdefault((r["arch"], r["kernel"], r["waiver_why"]), []).extend(r["waived"])
     if waived:
         lines += ["", "Spills waived (`configs.SPILL_WAIVERS`: shipped on that arch anyway, and why):"]
         for (arch, kernel, why), spills in sorted(waived.items()):
