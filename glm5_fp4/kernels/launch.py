@@ -335,6 +335,8 @@ def _check(plan: cfgs.Plan, call: MoECall) -> None:
         raise Glm5Fp4Error(f"MoE plan {plan}: a stacked GEMM1 tile (gate and up rows as one) has no TMA form")
     if g1.tma:
         _check_tma(plan, call)
+    if g1.ws:
+        _check_ws(plan, call)
     if plan.schedule != "slot":
         if call.workspace.block_capacity < max_blocks(call.num_slots, call.prepared.num_experts, g1.bm):
             raise Glm5Fp4Error(f"workspace holds {call.workspace.block_capacity} work-list blocks, this call needs "
@@ -357,6 +359,24 @@ def _check_tma(plan: cfgs.Plan, call: MoECall) -> None:
     for name, t in (("w13", w), ("w13_scale", call.prepared.w13_scale)):
         if t.device.type != "meta" and t.data_ptr() % TMA_ROW_BYTES:
             raise Glm5Fp4Error(f"MoE plan {plan}: GEMM1 by TMA needs {name} at a {TMA_ROW_BYTES}-byte aligned address")
+
+
+def _check_ws(plan: cfgs.Plan, call: MoECall) -> None:
+    """What the warp-specialised Gluon GEMM1 (Gemm1Config.ws) serves."""
+    g1, p = plan.gemm1, call.prepared
+    kt = w13_k_tile(p.layout, p.hidden_size)
+    why = []
+    if plan.schedule != "grouped" or call.mode != "w4a16" or not plan.prep_x:
+        why.append("the grouped schedule in W4A16 with prepared activations")
+    if not kt or g1.bk > kt:
+        why.append(f"experts prepared with layout='tiled' and K tiles within its runs (got {p.layout!r})")
+    if not g1.stacked or plan.gemm1_split_k != 1 or plan.l2_prefetch or g1.tma:
+        why.append("a stacked tile walking all of K (no split-K, L2 prefetch or TMA form)")
+    cap = capability.device_capability(p.w13.device)
+    if cap is not None and cap[0] != 9:
+        why.append(f"sm_90 (wgmma; {p.w13.device} is sm_{cap[0]}{cap[1]})")
+    if why:
+        raise Glm5Fp4Error(f"MoE plan {plan}: the warp-specialised GEMM1 needs " + "; ".join(why))
 
 
 def _split_cap(plan: cfgs.Plan) -> dict:
@@ -514,6 +534,16 @@ def _grouped_launches(plan: cfgs.Plan, call: MoECall) -> list[Launch]:
     # the tail past the placed slots holds stale sums whose act rows no GEMM2 block reads).
     pdl = _pdl(plan, call)
     reduce = [] if split == 1 else [_splitk_reduce(call, split, False, False, "gemm1", pdl)]
+    if g1.ws:
+        from glm5_fp4.kernels import gluon_moe as G
+
+        from glm5_fp4.kernels.moe import device_arch
+
+        grid, args, kwargs = G.launch_args(call, g1, device_arch(call.x.device)[1])
+        gemm1 = Launch(G.moe_gemm1_ws_kernel, grid, args, kwargs, stage="gemm1")
+        # (the Gluon kernel takes no PDL: it starts once the align kernel has finished)
+        return [*_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl), gemm1,
+                _gemm2_grouped(plan, call, nblk), _finalize(call, pdl=pdl)]
     w13, w13_kw = _w13(plan, call)
     return [
         *_align(call, g1.bm, prep_x, g1.bk, plan.parallel_align, pdl),

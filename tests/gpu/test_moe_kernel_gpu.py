@@ -771,3 +771,36 @@ def test_gemm2_split_along_h_of_16_token_blocks(t, routing, mode):
     for _ in replays_with_new_routings(lambda: fused_moe_triton(x, w, ids, prep, mode=mode, out=out, plan=base), w, ids,
                                        out, e, 2):
         assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode=mode, plan=plans[1])) < moe_tolerance(mode, x.dtype)
+
+
+@pytest.mark.parametrize("form,shape,t,routing", [
+    ("gemm1_ws", GLM_TP8, 512, "balanced"), ("gemm1_ws", GLM_TP8, 1024, "same_k"), ("gemm1_ws", GLM_TP8, 512, "zipf1.2"),
+    ("gemm1_ws", GLM_TP4, 512, "one_hot"), ("gemm1_ws6", GLM_TP8, 384, "balanced"), ("gemm1_ws16", GLM_TP8, 64, "balanced"),
+    ("gemm1_ws16", GLM_TP8, 16, "same_k"), ("gemm1_ws", GLM_EP8, 512, "balanced")])
+def test_gemm1_warp_specialized(form, shape, t, routing):
+    """The warp-specialised Gluon GEMM1 (Gemm1Config.ws: producer warp, persistent CTAs) against the float64
+    reference, NaN-poisoned outputs, skewed routings and an expert map; a CUDA-graph replay with new routings matches
+    the default plan."""
+    from glm5_fp4.kernels import configs as C
+    from glm5_fp4.kernels.moe import default_plan, device_arch, fused_moe_triton
+
+    if device_arch(torch.device("cuda"))[0] not in C.OPT_IN[form].archs:
+        pytest.skip(f"{form} serves {C.OPT_IN[form].archs}")
+    e, h, i, k = (shape[n] for n in ("e", "h", "i", "k"))
+    ex, prep = experts(**shape)
+    x, w, ids = inputs(t, e, h, k, routing=routing, global_e=shape.get("global_e"))
+    emap = _ep_map(shape["global_e"], torch.arange(3, 256, 8, device="cuda")[:e]) if "global_e" in shape else None
+    ref = reference(x, w, ids, ex, "w4a16", expert_map=emap)
+    p = default_plan(x, ids, prep, "w4a16", expert_map=emap, form=form)
+    assert p.gemm1.ws, p
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w, ids, prep, mode="w4a16", out=out, plan=p, expert_map=emap)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < moe_tolerance("w4a16", x.dtype)
+    out = torch.full_like(x, float("nan"))
+    base = default_plan(x, ids, prep, "w4a16", expert_map=emap)
+    for _ in replays_with_new_routings(
+            lambda: fused_moe_triton(x, w, ids, prep, mode="w4a16", out=out, plan=p, expert_map=emap), w, ids, out,
+            shape.get("global_e", e), 2):
+        assert rel_error(out, fused_moe_triton(x, w, ids, prep, mode="w4a16", plan=base, expert_map=emap)) < \
+            moe_tolerance("w4a16", x.dtype)

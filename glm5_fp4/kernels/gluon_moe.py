@@ -1,0 +1,236 @@
+"""GEMM1 of the grouped schedule as a warp-specialised Gluon kernel (sm_90, W4A16; opt-in, Gemm1Config.ws).
+
+Why: the Triton GEMM1 issues the next stage's copies only after the iteration's last wgmma (the activation ring's
+write-after-read), so about one stage of weights is in flight while a CTA decodes (improvements/18); on the H200 the
+same kernels reach less of the copy bandwidth than on the H100 (improvements/12, 02). Here one producer warp keeps
+``STAGES`` K tiles in flight whatever the consumer does: per stage it asks TMA for the tile's gate and up word rows
+(two boxes of [BN, BK/8] int32 over the "tiled" layout's K-tile-major runs), and copies the block scales (BK/16
+bytes a row: under TMA's 16-byte box row at BK = 128) and the gathered activation rows (fp16 in merged K order, as
+the align kernel writes them) by cp.async, all arriving on the stage's ``full`` barrier. The consumer warpgroup
+loads the words and scales from shared memory straight into the registers of the wgmma A operand
+(:func:`word_layout`: the eight decoded K sets of a word, concatenated, are that operand with no data movement),
+decodes them with the same bit operations as triton_moe (_PLACED_WORD), runs the tile's wgmma chain and frees the
+stage. The grid is persistent (CTAs stride over the work list's (block, N tile) items), so the producer runs into
+the next item's tiles while the consumer stores this one's act rows.
+
+Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``); its API moves between Triton releases.
+This module is written against Triton 3.6 (the lent H200's); :func:`available` says whether the running Triton has
+what it uses.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+
+import torch
+
+from glm5_fp4.kernels.configs import gemm2_k_chunk
+from glm5_fp4.kernels.triton_moe import BLOCK_FIELDS as _FIELDS, _PLACED_WORD, _two_words_asm
+
+PLACED_ASM = gl.constexpr(_two_words_asm(_PLACED_WORD))
+BLOCK_FIELDS = gl.constexpr(_FIELDS.value)
+
+
+@gluon.constexpr_function
+def word_layout(R, NW, num_warps):
+    """Layout of the [R, NW] words whose eight decoded sets, concatenated, are the wgmma A operand [R, 8*NW]."""
+    import math
+    reg = [[0, 1], [8, 0], [0, 8]]
+    for b in range(4, int(math.log2(NW))):
+        reg.append([0, 1 << b])
+    lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    m = 64
+    while m < R:
+        reg.append([m, 0])
+        m *= 2
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [R, NW])
+
+
+@gluon.constexpr_function
+def scale_layout(R, NB, num_warps):
+    """The same threads' block scales [R, NW/2]."""
+    import math
+    reg = [[8, 0], [0, 4]]
+    for b in range(3, int(math.log2(NB))):
+        reg.append([0, 1 << b])
+    lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    m = 64
+    while m < R:
+        reg.append([m, 0])
+        m *= 2
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [R, NB])
+
+
+@gluon.jit
+def _cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, R: gl.constexpr, NW: gl.constexpr):
+    a = gl.join(gl.join(d0, d1), gl.join(d2, d3))
+    b = gl.join(gl.join(d4, d5), gl.join(d6, d7))
+    v = gl.permute(gl.join(a, b), (0, 4, 3, 2, 1))
+    return gl.reshape(v, (R, 8 * NW))
+
+
+@gluon.jit
+def _decode(wt, sb, R: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr):
+    NW: gl.constexpr = BK // 8
+    sf = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    s2 = gl.convert_layout(gl.reshape(gl.join(sf, sf), (R, NW)), WL)
+    d0, d1, d2, d3, d4, d5, d6, d7 = gl.inline_asm_elementwise(
+        PLACED_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [wt, s2],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True, pack=2)
+    return _cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, R, NW)
+
+
+@gluon.jit
+def _item(item, nb, blk_ptr):
+    b = item % nb
+    n = item // nb
+    p = blk_ptr + b * BLOCK_FIELDS
+    return gl.load(p), gl.load(p + 1), gl.load(p + 2), n
+
+
+@gluon.jit
+def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, TOPK,
+              H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+              KT: gl.constexpr, STAGES: gl.constexpr, RCH: gl.constexpr):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    nb = gl.load(nblk_ptr)
+    total = nb * (I // BN)
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [1, 1], [1, 0])
+    offs_r = gl.arange(0, RCH, layout=gl.SliceLayout(1, XL))
+    offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    TX: gl.constexpr = 2 * BN * BK // 2
+    # the scales' [2*BN, BK/16] rows (BK/16 bytes each: under TMA's 16-byte box rows at BK = 128) by cp.async
+    SLY: gl.constexpr = gl.BlockedLayout([1, BK // 16], [32, 1], [1, 1], [1, 0])
+    sr = gl.arange(0, 2 * BN, layout=gl.SliceLayout(1, SLY))
+    sc = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SLY))
+    s_rows = gl.where(sr < BN, sr, I + sr - BN) * (KT // 16)
+    it = 0
+    for item in range(pid, total, nprog):
+        e, start, count, n = _item(item, nb, blk_ptr)
+        for k0 in range(0, H, BK):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(full.index(s), TX)
+            row = (e * (H // KT) + k0 // KT) * (2 * I) + n * BN
+            tma.async_copy_global_to_shared(w_desc, [row, (k0 % KT) // 8], full.index(s), w_smem.index(s).slice(0, BN))
+            tma.async_copy_global_to_shared(w_desc, [row + I, (k0 % KT) // 8], full.index(s),
+                                            w_smem.index(s).slice(BN, BN))
+            s_base = (e.to(gl.int64) * (2 * I * (H // 16)) + n * BN * (KT // 16) + k0 // 16
+                      + (k0 // KT) * ((2 * I - 1) * (KT // 16)))
+            async_copy.async_copy_global_to_shared(s_smem.index(s), s_ptr + s_base + s_rows[:, None] + sc[None, :])
+            for r in gl.static_range(BM // RCH):
+                rows = r * RCH + offs_r
+                slot = gl.load(slots_ptr + start + rows, mask=rows < count, other=0)
+                tok = (slot // TOPK).to(gl.int64)
+                ptrs = xq_ptr + tok[:, None] * H + (k0 + offs_k)[None, :]
+                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(r * RCH, RCH), ptrs)
+            async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+            it += 1
+
+
+@gluon.jit
+def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty,
+              H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, KC: gl.constexpr):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    nb = gl.load(nblk_ptr)
+    total = nb * (I // BN)
+    R: gl.constexpr = 2 * BN
+    NW: gl.constexpr = BK // 8
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WL: gl.constexpr = word_layout(R, NW, 4)
+    SL: gl.constexpr = scale_layout(R, BK // 16, 4)
+    it = 0
+    for item in range(pid, total, nprog):
+        e, start, count, n = _item(item, nb, blk_ptr)
+        alpha = gl.load(alpha_ptr + e)
+        acc = gl.zeros([R, BM], gl.float32, layout=MMA)
+        for k0 in range(0, H, BK):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            mbarrier.wait(full.index(s), ph)
+            fence_async_shared()  # the activations came by cp.async (generic proxy); wgmma reads by the async proxy
+            wt = w_smem.index(s).load(WL)
+            sb = s_smem.index(s).load(SL)
+            a = gl.convert_layout(_decode(wt, sb, R, BK, WL), AL)
+            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index(s))
+            it += 1
+        gate, up = gl.split(gl.permute(gl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
+        gate = gate * alpha
+        up = up * alpha
+        act = gate / (1.0 + gl.exp(-gate)) * up
+        OL: gl.constexpr = gate.type.layout
+        offs_i = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, OL))
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+        i_loc = offs_i % KC
+        pos = (offs_i // KC) * KC + ((i_loc % 16) // 2) * (KC // 8) + (i_loc // 16) * 2 + i_loc % 2
+        rows = (start + offs_m).to(gl.int64)
+        gl.store(act_ptr + rows[None, :] * I + pos[:, None], act.to(gl.float16), mask=(offs_m < count)[None, :])
+
+
+@gluon.jit
+def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, blk_ptr, nblk_ptr, TOPK,
+                        H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+                        KT: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr, RCH: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+    R: gl.constexpr = 2 * BN
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BK // 8], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, BK // 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], XS)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=33)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [(_consumer, (alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, H, I, BN, BM, BK,
+                      STAGES, KC)),
+         (_producer, (w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, TOPK,
+                      H, I, BN, BM, BK, KT, STAGES, RCH))],
+        [1], [PRODUCER_REGS])
+
+
+# Registers of the producer's warpgroup (the producer warp and the idle warps that pad it to a warpgroup) under
+# setmaxnreg; the consumer warpgroup gets the rest of the launch's budget (maxnreg x 8 warps).
+PRODUCER_REGS = 56
+# Rows of the gathered activation tile per cp.async pass of the producer warp (bounds its pointer registers).
+X_ROWS_PER_PASS = 8
+# CTAs per SM the launch budgets registers for (launch maxnreg = 65,536 / (CTAS_PER_SM x 256 threads)).
+CTAS_PER_SM = 2
+
+
+def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
+    """(grid, args, kwargs) of one GEMM1 launch of the grouped schedule (the align kernel has run)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from glm5_fp4.kernels.layout import w13_k_tile
+    from glm5_fp4.kernels.launch import max_blocks
+
+    p, ws = call.prepared, call.workspace
+    h, i = p.hidden_size, p.intermediate_size
+    kt = w13_k_tile(p.layout, h)
+    words = p.w13.view(torch.int32).reshape(-1, kt // 8)
+    wl = gl.NVMMASharedLayout(swizzle_byte_width=min(128, g1.bk // 2), element_bitwidth=32, rank=2)
+    wd = TensorDescriptor.from_tensor(words, [g1.bn, g1.bk // 8], wl)
+    items = max_blocks(call.num_slots, p.num_experts, g1.bm) * (i // g1.bn)
+    grid = (max(1, min(items, CTAS_PER_SM * sm_count)),)
+    args = (wd, p.w13_scale, ws.xq, p.w13_alpha, ws.act, ws.slots, ws.blocks, ws.num_blocks, call.top_k)
+    kwargs = dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, KT=kt, STAGES=g1.num_stages, KC=gemm2_k_chunk(i),
+                  RCH=X_ROWS_PER_PASS, PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
+                  maxnreg=65536 // (CTAS_PER_SM * 256))
+    return grid, args, kwargs
