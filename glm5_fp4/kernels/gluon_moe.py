@@ -96,6 +96,13 @@ def _item(item, nb, blk_ptr):
 
 
 @gluon.jit
+def _x_rows(xq_ptr, slots_ptr, start, count, rows, TOPK, H: gl.constexpr):
+    """Row pointers [R, 1] of the activations of sorted rows ``rows`` of a block (row 0's past ``count``)."""
+    slot = gl.load(slots_ptr + start + rows, mask=rows < count, other=0)
+    return xq_ptr + ((slot // TOPK).to(gl.int64) * H)[:, None]
+
+
+@gluon.jit
 def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, TOPK,
               H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
               KT: gl.constexpr, STAGES: gl.constexpr, RCH: gl.constexpr):
@@ -115,6 +122,11 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
     it = 0
     for item in range(pid, total, nprog):
         e, start, count, n = _item(item, nb, blk_ptr)
+        # the block's activation rows, looked up once per item (not per K tile: each lookup is a round trip)
+        x0 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r, TOPK, H)
+        x1 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + RCH, TOPK, H)
+        x2 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + 2 * RCH, TOPK, H)
+        x3 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + 3 * RCH, TOPK, H)
         for k0 in range(0, H, BK):
             s = it % STAGES
             ph = (it // STAGES) & 1
@@ -127,12 +139,13 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
             s_base = (e.to(gl.int64) * (2 * I * (H // 16)) + n * BN * (KT // 16) + k0 // 16
                       + (k0 // KT) * ((2 * I - 1) * (KT // 16)))
             async_copy.async_copy_global_to_shared(s_smem.index(s), s_ptr + s_base + s_rows[:, None] + sc[None, :])
-            for r in gl.static_range(BM // RCH):
-                rows = r * RCH + offs_r
-                slot = gl.load(slots_ptr + start + rows, mask=rows < count, other=0)
-                tok = (slot // TOPK).to(gl.int64)
-                ptrs = xq_ptr + tok[:, None] * H + (k0 + offs_k)[None, :]
-                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(r * RCH, RCH), ptrs)
+            kk = (k0 + offs_k)[None, :]
+            async_copy.async_copy_global_to_shared(x_smem.index(s).slice(0, RCH), x0 + kk)
+            if BM // RCH > 1:
+                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(RCH, RCH), x1 + kk)
+            if BM // RCH > 2:
+                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(2 * RCH, RCH), x2 + kk)
+                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(3 * RCH, RCH), x3 + kk)
             async_copy.mbarrier_arrive(full.index(s), increment_count=False)
             it += 1
 
@@ -208,8 +221,8 @@ def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, bl
 # Registers of the producer's warpgroup (the producer warp and the idle warps that pad it to a warpgroup) under
 # setmaxnreg; the consumer warpgroup gets the rest of the launch's budget (maxnreg x 8 warps).
 PRODUCER_REGS = 56
-# Rows of the gathered activation tile per cp.async pass of the producer warp (bounds its pointer registers).
-X_ROWS_PER_PASS = 8
+# cp.async passes over the gathered activation rows per K tile (the producer holds each pass's row pointers).
+X_PASSES = 4
 # CTAs per SM the launch budgets registers for (launch maxnreg = 65,536 / (CTAS_PER_SM x 256 threads)).
 CTAS_PER_SM = 2
 
@@ -231,6 +244,6 @@ def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
     grid = (max(1, min(items, CTAS_PER_SM * sm_count)),)
     args = (wd, p.w13_scale, ws.xq, p.w13_alpha, ws.act, ws.slots, ws.blocks, ws.num_blocks, call.top_k)
     kwargs = dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, KT=kt, STAGES=g1.num_stages, KC=gemm2_k_chunk(i),
-                  RCH=X_ROWS_PER_PASS, PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
+                  RCH=g1.bm // X_PASSES, PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
                   maxnreg=65536 // (CTAS_PER_SM * 256))
     return grid, args, kwargs
