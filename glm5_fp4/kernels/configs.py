@@ -60,8 +60,9 @@ class Gemm1Config:
     stacked: bool = False
     # The warp-specialised Gluon kernel (kernels/gluon_moe.py; sm_90, W4A16, stacked, layout "tiled"): a producer
     # warp keeps num_stages K tiles in flight (weights by TMA, scales and activations by cp.async) while the consumer
-    # warpgroup decodes and multiplies; persistent CTAs walk the work list. Opt-in forms only (gemm1_ws*).
-    ws: bool = False
+    # warpgroup decodes and multiplies; persistent CTAs walk the work list. 0: the Triton kernel; n >= 1: the Gluon
+    # one with n - 1 tiles' wgmmas running on while the next tile decodes. Opt-in forms only (gemm1_ws*).
+    ws: int = 0
 
 
 @dataclass(frozen=True)
@@ -1095,14 +1096,14 @@ OPT_IN: dict[str, OptIn] = {
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
                                 "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
-    "gemm1_ws": OptIn(dict(gemm1=Gemm1Config(64, 32, 128, 4, 4, stacked=True, ws=True)), "grouped", None, ("w4a16",),
+    "gemm1_ws": OptIn(dict(gemm1=Gemm1Config(64, 32, 128, 4, 4, stacked=True, ws=1)), "grouped", None, ("w4a16",),
                       compile_tokens=(), archs=("sm90",), bm=32,
                       purpose="GEMM1 as the warp-specialised Gluon kernel (a producer warp keeps 4 K tiles of 128 in "
-                              "flight; 32-token blocks)"),
-    "gemm1_ws6": OptIn(dict(gemm1=Gemm1Config(64, 32, 128, 4, 6, stacked=True, ws=True)), "grouped", None,
+                              "flight; 32-token blocks; 4 or 6 stages alike on an H100)"),
+    "gemm1_ws2": OptIn(dict(gemm1=Gemm1Config(64, 32, 128, 4, 4, stacked=True, ws=2)), "grouped", None,
                        ("w4a16",), compile_tokens=(), archs=("sm90",), bm=32,
-                       purpose="gemm1_ws with 6 K tiles in flight"),
-    "gemm1_ws16": OptIn(dict(gemm1=Gemm1Config(64, 16, 128, 4, 6, stacked=True, ws=True), gemm1_split_k=1),
+                       purpose="gemm1_ws with each tile's wgmmas running on while the next tile decodes"),
+    "gemm1_ws16": OptIn(dict(gemm1=Gemm1Config(64, 16, 128, 4, 4, stacked=True, ws=2), gemm1_split_k=1),
                         "grouped", None, ("w4a16",), compile_tokens=(), archs=("sm90",), bm=16,
                         purpose="GEMM1 as the warp-specialised Gluon kernel for 16-token blocks, K unsplit"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),

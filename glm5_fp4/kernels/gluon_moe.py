@@ -153,7 +153,7 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
 @gluon.jit
 def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty,
               H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, KC: gl.constexpr):
+              STAGES: gl.constexpr, KC: gl.constexpr, IN_FLIGHT: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     nb = gl.load(nblk_ptr)
@@ -178,9 +178,17 @@ def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, ful
             sb = s_smem.index(s).load(SL)
             a = gl.convert_layout(_decode(wt, sb, R, BK, WL), AL)
             acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(empty.index(s))
+            if IN_FLIGHT == 0:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(empty.index(s))
+            else:
+                # this tile's MMA runs on while the next tile decodes; the previous one's stage is free once it retired
+                acc, a = warpgroup_mma_wait(1, deps=[acc, a])
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k0 > 0)
             it += 1
+        if IN_FLIGHT > 0:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
         gate, up = gl.split(gl.permute(gl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
         gate = gate * alpha
         up = up * alpha
@@ -198,7 +206,7 @@ def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, ful
 def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, blk_ptr, nblk_ptr, TOPK,
                         H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                         KT: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr, RCH: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, IN_FLIGHT: gl.constexpr = 0):
     R: gl.constexpr = 2 * BN
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BK // 8], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, BK // 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -212,7 +220,7 @@ def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, bl
     fence_async_shared()
     gl.warp_specialize(
         [(_consumer, (alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, H, I, BN, BM, BK,
-                      STAGES, KC)),
+                      STAGES, KC, IN_FLIGHT)),
          (_producer, (w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, TOPK,
                       H, I, BN, BM, BK, KT, STAGES, RCH))],
         [1], [PRODUCER_REGS])
@@ -245,5 +253,5 @@ def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
     args = (wd, p.w13_scale, ws.xq, p.w13_alpha, ws.act, ws.slots, ws.blocks, ws.num_blocks, call.top_k)
     kwargs = dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, KT=kt, STAGES=g1.num_stages, KC=gemm2_k_chunk(i),
                   RCH=g1.bm // X_PASSES, PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
-                  maxnreg=65536 // (CTAS_PER_SM * 256))
+                  IN_FLIGHT=g1.ws - 1, maxnreg=65536 // (CTAS_PER_SM * 256))
     return grid, args, kwargs
