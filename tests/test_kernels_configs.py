@@ -759,3 +759,38 @@ def test_w4a4_tiles_replace_only_where_the_w4a16_tile_spills():
     assert C.plan("sm90", 1, 256, 8, 6144, 256, mode="w4a4").gemm1.maxnreg == 168
     g = C.Gemm1Config(128, 128, 128, 8, 3)
     assert C.plan("sm90", 4096, 256, 8, 6144, 256, mode="w4a4", gemm1=g).gemm1 == g
+
+
+@pytest.mark.parametrize("form,t", [("gemm1_ws", 512), ("gemm1_ws2", 1024), ("gemm1_ws16", 64)])
+def test_warp_specialized_gemm1_launch_and_what_it_refuses(form, t):
+    """The opt-in Gluon GEMM1 (Gemm1Config.ws): one persistent launch of at most two CTAs per SM in place of the Triton
+    GEMM1, its register budget for two CTAs, the token block's rows in four cp.async passes; the other launches as
+    the default's. Refused with a reason for W4A4, a layout other than "tiled" and an L2-prefetch plan."""
+    import torch
+
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.kernels import gluon_moe as G
+    from glm5_fp4.kernels.launch import launches, max_blocks
+
+    call = _meta_call("tp8", t, use_asm=True, layout="tiled")
+    p = call.prepared
+    dims = (p.num_experts, 8, p.hidden_size, p.intermediate_size)
+    plan = C.plan("sm90", t, *dims, sm_count=132, form=form)
+    g1 = plan.gemm1
+    assert g1.ws and g1.stacked and plan.gemm1_split_k == 1
+    names = [ln.name for ln in launches(plan, call)]
+    default = [ln.name for ln in launches(C.plan("sm90", t, *dims, sm_count=132), call)]
+    assert names == [n if n != "moe_gemm1_kernel" else "moe_gemm1_ws_kernel" for n in default
+                     if n != "moe_splitk_reduce_kernel"]
+    with torch.device("meta"):
+        gemm1 = next(ln for ln in launches(plan, call) if ln.name == "moe_gemm1_ws_kernel")
+    items = max_blocks(t * 8, p.num_experts, g1.bm) * (p.intermediate_size // g1.bn)
+    assert gemm1.grid == (min(items, G.CTAS_PER_SM * 132),)
+    assert gemm1.kwargs["maxnreg"] * 256 * G.CTAS_PER_SM == 65536 and gemm1.kwargs["IN_FLIGHT"] == g1.ws - 1
+    assert gemm1.kwargs["RCH"] * G.X_PASSES == g1.bm and gemm1.kwargs["STAGES"] == g1.num_stages
+    with pytest.raises(Glm5Fp4Error, match="layout='tiled'"):
+        launches(plan, _meta_call("tp8", t, use_asm=True, layout="placed"))
+    with pytest.raises(Glm5Fp4Error, match="walking all of K"):
+        launches(dataclasses.replace(plan, l2_prefetch=2), call)
+    with pytest.raises(Glm5Fp4Error, match="W4A16"):
+        launches(plan, dataclasses.replace(call, mode="w4a4"))
