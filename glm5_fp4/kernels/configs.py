@@ -1100,9 +1100,13 @@ OPT_IN: dict[str, OptIn] = {
                       compile_tokens=(), archs=("sm90",), bm=32,
                       purpose="GEMM1 as the warp-specialised Gluon kernel (a producer warp keeps 4 K tiles of 128 in "
                               "flight; 32-token blocks; 4 or 6 stages alike on an H100)"),
-    "gemm1_ws2": OptIn(dict(gemm1=Gemm1Config(64, 32, 128, 4, 4, stacked=True, ws=2)), "grouped", None,
-                       ("w4a16",), compile_tokens=(), archs=("sm90",), bm=32,
-                       purpose="gemm1_ws with each tile's wgmmas running on while the next tile decodes"),
+    "gemm1_ws64": OptIn(dict(gemm1=Gemm1Config(64, 32, 64, 4, 8, maxnreg=80, stacked=True, ws=1)), "grouped", None,
+                        ("w4a16",), compile_tokens=(), archs=("sm90",), bm=32,
+                        purpose="gemm1_ws in K tiles of 64 with 8 in flight, registers for 3 CTAs per SM (12 consumer "
+                                "warps instead of 8)"),
+    "gemm1_ws64_2": OptIn(dict(gemm1=Gemm1Config(64, 32, 64, 4, 8, maxnreg=80, stacked=True, ws=2)), "grouped", None,
+                          ("w4a16",), compile_tokens=(), archs=("sm90",), bm=32,
+                          purpose="gemm1_ws64 with each tile's wgmmas running on while the next tile decodes"),
     "gemm1_ws16": OptIn(dict(gemm1=Gemm1Config(64, 16, 128, 4, 4, stacked=True, ws=2), gemm1_split_k=1),
                         "grouped", None, ("w4a16",), compile_tokens=(), archs=("sm90",), bm=16,
                         purpose="GEMM1 as the warp-specialised Gluon kernel for 16-token blocks, K unsplit"),

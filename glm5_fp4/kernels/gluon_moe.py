@@ -39,7 +39,7 @@ BLOCK_FIELDS = gl.constexpr(_FIELDS.value)
 def word_layout(R, NW, num_warps):
     """Layout of the [R, NW] words whose eight decoded sets, concatenated, are the wgmma A operand [R, 8*NW]."""
     import math
-    reg = [[0, 1], [8, 0], [0, 8]]
+    reg = [[0, 1], [8, 0]] + ([[0, 8]] if NW >= 16 else [])
     for b in range(4, int(math.log2(NW))):
         reg.append([0, 1 << b])
     lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
@@ -55,7 +55,7 @@ def word_layout(R, NW, num_warps):
 def scale_layout(R, NB, num_warps):
     """The same threads' block scales [R, NW/2]."""
     import math
-    reg = [[8, 0], [0, 4]]
+    reg = [[8, 0]] + ([[0, 4]] if NB >= 8 else [])
     for b in range(3, int(math.log2(NB))):
         reg.append([0, 1 << b])
     lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
@@ -124,9 +124,11 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
         e, start, count, n = _item(item, nb, blk_ptr)
         # the block's activation rows, looked up once per item (not per K tile: each lookup is a round trip)
         x0 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r, TOPK, H)
-        x1 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + RCH, TOPK, H)
-        x2 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + 2 * RCH, TOPK, H)
-        x3 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + 3 * RCH, TOPK, H)
+        if BM // RCH > 1:
+            x1 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + RCH, TOPK, H)
+        if BM // RCH > 2:
+            x2 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + 2 * RCH, TOPK, H)
+            x3 = _x_rows(xq_ptr, slots_ptr, start, count, offs_r + 3 * RCH, TOPK, H)
         for k0 in range(0, H, BK):
             s = it % STAGES
             ph = (it // STAGES) & 1
@@ -231,8 +233,15 @@ def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, bl
 PRODUCER_REGS = 56
 # cp.async passes over the gathered activation rows per K tile (the producer holds each pass's row pointers).
 X_PASSES = 4
-# CTAs per SM the launch budgets registers for (launch maxnreg = 65,536 / (CTAS_PER_SM x 256 threads)).
+# ... of at least the 8 rows of the activation tile's 128-byte swizzle pattern (a shared-memory slice keeps it whole).
+X_ROWS_MIN = 8
+# CTAs per SM the launch budgets registers for where the tile does not cap them (Gemm1Config.maxnreg: the launch's
+# registers per thread, 65,536 / (CTAs x 256 threads)); the persistent grid is that many CTAs per SM.
 CTAS_PER_SM = 2
+
+
+def ctas_per_sm(g1) -> int:
+    return 65536 // (256 * g1.maxnreg) if g1.maxnreg else CTAS_PER_SM
 
 
 def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
@@ -249,9 +258,9 @@ def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
     wl = gl.NVMMASharedLayout(swizzle_byte_width=min(128, g1.bk // 2), element_bitwidth=32, rank=2)
     wd = TensorDescriptor.from_tensor(words, [g1.bn, g1.bk // 8], wl)
     items = max_blocks(call.num_slots, p.num_experts, g1.bm) * (i // g1.bn)
-    grid = (max(1, min(items, CTAS_PER_SM * sm_count)),)
+    grid = (max(1, min(items, ctas_per_sm(g1) * sm_count)),)
     args = (wd, p.w13_scale, ws.xq, p.w13_alpha, ws.act, ws.slots, ws.blocks, ws.num_blocks, call.top_k)
     kwargs = dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, KT=kt, STAGES=g1.num_stages, KC=gemm2_k_chunk(i),
-                  RCH=g1.bm // X_PASSES, PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
-                  IN_FLIGHT=g1.ws - 1, maxnreg=65536 // (CTAS_PER_SM * 256))
+                  RCH=max(X_ROWS_MIN, g1.bm // X_PASSES), PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
+                  IN_FLIGHT=g1.ws - 1, maxnreg=65536 // (ctas_per_sm(g1) * 256))
     return grid, args, kwargs
