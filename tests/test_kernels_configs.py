@@ -786,7 +786,7 @@ def test_warp_specialized_gemm1_launch_and_what_it_refuses(form, t):
         gemm1 = next(ln for ln in launches(plan, call) if ln.name == "moe_gemm1_ws_kernel")
     items = max_blocks(t * 8, p.num_experts, g1.bm) * (p.intermediate_size // g1.bn)
     assert gemm1.grid == (min(items, G.ctas_per_sm(g1) * 132),)
-    assert gemm1.kwargs["maxnreg"] * 256 * G.ctas_per_sm(g1) == 65536 and gemm1.kwargs["IN_FLIGHT"] == g1.ws - 1
+    assert gemm1.kwargs["maxnreg"] * 256 * G.ctas_per_sm(g1) <= 65536 and gemm1.kwargs["IN_FLIGHT"] == g1.ws - 1
     assert gemm1.kwargs["RCH"] == max(G.X_ROWS_MIN, g1.bm // G.X_PASSES) and gemm1.kwargs["STAGES"] == g1.num_stages
     with pytest.raises(Glm5Fp4Error, match="layout='tiled'"):
         launches(plan, _meta_call("tp8", t, use_asm=True, layout="placed"))

@@ -262,5 +262,5 @@ def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
     args = (wd, p.w13_scale, ws.xq, p.w13_alpha, ws.act, ws.slots, ws.blocks, ws.num_blocks, call.top_k)
     kwargs = dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, KT=kt, STAGES=g1.num_stages, KC=gemm2_k_chunk(i),
                   RCH=max(X_ROWS_MIN, g1.bm // X_PASSES), PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
-                  IN_FLIGHT=g1.ws - 1, maxnreg=65536 // (ctas_per_sm(g1) * 256))
+                  IN_FLIGHT=g1.ws - 1, maxnreg=g1.maxnreg or 65536 // (CTAS_PER_SM * 256))
     return grid, args, kwargs
