@@ -235,6 +235,9 @@ PRODUCER_REGS = 56
 X_PASSES = 4
 # ... of at least the 8 rows of the activation tile's 128-byte swizzle pattern (a shared-memory slice keeps it whole).
 X_ROWS_MIN = 8
+# Swizzle of the word tiles TMA writes: the consumer's 8-byte loads (word_layout) hit no bank twice under 32 B (Gluon's
+# bank_conflicts: 64 B left a 2-way conflict at BK = 128).
+WORD_SWIZZLE = 32
 # CTAs per SM the launch budgets registers for where the tile does not cap them (Gemm1Config.maxnreg: the launch's
 # registers per thread, 65,536 / (CTAs x 256 threads)); the persistent grid is that many CTAs per SM.
 CTAS_PER_SM = 2
@@ -255,7 +258,7 @@ def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
     h, i = p.hidden_size, p.intermediate_size
     kt = w13_k_tile(p.layout, h)
     words = p.w13.view(torch.int32).reshape(-1, kt // 8)
-    wl = gl.NVMMASharedLayout(swizzle_byte_width=min(128, g1.bk // 2), element_bitwidth=32, rank=2)
+    wl = gl.NVMMASharedLayout(swizzle_byte_width=WORD_SWIZZLE, element_bitwidth=32, rank=2)
     wd = TensorDescriptor.from_tensor(words, [g1.bn, g1.bk // 8], wl)
     items = max_blocks(call.num_slots, p.num_experts, g1.bm) * (i // g1.bn)
     grid = (max(1, min(items, ctas_per_sm(g1) * sm_count)),)
