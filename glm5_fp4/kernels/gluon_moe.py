@@ -36,8 +36,11 @@ BLOCK_FIELDS = gl.constexpr(_FIELDS.value)
 
 
 @gluon.constexpr_function
-def word_layout(R, NW, num_warps):
-    """Layout of the [R, NW] words whose eight decoded sets, concatenated, are the wgmma A operand [R, 8*NW]."""
+def word_layout(R, NW):
+    """Layout (4 warps) of the [R, NW] words whose eight decoded K sets, concatenated (_cat_sets), are the wgmma A
+    operand [R, 8*NW] (k_width 2): register bit 0 and lane bits 0-1 walk a set's columns as the operand walks K within
+    16, register bit 2 (NW >= 16) the next 8 columns; rows as the operand's (lanes 2-4, warps by 16 rows, registers by 8 and by
+    64); the set index itself is in the registers, so the concatenation moves no data."""
     import math
     reg = [[0, 1], [8, 0]] + ([[0, 8]] if NW >= 16 else [])
     for b in range(4, int(math.log2(NW))):
@@ -52,8 +55,8 @@ def word_layout(R, NW, num_warps):
 
 
 @gluon.constexpr_function
-def scale_layout(R, NB, num_warps):
-    """The same threads' block scales [R, NW/2]."""
+def scale_layout(R, NB):
+    """The block scales [R, NB] of the same threads' words (one scale per pair of word columns)."""
     import math
     reg = [[8, 0]] + ([[0, 4]] if NB >= 8 else [])
     for b in range(3, int(math.log2(NB))):
@@ -89,6 +92,8 @@ def _decode(wt, sb, R: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr):
 
 @gluon.jit
 def _item(item, nb, blk_ptr):
+    """(expert, first sorted row, rows, N tile) of persistent work item ``item``: blocks fastest, so that the CTAs
+    working at one time share N tiles of neighbouring experts' blocks."""
     b = item % nb
     n = item // nb
     p = blk_ptr + b * BLOCK_FIELDS
@@ -164,8 +169,8 @@ def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, ful
     NW: gl.constexpr = BK // 8
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    WL: gl.constexpr = word_layout(R, NW, 4)
-    SL: gl.constexpr = scale_layout(R, BK // 16, 4)
+    WL: gl.constexpr = word_layout(R, NW)
+    SL: gl.constexpr = scale_layout(R, BK // 16)
     it = 0
     for item in range(pid, total, nprog):
         e, start, count, n = _item(item, nb, blk_ptr)
