@@ -36,38 +36,40 @@ BLOCK_FIELDS = gl.constexpr(_FIELDS.value)
 
 
 @gluon.constexpr_function
-def word_layout(R, NW):
-    """Layout (4 warps) of the [R, NW] words whose eight decoded K sets, concatenated (_cat_sets), are the wgmma A
-    operand [R, 8*NW] (k_width 2): register bit 0 and lane bits 0-1 walk a set's columns as the operand walks K within
-    16, register bit 2 (NW >= 16) the next 8 columns; rows as the operand's (lanes 2-4, warps by 16 rows, registers by 8 and by
-    64); the set index itself is in the registers, so the concatenation moves no data."""
-    import math
-    reg = [[0, 1], [8, 0]] + ([[0, 8]] if NW >= 16 else [])
-    for b in range(4, int(math.log2(NW))):
-        reg.append([0, 1 << b])
-    lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
-    warp = [[16, 0], [32, 0]]
+def _fragment_layout(R, C, per_col):
+    """4 warps over [R, C] columns of ``per_col`` word columns each: word column bit 0 in a register, bits 1-2 in
+    lanes 0-1, higher bits in registers; rows in lanes 2-4, in registers by 8 and by 64, in warps by 16."""
+    reg, lane = [], []
+    b = 0
+    while (1 << b) < C * per_col:
+        v = (1 << b) // per_col
+        if b in (1, 2):
+            lane.append([0, v])
+        elif v:
+            reg.append([0, v])
+        if b == 0:
+            reg.append([8, 0])
+        b += 1
     m = 64
     while m < R:
         reg.append([m, 0])
         m *= 2
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [R, NW])
+    return gl.DistributedLinearLayout(reg, lane + [[1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [], [R, C])
+
+
+@gluon.constexpr_function
+def word_layout(R, NW):
+    """Layout (4 warps) of the [R, NW] words whose eight decoded K sets, concatenated (_cat_sets), are the wgmma A
+    operand [R, 8*NW] (k_width 2): register bit 0 and lane bits 0-1 walk a set's columns as the operand walks K within
+    16, register bit 2 (NW >= 16) the next 8 columns; rows as the operand's; the set index itself is in the registers,
+    so the concatenation moves no data."""
+    return _fragment_layout(R, NW, 1)
 
 
 @gluon.constexpr_function
 def scale_layout(R, NB):
     """The block scales [R, NB] of the same threads' words (one scale per pair of word columns)."""
-    import math
-    reg = [[8, 0]] + ([[0, 4]] if NB >= 8 else [])
-    for b in range(3, int(math.log2(NB))):
-        reg.append([0, 1 << b])
-    lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
-    warp = [[16, 0], [32, 0]]
-    m = 64
-    while m < R:
-        reg.append([m, 0])
-        m *= 2
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [R, NB])
+    return _fragment_layout(R, NB, 2)
 
 
 @gluon.jit
