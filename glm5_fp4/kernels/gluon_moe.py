@@ -93,6 +93,13 @@ def _decode(wt, sb, R: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr):
 
 
 @gluon.jit
+def _items(nblk_ptr, I: gl.constexpr, BN: gl.constexpr):
+    """The persistent walk both partitions take: (first item, stride, work-list blocks, items)."""
+    nb = gl.load(nblk_ptr)
+    return gl.program_id(0), gl.num_programs(0), nb, nb * (I // BN)
+
+
+@gluon.jit
 def _item(item, nb, blk_ptr):
     """(expert, first sorted row, rows, N tile) of persistent work item ``item``: blocks fastest, so that the CTAs
     working at one time share N tiles of neighbouring experts' blocks."""
@@ -113,10 +120,7 @@ def _x_rows(xq_ptr, slots_ptr, start, count, rows, TOPK, H: gl.constexpr):
 def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, TOPK,
               H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
               KT: gl.constexpr, STAGES: gl.constexpr, RCH: gl.constexpr):
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    nb = gl.load(nblk_ptr)
-    total = nb * (I // BN)
+    pid, nprog, nb, total = _items(nblk_ptr, I, BN)
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [1, 1], [1, 0])
     offs_r = gl.arange(0, RCH, layout=gl.SliceLayout(1, XL))
     offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
@@ -163,10 +167,7 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
 def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty,
               H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, KC: gl.constexpr, IN_FLIGHT: gl.constexpr):
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    nb = gl.load(nblk_ptr)
-    total = nb * (I // BN)
+    pid, nprog, nb, total = _items(nblk_ptr, I, BN)
     R: gl.constexpr = 2 * BN
     NW: gl.constexpr = BK // 8
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
