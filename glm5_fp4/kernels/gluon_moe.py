@@ -32,6 +32,9 @@ from glm5_fp4.kernels.configs import gemm2_k_chunk
 from glm5_fp4.kernels.triton_moe import BLOCK_FIELDS as _FIELDS, _PLACED_WORD, _two_words_asm
 
 PLACED_ASM = gl.constexpr(_two_words_asm(_PLACED_WORD))
+# Triton 3.9 renamed both asynchronous copies to async_load (the old names raise there); 3.6 has only the old ones.
+_tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
+_cp_async = getattr(async_copy, "async_load", async_copy.async_copy_global_to_shared)
 BLOCK_FIELDS = gl.constexpr(_FIELDS.value)
 
 
@@ -146,19 +149,19 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
             mbarrier.wait(empty.index(s), ph ^ 1)
             mbarrier.expect(full.index(s), TX)
             row = (e * (H // KT) + k0 // KT) * (2 * I) + n * BN
-            tma.async_copy_global_to_shared(w_desc, [row, (k0 % KT) // 8], full.index(s), w_smem.index(s).slice(0, BN))
-            tma.async_copy_global_to_shared(w_desc, [row + I, (k0 % KT) // 8], full.index(s),
+            _tma_load(w_desc, [row, (k0 % KT) // 8], full.index(s), w_smem.index(s).slice(0, BN))
+            _tma_load(w_desc, [row + I, (k0 % KT) // 8], full.index(s),
                                             w_smem.index(s).slice(BN, BN))
             s_base = (e.to(gl.int64) * (2 * I * (H // 16)) + n * BN * (KT // 16) + k0 // 16
                       + (k0 // KT) * ((2 * I - 1) * (KT // 16)))
-            async_copy.async_copy_global_to_shared(s_smem.index(s), s_ptr + s_base + s_rows[:, None] + sc[None, :])
+            _cp_async(s_smem.index(s), s_ptr + s_base + s_rows[:, None] + sc[None, :])
             kk = (k0 + offs_k)[None, :]
-            async_copy.async_copy_global_to_shared(x_smem.index(s).slice(0, RCH), x0 + kk)
+            _cp_async(x_smem.index(s).slice(0, RCH), x0 + kk)
             if BM // RCH > 1:
-                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(RCH, RCH), x1 + kk)
+                _cp_async(x_smem.index(s).slice(RCH, RCH), x1 + kk)
             if BM // RCH > 2:
-                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(2 * RCH, RCH), x2 + kk)
-                async_copy.async_copy_global_to_shared(x_smem.index(s).slice(3 * RCH, RCH), x3 + kk)
+                _cp_async(x_smem.index(s).slice(2 * RCH, RCH), x2 + kk)
+                _cp_async(x_smem.index(s).slice(3 * RCH, RCH), x3 + kk)
             async_copy.mbarrier_arrive(full.index(s), increment_count=False)
             it += 1
 
