@@ -7,7 +7,8 @@ FORMS=${FORMS:-gemm1_ws,gemm1_ws64,gemm1_ws64_2,gemm1_ws16}
 [ $# -gt 0 ] || set -- tests ab
 for what in "$@"; do
   case $what in
-    tests) step ws_tests "${T_TESTS:-240}" python3 -m pytest -q -x tests/gpu/test_moe_kernel_gpu.py -k warp_specialized ;;
+    tests) step ws_tests "${T_TESTS:-240}" python3 -m pytest -q -x tests/gpu/test_moe_kernel_gpu.py \
+             -k warp_specialized ;;
     ncu)  # per kernel: time, DRAM share, registers, warps and the stall ratios per issued instruction
       for f in default ${FORMS//,/ }; do
         form=$([ "$f" = default ] || echo "--form $f")

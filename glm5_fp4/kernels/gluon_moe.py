@@ -14,19 +14,18 @@ stage. The grid is persistent (CTAs stride over the work list's (block, N tile) 
 the next item's tiles while the consumer stores this one's act rows.
 
 Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``); its API moves between Triton releases.
-This module is written against Triton 3.6 (the lent H200's); :func:`available` says whether the running Triton has
-what it uses.
+This module is written against Triton 3.6 (the lent GPUs'); it compiles for sm_90 under 3.6, 3.8 (the engines') and
+3.9 (checked by hand, improvements/29; the compile matrix does not build it).
 """
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
-
-import torch
 
 from glm5_fp4.kernels.configs import gemm2_k_chunk
 from glm5_fp4.kernels.triton_moe import BLOCK_FIELDS as _FIELDS, _PLACED_WORD, _two_words_asm
@@ -228,7 +227,9 @@ def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, bl
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=33)
+        # full: the producer's expect (one arrival, plus the TMA bytes) and each of its 32 lanes' cp.async arrival
+        # (noinc); empty: the consumer's one arrival per stage (Gluon arrives from one thread after a warpgroup barrier)
+        mbarrier.init(full.index(i), count=1 + 32)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize(
