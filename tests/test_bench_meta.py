@@ -54,7 +54,7 @@ def test_write_result_writes_both_files(tmp_path):
 
 def test_plan_label_names_the_launch_forms():
     """Bench rows say which forms ran: the split-K reduce fused into GEMM1, programmatic dependent launch, the slot
-    GEMM2 split by slots."""
+    GEMM2 split by slots, the warp-specialised Gluon GEMM1."""
     import dataclasses
 
     from glm5_fp4.bench.moe import plan_label
@@ -75,3 +75,6 @@ def test_plan_label_names_the_launch_forms():
     arrive = C.plan("sm90", 4, 256, 8, 6144, 256, sm_count=132, form="dedup_by_arrival")
     assert plan_label(row(arrive)).endswith("splitK3 dedup-arrive fused pdl")
     assert "pdl" not in plan_label(row(dataclasses.replace(four, pdl=False)))
+    ws = C.plan("sm90", 512, 256, 8, 6144, 256, sm_count=132, form="gemm1_ws64_2")
+    assert plan_label(row(ws)).startswith("64x32x64mw4s8r80guws2 / ")
+    assert "ws" not in plan_label(row(C.plan("sm90", 512, 256, 8, 6144, 256, sm_count=132))).split(" / ")[0]

@@ -315,7 +315,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def plan_label(r: dict) -> str:
     """GEMM1 bn x bm x bk / GEMM2 bn x bm, 'm' = merged MMA chain, 'u' = eight MMAs, rN = register cap, t = weight
-    tiles by TMA, gu = gate and up rows as one tile (Gemm1Config.stacked); prep /
+    tiles by TMA, gu = gate and up rows as one tile (Gemm1Config.stacked), wsN = the warp-specialised Gluon GEMM1
+    (Gemm1Config.ws); prep /
     split-K / palign
     (routing counted by many programs) / dedup (slot schedule, one program group per expert) / fused (the split-K
     reduce in GEMM1) / pdl (programmatic dependent launch) / pfN (L2 prefetch N tiles ahead) / slots (the slot
@@ -347,10 +348,13 @@ def plan_label(r: dict) -> str:
     if r.get("gemm2_split_slots"):
         extra.append("slots")
 
+    def _ws(g):  # the warp-specialised Gluon GEMM1 (Gemm1Config.ws)
+        return f"ws{int(g['ws'])}" if g.get("ws") else ""
+
     def regs(g):  # a register cap (Gemm1Config.maxnreg)
         return f"r{g['maxnreg']}" if g.get("maxnreg") else ""
 
     return (f"{g1['bn']}x{g1['bm']}x{g1['bk']}{m(g1)}w{g1['num_warps']}s{g1['num_stages']}{regs(g1)}"
-            f"{'t' if g1.get('tma') else ''}{'gu' if g1.get('stacked') else ''} / "
+            f"{'t' if g1.get('tma') else ''}{'gu' if g1.get('stacked') else ''}{_ws(g1)} / "
             f"{g2['bn']}x{g2['bm']}{m(g2)}w{g2['num_warps']}{regs(g2)} n{r.get('gemm2_n_split')}"
             + (" " + " ".join(extra) if extra else ""))
