@@ -28,7 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from glm5_fp4.kernels.configs import gemm2_k_chunk
-from glm5_fp4.kernels.triton_moe import BLOCK_FIELDS as _FIELDS, _PLACED_WORD, _two_words_asm
+# (plain @triton.jit helpers of arithmetic and stores are callable from Gluon: the Triton kernel's own, not copies)
+from glm5_fp4.kernels.triton_moe import (BLOCK_FIELDS as _FIELDS, _PLACED_WORD, _cat_sets, _store_act,
+                                         _two_words_asm, _w13_k_offset)
 
 PLACED_ASM = gl.constexpr(_two_words_asm(_PLACED_WORD))
 # Triton 3.9 renamed both asynchronous copies to async_load (the old names raise there); 3.6 has only the old ones.
@@ -72,14 +74,6 @@ def word_layout(R, NW):
 def scale_layout(R, NB):
     """The block scales [R, NB] of the same threads' words (one scale per pair of word columns)."""
     return _fragment_layout(R, NB, 2)
-
-
-@gluon.jit
-def _cat_sets(d0, d1, d2, d3, d4, d5, d6, d7, R: gl.constexpr, NW: gl.constexpr):
-    a = gl.join(gl.join(d0, d1), gl.join(d2, d3))
-    b = gl.join(gl.join(d4, d5), gl.join(d6, d7))
-    v = gl.permute(gl.join(a, b), (0, 4, 3, 2, 1))
-    return gl.reshape(v, (R, 8 * NW))
 
 
 @gluon.jit
@@ -149,10 +143,8 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
             mbarrier.expect(full.index(s), TX)
             row = (e * (H // KT) + k0 // KT) * (2 * I) + n * BN
             _tma_load(w_desc, [row, (k0 % KT) // 8], full.index(s), w_smem.index(s).slice(0, BN))
-            _tma_load(w_desc, [row + I, (k0 % KT) // 8], full.index(s),
-                                            w_smem.index(s).slice(BN, BN))
-            s_base = (e.to(gl.int64) * (2 * I * (H // 16)) + n * BN * (KT // 16) + k0 // 16
-                      + (k0 // KT) * ((2 * I - 1) * (KT // 16)))
+            _tma_load(w_desc, [row + I, (k0 % KT) // 8], full.index(s), w_smem.index(s).slice(BN, BN))
+            s_base = e.to(gl.int64) * (2 * I * (H // 16)) + n * BN * (KT // 16) + _w13_k_offset(k0, KT, 2 * I, H, 16)
             _cp_async(s_smem.index(s), s_ptr + s_base + s_rows[:, None] + sc[None, :])
             kk = (k0 + offs_k)[None, :]
             _cp_async(x_smem.index(s).slice(0, RCH), x0 + kk)
@@ -202,16 +194,11 @@ def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, ful
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
         gate, up = gl.split(gl.permute(gl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
-        gate = gate * alpha
-        up = up * alpha
-        act = gate / (1.0 + gl.exp(-gate)) * up
         OL: gl.constexpr = gate.type.layout
         offs_i = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, OL))
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
-        i_loc = offs_i % KC
-        pos = (offs_i // KC) * KC + ((i_loc % 16) // 2) * (KC // 8) + (i_loc // 16) * 2 + i_loc % 2
-        rows = (start + offs_m).to(gl.int64)
-        gl.store(act_ptr + rows[None, :] * I + pos[:, None], act.to(gl.float16), mask=(offs_m < count)[None, :])
+        _store_act(gate * alpha, up * alpha, 1.0, act_ptr, (start + offs_m).to(gl.int64), offs_i, offs_m < count, I,
+                   BN, BM, KC, False)
 
 
 @gluon.jit
@@ -255,8 +242,13 @@ WORD_SWIZZLE = 32
 CTAS_PER_SM = 2
 
 
+def launch_regs(g1) -> int:
+    """Registers per thread the launch asks for: the tile's cap, else the budget of CTAS_PER_SM CTAs."""
+    return g1.maxnreg or 65536 // (256 * CTAS_PER_SM)
+
+
 def ctas_per_sm(g1) -> int:
-    return 65536 // (256 * g1.maxnreg) if g1.maxnreg else CTAS_PER_SM
+    return 65536 // (256 * launch_regs(g1))
 
 
 def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
@@ -277,5 +269,5 @@ def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
     args = (wd, p.w13_scale, ws.xq, p.w13_alpha, ws.act, ws.slots, ws.blocks, ws.num_blocks, call.top_k)
     kwargs = dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, KT=kt, STAGES=g1.num_stages, KC=gemm2_k_chunk(i),
                   RCH=max(X_ROWS_MIN, g1.bm // X_PASSES), PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
-                  IN_FLIGHT=g1.ws - 1, maxnreg=g1.maxnreg or 65536 // (CTAS_PER_SM * 256))
+                  IN_FLIGHT=g1.ws - 1, maxnreg=launch_regs(g1))
     return grid, args, kwargs
