@@ -13,7 +13,7 @@ from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.telemetry import TelemetrySampler, energy_per_token, summarize
 from glm5_fp4.telemetry.fake_nvml import FakeNvml, SineSquaredPower, StepPower, SwitchedPower
 from glm5_fp4.telemetry.series import GpuSeries, TelemetryRun
-from glm5_fp4.telemetry.summary import counter_delta, integrate, percentile, phases
+from glm5_fp4.telemetry.summary import counter_delta, integrate, percentile, phases, sliver_s
 
 
 def test_percentile_matches_numpy():
@@ -159,6 +159,12 @@ def test_no_marks_means_one_phase_and_late_first_mark_leaves_unmarked():
     assert phases(run) == [("unmarked", 0.0, 0.5), ("measure", 0.5, 2.0)]
     run.marks = [(0.01, "measure")]  # within one interval of the start
     assert phases(run) == [("measure", 0.0, 2.0)]
+    # a first mark late by start-up jitter on a loaded CPU (several intervals) is still no phase of its own
+    run.marks = [(0.2, "measure")]
+    assert run.interval_s <= 0.05 and phases(run) == [("measure", 0.0, 2.0)]
+    run.marks = [(0.3, "measure")]  # past the quarter second: a phase of its own again
+    assert phases(run) == [("unmarked", 0.0, 0.3), ("measure", 0.3, 2.0)]
+    assert sliver_s(0.01) == 0.25 and sliver_s(1.0) == 1.0  # a slow sampling interval is its own start-up allowance
 
 
 def test_energy_per_token_edge_cases():

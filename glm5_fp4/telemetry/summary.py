@@ -117,14 +117,14 @@ def counter_delta(
 def phases(run: TelemetryRun) -> list[tuple[str, float, float]]:
     """(name, start_s, end_s) for each load phase; time before the first mark is "unmarked".
 
-    A first mark within one sampling interval of the start opens the run (no sliver of "unmarked").
+    A first mark within `sliver_s(interval)` of the start opens the run (no sliver of "unmarked").
     """
     end = run.duration_s
     marks = sorted(run.marks)
     if not marks:
         return [("all", 0.0, end)]
     out = []
-    if marks[0][0] <= run.interval_s:
+    if marks[0][0] <= sliver_s(run.interval_s):
         marks[0] = (0.0, marks[0][1])
     else:
         out.append(("unmarked", 0.0, marks[0][0]))
@@ -142,6 +142,16 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     return x
+
+
+def sliver_s(interval_s: float) -> float:
+    """Longest stretch before the first mark that is start-up, not a phase of its own.
+
+    The time between entering the sampler and the caller's first mark is thread start-up and scheduling: tens of
+    milliseconds on a loaded CPU whatever the interval. NVML's power readings average over ~0.1-1 s, so a pre-mark
+    stretch shorter than a quarter second carries no energy figure worth a row.
+    """
+    return max(interval_s, 0.25)
 
 
 def gap_threshold_s(interval_s: float) -> float:
