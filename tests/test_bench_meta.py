@@ -75,6 +75,6 @@ def test_plan_label_names_the_launch_forms():
     arrive = C.plan("sm90", 4, 256, 8, 6144, 256, sm_count=132, form="dedup_by_arrival")
     assert plan_label(row(arrive)).endswith("splitK3 dedup-arrive fused pdl")
     assert "pdl" not in plan_label(row(dataclasses.replace(four, pdl=False)))
-    ws = C.plan("sm90", 512, 256, 8, 6144, 256, sm_count=132, form="gemm1_ws64_2")
-    assert plan_label(row(ws)).startswith("64x32x64mw4s8r80guws2 / ")
+    ws = C.plan("sm90", 512, 256, 8, 6144, 256, sm_count=132, form="gemm1_ws64")
+    assert plan_label(row(ws)).startswith("64x32x64mw4s8r80guws / ")
     assert "ws" not in plan_label(row(C.plan("sm90", 512, 256, 8, 6144, 256, sm_count=132))).split(" / ")[0]

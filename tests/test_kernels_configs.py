@@ -761,10 +761,10 @@ def test_w4a4_tiles_replace_only_where_the_w4a16_tile_spills():
     assert C.plan("sm90", 4096, 256, 8, 6144, 256, mode="w4a4", gemm1=g).gemm1 == g
 
 
-@pytest.mark.parametrize("form,t", [("gemm1_ws", 512), ("gemm1_ws64_2", 1024), ("gemm1_ws16", 64)])
+@pytest.mark.parametrize("form,t", [("gemm1_ws", 512), ("gemm1_ws64", 1024), ("gemm1_ws16", 64)])
 def test_warp_specialized_gemm1_launch_and_what_it_refuses(form, t):
     """The opt-in Gluon GEMM1 (Gemm1Config.ws): one persistent launch of at most two CTAs per SM in place of the Triton
-    GEMM1, its register budget for two CTAs, the token block's rows in four cp.async passes; the other launches as
+    GEMM1, its register budget for two CTAs, the token block's rows in cp.async passes of 8 rows; the other launches as
     the default's. Refused with a reason for W4A4, a layout other than "tiled" and an L2-prefetch plan."""
     import torch
 
@@ -786,8 +786,10 @@ def test_warp_specialized_gemm1_launch_and_what_it_refuses(form, t):
         gemm1 = next(ln for ln in launches(plan, call) if ln.name == "moe_gemm1_ws_kernel")
     items = max_blocks(t * 8, p.num_experts, g1.bm) * (p.intermediate_size // g1.bn)
     assert gemm1.grid == (min(items, G.ctas_per_sm(g1) * 132),)
-    assert gemm1.kwargs["maxnreg"] * 256 * G.ctas_per_sm(g1) <= 65536 and gemm1.kwargs["IN_FLIGHT"] == g1.ws - 1
-    assert gemm1.kwargs["RCH"] == max(G.X_ROWS_MIN, g1.bm // G.X_PASSES) and gemm1.kwargs["STAGES"] == g1.num_stages
+    assert gemm1.kwargs["maxnreg"] * 256 * G.ctas_per_sm(g1) <= 65536
+    assert gemm1.kwargs["RCH"] == C.WS_X_ROWS_VERIFIED and gemm1.kwargs["STAGES"] == g1.num_stages
+    with pytest.raises(Glm5Fp4Error, match="activation passes of 8 rows"):  # 64-token blocks: passes of 16
+        launches(dataclasses.replace(plan, gemm1=dataclasses.replace(g1, bm=64)), call)
     with pytest.raises(Glm5Fp4Error, match="layout='tiled'"):
         launches(plan, _meta_call("tp8", t, use_asm=True, layout="placed"))
     with pytest.raises(Glm5Fp4Error, match="walking all of K"):

@@ -3,7 +3,7 @@
 # float64 reference (time-boxed: a barrier mistake hangs rather than fails), then a same-run A/B against the default.
 #   OUT=dir GLM5_FP4_GIT_SHA=<sha> bash benchmarks/h200/ws_job.sh [tests] [ab] [ncu]   (FORMS, AB_*, NCU_T)
 . benchmarks/h200/job_steps.sh
-FORMS=${FORMS:-gemm1_ws,gemm1_ws64,gemm1_ws64_2,gemm1_ws16}
+FORMS=${FORMS:-gemm1_ws,gemm1_ws64,gemm1_ws16}
 [ $# -gt 0 ] || set -- tests ab
 for what in "$@"; do
   case $what in

@@ -315,7 +315,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def plan_label(r: dict) -> str:
     """GEMM1 bn x bm x bk / GEMM2 bn x bm, 'm' = merged MMA chain, 'u' = eight MMAs, rN = register cap, t = weight
-    tiles by TMA, gu = gate and up rows as one tile (Gemm1Config.stacked), wsN = the warp-specialised Gluon GEMM1
+    tiles by TMA, gu = gate and up rows as one tile (Gemm1Config.stacked), ws = the warp-specialised Gluon GEMM1
     (Gemm1Config.ws); prep /
     split-K / palign
     (routing counted by many programs) / dedup (slot schedule, one program group per expert) / fused (the split-K
@@ -349,7 +349,7 @@ def plan_label(r: dict) -> str:
         extra.append("slots")
 
     def _ws(g):  # the warp-specialised Gluon GEMM1 (Gemm1Config.ws)
-        return f"ws{int(g['ws'])}" if g.get("ws") else ""
+        return "ws" if g.get("ws") else ""
 
     def regs(g):  # a register cap (Gemm1Config.maxnreg)
         return f"r{g['maxnreg']}" if g.get("maxnreg") else ""

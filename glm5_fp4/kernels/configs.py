@@ -60,9 +60,8 @@ class Gemm1Config:
     stacked: bool = False
     # The warp-specialised Gluon kernel (kernels/gluon_moe.py; sm_90, W4A16, stacked, layout "tiled"): a producer
     # warp keeps num_stages K tiles in flight (weights by TMA, scales and activations by cp.async) while the consumer
-    # warpgroup decodes and multiplies; persistent CTAs walk the work list. 0: the Triton kernel; n >= 1: the Gluon
-    # one with n - 1 tiles' wgmmas running on while the next tile decodes. Opt-in forms only (gemm1_ws*).
-    ws: int = 0
+    # warpgroup decodes and multiplies; persistent CTAs walk the work list. Opt-in forms only (gemm1_ws*).
+    ws: bool = False
 
 
 @dataclass(frozen=True)
@@ -728,6 +727,21 @@ def _gemm2_override(arch: str, intermediate: int, key: tuple) -> Gemm2Config | N
 PARALLEL_ALIGN_MIN_TOKENS = 1024
 
 
+# The warp-specialised Gluon GEMM1 (kernels/gluon_moe.py): its producer copies a work item's gathered activation
+# rows in WS_X_PASSES cp.async passes per K tile (it holds each pass's row pointers), each of at least the 8 rows of the
+# activation tile's 128-byte swizzle pattern (a shared-memory slice keeps it whole). 8 rows is the only pass height a
+# GPU has verified: one pass of 16 rows (16-token blocks) gave wrong act rows in write-up 30's probe
+# (benchmarks/h200/ws16_probe.py), two passes of 8 were right; launch._check_ws refuses tiles with other heights.
+WS_X_PASSES = 4
+WS_X_ROWS_MIN = 8
+WS_X_ROWS_VERIFIED = 8
+
+
+def ws_x_pass_rows(g1: Gemm1Config) -> int:
+    """Activation rows per cp.async pass of the Gluon GEMM1 for tile ``g1``'s token block."""
+    return max(WS_X_ROWS_MIN, g1.bm // WS_X_PASSES)
+
+
 # Experts receiving at least one token under uniform random routing (the one home of the formula: spec.py).
 expected_active_experts = expected_distinct_experts
 
@@ -1096,19 +1110,16 @@ OPT_IN: dict[str, OptIn] = {
                         archs=X_NATURAL_ARCHS,
                         purpose="the slot dedup GEMM1 gathers x in merged K order, 2 bytes at a time (the default "
                                 "before 2026-12-06: H100 TP8 T=3/4 +0.6-1.2 us, TP4 T=4 +1.0-2.3, TP1 T=4 +4.7-5.6)"),
-    "gemm1_ws": OptIn(dict(gemm1=Gemm1Config(64, 32, 128, 4, 4, stacked=True, ws=1)), "grouped", None, ("w4a16",),
-                      compile_tokens=(), archs=("sm90",), bm=32,
+    "gemm1_ws": OptIn(dict(gemm1=Gemm1Config(64, 32, 128, 4, 4, stacked=True, ws=True)), "grouped", None, ("w4a16",),
+                      compile_tokens=(512,), archs=("sm90",), bm=32,
                       purpose="GEMM1 as the warp-specialised Gluon kernel (a producer warp keeps 4 K tiles of 128 in "
                               "flight; 32-token blocks; 4 or 6 stages alike on an H100)"),
-    "gemm1_ws64": OptIn(dict(gemm1=Gemm1Config(64, 32, 64, 4, 8, maxnreg=80, stacked=True, ws=1)), "grouped", None,
-                        ("w4a16",), compile_tokens=(), archs=("sm90",), bm=32,
+    "gemm1_ws64": OptIn(dict(gemm1=Gemm1Config(64, 32, 64, 4, 8, maxnreg=80, stacked=True, ws=True)), "grouped", None,
+                        ("w4a16",), compile_tokens=(512,), archs=("sm90",), bm=32,
                         purpose="gemm1_ws in K tiles of 64 with 8 in flight, registers for 3 CTAs per SM (12 consumer "
                                 "warps instead of 8)"),
-    "gemm1_ws64_2": OptIn(dict(gemm1=Gemm1Config(64, 32, 64, 4, 8, maxnreg=80, stacked=True, ws=2)), "grouped", None,
-                          ("w4a16",), compile_tokens=(), archs=("sm90",), bm=32,
-                          purpose="gemm1_ws64 with each tile's wgmmas running on while the next tile decodes"),
-    "gemm1_ws16": OptIn(dict(gemm1=Gemm1Config(64, 16, 128, 4, 4, stacked=True, ws=2), gemm1_split_k=1),
-                        "grouped", None, ("w4a16",), compile_tokens=(), archs=("sm90",), bm=16,
+    "gemm1_ws16": OptIn(dict(gemm1=Gemm1Config(64, 16, 128, 4, 4, stacked=True, ws=True), gemm1_split_k=1),
+                        "grouped", None, ("w4a16",), compile_tokens=(64,), archs=("sm90",), bm=16,
                         purpose="GEMM1 as the warp-specialised Gluon kernel for 16-token blocks, K unsplit"),
     "grouped_unsplit": OptIn(dict(gemm1_split_k=1), "grouped", GROUPED_SPLIT_K_MAX_TOKENS, ("w4a16",),
                              compile_tokens=(64,), purpose="GEMM1 walks all of K (the default before 2026-12-02; "

@@ -15,7 +15,7 @@ the next item's tiles while the consumer stores this one's act rows.
 
 Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``); its API moves between Triton releases.
 This module is written against Triton 3.6 (the lent GPUs'); it compiles for sm_90 under 3.6, 3.8 (the engines') and
-3.9 (checked by hand, improvements/29; the compile matrix does not build it).
+3.9; the compile matrix builds the opt-in forms' launches for sm_90 (Gluon's own front end: sm120/build.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from glm5_fp4.kernels.configs import gemm2_k_chunk
+from glm5_fp4.kernels.configs import gemm2_k_chunk, ws_x_pass_rows
 # (plain @triton.jit helpers of arithmetic and stores are callable from Gluon: the Triton kernel's own, not copies)
 from glm5_fp4.kernels.triton_moe import (BLOCK_FIELDS as _FIELDS, _PLACED_WORD, _cat_sets, _store_act,
                                          _two_words_asm, _w13_k_offset)
@@ -160,7 +160,7 @@ def _producer(w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_sme
 @gluon.jit
 def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty,
               H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, KC: gl.constexpr, IN_FLIGHT: gl.constexpr):
+              STAGES: gl.constexpr, KC: gl.constexpr):
     pid, nprog, nb, total = _items(nblk_ptr, I, BN)
     R: gl.constexpr = 2 * BN
     NW: gl.constexpr = BK // 8
@@ -182,17 +182,11 @@ def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, ful
             sb = s_smem.index(s).load(SL)
             a = gl.convert_layout(_decode(wt, sb, R, BK, WL), AL)
             acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-            if IN_FLIGHT == 0:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(empty.index(s))
-            else:
-                # this tile's MMA runs on while the next tile decodes; the previous one's stage is free once it retired
-                acc, a = warpgroup_mma_wait(1, deps=[acc, a])
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k0 > 0)
-            it += 1
-        if IN_FLIGHT > 0:
+            # retired before the next tile decodes: ``a`` lives in registers the decode may reuse (with a wgmma left in
+            # flight over them, act rows came out wrong, likely from reading the next tile's operand: improvements/30)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            mbarrier.arrive(empty.index(s))
+            it += 1
         gate, up = gl.split(gl.permute(gl.reshape(acc, (2, BN, BM)), (1, 2, 0)))
         OL: gl.constexpr = gate.type.layout
         offs_i = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, OL))
@@ -205,7 +199,7 @@ def _consumer(alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, ful
 def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, blk_ptr, nblk_ptr, TOPK,
                         H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                         KT: gl.constexpr, STAGES: gl.constexpr, KC: gl.constexpr, RCH: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, IN_FLIGHT: gl.constexpr = 0):
+                        PRODUCER_REGS: gl.constexpr):
     R: gl.constexpr = 2 * BN
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BK // 8], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, BK // 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -221,7 +215,7 @@ def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, bl
     fence_async_shared()
     gl.warp_specialize(
         [(_consumer, (alpha_ptr, act_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, H, I, BN, BM, BK,
-                      STAGES, KC, IN_FLIGHT)),
+                      STAGES, KC)),
          (_producer, (w_desc, s_ptr, xq_ptr, slots_ptr, blk_ptr, nblk_ptr, w_smem, s_smem, x_smem, full, empty, TOPK,
                       H, I, BN, BM, BK, KT, STAGES, RCH))],
         [1], [PRODUCER_REGS])
@@ -230,10 +224,6 @@ def moe_gemm1_ws_kernel(w_desc, s_ptr, xq_ptr, alpha_ptr, act_ptr, slots_ptr, bl
 # Registers of the producer's warpgroup (the producer warp and the idle warps that pad it to a warpgroup) under
 # setmaxnreg; the consumer warpgroup gets the rest of the launch's budget (maxnreg x 8 warps).
 PRODUCER_REGS = 56
-# cp.async passes over the gathered activation rows per K tile (the producer holds each pass's row pointers).
-X_PASSES = 4
-# ... of at least the 8 rows of the activation tile's 128-byte swizzle pattern (a shared-memory slice keeps it whole).
-X_ROWS_MIN = 8
 # Swizzle of the word tiles TMA writes: the consumer's 8-byte loads (word_layout) hit no bank twice under 32 B (Gluon's
 # bank_conflicts: 64 B left a 2-way conflict at BK = 128).
 WORD_SWIZZLE = 32
@@ -268,6 +258,6 @@ def launch_args(call, g1, sm_count: int) -> tuple[tuple, tuple, dict]:
     grid = (max(1, min(items, ctas_per_sm(g1) * sm_count)),)
     args = (wd, p.w13_scale, ws.xq, p.w13_alpha, ws.act, ws.slots, ws.blocks, ws.num_blocks, call.top_k)
     kwargs = dict(H=h, I=i, BN=g1.bn, BM=g1.bm, BK=g1.bk, KT=kt, STAGES=g1.num_stages, KC=gemm2_k_chunk(i),
-                  RCH=max(X_ROWS_MIN, g1.bm // X_PASSES), PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
-                  IN_FLIGHT=g1.ws - 1, maxnreg=launch_regs(g1))
+                  RCH=ws_x_pass_rows(g1), PRODUCER_REGS=PRODUCER_REGS, num_warps=g1.num_warps,
+                  maxnreg=launch_regs(g1))
     return grid, args, kwargs

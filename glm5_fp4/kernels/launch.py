@@ -375,6 +375,10 @@ def _check_ws(plan: cfgs.Plan, call: MoECall) -> None:
     cap = capability.device_capability(p.w13.device)
     if cap is not None and cap[0] != 9:
         why.append(f"sm_90 (wgmma; {p.w13.device} is sm_{cap[0]}{cap[1]})")
+    if cfgs.ws_x_pass_rows(g1) != cfgs.WS_X_ROWS_VERIFIED:
+        why.append(f"token blocks of at most {cfgs.WS_X_PASSES * cfgs.WS_X_ROWS_VERIFIED} rows (activation passes of "
+                   f"{cfgs.WS_X_ROWS_VERIFIED} rows, the only height verified on a GPU; bm={g1.bm} gives passes of "
+                   f"{cfgs.ws_x_pass_rows(g1)} rows: improvements/30)")
     if why:
         raise Glm5Fp4Error(f"MoE plan {plan}: the warp-specialised GEMM1 needs " + "; ".join(why))
 

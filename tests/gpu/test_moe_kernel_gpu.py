@@ -776,7 +776,7 @@ def test_gemm2_split_along_h_of_16_token_blocks(t, routing, mode):
 @pytest.mark.parametrize("form,shape,t,routing", [
     ("gemm1_ws", GLM_TP8, 512, "balanced"), ("gemm1_ws", GLM_TP8, 1024, "same_k"),
     ("gemm1_ws", GLM_TP8, 512, "zipf1.2"), ("gemm1_ws", GLM_TP4, 512, "one_hot"),
-    ("gemm1_ws64", GLM_TP8, 384, "balanced"), ("gemm1_ws64_2", GLM_TP8, 1024, "zipf1.2"),
+    ("gemm1_ws64", GLM_TP8, 384, "balanced"), ("gemm1_ws64", GLM_TP8, 1024, "zipf1.2"),
     ("gemm1_ws16", GLM_TP8, 64, "balanced"), ("gemm1_ws16", GLM_TP8, 16, "same_k"),
     ("gemm1_ws", GLM_EP8, 512, "balanced")])
 def test_gemm1_warp_specialized(form, shape, t, routing):
