@@ -259,6 +259,8 @@ def compile_specialized(sp: Specialized) -> Build:
     from triton import knobs
     from triton.compiler import ASTSource
 
+    if sp.fn.is_gluon():  # (kernels/gluon_moe.py: Gluon's explicit-layout dialect has its own front end)
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn=sp.fn, signature=sp.signature, constexprs=sp.constexprs, attrs=sp.attrs)
     captured = io.StringIO()
     t0 = time.perf_counter()

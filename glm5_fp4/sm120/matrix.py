@@ -103,12 +103,11 @@ def verdicts(arch: str, kernel_src: str, constexprs: dict, b: Build, limit: int)
     if b.spill_store_bytes is None:
         out.append("spill unknown (no ptxas report)")
     ins = b.instructions
-    if "tl.dot" in kernel_src:
-        forms = MMA_FORMS[arch]
-        if not any(m.startswith(forms) for m in ins.mma) and not ins.fp4_native:
-            out.append(f"no_mma (expected {' or '.join(forms)})")
-    if constexprs.get("USE_ASM") and "cvt.rn.f16x2.e4m3x2" in kernel_src and ins.cvt_e4m3x2_f16x2 == 0:
-        out.append("no_cvt (USE_ASM decode without cvt.rn.f16x2.e4m3x2)")
+    forms, cvt = _expected_mma(arch, kernel_src, constexprs)
+    if forms and not any(m.startswith(forms) for m in ins.mma) and not ins.fp4_native:
+        out.append(f"no_mma (expected {' or '.join(forms)})")
+    if cvt and ins.cvt_e4m3x2_f16x2 == 0:
+        out.append("no_cvt (PTX decode without cvt.rn.f16x2.e4m3x2)")
     if "dot_scaled" in kernel_src and arch in NATIVE_FP4_FORM:
         want = NATIVE_FP4_FORM[arch].split(" kind")[0]
         if not any(f.startswith(want) and "mxf4nvf4" in f for f in ins.fp4_native):
@@ -240,14 +239,23 @@ def spill_waiver(row: Row, b: Build):
     return None
 
 
+def _expected_mma(arch: str, kernel_src: str, constexprs: dict) -> tuple[tuple[str, ...], bool]:
+    """(MMA forms the kernel must lower to, or none; whether its decode must use cvt.rn.f16x2.e4m3x2). A Triton
+    kernel's tl.dot may take any of the arch's forms and decodes by PTX where USE_ASM; a Gluon kernel
+    (kernels/gluon_moe.py) names the wgmma itself and always decodes by PTX."""
+    gluon = "warpgroup_mma" in kernel_src
+    forms = ("wgmma",) if gluon else (MMA_FORMS[arch] if "tl.dot" in kernel_src else ())
+    cvt = (gluon or bool(constexprs.get("USE_ASM"))) and "cvt.rn.f16x2.e4m3x2" in kernel_src
+    return forms, cvt
+
+
 def intended(arch: str, kernel_src: str, constexprs: dict) -> str:
     """What the kernel should lower to on ``arch`` (for the report and the tests)."""
     if "dot_scaled" in kernel_src:
         return NATIVE_FP4_FORM.get(arch, "block-scaled MMA")
-    if "tl.dot" in kernel_src:
-        mma = " or ".join(f"{f} f16" for f in MMA_FORMS[arch])
-        decode = " + cvt.rn.f16x2.e4m3x2" if constexprs.get("USE_ASM") and "cvt.rn.f16x2.e4m3x2" in kernel_src else ""
-        return mma + decode
+    forms, cvt = _expected_mma(arch, kernel_src, constexprs)
+    if forms:
+        return " or ".join(f"{f} f16" for f in forms) + (" + cvt.rn.f16x2.e4m3x2" if cvt else "")
     return "-"
 
 
