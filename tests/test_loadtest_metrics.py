@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -119,7 +117,29 @@ def test_empty_and_failed_runs_do_not_crash() -> None:
     rec = RequestRecord(0, 5, 6)  # never sent
     res = compute_metrics([finalize_request(rec, 0.0, 0.0)], 1.0)
     assert res["completed"] == 0 and res["failed"] == 1 and res["not_sent"] == 1
-    assert res["mean_ttft_ms"] == 0.0 and not math.isnan(res["p99_itl_ms"])
+    # no request finished: no latency was measured, so none is reported (a 0 ms TTFT would pass any SLO check)
+    for name in ("ttft", "tpot", "itl", "e2el", "chunk_itl"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert res[f"{stat}_{name}_ms"] is None, (stat, name)
+    assert res["output_throughput_per_user"] is None and res["mean_tokens_per_chunk"] is None
+
+
+def test_one_token_outputs_have_no_tpot_or_itl() -> None:
+    """--output-len 1 (a TTFT-only test): TPOT and ITL are undefined, not 0 ms; TTFT and E2EL are measured."""
+    rows = []
+    for i in range(4):
+        rec = RequestRecord(i, 5, 1)
+        rec.status, rec.start, rec.end = "ok", 0.1 * i, 0.1 * i + 0.05
+        rec.chunk_times, rec.chunk_tokens, rec.output_tokens = [0.1 * i + 0.04], [1], 1
+        rows.append(finalize_request(rec, 0.0, 0.0))
+    res = compute_metrics(rows, 1.0)
+    assert res["completed"] == 4 and res["mean_ttft_ms"] == pytest.approx(40.0)
+    assert res["mean_tpot_ms"] is None and res["p99_itl_ms"] is None and res["output_throughput_per_user"] is None
+    from glm5_fp4.loadtest.report import markdown_summary
+
+    md = markdown_summary({**res, "max_concurrency": 1})
+    tpot_row = next(line for line in md.splitlines() if line.startswith("| TPOT"))
+    assert "0.00" not in tpot_row and "-" in tpot_row, tpot_row
 
 
 def test_parse_goodput() -> None:

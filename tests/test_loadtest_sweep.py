@@ -32,3 +32,56 @@ def test_sweep_writes_results_and_plots(tmp_path) -> None:
     for png in ("sweep_throughput_tpot.png", "sweep_pareto.png"):
         data = (tmp_path / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+
+
+def _sweep(url: str, out, levels, *extra: str) -> int:
+    return cli_main(["loadtest", "--url", url, "--model", "fake-model", "--concurrency", ",".join(map(str, levels)),
+                     "--num-prompts", "4", "--input-len", "8", "--output-len", "6", "--num-warmups", "1",
+                     "--prompt-format", "ids", "--result-dir", str(out), "--no-progress", "--no-telemetry",
+                     "--timeout", "30", *extra])
+
+
+def test_a_level_that_cannot_run_ends_the_sweep_with_its_files_written(tmp_path, capsys) -> None:
+    """The server dies during the second level (the usual way a sweep finds its limit): the levels that ran keep
+    their files, the sweep's table, JSON and plots are written from them, the level that could not run is named
+    with its reason, and the exit code says the sweep failed."""
+    # level 1: one warm-up and 4 x 6 tokens, one per chunk; the server exits after 30 chunks, inside level 2
+    with spawn_fake_server("--ttft-ms", "5", "--itl-ms", "5", "--die-after-chunks", "30") as srv:
+        rc = _sweep(srv.url, tmp_path, [1, 2, 4])
+    err = capsys.readouterr().err
+    assert rc == 1
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sweep[0]["max_concurrency"] == 1 and sweep[0]["completed"] == 4 and not sweep[0].get("run_failed")
+    assert sweep[-1]["run_failed"] and sweep[-1]["failure_reason"], sweep[-1]
+    assert [s["max_concurrency"] for s in sweep] == [1, 2, 4][: len(sweep)]
+    failed_at = sweep[-1]["max_concurrency"]
+    assert f"run failed at concurrency {failed_at}" in err, err
+    md = (tmp_path / "sweep.md").read_text()
+    assert len([ln for ln in md.splitlines() if ln.startswith("| ") and ln[2].isdigit()]) == len(sweep), md
+    assert "not run" in md or len(sweep) == 3, md  # levels after the one that could not run are named
+    for png in ("sweep_throughput_tpot.png", "sweep_pareto.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_a_sweep_without_tpot_still_plots(tmp_path) -> None:
+    """--percentile-metrics without tpot: no TPOT statistics in the results, the TPOT curve is left out, the rest
+    is drawn (the plot used to raise KeyError after every level had run)."""
+    with spawn_fake_server("--ttft-ms", "5", "--itl-ms", "5") as srv:
+        rc = _sweep(srv.url, tmp_path, [1, 2], "--percentile-metrics", "ttft,e2el")
+    assert rc == 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert all("mean_tpot_ms" not in s for s in sweep) and all(s["completed"] == 4 for s in sweep)
+    for png in ("sweep_throughput_tpot.png", "sweep_pareto.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_levels_without_tpot_samples_are_left_off_the_curves(tmp_path) -> None:
+    """One-token outputs: TPOT and tokens/s per user are undefined (None), so the plots draw what exists and do not
+    put a point at 0."""
+    from glm5_fp4.loadtest.sweep import plot_sweep, sweep_markdown
+
+    rows = [dict(max_concurrency=c, completed=4, failed=0, output_throughput=100.0 * c, mean_tpot_ms=None,
+                 p99_tpot_ms=None, output_throughput_per_user=None) for c in (1, 2)]
+    files = plot_sweep(rows, tmp_path)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files.values())
+    assert "| 1 | 4 | 0 |" in sweep_markdown(rows)
