@@ -155,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in results if r.get("run_failed")]
     for r in failed:
         print(f"loadtest: run failed at concurrency {r['max_concurrency']}: {r['failure_reason']}", file=sys.stderr)
+    if len(levels) > 1 and sweep["not_run"]:
+        print(f"loadtest: the sweep stopped; levels not run: {', '.join(map(str, sweep['not_run']))}", file=sys.stderr)
     stopped = next((r["stopped_by"] for r in results if r.get("stopped_by")), None)
     if stopped:
         return 128 + signal.Signals[stopped].value  # as if the signal had ended us, after writing the results

@@ -142,9 +142,16 @@ def chunk_itls_of(row: dict[str, Any]) -> list[float]:
     return row["chunk_itl_ms"] if "chunk_itl_ms" in row else row.get("itl_ms", [])
 
 
-def _stats(name: str, values_ms: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
-    # vLLM feeds `values or 0` to numpy, so an empty list reports 0 rather than NaN.
-    arr = np.asarray(values_ms if len(values_ms) else [0.0], dtype=np.float64)
+def _stats(name: str, values_ms: Sequence[float], percentiles: Sequence[float]) -> dict[str, float | None]:
+    """mean/median/std/percentiles of one latency; None for each when nothing was measured.
+
+    vLLM's benchmark reports 0 for an empty list (it feeds `values or 0` to numpy); we do not follow it there: a run in
+    which no request finished, or a TTFT-only run's TPOT, would show 0 ms and pass any latency check."""
+    keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms",
+            *(f"p{percentile_word(p)}_{name}_ms" for p in percentiles)]
+    if not len(values_ms):
+        return dict.fromkeys(keys)
+    arr = np.asarray(values_ms, dtype=np.float64)
     out = {
         f"mean_{name}_ms": float(np.mean(arr)),
         f"median_{name}_ms": float(np.median(arr)),
@@ -291,10 +298,10 @@ def compute_metrics(rows: list[dict[str, Any]], duration_s: float, *,
     out.update(_stats("chunk_itl", chunk_itls, percentiles))
     n_chunks = sum(r["num_chunks"] for r in ok)
     streamed = sum(r["streamed_tokens"] for r in ok)
-    out["mean_tokens_per_chunk"] = streamed / n_chunks if n_chunks else 0.0
+    out["mean_tokens_per_chunk"] = streamed / n_chunks if n_chunks else None
     mean_tpot = float(np.mean(tpots)) if tpots else 0.0
-    # Pareto axes: tokens/s seen by one user vs tokens/s of the whole server.
-    out["output_throughput_per_user"] = 1e3 / mean_tpot if mean_tpot > 0 else 0.0
+    # Pareto axes: tokens/s seen by one user vs tokens/s of the whole server (undefined without a TPOT sample).
+    out["output_throughput_per_user"] = 1e3 / mean_tpot if mean_tpot > 0 else None
     out["errors_by_kind"] = dict(Counter(r.get("error_kind") or "unknown" for r in failed))
     out["not_sent"] = sum(1 for r in failed if r["status"] == "not_sent")
     out["short_outputs"] = sum(1 for r in ok if r["output_tokens"] < r["requested_output_len"])
