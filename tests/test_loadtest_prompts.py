@@ -102,3 +102,58 @@ def test_server_tokenizer_prompts_match_server_counts() -> None:
             assert {r["server_prompt_tokens"] for r in rows} == {r["prompt_len"] for r in rows}
             assert len({r["prompt_len"] for r in rows}) > 5
             assert res["total_input_tokens"] == sum(r["prompt_len"] for r in rows)
+
+
+@pytest.fixture
+def odd_server():
+    """An HTTP server on loopback whose replies the test sets: path -> (status, body text)."""
+    import threading
+
+    from aiohttp import web
+
+    replies: dict[str, tuple[int, str]] = {}
+
+    async def handle(request):
+        status, text = replies.get(request.path, (404, "not found"))
+        return web.Response(status=status, text=text, content_type="application/json")
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}", replies
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.run_until_complete(runner.cleanup())
+    loop.close()
+
+
+MODELS_OK = '{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+
+
+@pytest.mark.parametrize("replies,culprit", [
+    ({"/v1/models": (200, "<html>wrong port</html>")}, "/v1/models: the reply is not JSON"),
+    ({"/v1/models": (200, '{"data": [{"name": "m"}]}')}, "/v1/models: model entry 0 has no string field 'id'"),
+    ({"/v1/models": (200, MODELS_OK), "/tokenize": (200, '{"count": 3}')}, "/tokenize: the reply has no field 'tokens'"),
+    ({"/v1/models": (200, MODELS_OK), "/tokenize": (200, "[1, 2]")}, "/tokenize: the reply is a list, not an object"),
+    ({"/v1/models": (200, MODELS_OK), "/tokenize": (200, "no json")}, "/tokenize: the reply is not JSON"),
+])
+def test_a_server_whose_replies_lack_fields_gets_one_error_naming_them(odd_server, replies, culprit, capsys, tmp_path):
+    """A server on the wrong port, or one whose /v1/models or /tokenize replies are not vLLM's shapes: one error that
+    names the URL and the missing field, no traceback, no result files."""
+    from glm5_fp4.cli import main as cli_main
+
+    url, table = odd_server
+    table.update(replies)
+    out = tmp_path / "res"
+    rc = cli_main(["loadtest", "--url", url, "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+                   "--num-warmups", "0", "--no-progress", "--no-telemetry", "--timeout", "10", "--result-dir", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and culprit in err and "Traceback" not in err, err
+    assert not out.exists()
