@@ -45,8 +45,9 @@ def test_a_level_that_cannot_run_ends_the_sweep_with_its_files_written(tmp_path,
     """The server dies during the second level (the usual way a sweep finds its limit): the levels that ran keep
     their files, the sweep's table, JSON and plots are written from them, the level that could not run is named
     with its reason, and the exit code says the sweep failed."""
-    # level 1: one warm-up and 4 x 6 tokens, one per chunk; the server exits after 30 chunks, inside level 2
-    with spawn_fake_server("--ttft-ms", "5", "--itl-ms", "5", "--die-after-chunks", "30") as srv:
+    # each level sends ~50 chunks (a warm-up and 4 requests of 6 tokens, with the role and usage chunks): the server
+    # exits after 80, inside level 2, and level 4 finds nothing to connect to
+    with spawn_fake_server("--ttft-ms", "5", "--itl-ms", "5", "--die-after-chunks", "80") as srv:
         rc = _sweep(srv.url, tmp_path, [1, 2, 4])
     err = capsys.readouterr().err
     assert rc == 1

@@ -390,15 +390,44 @@ async def server_gone(session: aiohttp.ClientSession, base: str, timeout_s: floa
         return f"GET {base}/v1/models: {exc}"
 
 
+async def json_reply(resp: aiohttp.ClientResponse, where: str) -> Any:
+    """The body of a reply the load test reads fields from, as JSON; one error naming ``where`` if it is not (an
+    HTML page from another service on that port, say)."""
+    text = await resp.text(errors="replace")
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise Glm5Fp4Error(f"{where}: the reply is not JSON ({text[:60]!r}); is --url an OpenAI-compatible "
+                           "server?") from None
+
+
+def reply_field(reply: Any, key: str, where: str, kinds: type | tuple[type, ...]) -> Any:
+    """``reply[key]``, checked to be an object's field of one of ``kinds``; one error naming ``where`` and the field."""
+    if not isinstance(reply, dict):
+        raise Glm5Fp4Error(f"{where}: the reply is a {type(reply).__name__ if reply is not None else 'null'}, "
+                           "not an object")
+    if key not in reply:
+        raise Glm5Fp4Error(f"{where}: the reply has no field {key!r}")
+    value = reply[key]
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise Glm5Fp4Error(f"{where}: the reply's field {key!r} is {json.dumps(value)[:40]}, not {names}")
+    return value
+
+
 async def get_first_model(session: aiohttp.ClientSession, base: str) -> str:
+    where = f"GET {base}/v1/models"
     try:
         async with session.get(f"{base}/v1/models", allow_redirects=False) as resp:
             if resp.status != 200:
-                raise Glm5Fp4Error(f"GET {base}/v1/models returned HTTP {resp.status}; pass --model NAME")
-            data = await resp.json(content_type=None)
+                raise Glm5Fp4Error(f"{where} returned HTTP {resp.status}; pass --model NAME")
+            data = await json_reply(resp, where)
     except aiohttp.ClientError as exc:
         raise Glm5Fp4Error(f"cannot reach {base}/v1/models ({exc}); is the server up? (--url)") from exc
-    models = data.get("data") if isinstance(data, dict) else None
+    models = reply_field(data, "data", where, list)
     if not models:
         raise Glm5Fp4Error(f"{base}/v1/models lists no model; pass --model NAME")
-    return str(models[0]["id"])
+    if not isinstance(models[0], dict) or not isinstance(models[0].get("id"), str):
+        raise Glm5Fp4Error(f"{where}: model entry 0 has no string field 'id' ({json.dumps(models[0])[:60]}); "
+                           "pass --model NAME")
+    return models[0]["id"]

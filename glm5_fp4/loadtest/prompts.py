@@ -109,40 +109,47 @@ class ServerTokenizer:
         self.name = f"{base}/tokenize"
         self._sem = asyncio.Semaphore(parallel)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], key: str, kinds: type | tuple[type, ...]) -> Any:
+        """POST ``body`` to ``path`` and return the reply's field ``key`` (checked: the error names the field)."""
         import aiohttp
 
+        from glm5_fp4.loadtest.client import json_reply, reply_field
+
+        where = f"POST {self.base}{path}"
         async with self._sem:
             try:
                 async with self.session.post(f"{self.base}{path}", json=body, allow_redirects=False) as r:
                     if r.status != 200:
                         raise Glm5Fp4Error(
-                            f"POST {self.base}{path} returned HTTP {r.status}; pass --tokenizer DIR "
+                            f"{where} returned HTTP {r.status}; pass --tokenizer DIR "
                             "(the model's Hugging Face tokenizer directory) to build prompts locally")
-                    return await r.json(content_type=None)
+                    reply = await json_reply(r, where)
             except aiohttp.ClientError as exc:
-                raise Glm5Fp4Error(f"POST {self.base}{path} failed ({exc}); pass --tokenizer DIR") from exc
+                raise Glm5Fp4Error(f"{where} failed ({exc}); is the server up? (--url) Or pass --tokenizer DIR to "
+                                   "build prompts locally") from exc
+        return reply_field(reply, key, where, kinds)
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
         res = await asyncio.gather(*(self._post("/tokenize", {"model": self.model, "prompt": t,
-                                                              "add_special_tokens": False}) for t in texts))
-        return [list(r["tokens"]) for r in res]
+                                                              "add_special_tokens": False}, "tokens", list)
+                                     for t in texts))
+        return [list(r) for r in res]
 
     async def decode(self, ids: list[list[int]]) -> list[str]:
-        res = await asyncio.gather(*(self._post("/detokenize", {"model": self.model, "tokens": list(map(int, x))})
-                                     for x in ids))
-        return [r["prompt"] for r in res]
+        return list(await asyncio.gather(*(self._post("/detokenize", {"model": self.model,
+                                                                      "tokens": list(map(int, x))}, "prompt", str)
+                                           for x in ids)))
 
     async def overhead(self, endpoint: str) -> int:
-        bare = (await self._post("/tokenize", {"model": self.model, "prompt": "hello",
-                                               "add_special_tokens": False}))["count"]
+        bare = await self._post("/tokenize", {"model": self.model, "prompt": "hello", "add_special_tokens": False},
+                                "count", int)
         if endpoint == "chat":
             full = await self._post("/tokenize", {"model": self.model, "add_generation_prompt": True,
-                                                  "messages": [{"role": "user", "content": "hello"}]})
+                                                  "messages": [{"role": "user", "content": "hello"}]}, "count", int)
         else:
             full = await self._post("/tokenize", {"model": self.model, "prompt": "hello",
-                                                  "add_special_tokens": True})
-        return int(full["count"]) - int(bare)
+                                                  "add_special_tokens": True}, "count", int)
+        return full - bare
 
     async def allowed_ids(self) -> np.ndarray:
         rng = np.random.default_rng(12345)
