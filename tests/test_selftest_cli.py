@@ -32,3 +32,18 @@ def test_cpu_machine_gets_one_clear_message_and_exit_2(tmp_path):
 def test_commands_registered():
     assert COMMANDS["selftest"][0] == "glm5_fp4.selftest.cli"
     assert COMMANDS["compile-matrix"][0] == "glm5_fp4.sm120.cli"
+
+
+def test_a_bad_out_is_refused_before_any_gpu_work(tmp_path):
+    """--out that cannot hold the report is named at once, not after minutes of checks and benchmarks whose results
+    would then be lost (the GPU check comes after it, so this runs the same on any machine)."""
+    blocker = tmp_path / "report"
+    blocker.write_text("a file, not a directory")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "glm5_fp4.cli", "selftest", "--out", str(blocker / "sub"), "--quick"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "--out" in proc.stderr and "exists and is not a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert "no CUDA GPU" not in proc.stderr

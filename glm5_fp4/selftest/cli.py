@@ -3,7 +3,8 @@
     glm5-fp4 selftest                    # full: ~minutes; writes selftest-report/selftest.{json,md}
     glm5-fp4 selftest --quick --out DIR  # a few cases and a short benchmark
 
-Exit status: 0 all correctness cases passed, 1 a case failed, 2 no CUDA GPU on this machine.
+Exit status: 0 all correctness cases passed, 1 a case failed (or --out cannot hold the report), 2 no CUDA GPU on
+this machine.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def no_gpu_message() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from glm5_fp4.outputs import output_dir
+
+    # Before the GPU work: a report that cannot be written would lose minutes of checks and benchmarks.
+    output_dir(args.out, "--out", create=False)
     msg = no_gpu_message()
     if msg:
         print(msg, file=sys.stderr)
