@@ -117,6 +117,19 @@ def test_user_errors_are_one_clear_line(tmp_path, fake_nvml, capsys, argv, messa
     err = capsys.readouterr().err
     assert rc == 1
     assert message in err and "Traceback" not in err
+    if argv[0] == "record":  # refused before recording: no files of a command that never ran
+        assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("sig", ["TERM", "KILL"])
+def test_a_command_ended_by_a_signal_exits_as_a_shell_reports_it(tmp_path, fake_nvml, sig):
+    """128 + the signal's number, as sh and bash report it (Popen's negative code, passed on, became 241 for
+    SIGTERM); the recording is kept."""
+    import signal
+
+    rc = cli.main(["telemetry", "record", "--out", str(tmp_path), "--", "sh", "-c", f"kill -{sig} $$"])
+    assert rc == 128 + signal.Signals[f"SIG{sig}"].value
+    assert (tmp_path / "telemetry_meta.json").is_file()
 
 
 @pytest.mark.parametrize("settle", ["-1", "nan", "inf", "1e400"])

@@ -68,6 +68,7 @@ def _parse_gpus(text: str | None) -> list[int] | None:
 
 
 def _record(args: argparse.Namespace) -> int:
+    import shutil
     import subprocess
 
     from glm5_fp4.telemetry.report import render_report
@@ -78,6 +79,8 @@ def _record(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise Glm5Fp4Error("telemetry record: give the command to run after --, e.g. `-- python bench.py`")
+    if shutil.which(cmd[0]) is None:  # before the sampler writes anything: no recording of a command that never ran
+        raise Glm5Fp4Error(f"telemetry record: cannot run {cmd[0]!r} (not found, or not an executable file)")
     sampler = TelemetrySampler(
         args.out, interval_s=args.interval, gpus=_parse_gpus(args.gpus), pcie_legacy=args.pcie_legacy
     )
@@ -96,6 +99,8 @@ def _record(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             rc = proc.wait()  # the child got the same Ctrl-C; keep what was recorded
             rc = rc if rc else 130
+        if rc < 0:  # Popen's -N for "ended by signal N"; a shell reports 128 + N, and exit codes are 0-255
+            rc = 128 - rc
         if args.settle:
             sampler.mark("idle-after")
             time.sleep(args.settle)
