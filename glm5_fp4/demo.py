@@ -78,9 +78,18 @@ def check_moe_layer(ckpt: Path, seed: int) -> float:
 
 
 def send_requests(url: str, model: str) -> None:
-    from openai import OpenAI
+    import openai
 
     _step("4. requests through the OpenAI API: completion, chat, streaming")
+    try:
+        _send_requests(url, model)
+    except openai.APIError as exc:  # an error reply or a lost connection: name the step and the log, no traceback
+        raise Glm5Fp4Error(f"step 4: the server answered {type(exc).__name__}: {exc}; see its log") from None
+
+
+def _send_requests(url: str, model: str) -> None:
+    from openai import OpenAI
+
     client = OpenAI(base_url=f"{url}/v1", api_key="demo")
     c = client.completions.create(model=model, prompt="The model streams weights", max_tokens=16, temperature=0)
     console.print(f"completion: {c.choices[0].text!r} ({c.usage.completion_tokens} tokens)")
@@ -138,7 +147,9 @@ def serve_and_measure(ckpt: Path, out: Path, args: argparse.Namespace) -> None:
     _step("7. per-layer timers (GLM5_FP4_LAYER_TIMERS=1): median and p90 over the served steps (CPU clock)")
     if not dumps:
         raise Glm5Fp4Error(f"no layer-timer dump in {timers}; see {out / 'vllm.log'}")
-    cli(["profile", "timers", *map(str, dumps), "--out", str(out / "layer-timers-report")])
+    rc = cli(["profile", "timers", *map(str, dumps), "--out", str(out / "layer-timers-report")])
+    if rc:
+        raise Glm5Fp4Error(f"the layer-timer report failed (exit {rc}); its dumps: {timers}")
 
 
 def run(args: argparse.Namespace) -> int:
