@@ -55,15 +55,24 @@ def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
     return not _alive(pid)
 
 
-def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+def _serve_env(tmp_path: Path) -> dict:
+    return {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+
+
+def _serve_cmd(tmp_path: Path, engine: str, port: int) -> list[str]:
+    """`serve --profile launch/tp8-sglang.yaml` with ``engine`` installed as the `sglang` first on PATH."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "sglang"
-    fake.write_text(FAKE_ENGINE.format(python=sys.executable))
+    fake.write_text(engine)
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "glm5_fp4.cli", "serve", "--profile", str(ROOT / "launch" / "tp8-sglang.yaml"),
-           "--port", str(_free_port()), "--log-file", str(tmp_path / "server.log"), "--timeout", "30"]
+    return [sys.executable, "-m", "glm5_fp4.cli", "serve", "--profile", str(ROOT / "launch" / "tp8-sglang.yaml"),
+            "--port", str(port), "--log-file", str(tmp_path / "server.log"), "--timeout", "30"]
+
+
+def _start_serve(tmp_path: Path, engine: str | None = None) -> tuple[subprocess.Popen, int]:
+    cmd = _serve_cmd(tmp_path, engine or FAKE_ENGINE.format(python=sys.executable), _free_port())
+    env = _serve_env(tmp_path)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pid, lines = None, []
     deadline = time.monotonic() + 40
@@ -115,3 +124,74 @@ def test_a_spawned_server_gets_sigterm_when_its_parent_dies(tmp_path):
         if _alive(child):
             os.kill(child, signal.SIGKILL)
     assert "# test child" in (tmp_path / "child.log").read_text()
+
+
+STUBBORN_ENGINE = """#!{python}
+import http.server, signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # an engine that does not stop on SIGINT (a hung shutdown)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+worker = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                           "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"])
+open({pid_file!r}, "w").write(str(worker.pid))
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_second_stop_signal_while_stopping_still_kills_the_engines_workers(tmp_path):
+    """Ctrl-C, then Ctrl-C again during the wait for the engine to shut down: the process group's SIGKILL still runs,
+    so a worker that ignores SIGTERM (what hangs when users press twice) does not outlive `serve`."""
+    pid_file = tmp_path / "worker.pid"
+    engine = STUBBORN_ENGINE.format(python=sys.executable, pid_file=str(pid_file))
+    proc, _ = _start_serve(tmp_path, engine)
+    worker = int(pid_file.read_text())
+    try:
+        proc.send_signal(signal.SIGTERM)  # serve starts stopping: SIGINT to the engine, which ignores it
+        deadline = time.monotonic() + 20
+        seen = ""
+        while "stopping" not in seen and time.monotonic() < deadline:
+            seen += proc.stdout.readline()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # the second signal, inside stop()'s wait
+        proc.wait(30)
+        assert _wait_dead(worker), f"the engine's worker (PID {worker}) outlived `serve` stopped twice"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+        proc.kill()
+
+
+def test_a_port_another_server_answers_on_is_refused_before_starting(tmp_path):
+    """`serve` on a port where another server already answers /health used to print "ready" for that server (the
+    engine then failed to bind): the port is checked before the engine starts."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        port = other.server_address[1]
+        proc = subprocess.run(_serve_cmd(tmp_path, FAKE_ENGINE, port), env=_serve_env(tmp_path), capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        other.shutdown()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert f"port {port} on 127.0.0.1 is already in use" in out and "ready after" not in out, out
+    assert "Traceback" not in out
