@@ -140,7 +140,8 @@ MODELS_OK = '{"object": "list", "data": [{"id": "m", "object": "model"}]}'
 @pytest.mark.parametrize("replies,culprit", [
     ({"/v1/models": (200, "<html>wrong port</html>")}, "/v1/models: the reply is not JSON"),
     ({"/v1/models": (200, '{"data": [{"name": "m"}]}')}, "/v1/models: model entry 0 has no string field 'id'"),
-    ({"/v1/models": (200, MODELS_OK), "/tokenize": (200, '{"count": 3}')}, "/tokenize: the reply has no field 'tokens'"),
+    ({"/v1/models": (200, MODELS_OK), "/tokenize": (200, '{"count": 3}')},
+     "/tokenize: the reply has no field 'tokens'"),
     ({"/v1/models": (200, MODELS_OK), "/tokenize": (200, "[1, 2]")}, "/tokenize: the reply is a list, not an object"),
     ({"/v1/models": (200, MODELS_OK), "/tokenize": (200, "no json")}, "/tokenize: the reply is not JSON"),
 ])
@@ -153,7 +154,8 @@ def test_a_server_whose_replies_lack_fields_gets_one_error_naming_them(odd_serve
     table.update(replies)
     out = tmp_path / "res"
     rc = cli_main(["loadtest", "--url", url, "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
-                   "--num-warmups", "0", "--no-progress", "--no-telemetry", "--timeout", "10", "--result-dir", str(out)])
+                   "--num-warmups", "0", "--no-progress", "--no-telemetry", "--timeout", "10",
+                   "--result-dir", str(out)])
     err = capsys.readouterr().err
     assert rc == 1 and culprit in err and "Traceback" not in err, err
     assert not out.exists()
