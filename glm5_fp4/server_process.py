@@ -11,6 +11,7 @@ to stop (Ctrl-C, SIGTERM, SIGHUP) stops the server itself, first with SIGINT (:m
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import random
 import re
@@ -75,11 +76,31 @@ def _opened_log(log_path: Path):
         raise Glm5Fp4Error(f"--log-file {log_path}: cannot write ({exc.strerror or exc})") from None
 
 
-def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, header: str) -> subprocess.Popen:
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on. Otherwise the old server answers /health, the new one is called
+    ready, and only then does the engine fail to bind (a second `serve` on the default port, say)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        # as servers bind: a closed server's connections in TIME_WAIT do not hold the port
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise Glm5Fp4Error(f"port {port} on {host} is already in use (another server?); pass --port, or stop "
+                                   "what listens there") from None
+            raise Glm5Fp4Error(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, header: str,
+          listen: tuple[str, int] | None = None) -> subprocess.Popen:
     """Start a server: output appended to ``log_path`` after a ``# header`` line, its own process group, and
-    dying with this process (see the module docstring). Raises FileNotFoundError if the program is missing."""
+    dying with this process (see the module docstring); ``listen`` (host, port), where it will serve, is checked to
+    be free first. Raises FileNotFoundError if the program is missing."""
     from glm5_fp4.outputs import output_dir
 
+    if listen is not None:
+        check_port_free(*listen)
     log_path = Path(log_path)
     if log_path.is_dir():
         raise Glm5Fp4Error(f"--log-file {log_path} is a directory; give a file name")
@@ -143,17 +164,22 @@ class ServerProcess:
         raise Glm5Fp4Error(f"{self.name} server not healthy after {timeout:.0f} s (log: {self.log_path})")
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGINT the server (engines shut their workers down), then SIGKILL its process group's stragglers."""
-        if self.process.poll() is None:
-            try:
-                self.process.send_signal(signal.SIGINT)
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+        """SIGINT the server (engines shut their workers down), then SIGKILL its process group's stragglers.
+
+        The SIGKILL runs however the wait ends: a second Ctrl-C or SIGTERM while the engine shuts down (what users
+        send when it hangs) raises KeyboardInterrupt here, and the workers must not outlive us for it."""
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+            if self.process.poll() is None:
+                try:
+                    self.process.send_signal(signal.SIGINT)
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             return self.process.wait(10)
         except subprocess.TimeoutExpired:

@@ -56,7 +56,8 @@ def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
 
 
 def _serve_env(tmp_path: Path) -> dict:
-    return {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+    path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT)}
 
 
 def _serve_cmd(tmp_path: Path, engine: str, port: int) -> list[str]:

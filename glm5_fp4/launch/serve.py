@@ -63,7 +63,8 @@ def start(command: EngineCommand, log_path: str | os.PathLike):
 
         return launch_vllm(**command.launcher_kwargs, log_path=log)
     try:
-        process = spawn(command.argv, {**os.environ, **command.env}, log, command.shell())
+        process = spawn(command.argv, {**os.environ, **command.env}, log, command.shell(),
+                        listen=(command.host, command.port))
     except FileNotFoundError:
         raise Glm5Fp4Error(f"{command.program[0]!r} not found: install SGLang 0.5.23 in this environment "
                            "(pip install 'glm5-fp4[sglang]')") from None

@@ -78,7 +78,8 @@ def sweep_markdown(results: Sequence[Mapping[str, Any]], not_run: Sequence[int] 
             v = r.get(key)
             cells.append("-" if v is None else fmt.format(v))
         lines.append("| " + " | ".join(cells) + " |")
-    failed = [f"- concurrency {r['max_concurrency']}: {r.get('failure_reason')}" for r in results if r.get("run_failed")]
+    failed = [f"- concurrency {r['max_concurrency']}: {r.get('failure_reason')}"
+              for r in results if r.get("run_failed")]
     if failed:
         lines += ["", "Failed levels:", *failed]
     if not_run:

@@ -192,4 +192,4 @@ def launch_vllm(model: str | os.PathLike, port: int = 8000, backend: str = "auto
         preflight(model, quantization)
     log = Path(log_path) if log_path is not None else Path(f"glm5-fp4-vllm-{port}.log")
     full_env = {**(os.environ if env is None else env), **spec.env_overrides}
-    return ServerHandle(spawn(spec.argv, full_env, log, spec.shell_command()), spec, log)
+    return ServerHandle(spawn(spec.argv, full_env, log, spec.shell_command(), listen=(spec.host, spec.port)), spec, log)
