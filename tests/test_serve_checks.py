@@ -120,3 +120,20 @@ def test_stock_names_what_the_user_passed(tmp_path, capsys, extra, msg):
     rc = cli_main(["serve", "--model", str(tmp_path), "--stock", "--dry-run", *extra])
     err = capsys.readouterr().err
     assert rc == 1 and msg in err, err
+
+
+@pytest.mark.parametrize("extra,flag,field", [(["--host", "0.0.0.0"], "--host", "host"),
+                                              (["--max-num-seqs", "8"], "--max-num-seqs", "max_concurrency")])
+def test_a_profile_flag_after_the_double_dash_is_blamed_on_the_command_line(tmp_path, capsys, extra, flag, field):
+    """A flag the profile sets, given after `--`, came from the command line: the error says so and names what to use,
+    instead of blaming the YAML file's extra_args."""
+    assert cli_main(["serve", "--profile", str(ROOT / "launch" / "tp8.yaml"), "--dry-run", "--", *extra]) == 1
+    err = capsys.readouterr().err
+    assert f"{flag} after --" in err and f"field {field!r}" in err and "extra_args repeats" not in err, err
+
+
+@pytest.mark.parametrize("value", ['"triton"', "3", "[1]"])
+def test_our_additional_config_must_be_an_object(ckpt, capsys, value):
+    rc = cli_main(["serve", "--model", str(ckpt), "--dry-run", "--", "--additional-config", f'{{"glm5_fp4": {value}}}'])
+    err = capsys.readouterr().err
+    assert rc == 1 and "'glm5_fp4' must be an object" in err and "Traceback" not in err, err
