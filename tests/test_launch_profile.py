@@ -218,7 +218,7 @@ def test_merge_keys_still_load(tmp_path):
     assert dict(load_profile(p).env) == {"A": "1", "B": "2"}
 
 
-@pytest.mark.parametrize("line,shown", [("8: 1", "8"), ("off: 1", "False"), ("yes: 1", "True")])
+@pytest.mark.parametrize("line,shown", [("8: 1", "8"), ("off: 1", "False"), ("yes: 1", "True"), ("~: 1", "None")])
 def test_a_key_that_is_not_a_string_is_named(tmp_path, line, shown):
     """YAML reads a bare number, yes/no or on/off as a number or a boolean: not a field name (was a TypeError)."""
     with pytest.raises(Glm5Fp4Error, match=f"key {shown} is not a field name"):

@@ -236,13 +236,17 @@ _SGLANG_OWNED = {
 }
 
 
+def owned_field(engine: str, arg: str) -> str | None:
+    """The profile field that sets engine flag ``arg`` (``--host`` or ``--host=...``), if a profile sets it."""
+    return (_VLLM_OWNED if engine == "vllm" else _SGLANG_OWNED).get(arg.split("=", 1)[0])
+
+
 def _check_extra_args(profile: LaunchProfile, extra: list[str], origin: str) -> None:
-    owned = _VLLM_OWNED if profile.engine == "vllm" else _SGLANG_OWNED
     for arg in extra:
-        name = arg.split("=", 1)[0]
-        if name in owned:
-            raise Glm5Fp4Error(f"{origin}: extra_args repeats {name}, which the profile sets from field "
-                               f"{owned[name]!r}; change that field instead")
+        field = owned_field(profile.engine, arg)
+        if field:
+            raise Glm5Fp4Error(f"{origin}: extra_args repeats {arg.split('=', 1)[0]}, which the profile sets from "
+                               f"field {field!r}; change that field instead")
     _check_ep_communication(profile, origin)
 
 

@@ -231,6 +231,10 @@ def profile_from_dict(data: object, origin: str = "profile", overrides: dict | N
     """
     if not isinstance(data, dict):
         raise Glm5Fp4Error(f"{origin}: expected a mapping of fields ({', '.join(FIELDS)}), got {type(data).__name__}")
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:  # YAML reads a bare number, yes/no, on/off or null as a number, a boolean or None
+        raise Glm5Fp4Error(f"{origin}: key {odd[0]!r} is not a field name (quote it if it is one); fields: "
+                           f"{', '.join(FIELDS)}")
     merged = dict(data)
     flags = {}
     for key, value in (overrides or {}).items():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped, spawn
-from glm5_fp4.launch.commands import EngineCommand, build_command
+from glm5_fp4.launch.commands import EngineCommand, build_command, owned_field
 from glm5_fp4.launch.profile import load_profile
 from glm5_fp4.loopback import check_bind_host
 
@@ -79,6 +79,13 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     are appended to the profile's own. A host other than loopback needs ``allow_remote``.
     """
     profile = load_profile(profile_path, overrides, OVERRIDE_FLAGS)
+    for arg in extra_args or ():  # the command line's own extras: blamed on it, not on the file's extra_args
+        field = owned_field(profile.engine, arg)
+        if field:
+            instead = (f"pass {OVERRIDE_FLAGS[field]} to glm5-fp4 serve" if field in OVERRIDE_FLAGS
+                       else f"change field {field!r} in {profile_path}")
+            raise Glm5Fp4Error(f"{arg.split('=', 1)[0]} after --: the profile sets it from field {field!r}; "
+                               f"{instead} instead")
     if extra_args:
         profile = profile.model_copy(update={"extra_args": [*profile.engine_extra_args(), *extra_args]})
     check_bind_host(profile.host, allow_remote, "--host" if overrides.get("host") else f"host in {profile_path}:")

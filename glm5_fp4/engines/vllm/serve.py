@@ -103,8 +103,12 @@ def build_launch(model: str | os.PathLike, port: int = 8000, backend: str = "aut
             "--host", host, "--port", str(port)]
     if quantization != "none":
         argv += ["--quantization", quantization]
+    given = additional.get(CONFIG_KEY)
+    if given is not None and not isinstance(given, dict):
+        raise Glm5Fp4Error(f"--additional-config: {CONFIG_KEY!r} must be an object such as "
+                           f'{{"backend": "triton"}}, got {json.dumps(given)}')
     if plugin:
-        ours = dict(additional.get(CONFIG_KEY) or {})
+        ours = dict(given or {})
         ours["backend"] = backend
         if mode is not None:
             ours["mode"] = mode
