@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from glm5_fp4.errors import Glm5Fp4Error
@@ -65,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"glm5-fp4 {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): nothing to report, but the output was cut, so a shell's SIGPIPE status.
+        # stdout now points at /dev/null, or the interpreter's own flush at exit would raise again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is no file (captured in-process)
+            pass
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
