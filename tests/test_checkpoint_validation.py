@@ -87,3 +87,40 @@ def test_weights_get_the_same_mode_as_the_other_files(made):
     umask = os.umask(0)
     os.umask(umask)
     assert modes["model.safetensors"] == 0o666 & ~umask
+
+
+def test_scratch_left_by_a_killed_run_does_not_block_the_next(tmp_path):
+    """A run killed by SIGKILL (or SIGTERM before it was handled) leaves its hidden scratch folder: the directory
+    looks empty to `ls` but was refused as "not empty". Our own scratch is no one's data: it is removed and the run
+    goes on; anything else still needs --overwrite."""
+    out = tmp_path / "mk"
+    (out / ".make-checkpoint-abc123").mkdir(parents=True)
+    (out / ".make-checkpoint-abc123" / "model-00001.safetensors").write_bytes(b"partial")
+    make_checkpoint(out, arch="glm4moe", sizes={"num_hidden_layers": 2})
+    assert not list(out.glob(".make-checkpoint-*")) and (out / "config.json").is_file()
+    other = tmp_path / "other"
+    (other / ".hidden").mkdir(parents=True)
+    with pytest.raises(Exception, match="not empty"):
+        make_checkpoint(other, arch="glm4moe", sizes={"num_hidden_layers": 2})
+
+
+def test_sigterm_leaves_nothing_behind(tmp_path):
+    """`timeout` or a CI cancel sends SIGTERM: the directory the run created is removed, as for Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "new" / "mk"
+    proc = subprocess.Popen([sys.executable, "-m", "glm5_fp4.cli", "make-checkpoint", "--out", str(out), "--arch",
+                             "glm4moe", "--size", "num_hidden_layers=40", "--size", "n_routed_experts=64"],
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".make-checkpoint-*/*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # until it is writing
+    assert proc.poll() is None, "the checkpoint was written before the signal: make it bigger"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert not (tmp_path / "new").exists()
