@@ -197,7 +197,8 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def install_stop_signals() -> None:
-    """Make Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt, so a foreground `serve` always stops its server.
+    """Make Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt, so a foreground `serve` always stops its server (and
+    `make-checkpoint` removes what it had begun to write).
 
     SIGINT is re-armed explicitly: a process started in the background by a non-interactive shell inherits
     SIGINT as ignored, and Python then never raises KeyboardInterrupt. SIGTERM (a supervisor, CI, `kill`) and

@@ -156,7 +156,7 @@ def make_checkpoint(
     failure while writing removes the directories this call created, so bad input leaves nothing behind.
     """
     out = output_dir(out_dir, create=False)
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if out.is_dir() and any(f for f in out.iterdir() if not _is_scratch(f)) and not overwrite:
         raise Glm5Fp4Error(f"{out}: directory exists and is not empty (pass --overwrite to replace its files)")
     if dense_attention and arch != "glm5":
         raise Glm5Fp4Error("--dense-attention applies to --arch glm5 only")
@@ -170,11 +170,14 @@ def make_checkpoint(
     check_tokenizer_fits(cfg["vocab_size"], MIN_VOCAB_SIZE, "--size")
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
+    for f in out.iterdir():  # an earlier run's, killed before it could clean up: no one's data
+        if _is_scratch(f):
+            shutil.rmtree(f, ignore_errors=True)
     # Written whole into a scratch directory inside ``out`` (the same file system, even where ``out`` is a mount
     # point), then moved in: a failed write (a full disk) leaves ``out`` as it was, never the new config beside the
     # old weights (which `inspect` would then pass).
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=".make-checkpoint-", dir=out))
+        tmp = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=out))
     except OSError as exc:
         raise Glm5Fp4Error(f"{out}: cannot write there ({exc.strerror or exc})") from None
     try:
@@ -194,6 +197,14 @@ def make_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+SCRATCH_PREFIX = ".make-checkpoint-"
+
+
+def _is_scratch(path: Path) -> bool:
+    """The scratch directory of a make_checkpoint run inside its ``out`` (tempfile.mkdtemp's name)."""
+    return path.name.startswith(SCRATCH_PREFIX) and path.is_dir() and not path.is_symlink()
 
 
 def _move_in(tmp: Path, out: Path) -> None:

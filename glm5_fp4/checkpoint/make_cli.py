@@ -42,7 +42,9 @@ def parse_sizes(items: list[str]) -> dict[str, int]:
 def run(args: argparse.Namespace) -> int:
     from glm5_fp4.checkpoint.inspect import inspect_checkpoint
     from glm5_fp4.checkpoint.make import make_checkpoint
+    from glm5_fp4.server_process import install_stop_signals
 
+    install_stop_signals()  # SIGTERM / SIGHUP (timeout, a CI cancel) clean up like Ctrl-C: no half-made directory
     out = make_checkpoint(args.out, arch=args.arch, seed=args.seed, dequantized=args.dequantized,
                           dense_attention=args.dense_attention, sizes=parse_sizes(args.size),
                           overwrite=args.overwrite, device=args.device, recipe=args.recipe)
