@@ -124,3 +124,19 @@ def test_sigterm_leaves_nothing_behind(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "Traceback" not in err, err
     assert not (tmp_path / "new").exists()
+
+
+def test_scalar_scales_stored_as_one_element_vectors_pass_inspect(made, tmp_path, capsys):
+    """ModelOpt writes global scales as 0-d tensors or as [1]; the plugin's loader takes both, so the pre-launch
+    check must too (it refused [1] as "expected F32 []"). Any other shape is still refused."""
+    ck = _copy(made, tmp_path)
+    tensors = load_file(str(ck / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("mlp.experts.0.down_proj.weight_scale_2"))
+    assert tensors[name].shape == ()
+    tensors[name] = tensors[name].reshape(1)
+    save_file(tensors, str(ck / "model.safetensors"))
+    assert main(["inspect", str(ck)]) == 0, capsys.readouterr().err
+    tensors[name] = tensors[name].repeat(2)
+    save_file(tensors, str(ck / "model.safetensors"))
+    assert main(["inspect", str(ck)]) == 1
+    assert f"tensor {name} is F32 [2], expected F32 []" in capsys.readouterr().err
