@@ -23,7 +23,7 @@ from glm5_fp4.checkpoint.configs import check_config, check_tokenizer_fits
 from glm5_fp4.checkpoint.tokenizer import tokenizer_id_count
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.inputs import read_json
-from glm5_fp4.nvfp4 import BLOCK_SIZE
+from glm5_fp4.nvfp4 import BLOCK_SIZE, shape_matches
 
 RECIPE_TEXT = {"glm5": "dense MLPs, shared and routed experts NVFP4",
                "routed-only": "only routed experts NVFP4; dense MLPs and shared experts BF16"}
@@ -243,7 +243,7 @@ def _check_complete(ckpt: Path, cfg_path: Path, config: dict, tensors: dict[str,
             f"e.g. {', '.join(missing[:4])}")
     for name, (dtypes, shape) in expected.items():
         info = tensors[name]
-        if info.dtype not in dtypes or info.shape != shape:
+        if info.dtype not in dtypes or not shape_matches(info.shape, shape):
             want = dtypes[0] if len(dtypes) == 1 else (info.dtype if info.dtype in dtypes else
                                                       f"a float ({'/'.join(dtypes)})")
             raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, "
@@ -337,7 +337,7 @@ def _expected_linear_shape(config: dict, m: re.Match) -> tuple[int, int]:
 def _check(info: TensorInfo | None, name: str, dtype: str, shape: tuple[int, ...], ckpt: Path) -> None:
     if info is None:
         raise Glm5Fp4Error(f"{ckpt}: tensor {name} is missing (expected {dtype} {list(shape)})")
-    if info.dtype != dtype or info.shape != shape:
+    if info.dtype != dtype or not shape_matches(info.shape, shape):
         raise Glm5Fp4Error(
             f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, expected {dtype} {list(shape)}"
         )

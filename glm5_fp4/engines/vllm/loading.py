@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.nvfp4 import BLOCK_SIZE
+from glm5_fp4.nvfp4 import BLOCK_SIZE, shape_matches
 
 _DTYPE_NAMES = {torch.uint8: "uint8 (packed NVFP4)", torch.float8_e4m3fn: "float8_e4m3fn", torch.float32: "float32"}
 _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -49,9 +49,7 @@ def _check(name: str, got: torch.Tensor, dtype: torch.dtype, shape: tuple[int, .
         raise _mismatch(name, got, dtype, shape if shape is not None else got.shape, context)
     if shape is None:
         return
-    if shape == () and got.numel() == 1:  # ModelOpt scalars are 0-d or [1]
-        return
-    if tuple(got.shape) != shape:
+    if not shape_matches(tuple(got.shape), shape):
         raise _mismatch(name, got, dtype, shape, context)
 
 
