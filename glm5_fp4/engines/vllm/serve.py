@@ -107,6 +107,10 @@ def build_launch(model: str | os.PathLike, port: int = 8000, backend: str = "aut
     if given is not None and not isinstance(given, dict):
         raise Glm5Fp4Error(f"--additional-config: {CONFIG_KEY!r} must be an object such as "
                            f'{{"backend": "triton"}}, got {json.dumps(given)}')
+    for key, flag, value in (("backend", "--backend", backend), ("mode", "--mode", mode)):
+        if given and key in given and value is not None and given[key] != value:  # the flags win: say so
+            raise Glm5Fp4Error(f"--additional-config sets {CONFIG_KEY}.{key} {given[key]!r} but {flag} is {value!r}: "
+                               f"pass {flag} {given[key]} instead")
     if plugin:
         ours = dict(given or {})
         ours["backend"] = backend
