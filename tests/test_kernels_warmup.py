@@ -55,7 +55,7 @@ def test_warmup_counts_cover_every_token_count(arch, shape, mode, max_tokens, ma
 def test_counts_stop_at_the_launchers_32_bit_limit():
     from glm5_fp4.kernels.launch import MAX_TOKENS_X_HIDDEN
 
-    prep = L.meta_prepared(SHAPES["tiny"])
+    prep = L.meta_prepared(SHAPES["tp8"])  # H = 6,144: the limit at 349,525 tokens (the tiny shape's 4 M took 95 s)
     top = (MAX_TOKENS_X_HIDDEN - 1) // prep.hidden_size
     counts = W.warmup_token_counts(prep, 4, top + 5000, "w4a16", torch.bfloat16, "sm90", 132)
     assert max(counts) <= top  # a count past it would make the warm-up itself raise at server start
