@@ -189,3 +189,20 @@ def test_cpu_run_uses_cpu_ops_without_double_counting_nesting(tmp_path):
     assert ms["exposed_us"]["expert_gemm"] == pytest.approx(30.0)
     assert ms["exposed_us"]["other"] == pytest.approx(2.0)
     assert ms["idle_us"] == pytest.approx(1000.0 - 52.0)
+
+
+def test_the_median_steps_parts_add_up_to_its_time(tmp_path):
+    """Ranks stalling in alternate steps: rank 0 idles while rank 1 waits in its all-reduce and the other way round.
+    A per-category median over steps dropped the 400 us wait from every category (its median is 0) while the median
+    step kept it: the parts summed to 649 of 849 us. The median step is now one real step, so exposed + idle = time,
+    and it is a step of the median's time."""
+    holds = {(0, 1): 400, (0, 3): 400, (0, 5): 400, (1, 2): 400, (1, 4): 400, (1, 6): 400}
+    files, _ = make_decode_traces(n_ranks=2, n_steps=8, graph="full", profiler_steps="gpu", hold_us=holds)
+    b = analyze_path(_write(tmp_path, files), jobs=1)
+    for r in b.ranks:
+        ms = r.median_step
+        assert sum(ms["exposed_us"].values()) + ms["idle_us"] == pytest.approx(ms["time_us"], rel=1e-9), r.rank
+        times = sorted(s.time_us for s in r.steps if not s.partial)
+        assert ms["time_us"] == times[(len(times) - 1) // 2]
+        step = r.steps[ms["step_index"]]
+        assert step.time_us == ms["time_us"] and step.exposed_us == ms["exposed_us"]
