@@ -206,3 +206,17 @@ def test_the_median_steps_parts_add_up_to_its_time(tmp_path):
         assert ms["time_us"] == times[(len(times) - 1) // 2]
         step = r.steps[ms["step_index"]]
         assert step.time_us == ms["time_us"] and step.exposed_us == ms["exposed_us"]
+
+
+@pytest.mark.parametrize("n_steps", [2, 3, 8])
+def test_few_complete_steps_are_said_and_get_no_p90(tmp_path, n_steps):
+    """A median over one or two steps is that step; a p90 over fewer than five is the maximum. Both were printed as if
+    from a distribution: now the count is said in a note and the p90 is left out."""
+    files, _ = make_decode_traces(n_ranks=1, n_steps=n_steps, graph="full", profiler_steps="gpu")
+    r = analyze_path(_write(tmp_path, files), jobs=1).ranks[0]
+    few = [n for n in r.notes if "complete step" in n and "--steps" in n]
+    if r.n_complete_steps < 3:
+        assert few and f"only {r.n_complete_steps} complete step" in few[0], r.notes
+    else:
+        assert not few, r.notes
+    assert (r.p90_step_time_us is None) == (r.n_complete_steps < 5)
