@@ -120,10 +120,10 @@ def _kernel_rows(trace, codes, labels, categories, mask) -> list[KernelRow]:
     return sorted(rows, key=lambda r: -r.total_us)
 
 
-def _median_dict(values: list[dict[str, float]]) -> dict[str, float]:
-    if not values:
-        return {}
-    return {k: float(np.median([v[k] for v in values])) for k in values[0]}
+# Fewer complete steps than these: the median step is one of a handful (said in a note), and a p90 would be the
+# maximum (left out).
+MIN_STEPS_FOR_MEDIAN = 3
+MIN_STEPS_FOR_P90 = 5
 
 
 def _analyze_rank(
@@ -190,14 +190,18 @@ def _analyze_rank(
     times = np.array([s.time_us for s in complete])
     median_step = p90 = None
     if split.reliable:
+        # One real step, the (lower) middle one by time: its parts add up to its time. Per-category medians over steps
+        # need not: a wait in every other step has median 0 in its category while the median step time keeps it.
+        typical = complete[int(np.argsort(times, kind="stable")[(len(times) - 1) // 2])]
         median_step = {
-            "time_us": float(np.median(times)),
-            "idle_us": float(np.median([s.idle_us for s in complete])),
-            "n_kernels": float(np.median([s.n_kernels for s in complete])),
-            "summed_us": _median_dict([s.summed_us for s in complete]),
-            "exposed_us": _median_dict([s.exposed_us for s in complete]),
+            "time_us": typical.time_us,
+            "idle_us": typical.idle_us,
+            "n_kernels": float(typical.n_kernels),
+            "summed_us": dict(typical.summed_us),
+            "exposed_us": dict(typical.exposed_us),
+            "step_index": typical.index,
         }
-        p90 = float(np.percentile(times, 90))
+        p90 = float(np.percentile(times, 90)) if len(times) >= MIN_STEPS_FOR_P90 else None
 
     everything = np.ones(trace.n_kernels, dtype=bool)
     rows = _kernel_rows(trace, codes, labels, categories, everything)
@@ -208,6 +212,9 @@ def _analyze_rank(
     notes = list(trace.notes) + list(split.notes)
     if split.reliable and (split.n_steps == 1 or all(s.partial for s in steps)):
         notes.append("no complete step found: per-step figures use the whole trace window")
+    elif split.reliable and len(complete) < MIN_STEPS_FOR_MEDIAN:
+        notes.append(f"only {len(complete)} complete step(s): the median step is that step, not a typical one of many; "
+                     f"capture more (--steps)" + ("" if p90 is not None else "; no p90"))
     return RankBreakdown(
         rank=trace.rank,
         file=trace.path.name,

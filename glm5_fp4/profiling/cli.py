@@ -203,11 +203,16 @@ def _print_summary(b) -> None:
     cats = b.categories
     reliable = [r for r in b.ranks if r.steps_reliable]
     if reliable:
-        print("median step, exposed time (us):")
-        print(f"{'rank':>4} {'step us':>9} {'idle':>7} " + " ".join(f"{c:>14}" for c in cats))
+        print("median step, exposed time (us; the complete step of median time, whole):")
+        print(f"{'rank':>4} {'steps':>5} {'step us':>9} {'idle':>7} " + " ".join(f"{c:>14}" for c in cats))
         for r in reliable:
             ms = r.median_step
-            print(f"{r.rank:>4} {ms['time_us']:>9.0f} {ms['idle_us']:>7.0f} " + " ".join(f"{ms['exposed_us'][c]:>14.0f}" for c in cats))
+            print(f"{r.rank:>4} {r.n_complete_steps:>5} {ms['time_us']:>9.0f} {ms['idle_us']:>7.0f} "
+                  + " ".join(f"{ms['exposed_us'][c]:>14.0f}" for c in cats))
+    for r in b.ranks:  # the few-steps caveat and the like belong beside the figures, not only in the markdown
+        for note in r.notes:
+            if "complete step" in note:
+                print(f"note: rank {r.rank}: {note}")
     if len(reliable) < len(b.ranks):
         from glm5_fp4.profiling.steps import HINT
 

@@ -64,13 +64,16 @@ def markdown(b: Breakdown) -> str:
                   f"No reliable step boundaries on rank(s) {bad}. Per-step figures are withheld for them (the "
                   f"whole-trace figures below count every kernel); {HINT}.", ""]
     if reliable:
-        lines += ["## Median decode step per rank: exposed time (µs)", ""]
-        lines.append("| rank | steps (complete) | step time | p90 step | idle | " + " | ".join(cats) + " |")
-        lines.append("|---:|---:|---:|---:|---:|" + "---:|" * len(cats))
+        lines += ["## Median decode step per rank: exposed time (µs)", "",
+                  "The median step is one real step, the complete step of median time (the lower middle one of an "
+                  "even count), so its parts add up to its time; p90 is of the complete steps' times (n/a under 5).", ""]
+        lines.append("| rank | steps (complete) | median step # | step time | p90 step | idle | " + " | ".join(cats) + " |")
+        lines.append("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cats))
         for r in reliable:
             ms = r.median_step
             lines.append(
-                f"| {r.rank} | {r.n_steps} ({r.n_complete_steps}) | {_us(ms['time_us'])} | {_us(r.p90_step_time_us)} | {_us(ms['idle_us'])} | "
+                f"| {r.rank} | {r.n_steps} ({r.n_complete_steps}) | {ms['step_index']} | {_us(ms['time_us'])} | "
+                f"{_us(r.p90_step_time_us)} | {_us(ms['idle_us'])} | "
                 + " | ".join(_us(ms["exposed_us"][c]) for c in cats)
                 + " |"
             )
