@@ -353,3 +353,38 @@ def test_capture_refuses_an_out_it_cannot_write_before_sending_load(tmp_path, ca
     rc = main(["profile", "capture", "--url", "http://127.0.0.1:9", "--steps", "2", "--trace-dir", str(tmp_path),
                "--out", str(tmp_path / "f" / "cap")])
     assert rc == 1 and "--out" in capsys.readouterr().err
+
+
+def test_one_rank_of_many_gets_no_tp1_ceilings(tmp_path, capsys):
+    """One rank's file of an 8-rank capture (common: each rank's trace is gigabytes): the ceilings used to assume
+    TP1, an 8x error printed as "% of BW 73826 %". The trace says world_size 8, so without --tp / --layout there are
+    no ceilings and a note says what to pass; with --layout tp8 they are computed for TP8."""
+    files, _ = make_decode_traces(n_ranks=8, n_steps=6, layers=2, graph="full")
+    name, trace = files[3]
+    write_trace(trace, tmp_path / name)
+    out = tmp_path / "r"
+    assert main(["profile", "analyze", str(tmp_path), "--out", str(out), "--batch", "64", "--no-png", "--jobs", "1"]) == 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert data["ceilings"] is None
+    assert any("1 of the capture's 8 ranks" in n and "--layout" in n for n in data["notes"]), data["notes"]
+    assert main(["profile", "analyze", str(tmp_path), "--out", str(out), "--batch", "64", "--no-png", "--jobs", "1",
+                 "--layout", "tp8"]) == 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert data["ceilings"]["shape"]["tp"] == 8
+
+
+def test_a_measurement_faster_than_its_floor_is_flagged(tmp_path):
+    """A category measured faster than the hardware allows for the modelled work means the shape is not the traced
+    run's (batch, context or layout): said as a warning beside the table, not left as "% of BW 2931 %"."""
+    from glm5_fp4.hardware import get_gpu
+    from glm5_fp4.profiling.ceilings import StepShape, ceilings
+    from glm5_fp4.spec import Glm5Spec
+
+    shape = StepShape(batch=512, context=4096, tp=8, pp=1, tokens_per_seq=1, expert_dtype="nvfp4",
+                      attention_dtype="bf16", kv_dtype="bf16", dp=1, ep=1, ep_comm="a2a", expert_skew=1.0,
+                      dense_dtype=None)
+    measured = {"expert_gemm": 1.0, "attention": 1.0, "allreduce": 1.0, "other_gemm": 1.0, "other": 1.0}
+    res = ceilings(Glm5Spec(), shape, get_gpu("h200"), measured, measured, 5.0)
+    assert any(w.startswith("expert_gemm:") and "below its floor" in w for w in res["warnings"]), res["warnings"]
+    sane = {c: (v["floor_us"] or 0.0) * 2 + 1.0 for c, v in res["categories"].items()}
+    assert ceilings(Glm5Spec(), shape, get_gpu("h200"), sane, sane, sum(sane.values()))["warnings"] == []
