@@ -75,6 +75,7 @@ class RankBreakdown:
     unknown_kernels: list[KernelRow]
     notes: list[str] = field(default_factory=list)
     host: dict | None = None  # CPU-side ranges per decode step (profiling.host)
+    world_size: int | None = None  # the capture's rank count (distributedInfo), where the trace says it
 
 
 @dataclass
@@ -242,7 +243,13 @@ def _analyze_rank(
         unknown_kernels=unknown,
         notes=notes,
         host=host_side(trace, split, median_step["time_us"] if median_step else None),
+        world_size=_world_size(trace),
     )
+
+
+def _world_size(trace: RankTrace) -> int | None:
+    n = (trace.distributed or {}).get("world_size")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def _collectives(traces: list[RankTrace], codes: dict[int, np.ndarray], ar_code: int) -> tuple[dict[int, np.ndarray], list[GroupMatch]]:

@@ -165,6 +165,10 @@ def ceilings(
             "notes": w.notes,
         }
     pipeline = cost.step_s
+    warnings = [f"{cat}: measured {r['measured_summed_us']:,.1f} us is below its floor {r['floor_us']:,.1f} us "
+                f"({r['floor_over_measured_pct']:.0f} %): the modelled work is not the traced step's; check --batch, "
+                "--context, the layout (--layout / --tp / --pp) and the dtypes"
+                for cat, r in rows.items() if (r["floor_over_measured_pct"] or 0.0) > 100.0]
     return {
         "gpu": gpu.name,
         "gpu_display_name": gpu.display_name,
@@ -179,4 +183,5 @@ def ceilings(
         "measured_step_us": measured_step_us,
         "step_floor_over_measured_pct": _pct(floor_total, measured_step_us) if floor_complete else None,
         "assumptions": cost_model.assumptions(cost),
+        "warnings": warnings,
     }

@@ -153,6 +153,13 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
             raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
         tp, pp, dp, ep, ep_comm = parse_layout(args.layout, "--layout")
     else:
+        world = max((r.world_size for r in breakdown.ranks if r.world_size), default=None)
+        if args.tp is None and world is not None and world > len(breakdown.ranks):
+            # the layout is not in the files: TP8, TP4+PP2 and DP8 differ 8x in the per-GPU work the floors assume
+            breakdown.notes.append(f"no ceilings: the traces are {len(breakdown.ranks)} of the capture's {world} ranks "
+                                   "(distributedInfo.world_size), so the layout is unknown; pass --layout (e.g. "
+                                   "--layout tp8) or --tp/--pp")
+            return None
         pp = args.pp or len({r.pp_rank for r in breakdown.ranks})
         tp, dp, ep, ep_comm = args.tp or max(1, len(breakdown.ranks) // pp), 1, 1, "a2a"
     expert, dense, weights_from = _weight_dtypes(args)
@@ -172,6 +179,7 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
     said.insert(next(i for i, a in enumerate(said) if a.startswith("weights:")) + 1, weights_from)
     said.insert(next(i for i, a in enumerate(said) if a.startswith("KV cache (")) + 1, kv_from)
     breakdown.notes.extend(f"ceilings assume: {a}" for a in result["assumptions"])
+    breakdown.notes.extend(f"WARNING, ceilings: {w}" for w in result["warnings"])
     return result
 
 
