@@ -203,3 +203,37 @@ def test_report_of_old_dumps_groups_by_rows(tmp_path):
         assert "tokens" not in json.loads(line)
     doc = json.loads(report_from_files([tmp_path / "old.jsonl"], tmp_path / "rep")["json"].read_text())
     assert doc["group_by"] == "rows" and {g["value"] for g in doc["groups"]} == {64, 512}
+
+
+def _stage_dump(path, layers, per_layer_us, steps=5):
+    with path.open("w") as f:
+        for s in range(steps):
+            regions = {f"layer{i:02d}": per_layer_us + s for i in layers}
+            regions["all layers"] = sum(regions.values())
+            f.write(json.dumps({"step": s, "tokens": 8, "regions_us": regions}) + "\n")
+
+
+def test_dumps_of_pipeline_stages_are_reported_per_dump(tmp_path):
+    """PP2: rank 0 times layers 0-1 (~300 us), rank 1 layers 2-3 (~700 us). Pooled, the report said "10 step(s)" for
+    5 and a median `all layers` of ~500 us that no rank and not the model (~1,000 us) ever took. Each dump is now
+    counted and summarised on its own, and the pooled `all layers` is said to mix different layers."""
+    _stage_dump(tmp_path / "rank0.jsonl", [0, 1], 150.0)
+    _stage_dump(tmp_path / "rank1.jsonl", [2, 3], 350.0)
+    paths = report_from_files([tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"], tmp_path / "rep")
+    doc = json.loads(paths["json"].read_text())
+    dumps = {d["file"]: d for d in doc["dumps"]}
+    assert dumps["rank0.jsonl"]["steps"] == 5 and dumps["rank1.jsonl"]["steps"] == 5
+    assert abs(dumps["rank0.jsonl"]["all_layers_median_us"] - 304) < 1
+    assert abs(dumps["rank1.jsonl"]["all_layers_median_us"] - 704) < 1
+    md = paths["markdown"].read_text()
+    assert "10 step(s)" not in md and "2 dumps" in md and "different layers" in md, md
+    assert "| rank1.jsonl | 5 | layer02-layer03 |" in md, md
+
+
+def test_dumps_of_the_same_layers_say_how_many_steps_each(tmp_path):
+    """TP: every rank times the same layers; pooling them is fine, but the step count is per dump, not their sum."""
+    _stage_dump(tmp_path / "rank0.jsonl", [0, 1], 150.0)
+    _stage_dump(tmp_path / "rank1.jsonl", [0, 1], 151.0)
+    md = report_from_files([tmp_path / "rank0.jsonl", tmp_path / "rank1.jsonl"], tmp_path / "rep")["markdown"]
+    text = md.read_text()
+    assert "5 step(s) in each of 2 dumps" in text and "different layers" not in text, text
