@@ -307,16 +307,20 @@ class TimerStats:
             )
         return rows
 
-    def table(self) -> list[str]:
+    def table(self, skip: tuple[str, ...] = ()) -> list[str]:
         lines = ["| region | n | median (µs) | p90 (µs) | mean (µs) | min (µs) | max (µs) |",
                  "|---|---:|---:|---:|---:|---:|---:|"]
         for r in self.summary():
+            if r["region"] in skip:
+                continue
             lines.append(f"| {r['region']} | {r['n']} | {r['median_us']:.1f} | {r['p90_us']:.1f} | {r['mean_us']:.1f} | "
                          f"{r['min_us']:.1f} | {r['max_us']:.1f} |")
         return lines
 
-    def header(self, title: str) -> list[str]:
-        return [f"# {title}", "", f"{self.steps} step(s); GPU %globaltimer stamps (CPU: perf_counter) per region.", ""]
+    def header(self, title: str, counted: str | None = None) -> list[str]:
+        """``counted``: how the steps were counted, where not simply ``self.steps`` of one dump."""
+        return [f"# {title}", "", f"{counted or f'{self.steps} step(s)'}; GPU %globaltimer stamps (CPU: perf_counter) "
+                "per region.", ""]
 
     def to_markdown(self, title: str = "Per-layer timers") -> str:
         return "\n".join(self.header(title) + self.table()) + "\n"
@@ -356,10 +360,12 @@ class TimerReport:
     def __init__(self) -> None:
         self.pooled = TimerStats()
         self.by_key: dict[str, dict[int, TimerStats]] = {k: {} for k in GROUP_KEYS}
+        self.by_dump: dict[str, TimerStats] = {}  # one dump per rank (or run): its own steps
 
-    def add(self, record: dict) -> None:
+    def add(self, record: dict, dump: str = "") -> None:
         regions = record["regions_us"]
         self.pooled.add(regions)
+        self.by_dump.setdefault(dump, TimerStats()).add(regions)
         for key in GROUP_KEYS:
             value = record.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -395,8 +401,49 @@ class TimerReport:
     def _label(self, value: int) -> str:
         return f"{value} tokens per step" if self.group_by == "tokens" else f"{value} rows per step"
 
+    @property
+    def stages_differ(self) -> bool:
+        """Whether the dumps time different layers (pipeline stages): then a pooled `all layers` mixes them."""
+        return len({frozenset(_layers(s)) for s in self.by_dump.values()}) > 1
+
+    def dumps(self) -> list[dict]:
+        out = []
+        for name, s in self.by_dump.items():
+            total = s.samples.get("all layers")
+            layers = sorted(_layers(s))
+            out.append({"file": name, "steps": s.steps, "layers": f"{layers[0]}-{layers[-1]}" if layers else "-",
+                        "all_layers_median_us": statistics.median(total) if total else None,
+                        "all_layers_p90_us": percentile(total, 90) if total else None})
+        return out
+
+    def _counted(self) -> str | None:
+        """The step count of several dumps (ranks): per dump, since each rank runs the same steps."""
+        if len(self.by_dump) < 2:
+            return None
+        steps = [s.steps for s in self.by_dump.values()]
+        said = (f"{steps[0]} step(s) in each of {len(steps)} dumps" if len(set(steps)) == 1
+                else f"{len(steps)} dumps of {', '.join(map(str, steps))} steps")
+        return said + " (a region's n below counts its samples in every dump)"
+
+    def _dump_lines(self) -> list[str]:
+        """A table per dump where the dumps time different layers."""
+        rows = self.dumps()
+        lines = []
+        if self.stages_differ:
+            lines += ["## Per dump", "",
+                      "The dumps time different layers (pipeline stages): `all layers` is one stage's, so the tables "
+                      "below leave it out (pooled, it would mix the stages); a step of the model spans every stage.",
+                      "",
+                      "| dump | steps | layers | median `all layers` (µs) | p90 (µs) |", "|---|---:|---|---:|---:|"]
+            for r in rows:
+                med = "-" if r["all_layers_median_us"] is None else f"{r['all_layers_median_us']:.1f}"
+                p90 = "-" if r["all_layers_p90_us"] is None else f"{r['all_layers_p90_us']:.1f}"
+                lines.append(f"| {r['file']} | {r['steps']} | {r['layers']} | {med} | {p90} |")
+            lines.append("")
+        return lines
+
     def to_markdown(self, title: str = "Per-layer timers") -> str:
-        lines = self.pooled.header(title)
+        lines = self.pooled.header(title, self._counted()) + self._dump_lines()
         groups = self.groups
         if len(groups) > 1:
             total = "all layers"
@@ -408,20 +455,25 @@ class TimerReport:
                 lines.append(f"| {value} | {g.steps} | {med} |")
             lines.append("")
             for value, g in groups[:GROUP_TABLES]:
-                lines += [f"## {self._label(value)} ({g.steps} steps)", "", *g.table(), ""]
+                lines += [f"## {self._label(value)} ({g.steps} steps)", "", *g.table(self._mixed()), ""]
             if len(groups) > GROUP_TABLES:
                 lines += [f"({len(groups) - GROUP_TABLES} more batch sizes in the JSON.)", ""]
             lines += ["## All steps pooled", "",
                       f"This table pools {len(groups)} batch sizes (prefill chunks and decode steps alike): its "
                       "medians describe none of them; read the tables above.", ""]
-        lines += self.pooled.table()
+        lines += self.pooled.table(self._mixed())
         return "\n".join(lines) + "\n"
+
+    def _mixed(self) -> tuple[str, ...]:
+        """Regions whose pooled figures mix dumps of different layers."""
+        return ("all layers",) if self.stages_differ else ()
 
     def write(self, out: Path, title: str = "Per-layer timers", png: bool = True) -> dict[str, Path]:
         out = output_dir(out)
         paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
-        doc = {"steps": self.steps, "regions": self.summary(), "group_by": self.group_by,
-               "groups": [{"value": v, "steps": g.steps, "regions": g.summary()} for v, g in self.groups]}
+        doc = {"steps": self.steps, "dumps": self.dumps(), "stages_differ": self.stages_differ,
+               "regions": [r for r in self.summary() if r["region"] not in self._mixed()], "group_by": self.group_by,
+               "groups": [{"value": v, "steps": g.steps, "regions": [r for r in g.summary() if r["region"] not in self._mixed()]} for v, g in self.groups]}
         write_text_atomic(paths["json"], json.dumps(doc, indent=1) + "\n")
         write_text_atomic(paths["markdown"], self.to_markdown(title))
         if png:
@@ -444,6 +496,11 @@ def _check_regions(regions: dict, where: str) -> None:
         if not math.isfinite(us) or us < 0 or us > MAX_REGION_US:
             raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r} µs; a duration is finite, >= 0 and under a day "
                                "(one step's region)")
+
+
+def _layers(stats: TimerStats) -> set[str]:
+    """The layers a dump times (top-level regions but the total)."""
+    return {name for name in stats.samples if "/" not in name and name != "all layers"}
 
 
 # One step's region lasts far less; larger values are corrupt, and 1e308 overflowed the summary's sums.
@@ -478,7 +535,7 @@ def read_dumps(files: list[Path]) -> TimerReport:
             except (ValueError, KeyError, TypeError):
                 raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
             _check_regions(record["regions_us"], f"{f}:{i}")
-            report.add(record)
+            report.add(record, f.name)
     if not report.samples:
         raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}")
     return report
