@@ -220,3 +220,26 @@ def test_few_complete_steps_are_said_and_get_no_p90(tmp_path, n_steps):
     else:
         assert not few, r.notes
     assert (r.p90_step_time_us is None) == (r.n_complete_steps < 5)
+
+
+def test_vllm_steps_that_carried_prefill_are_left_out_of_the_median_step(tmp_path):
+    """vLLM names each forward `execute_context_<prefill reqs>(<tokens>)_generation_<decode reqs>(<tokens>)`: steps
+    with a prefill chunk are not decode steps. 3 of 5 mixed steps (700 us) made the "median decode step" 700 us while
+    the decode steps took 130; the counts are now read from the name and the median step is a decode-only one."""
+    ev, t, corr = [], 0.0, 1
+    plan = [(0, 8, 100, 20), (1, 7, 400, 300), (0, 8, 100, 20), (1, 7, 400, 300), (1, 7, 400, 300), (0, 8, 100, 20)]
+    for i, (ctx, gen, expert, attn) in enumerate(plan):
+        s = t
+        for name, dur in (("flash_mla_decode_kernel", attn), (MOE_GEMM1, expert)):
+            ev.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t, "dur": dur,
+                       "args": {"stream": 7, "correlation": corr, "device": 0}})
+            t, corr = t + dur, corr + 1
+        ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": f"execute_context_{ctx}({ctx * 2000})_generation_"
+                   f"{gen}({gen})", "pid": 0, "tid": 1, "ts": s, "dur": t - s})
+        t += 10
+    write_trace({"traceEvents": ev, "deviceProperties": [{"name": "NVIDIA H200"}]},
+                tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz")
+    r = analyze_path(tmp_path, jobs=1).ranks[0]
+    assert r.median_step["time_us"] == pytest.approx(130.0)
+    assert [s.batch["prefill_reqs"] for s in r.steps if s.batch] == [0, 1, 0, 1, 1, 0]
+    assert any("3 of 6 complete steps carried prefill" in n for n in r.notes), r.notes
