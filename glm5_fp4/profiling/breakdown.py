@@ -20,7 +20,7 @@ from glm5_fp4.profiling.host import host_side
 from glm5_fp4.profiling.intervals import covered_in_windows, exposed_by_priority, merge
 from glm5_fp4.profiling.steps import HINT, StepSplit, annotation_families, compile_step_annotation, line_up, split_steps
 from glm5_fp4.profiling.taxonomy import ALLREDUCE_WAIT, UNKNOWN_LABEL, Taxonomy, load_taxonomy
-from glm5_fp4.profiling.traces import RankTrace, load_rank_traces
+from glm5_fp4.profiling.traces import RankTrace, load_rank_traces, vllm_step_batch
 
 TOP_KERNELS = 8
 
@@ -45,6 +45,7 @@ class StepRow:
     idle_us: float
     summed_us: dict[str, float]
     exposed_us: dict[str, float]
+    batch: dict[str, int] | None = None  # what vLLM's execute range over the step names (traces.vllm_step_batch)
 
 
 @dataclass
@@ -187,7 +188,14 @@ def _analyze_rank(
                 exposed_us={c: float(step_exposed[code_of[c]][i]) for c in categories},
             )
         )
+    _name_batches(trace, steps)
     complete = [steps[i] for i in split.complete]
+    decode = [s for s in complete if s.batch is None or s.batch["prefill_reqs"] == 0]
+    mixed_note = None
+    if decode and len(decode) < len(complete):  # a prefill chunk in a forward makes it no decode step
+        mixed_note = (f"{len(complete) - len(decode)} of {len(complete)} complete steps carried prefill (vLLM's "
+                      "execute_context_N with N > 0): left out of the median step and p90")
+        complete = decode
     times = np.array([s.time_us for s in complete])
     median_step = p90 = None
     if split.reliable:
@@ -210,7 +218,11 @@ def _analyze_rank(
     unknown = [r for r in rows if r.label == UNKNOWN_LABEL]
 
     window = float(full_we[0] - full_ws[0])
-    notes = list(trace.notes) + list(split.notes)
+    notes = list(trace.notes) + list(split.notes) + ([mixed_note] if mixed_note else [])
+    sizes = sorted({s.batch["decode_reqs"] for s in complete if s.batch})
+    if len(sizes) > 1:
+        notes.append(f"decode requests per step vary from {sizes[0]} to {sizes[-1]} across the steps used: the "
+                     "median step is of one of them")
     if split.reliable and (split.n_steps == 1 or all(s.partial for s in steps)):
         notes.append("no complete step found: per-step figures use the whole trace window")
     elif split.reliable and len(complete) < MIN_STEPS_FOR_MEDIAN:
@@ -245,6 +257,23 @@ def _analyze_rank(
         host=host_side(trace, split, median_step["time_us"] if median_step else None),
         world_size=_world_size(trace),
     )
+
+
+def _name_batches(trace: RankTrace, steps: list[StepRow]) -> None:
+    """Each step's batch from the vLLM execute range overlapping it most (GPU-side ranges first: they cover the
+    kernels; CPU-side ones sit a launch latency earlier on the same clock)."""
+    for marks in (trace.annotations_gpu, trace.annotations_cpu):
+        named = [(a, b, batch) for a, b, name in marks if (batch := vllm_step_batch(name)) is not None]
+        if not named:
+            continue
+        starts = np.array([a for a, _, _ in named])
+        ends = np.array([b for _, b, _ in named])
+        for s in steps:
+            overlap = np.minimum(ends, s.start_us + s.time_us) - np.maximum(starts, s.start_us)
+            best = int(np.argmax(overlap))
+            if overlap[best] > 0:
+                s.batch = named[best][2]
+        return
 
 
 def _world_size(trace: RankTrace) -> int | None:

@@ -473,7 +473,9 @@ class TimerReport:
         paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
         doc = {"steps": self.steps, "dumps": self.dumps(), "stages_differ": self.stages_differ,
                "regions": [r for r in self.summary() if r["region"] not in self._mixed()], "group_by": self.group_by,
-               "groups": [{"value": v, "steps": g.steps, "regions": [r for r in g.summary() if r["region"] not in self._mixed()]} for v, g in self.groups]}
+               "groups": [{"value": v, "steps": g.steps,
+                           "regions": [r for r in g.summary() if r["region"] not in self._mixed()]}
+                          for v, g in self.groups]}
         write_text_atomic(paths["json"], json.dumps(doc, indent=1) + "\n")
         write_text_atomic(paths["markdown"], self.to_markdown(title))
         if png:

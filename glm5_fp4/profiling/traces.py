@@ -47,8 +47,17 @@ _GPU_CATS = {
 _RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "Runtime", "Driver"}
 _ANNOTATION_CATS = {"user_annotation", "gpu_user_annotation", "cpu_op"}
 STEP_PREFIX = "ProfilerStep#"
-# vLLM's model runner annotates every forward as e.g. `execute_context_0(0)_generation_4(4)`.
-VLLM_STEP_RE = re.compile(r"execute_context_\d+\(\d+\)_generation_\d+\(\d+\)$")
+# vLLM's model runner annotates every forward as e.g. `execute_context_0(0)_generation_4(4)`: the requests (and
+# their tokens) with a prefill chunk in this forward, then those decoding.
+VLLM_STEP_RE = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
+
+
+def vllm_step_batch(name: str) -> dict[str, int] | None:
+    """The batch a vLLM execute range names (prefill / decode requests and tokens), None for other names."""
+    m = VLLM_STEP_RE.match(name)
+    if m is None:
+        return None
+    return dict(zip(("prefill_reqs", "prefill_tokens", "decode_reqs", "decode_tokens"), map(int, m.groups())))
 
 
 def is_engine_step(name: str) -> bool:
