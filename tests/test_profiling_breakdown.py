@@ -243,3 +243,16 @@ def test_vllm_steps_that_carried_prefill_are_left_out_of_the_median_step(tmp_pat
     assert r.median_step["time_us"] == pytest.approx(130.0)
     assert [s.batch["prefill_reqs"] for s in r.steps if s.batch] == [0, 1, 0, 1, 1, 0]
     assert any("3 of 6 complete steps carried prefill" in n for n in r.notes), r.notes
+
+
+def test_a_file_with_kernels_of_several_gpus_is_refused(tmp_path):
+    """One process driving two GPUs writes both into one file; merged onto one timeline their kernel times added up
+    and each GPU's idle time vanished (a 200 us step, 0 idle, for two GPUs half busy). Refused, naming the GPUs."""
+    ev = []
+    for step in range(4):
+        for dev, offset in ((0, 0.0), (1, 50.0)):
+            ev.append({"ph": "X", "cat": "kernel", "name": MOE_GEMM1, "pid": dev, "tid": 7, "ts": 200.0 * step + offset,
+                       "dur": 50.0, "args": {"stream": 7, "correlation": 10 * step + dev, "device": dev}})
+    write_trace({"traceEvents": ev}, tmp_path / "trace.json")
+    with pytest.raises(Exception, match=r"kernels of 2 GPUs \(devices 0, 1\)"):
+        analyze_path(tmp_path, jobs=1)
