@@ -237,6 +237,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
 
     bad = 0
     bad_gpu: list[str] = []  # the GPU records are what every figure is made of: one bad one fails the read
+    devices: set = set()
     for i, ev in enumerate(events):
         if not isinstance(ev, dict):
             bad += 1
@@ -252,6 +253,8 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                 ts, dur = _time_field(ev, "ts"), _time_field(ev, "dur", 0.0)
                 if dur < 0 or not isinstance(args, dict):
                     raise ValueError(f"dur {dur!r}" if dur < 0 else f"args {type(args).__name__}")
+                if "device" in args:
+                    devices.add(args["device"])
                 gpu_rows.append(
                     (
                         intern(str(ev.get("name", "?"))),
@@ -291,6 +294,10 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                            "negative duration, non-object args or a non-integer stream / correlation; first: "
                            f"{bad_gpu[0]}); torch.profiler writes none such, and every figure of the breakdown is "
                            "made of them")
+    if len(devices) > 1:  # one timeline per GPU: merged, two GPUs' kernel times add up and their idle time vanishes
+        listed = ", ".join(str(d) for d in sorted(devices, key=str))
+        raise Glm5Fp4Error(f"{path}: kernels of {len(devices)} GPUs (devices {listed}) in one file; the breakdown "
+                           "reads one GPU per file, as vLLM and SGLang write them (one process per GPU)")
     if mode == "gpu" and not gpu_rows:
         raise Glm5Fp4Error(
             f"{path}: no GPU kernel records (cat 'kernel'/'gpu_memcpy'/'gpu_memset'); "
