@@ -18,10 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAKE_ENGINE = """#!{python}
-import http.server, sys
-port = int(sys.argv[sys.argv.index("--port") + 1])
-
+# A server answering /health, the tail of each stand-in engine below (port: from its --port argument)
+HEALTH_SERVER = """
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
@@ -32,6 +30,11 @@ class Health(http.server.BaseHTTPRequestHandler):
 
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
+
+FAKE_ENGINE = """#!{python}
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+""" + HEALTH_SERVER
 
 
 def _free_port() -> int:
@@ -96,11 +99,16 @@ def _start_serve(tmp_path: Path, engine: str | None = None) -> tuple[subprocess.
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
 def test_the_server_dies_with_serve(tmp_path, sig):
     proc, pid = _start_serve(tmp_path)
+    assert _alive(pid)
+    _stop_and_expect_gone(proc, pid, lambda: proc.send_signal(sig), f"the server (PID {pid})", f"killed by {sig.name}")
+
+
+def _stop_and_expect_gone(proc: subprocess.Popen, pid: int, stop, who: str, how: str) -> None:
+    """``stop()`` `serve` (``proc``), then process ``pid`` must die with it; neither outlives the test."""
     try:
-        assert _alive(pid)
-        proc.send_signal(sig)
+        stop()
         proc.wait(30)
-        assert _wait_dead(pid), f"the server (PID {pid}) outlived `serve` killed by {sig.name}"
+        assert _wait_dead(pid), f"{who} outlived `serve` {how}"
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
@@ -134,17 +142,7 @@ port = int(sys.argv[sys.argv.index("--port") + 1])
 worker = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                            "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"])
 open({pid_file!r}, "w").write(str(worker.pid))
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-"""
+""" + HEALTH_SERVER
 
 
 def test_a_second_stop_signal_while_stopping_still_kills_the_engines_workers(tmp_path):
@@ -154,7 +152,8 @@ def test_a_second_stop_signal_while_stopping_still_kills_the_engines_workers(tmp
     engine = STUBBORN_ENGINE.format(python=sys.executable, pid_file=str(pid_file))
     proc, _ = _start_serve(tmp_path, engine)
     worker = int(pid_file.read_text())
-    try:
+
+    def stop_twice():
         proc.send_signal(signal.SIGTERM)  # serve starts stopping: SIGINT to the engine, which ignores it
         deadline = time.monotonic() + 20
         seen = ""
@@ -162,36 +161,29 @@ def test_a_second_stop_signal_while_stopping_still_kills_the_engines_workers(tmp
             seen += proc.stdout.readline()
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)  # the second signal, inside stop()'s wait
-        proc.wait(30)
-        assert _wait_dead(worker), f"the engine's worker (PID {worker}) outlived `serve` stopped twice"
-    finally:
-        if _alive(worker):
-            os.kill(worker, signal.SIGKILL)
-        proc.kill()
+
+    _stop_and_expect_gone(proc, worker, stop_twice, f"the engine's worker (PID {worker})", "stopped twice")
 
 
 def test_a_port_another_server_answers_on_is_refused_before_starting(tmp_path):
     """`serve` on a port where another server already answers /health used to print "ready" for that server (the
     engine then failed to bind): the port is checked before the engine starts."""
-    import http.server
-    import threading
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
+    other_script = tmp_path / "other.py"
+    other_script.write_text(FAKE_ENGINE.format(python=sys.executable))
+    port = _free_port()
+    other = subprocess.Popen([sys.executable, str(other_script), "--port", str(port)])
     try:
-        port = other.server_address[1]
-        proc = subprocess.run(_serve_cmd(tmp_path, FAKE_ENGINE, port), env=_serve_env(tmp_path), capture_output=True,
-                              text=True, timeout=60)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        proc = subprocess.run(_serve_cmd(tmp_path, FAKE_ENGINE.format(python=sys.executable), port),
+                              env=_serve_env(tmp_path), capture_output=True, text=True, timeout=60)
     finally:
-        other.shutdown()
+        other.kill()
+        other.wait(10)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert f"port {port} on 127.0.0.1 is already in use" in out and "ready after" not in out, out
