@@ -192,3 +192,34 @@ def test_the_default_warm_up_is_one_full_wave() -> None:
 
     assert LoadTestConfig(url="http://127.0.0.1:1", concurrency=512).num_warmups == 512
     assert LoadTestConfig(url="http://127.0.0.1:1", concurrency=4, num_warmups=0).num_warmups == 0
+
+
+def test_fractional_welch_df_uses_a_t_quantile_no_smaller_than_the_true_one(tmp_path) -> None:
+    """2 runs a side with unequal spreads: Welch df 1.02, true t95 ~12.1. The table lookup rounded df up to 2 (t 4.303)
+    and called a +22.5 tok/s difference whose interval holds 0 "better". Fractional df are now interpolated in 1/df
+    between listed ones (the quantile is convex in 1/df: the chord lies above it, an interval never too narrow)."""
+    from glm5_fp4.loadtest.compare import _t95
+
+    a = [_summary(tmp_path / f"a{i}.json", output_throughput=v) for i, v in enumerate([100.0, 110.0])]
+    b = [_summary(tmp_path / f"b{i}.json", output_throughput=v) for i, v in enumerate([127.0, 128.0])]
+    _, tables, _ = compare_files([",".join(a), ",".join(b)])
+    thr = _by_key(tables[0])["output_throughput"]
+    assert thr.ci[0] < 0 < thr.ci[1] and thr.verdict == "within noise", thr
+    # true 97.5 % quantiles of Student's t at fractional df (numerical integration of its density): the lookup may
+    # only be wider, by little (the table's three decimals aside)
+    for df, true in [(1.02, 12.12), (1.5, 6.02), (2.5, 3.575), (11.0, 2.201), (45.0, 2.014), (200.0, 1.972)]:
+        assert true - 0.002 <= _t95(df) <= true * 1.2, (df, _t95(df))
+    dfs = np.linspace(1, 300, 2000)
+    assert all(x >= y for x, y in zip(map(_t95, dfs), map(_t95, dfs[1:])))  # never rises with df
+
+
+def test_a_metric_null_in_the_baseline_is_still_listed(tmp_path) -> None:
+    """A statistic with no sample is null (None); a null in the baseline made the row vanish, hiding the candidate's
+    stalls. Rows come from both sides; a null side is 'missing'."""
+    a = _summary(tmp_path / "a.json", output_throughput=100.0, stalls=None, longest_stall_ms=None, mean_tpot_ms=None)
+    b = _summary(tmp_path / "b.json", output_throughput=100.0, stalls=4, longest_stall_ms=900.0, mean_tpot_ms=20.0)
+    for specs in ([a, b], [b, a]):
+        _, tables, _ = compare_files(specs)
+        rows = _by_key(tables[0])
+        for key in ("stalls", "longest_stall_ms", "mean_tpot_ms"):
+            assert rows[key].verdict == "missing", (specs, key)
