@@ -67,18 +67,24 @@ NOT_COMPARABLE = "not comparable"
 NOT_COMPARABLE_MARK = "**Not comparable**"  # heads a markdown block without verdicts (improvements reads it)
 NOT_FINITE = "not finite"
 MAX_LABEL = 20
+# Student's t, 97.5 % quantile, by degrees of freedom (math.inf: the normal's)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980, math.inf: 1.960}
 
 
 def _t95(df: float) -> float:
-    if not math.isfinite(df) or df > 60:
-        return 1.96
-    keys = sorted(_T95)
-    for k in keys:
-        if df <= k:
-            return _T95[k]
-    return 1.96
+    """The quantile at a Welch df, which is fractional: linear in 1/df between listed df. The quantile is convex in
+    1/df, so the chord lies above it: an interval a little wide, never too narrow (rounding df up to the next listed
+    one took a smaller t: at df 1.02, 4.30 for the true 12.1)."""
+    if not df >= 1:  # (Welch's df is at least 1; NaN too)
+        return _T95[1]
+    x = 1.0 / df
+    keys = sorted(_T95, reverse=True)  # x = 1/k ascending: inf, 120, ... 1
+    xs = [1.0 / k for k in keys]
+    for (x0, k0), (x1, k1) in zip(zip(xs, keys), zip(xs[1:], keys[1:])):
+        if x0 <= x <= x1:
+            return _T95[k0] + (_T95[k1] - _T95[k0]) * (x - x0) / (x1 - x0)
+    return _T95[1]
 
 
 @dataclass
@@ -276,7 +282,10 @@ def rows_from_vllm_detailed(result: dict[str, Any], path: Path | str = "result")
 def _latency_stats(result: dict[str, Any], m: str) -> list[str]:
     """Stat names present for metric m, in the order mean, median, std, p<low>..p<high>."""
     suffix = f"_{m}_ms"
-    stats = [k[: -len(suffix)] for k in result if k.endswith(suffix) and "_" not in k[: -len(suffix)]]
+    return _order_stats([k[: -len(suffix)] for k in result if k.endswith(suffix) and "_" not in k[: -len(suffix)]])
+
+
+def _order_stats(stats: list[str]) -> list[str]:
     fixed = [s for s in ("mean", "median", "std") if s in stats]
     pcts = sorted((s for s in stats if s.startswith("p") and _is_number(s[1:])), key=lambda s: float(s[1:]))
     return fixed + pcts
@@ -295,11 +304,18 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def metric_keys(result: dict[str, Any]) -> list[str]:
-    keys = [k for k in COUNT_KEYS + THROUGHPUT_KEYS if isinstance(result.get(k), (int, float))]
+def metric_keys(*results: dict[str, Any]) -> list[str]:
+    """The metrics any of ``results`` has (present, even if null: a statistic with no sample), in report order."""
+    def has(k: str) -> bool:
+        return any(k in r for r in results)
+
+    keys = [k for k in COUNT_KEYS + THROUGHPUT_KEYS if has(k)]
     for m in LATENCIES:
-        keys += [f"{s}_{m}_ms" for s in _latency_stats(result, m)]
-    keys += [k for k in OTHER_KEYS if isinstance(result.get(k), (int, float))]
+        stats: list[str] = []
+        for r in results:
+            stats += [s for s in _latency_stats(r, m) if s not in stats]
+        keys += [f"{s}_{m}_ms" for s in _order_stats(stats)]
+    keys += [k for k in OTHER_KEYS if has(k)]
     return keys
 
 
@@ -451,7 +467,7 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
             enough = bool(g.rows and g.rows[0]) and _ok_count(g.rows[0]) >= MIN_BOOTSTRAP_REQUESTS
             boots[gi] = _Bootstrap(g.rows[0], n_boot, rng, pcts) if enough else None
     rows = []
-    for key in metric_keys(base.results[0]):
+    for key in metric_keys(*base.results, *other.results):
         a, b = base.value(key), other.value(key)
         if a is None or b is None:
             rows.append(Row(key, a, b, None, None, None, "-", "missing"))
@@ -532,7 +548,7 @@ def noise_notes(base: Group, other: Group, rows: list[Row]) -> list[str]:
 def non_finite_notes(base: Group, other: Group) -> list[str]:
     """'<field> is <value> in <file>' for every metric that is NaN or infinite in either group."""
     out = []
-    for key in metric_keys(base.results[0]):
+    for key in metric_keys(*base.results, *other.results):
         bad = base.non_finite(key) + other.non_finite(key)
         if bad:
             out.append(f"{key} is {', '.join(bad)}")
