@@ -338,3 +338,21 @@ def test_make_plan_rejects_impossible_inputs_given_programmatically():
                         ({"allreduce_gbs": float("nan"), "allreduce_latency_us": 10.0}, "all-reduce")):
         with pytest.raises(Glm5Fp4Error, match=culprit):
             plan(8, 1, **kw)
+
+
+@pytest.mark.parametrize("gpu,engine,want", [
+    ("rtx-pro-6000-ws", "vllm", "fp8"),    # FLASHINFER_MLA_SPARSE_SM120 turns auto into fp8_ds_mla
+    ("h200", "vllm", "bf16"),              # FLASHMLA_SPARSE keeps auto: the model's dtype
+    ("b200", "vllm", "bf16"),
+    ("rtx-pro-6000-ws", "sglang", "fp8"),  # SGLang: fp8_e4m3 on SM >= 10, else bfloat16
+    ("b200", "sglang", "fp8"),
+    ("h200", "sglang", "bf16"),
+])
+def test_auto_kv_cache_dtype_resolves_as_the_engine_does_on_that_gpu(gpu, engine, want):
+    """kv_cache_dtype=auto was priced as FP8 everywhere; on an H200 both engines keep BF16 rows (1.63x the bytes:
+    capacity overstated by that much). Resolved per engine and GPU, and said in the assumptions."""
+    p = make_plan(Glm5Spec(), get_gpu(gpu), PlanInputs(8, 1, 128, 8192, engine=engine,
+                                                       allreduce_gbs=300, allreduce_latency_us=10))
+    assert p.kv_kind == want
+    said = next(a for a in p.assumptions if a.startswith("KV cache:"))
+    assert f"kv_cache_dtype=auto -> {want}" in said and "auto" in said
