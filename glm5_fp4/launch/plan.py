@@ -18,7 +18,8 @@ from glm5_fp4.spec import Glm5Spec
 
 GIB = 1024**3
 # KV-cache dtype -> the latent row kind the cost model prices. Every FP8 spelling lands on the scaled DSA row for
-# GLM-5: vLLM canonicalises sparse-MLA FP8 to `fp8_ds_mla`, SGLang's DSA pool uses the same scaled layout.
+# GLM-5: vLLM canonicalises sparse-MLA FP8 to `fp8_ds_mla`, SGLang's DSA pool uses the same scaled layout. `auto`
+# depends on the GPU (auto_kv); "fp8" here is its value on the target GPU, where no GPU is given.
 VLLM_KV = {"auto": "fp8", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_ds_mla": "fp8",
            "bfloat16": "bf16", "float16": "bf16", "nvfp4_ds_mla": "nvfp4_ds_mla"}
 SGLANG_KV = {"auto": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bf16": "bf16", "bfloat16": "bf16"}
@@ -26,13 +27,26 @@ SGLANG_KV = {"auto": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bf16": "bf16"
 KV_SPELLINGS = {**SGLANG_KV, **VLLM_KV}
 
 
-def resolve_kv(engine: str | None, kv_cache_dtype: str) -> str:
-    """The row kind (spec.KV_KINDS) of a kv_cache_dtype as ``engine`` spells it (None: as either engine does)."""
+def resolve_kv(engine: str | None, kv_cache_dtype: str, gpu: GpuSpec | None = None) -> str:
+    """The row kind (spec.KV_KINDS) of a kv_cache_dtype as ``engine`` spells it (None: as either engine does);
+    ``auto`` as the engine resolves it on ``gpu`` (:func:`auto_kv`) where the GPU is given."""
     table = KV_SPELLINGS if engine is None else VLLM_KV if engine == "vllm" else SGLANG_KV
     if kv_cache_dtype not in table:
         raise Glm5Fp4Error(f"plan does not model kv_cache_dtype {kv_cache_dtype!r} for {engine or 'vLLM or SGLang'}; "
                            f"modelled: {', '.join(table)}")
+    if kv_cache_dtype == "auto" and gpu is not None:
+        return auto_kv(engine, gpu)
     return table[kv_cache_dtype]
+
+
+def auto_kv(engine: str | None, gpu: GpuSpec) -> str:
+    """What ``auto`` becomes for GLM-5's sparse MLA: vLLM turns it into fp8_ds_mla only on its SM120 backend
+    (FLASHINFER_MLA_SPARSE_SM120; FLASHMLA_SPARSE keeps the model's BF16, vLLM 0.33 mla_attention.py), SGLang into
+    fp8_e4m3 on SM >= 10 (shared/reference/sglang.md). Either engine (None): the two agree except on SM100, where
+    vLLM's BF16 is taken (the larger rows: capacity not overstated)."""
+    major = gpu.compute_capability[0]
+    fp8 = major >= 10 if engine == "sglang" else major == 12
+    return "fp8" if fp8 else "bf16"
 
 
 @dataclass(frozen=True)
@@ -170,7 +184,7 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
     if (tp > 1 or pp > 1) and not net.known:
         raise Glm5Fp4Error(f"the hardware table has no all-reduce numbers for {gpu.name}; pass --allreduce-gbs "
                            "and --allreduce-latency-us")
-    kv_kind = resolve_kv(inputs.engine, inputs.kv_cache_dtype)
+    kv_kind = resolve_kv(inputs.engine, inputs.kv_cache_dtype, gpu)
     precisions = cost_model.Precisions(kv=kv_kind, expert_math=inputs.expert_math, dispatch=inputs.dispatch,
                                        dense=inputs.dense)
     layout = cost_model.Layout(tp, pp, inputs.dp, inputs.ep, inputs.ep_comm)
@@ -178,7 +192,9 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
                                   efficiency=inputs.efficiency, interconnect=net, expert_skew=inputs.expert_skew)
     usable = gpu.memory_gb * GIB * inputs.mem_util - inputs.reserve_gib * GIB
     assumptions = cost_model.assumptions(cost) + [
-        f"KV cache: {inputs.engine} kv_cache_dtype={inputs.kv_cache_dtype} -> {kv_kind}; each stage holds its "
+        f"KV cache: {inputs.engine} kv_cache_dtype={inputs.kv_cache_dtype} -> {kv_kind}"
+        + (f" (what {inputs.engine} makes of auto on sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]})"
+           if inputs.kv_cache_dtype == "auto" else "") + "; each stage holds its "
         f"layers' KV of " + (f"its GPU's {cost.micro_batch * pp} sequences" if inputs.dp > 1
                              else f"all {inputs.concurrency} sequences"),
         f"memory: {inputs.mem_util:.2f} x {gpu.memory_gb:g} GiB minus {inputs.reserve_gib:g} GiB runtime reserve "
