@@ -356,3 +356,30 @@ def test_auto_kv_cache_dtype_resolves_as_the_engine_does_on_that_gpu(gpu, engine
     assert p.kv_kind == want
     said = next(a for a in p.assumptions if a.startswith("KV cache:"))
     assert f"kv_cache_dtype=auto -> {want}" in said and "auto" in said
+
+
+def test_a_context_past_the_models_maximum_is_refused():
+    """GLM-5's max_position_embeddings is 202,752 (config.json); vLLM refuses a longer max_model_len, and plan said a
+    400,000-token context 'fits'. A config's own limit is taken from it."""
+    with pytest.raises(Glm5Fp4Error, match="context 400000 exceeds the model's max_position_embeddings 202752"):
+        plan(8, 1, c=1, ctx=400_000)
+    assert plan(8, 1, c=1, ctx=202_752).kv_kind
+    assert Glm5Spec.from_config({"hidden_size": 64, "num_hidden_layers": 2, "moe_intermediate_size": 32,
+                                 "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16,
+                                 "max_position_embeddings": 8192}).max_position_embeddings == 8192
+
+
+def test_expert_skew_on_a_layout_without_ep_is_said_to_do_nothing():
+    p = plan(8, 1, c=64, expert_skew=0.5)
+    assert any("expert skew 0.5" in a and "expert parallelism only" in a for a in p.assumptions), p.assumptions
+    assert not any("expert skew" in a for a in plan(8, 1, c=64).assumptions)
+
+
+def test_nvfp4_ds_mla_only_where_flashmla_serves_it():
+    """vLLM's nvfp4_ds_mla row is SM100 FlashMLA's; plan priced it on an RTX PRO 6000 (+63 % capacity) with only a
+    parenthesis in the assumptions to say it cannot run there."""
+    with pytest.raises(Glm5Fp4Error, match="nvfp4_ds_mla.*sm_100"):
+        plan(8, 1, kv_cache_dtype="nvfp4_ds_mla")
+    b200 = make_plan(Glm5Spec(), get_gpu("b200"), PlanInputs(8, 1, 64, 2048, kv_cache_dtype="nvfp4_ds_mla",
+                                                             allreduce_gbs=300, allreduce_latency_us=10))
+    assert b200.kv_kind == "nvfp4_ds_mla"
