@@ -101,6 +101,7 @@ class Glm5Spec:
     tie_word_embeddings: bool = False
     num_mtp_layers: int = 1
     rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 202752  # the longest context; engines refuse a longer max_model_len
     architecture: str = "GlmMoeDsaForCausalLM"
     name: str = field(default="GLM-5", compare=False)
 
@@ -163,7 +164,7 @@ class Glm5Spec:
         for f in ("hidden_size", "num_layers", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                   "moe_layer_freq", "intermediate_size", "n_group", "topk_group", "num_attention_heads",
                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "index_n_heads", "index_head_dim", "vocab_size"):
+                  "index_n_heads", "index_head_dim", "vocab_size", "max_position_embeddings"):
             if getattr(self, f) <= 0:
                 raise Glm5Fp4Error(f"{name}: field {f} must be positive, got {getattr(self, f)}")
         for f in ("n_shared_experts", "num_mtp_layers"):

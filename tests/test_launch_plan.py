@@ -365,7 +365,7 @@ def test_a_context_past_the_models_maximum_is_refused():
         plan(8, 1, c=1, ctx=400_000)
     assert plan(8, 1, c=1, ctx=202_752).kv_kind
     assert Glm5Spec.from_config({"hidden_size": 64, "num_hidden_layers": 2, "moe_intermediate_size": 32,
-                                 "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16,
+                                 "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16, "first_k_dense_replace": 1,
                                  "max_position_embeddings": 8192}).max_position_embeddings == 8192
 
 

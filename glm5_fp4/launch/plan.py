@@ -36,7 +36,12 @@ def resolve_kv(engine: str | None, kv_cache_dtype: str, gpu: GpuSpec | None = No
                            f"modelled: {', '.join(table)}")
     if kv_cache_dtype == "auto" and gpu is not None:
         return auto_kv(engine, gpu)
-    return table[kv_cache_dtype]
+    kind = table[kv_cache_dtype]
+    if kind == "nvfp4_ds_mla" and gpu is not None and gpu.compute_capability[0] != 10:
+        cc = gpu.compute_capability
+        raise Glm5Fp4Error(f"kv_cache_dtype nvfp4_ds_mla is the row of vLLM's FlashMLA on sm_100 only; {gpu.name} "
+                           f"(sm_{cc[0]}{cc[1]}) cannot serve it")
+    return kind
 
 
 def auto_kv(engine: str | None, gpu: GpuSpec) -> str:
@@ -170,6 +175,9 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
     tp, pp = inputs.tp, inputs.pp
     if tp < 1 or pp < 1 or inputs.concurrency < 1 or inputs.context < 1:
         raise Glm5Fp4Error("tp, pp, concurrency and context must be positive")
+    if inputs.context > spec.max_position_embeddings:
+        raise Glm5Fp4Error(f"context {inputs.context} exceeds the model's max_position_embeddings "
+                           f"{spec.max_position_embeddings} (config.json); the engines refuse a longer max_model_len")
     if not 0 < inputs.mem_util <= 1:
         raise Glm5Fp4Error(f"--mem-util {inputs.mem_util} must be in (0, 1]")
     # `not x >= 0` rather than `x < 0`: NaN compares false either way and would pass as a reserve or a link speed
@@ -200,4 +208,7 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
         f"memory: {inputs.mem_util:.2f} x {gpu.memory_gb:g} GiB minus {inputs.reserve_gib:g} GiB runtime reserve "
         f"(activations, CUDA graphs, NCCL buffers) = {usable / 1e9:.2f} GB usable; KV gets what weights leave",
     ]
+    if inputs.expert_skew and inputs.ep == 1:  # TP shards every expert over every GPU: none is hotter
+        assumptions.append(f"expert skew {inputs.expert_skew:g}: applies to expert parallelism only; this layout "
+                           "shards every expert over every GPU, so it changes nothing here")
     return Plan(inputs, cost, kv_kind, usable, assumptions)
