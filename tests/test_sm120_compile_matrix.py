@@ -243,3 +243,25 @@ def test_compile_matrix_that_compiled_no_kernel_is_an_error_not_a_pass(tmp_path,
                                                                      "elapsed_s": 0.0}, {"sm120": SM120_LIMIT}, []))
     assert main([*QUICK, "--strict", "--out", str(tmp_path / "o")]) == 1
     assert "no kernel" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_a_kernel_the_compiler_could_not_build_fails_the_run(tmp_path, capsys, monkeypatch):
+    """A compiler exception is a row verdict ("error") in the report, but a run that could not check a kernel has
+    partly failed: exit 1 with or without --strict (it used to exit 0 without it)."""
+    import glm5_fp4.sm120.matrix as M
+    from glm5_fp4.cli import main
+
+    real = M.compile_specialized
+    calls = []
+
+    def flaky(sp):
+        calls.append(sp)
+        if len(calls) == 1:
+            raise RuntimeError("ptxas died")
+        return real(sp)
+
+    monkeypatch.setattr(M, "compile_specialized", flaky)
+    assert main([*QUICK, "--jobs", "1", "--out", str(tmp_path / "o")]) == 1
+    out = capsys.readouterr()
+    assert "1 kernel(s) could not be compiled" in out.err and "ptxas died" in out.err, out
+    assert (tmp_path / "o").exists()  # the report of what was checked is still written
