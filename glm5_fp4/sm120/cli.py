@@ -4,6 +4,9 @@ floors on an RTX PRO 6000.
 
     glm5-fp4 compile-matrix --out benchmarks/results            # full matrix, ~minutes on 2 cores
     glm5-fp4 compile-matrix --arch sm120 --shapes tp8 --strict  # quick gate: exit 3 if anything fails
+
+Exit status: 1 where a kernel could not be compiled at all (the compiler raised: it was not checked), else 3 with
+--strict where a kernel fails a check, else 0.
 """
 
 from __future__ import annotations
@@ -130,4 +133,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {len(waived)} kernels with a waived spill (configs.SPILL_WAIVERS): "
                   + "; ".join(sorted({f"{w} in {r.kernel}" for r in waived for w in r.waived})))
     print(f"{res.meta['distinct_kernels']} kernels in {res.meta['elapsed_s']:.0f} s -> {js}, {md}")
+    broken = [r for r in res.rows if r.error]
+    if broken:  # not a verdict on a kernel but a check that did not happen: the run is incomplete
+        print(f"compile-matrix: {len(broken)} kernel(s) could not be compiled, so were not checked; first: "
+              f"{broken[0].kernel} on {broken[0].arch}: {broken[0].error}", file=sys.stderr)
+        return 1
     return 3 if (args.strict and failed) else 0
