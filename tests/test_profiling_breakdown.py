@@ -256,3 +256,24 @@ def test_a_file_with_kernels_of_several_gpus_is_refused(tmp_path):
     write_trace({"traceEvents": ev}, tmp_path / "trace.json")
     with pytest.raises(Exception, match=r"kernels of 2 GPUs \(devices 0, 1\)"):
         analyze_path(tmp_path, jobs=1)
+
+
+def test_a_broad_pattern_catching_much_of_the_time_is_flagged(tmp_path):
+    """A new MoE GEMM family (say `trtllm_moe_new_kernel`) matches the routing catch-all 'moe|expert' before it can be
+    called unknown: filed under other / moe_routing with "Unknown kernels: None". Families the taxonomy marks small
+    (max_share) that take more of the kernel time than that are named in a note."""
+    ev, t = [], 0.0
+    for step in range(4):
+        for i, (name, dur) in enumerate((("trtllm_moe_new_kernel", 300.0), ("flash_mla_decode_kernel", 100.0),
+                                         ("moe_align_block_size_kernel", 5.0))):
+            ev.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": t, "dur": dur,
+                       "args": {"stream": 7, "correlation": 10 * step + i, "device": 0}})
+            t += dur
+        ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{step}", "pid": 0, "tid": 1,
+                   "ts": t - 405.0, "dur": 405.0})
+        t += 20.0
+    write_trace({"traceEvents": ev}, tmp_path / "trace.json")
+    r = analyze_path(tmp_path, jobs=1).ranks[0]
+    flagged = [n for n in r.notes if "moe_routing" in n]
+    assert flagged and "trtllm_moe_new_kernel" in flagged[0] and "74%" in flagged[0], r.notes
+    assert "--taxonomy" in flagged[0]
