@@ -129,6 +129,7 @@ def test_first_match_wins(tmp_path):
         ("categories: {allreduce: x, other: y}\nexposed_priority: [allreduce, other]\nrules: [{category: b, pattern: 'x'}]\n", "category 'b'"),
         ("categories: {allreduce: x, other: y}\nexposed_priority: [allreduce, other]\nrules: [{category: other, pattern: '('}]\n", "bad regex"),
         ("categories: {allreduce: x, other: y}\nexposed_priority: [allreduce, other]\nrules: [{category: other, pattern: 'x', colour: red}]\n", "unknown field"),
+        ("categories: {allreduce: x, other: y}\nexposed_priority: [allreduce, other]\nrules: [{category: other, pattern: 'x', max_share: 2}]\n", "max_share"),
         ("categories: [: oops", "not valid YAML"),
     ],
 )

@@ -216,9 +216,18 @@ def _analyze_rank(
     rows = _kernel_rows(trace, codes, labels, categories, everything)
     top = {c: [r for r in rows if r.category == c][:TOP_KERNELS] for c in taxonomy.categories}
     unknown = [r for r in rows if r.label == UNKNOWN_LABEL]
+    kernel_us = float(dur.sum())
 
     window = float(full_we[0] - full_ws[0])
     notes = list(trace.notes) + list(split.notes) + ([mixed_note] if mixed_note else [])
+    for label, limit in taxonomy.small_families.items():
+        family = [r for r in rows if r.label == label]
+        share = sum(r.total_us for r in family) / kernel_us if kernel_us else 0.0
+        if share > limit:
+            names = ", ".join(f"{r.name[:80]} ({r.total_us / kernel_us:.0%})" for r in family[:3])
+            notes.append(f"{share:.0%} of the kernel time is in kernels filed as '{label}' ({family[0].category}), a "
+                         f"family of small kernels (at most {limit:.0%} expected): {names}; if one of them is a GEMM "
+                         "or attention kernel, give it a rule of its own (--taxonomy FILE)")
     sizes = sorted({s.batch["decode_reqs"] for s in complete if s.batch})
     if len(sizes) > 1:
         notes.append(f"decode requests per step vary from {sizes[0]} to {sizes[-1]} across the steps used: the "

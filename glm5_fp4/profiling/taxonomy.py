@@ -29,6 +29,9 @@ class Rule:
     category: str
     label: str
     pattern: re.Pattern
+    # A family of small kernels caught by a broad pattern ('moe|expert'): more of the kernel time than this share
+    # means a big kernel (a new MoE GEMM) landed in it, and the reports say so.
+    max_share: float | None = None
 
 
 @dataclass
@@ -53,6 +56,11 @@ class Taxonomy:
 
     def category(self, name: str) -> str:
         return self.classify(name)[0]
+
+    @property
+    def small_families(self) -> dict[str, float]:
+        """label -> the largest share of kernel time its family should take (rules with ``max_share``)."""
+        return {r.label: r.max_share for r in self.rules if r.max_share is not None}
 
     @property
     def report_categories(self) -> list[str]:
@@ -90,7 +98,7 @@ def _parse(data: object, origin: str) -> Taxonomy:
         where = f"{origin}: rule {i + 1}"
         if not isinstance(raw, dict) or not {"category", "pattern"} <= raw.keys():
             raise Glm5Fp4Error(f"{where}: needs 'category' and 'pattern', got {raw!r}")
-        unknown_keys = set(raw) - {"category", "label", "pattern", "ignore_case"}
+        unknown_keys = set(raw) - {"category", "label", "pattern", "ignore_case", "max_share"}
         if unknown_keys:
             raise Glm5Fp4Error(f"{where}: unknown field(s) {sorted(unknown_keys)}")
         if raw["category"] not in categories:
@@ -100,7 +108,11 @@ def _parse(data: object, origin: str) -> Taxonomy:
             pattern = re.compile(str(raw["pattern"]), flags)
         except re.error as exc:
             raise Glm5Fp4Error(f"{where}: bad regex {raw['pattern']!r} ({exc})") from None
-        rules.append(Rule(raw["category"], str(raw.get("label") or raw["category"]), pattern))
+        share = raw.get("max_share")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise Glm5Fp4Error(f"{where}: max_share must be a number in (0, 1], got {share!r}")
+        rules.append(Rule(raw["category"], str(raw.get("label") or raw["category"]), pattern,
+                          None if share is None else float(share)))
     return Taxonomy(dict(categories), list(priority), rules, origin)
 
 
