@@ -166,7 +166,8 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
     out = []
     for name in shards:
         sh = B.glm5_shard(name)
-        lay = B.make_layers(sh, layers_n, gen)
+        count = layers_n or B.layers_for(sh, B.l2_cache_bytes(), free_bytes=torch.cuda.mem_get_info()[0])
+        lay = B.make_layers(sh, count, gen)
         for t in tokens:
             x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
             tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
@@ -338,7 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shards", default="tp8,tp4", help="tp8, tp4, ... and/or ep8 (32 whole experts)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--routings", default="balanced,same_k,one_hot,zipf1.2,zipf2")
-    ap.add_argument("--layers", type=int, default=4, help="distinct expert sets per graph (defeats L2 reuse)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="distinct expert sets per graph (defeats L2 reuse); default: per shard, enough that the "
+                         "fewest experts a routing touches overflow twice the GPU's L2 (at least 4)")
     ap.add_argument("--no-baselines", action="store_true", help="skip torch's bf16/fp8 grouped GEMMs")
     ap.add_argument("--no-marlin", action="store_true", help="skip vLLM's Marlin MoE")
     ap.add_argument("--w4a4", action="store_true", help="also time the W4A4 emulation mode")
@@ -388,7 +391,9 @@ def main(argv=None) -> int:
 
     def save(out):
         doc = dict(meta=dict(meta, copy_gbs=out.get("copy_gbs"), bf16_tflops=out.get("bf16_tflops"),
-                             marlin=out.get("marlin")), rows=out.get("rows", []), sweeps=out.get("sweeps", []))
+                             marlin=out.get("marlin"), layers=out.get("layers") or meta["layers"],
+                             l2_bytes=out.get("l2_bytes")),
+                   rows=out.get("rows", []), sweeps=out.get("sweeps", []))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
         ok = [r for r in doc["rows"] if "us" in r or "error" in r]

@@ -1,7 +1,9 @@
 """The fused NVFP4 MoE benchmark: GLM-5 expert shards, balanced and skewed routings, same-run ceilings.
 
 One row per (TP shard, tokens T, routing): the median time of CUDA-graph replays of ``layers`` distinct
-layers back to back (so small-T weights are not served from L2), the bytes the call must move (NVFP4
+layers back to back (so small-T weights are not served from L2: by default enough layers that even the fewest
+experts a routing can touch overflow twice the GPU's L2, :func:`layers_for`; a row whose layers still fit is
+marked), the bytes the call must move (NVFP4
 weights of the experts the routing touched, x read, output written), the floor = bytes / copy bandwidth
 measured in the same run, % of that bandwidth, TFLOP/s and % of the bf16 dense GEMM rate measured in the
 same run, the ratio to the balanced routing's time at the same (TP, T) ("skew ratio"), and same-run
@@ -13,6 +15,7 @@ own GPU), so both measure the same thing.
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -50,6 +53,37 @@ def glm5_shard(name: str, spec: Glm5Spec | None = None) -> Shard:
     if name.startswith("ep"):
         return Shard(name, e // int(name[2:]), h, i, k, e)
     raise ValueError(f"unknown shard {name!r}: tpN or epN")
+
+
+# Distinct layers per CUDA graph: at least DEFAULT_LAYERS, and enough that one replay's weights are L2_MARGIN x the
+# L2 even where the routing touches the fewest experts (top_k of them): cycling through twice the L2 leaves a
+# replay no weight to find there. LAYER_COPIES: device copies of a layer's weights the benchmark holds (the
+# checkpoint layout, the prepared one, Marlin's repack), for the memory cap.
+DEFAULT_LAYERS = 4
+L2_MARGIN = 2.0
+LAYER_COPIES = 3
+
+
+def l2_cache_bytes(device: str = "cuda") -> int | None:
+    """The GPU's L2 size in bytes (None off CUDA, or where torch does not say)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    n = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None)
+    return int(n) if n else None
+
+
+def layers_for(shard: Shard, l2_bytes: int | None, floor: int = DEFAULT_LAYERS, free_bytes: int | None = None) -> int:
+    """Distinct layers for ``shard`` so that the fewest experts any routing touches (top_k; one for an expert-parallel
+    slice) overflow L2_MARGIN x the L2, never below ``floor``; capped so the layers take at most half of
+    ``free_bytes`` (a row whose layers then fit in L2 is marked, see :func:`row`)."""
+    if not l2_bytes:
+        return floor
+    fewest = 1 if shard.expert_parallel else min(shard.top_k, shard.num_experts)
+    need = math.ceil(L2_MARGIN * l2_bytes / nvfp4_weight_bytes(fewest, shard.hidden, shard.intermediate))
+    if free_bytes is not None:
+        per_layer = LAYER_COPIES * nvfp4_weight_bytes(shard.num_experts, shard.hidden, shard.intermediate)
+        need = min(need, int(free_bytes // 2 // per_layer))
+    return max(floor, need)
 
 
 @dataclass
@@ -140,6 +174,7 @@ class Context:
     check: bool = True  # compare ours (and Marlin) with each other on the first row of each shard
     plan_for: object = None  # callable (shard, T) -> Plan | None overriding the defaults
     balanced_us: dict = field(default_factory=dict)
+    l2_bytes: int | None = None  # the GPU's L2, to mark rows whose layers' weights fit in it
     device: str = "cuda"  # "cpu" only under Triton's interpreter (tests)
 
 
@@ -177,6 +212,8 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
             r["rel_diff_vs_marlin"] = rel_err(out, layers.marlin[0].run(x, tw, ids))
     us = time_ours(layers, x, tw, ids, plan=plan, expert_map=emap)
     r["sm_clock_mhz"] = sm_clock_mhz() if ctx.device == "cuda" else None
+    if ctx.l2_bytes:  # every replay's weights fit in L2 twice over or less: the figure may be L2's, not DRAM's
+        r["l2_may_serve"] = len(layers.prepared) * weight_bytes < L2_MARGIN * ctx.l2_bytes
     r.update(us=us, gbs=need / (us * 1e-6) / 1e9, pct_copy_bw=100 * need / (us * 1e-6) / (ctx.copy_gbs * 1e9),
              tflops=flops / (us * 1e-6) / 1e12, pct_bf16=100 * flops / (us * 1e-6) / (ctx.bf16_tflops * 1e12),
              pct_floor=100 * r["floor_us"] / us)
@@ -216,22 +253,31 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
     return r
 
 
-def run_table(shards, tokens, routings, layers: int = 4, marlin: bool = True, baselines: bool = True, w4a4=False,
-              stages=False, plan_for=None, progress=None, on_row=None, seed: int = 0, device: str = "cuda") -> dict:
+def run_table(shards, tokens, routings, layers: int | None = None, marlin: bool = True, baselines: bool = True,
+              w4a4=False, stages=False, plan_for=None, progress=None, on_row=None, seed: int = 0, device: str = "cuda",
+              min_layers: int = DEFAULT_LAYERS) -> dict:
     """Every (shard, T, routing) row plus the same-run ceilings; rows that fail carry ``error``. ``shards``:
-    names for :func:`glm5_shard` or :class:`Shard` objects."""
+    names for :func:`glm5_shard` or :class:`Shard` objects. ``layers``: distinct layers per CUDA graph; None: per
+    shard from the GPU's L2 (:func:`layers_for`, at least ``min_layers``). The counts used: ``out["layers"]``."""
     spec = Glm5Spec()
     gen = torch.Generator(device=device).manual_seed(seed)
     ctx = Context(copy_bandwidth_gbs(), bf16_gemm_tflops(), spec, gen, baselines, w4a4, stages, True, plan_for,
                   device=device)
-    out = {"copy_gbs": ctx.copy_gbs, "bf16_tflops": ctx.bf16_tflops, "rows": [], "marlin": None}
+    ctx.l2_bytes = l2_cache_bytes(device)
+    out = {"copy_gbs": ctx.copy_gbs, "bf16_tflops": ctx.bf16_tflops, "rows": [], "marlin": None, "layers": {},
+           "l2_bytes": ctx.l2_bytes}
     if progress:
         progress(f"copy {ctx.copy_gbs:.0f} GB/s, bf16 {ctx.bf16_tflops:.0f} TFLOP/s")
     # balanced first: the skew ratios of a (shard, T) refer to its balanced row
     routings = sorted(routings, key=lambda r: r != "balanced")
     for name in shards:
         sh = glm5_shard(name, spec) if isinstance(name, str) else name
-        lay = make_layers(sh, layers, gen, marlin=marlin and not sh.expert_parallel, device=device)
+        count = layers
+        if count is None:
+            free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+            count = layers_for(sh, ctx.l2_bytes, min_layers, free)
+        out["layers"][sh.name] = count
+        lay = make_layers(sh, count, gen, marlin=marlin and not sh.expert_parallel, device=device)
         if marlin and out["marlin"] is None:
             out["marlin"] = "vLLM fused_marlin_moe" if lay.marlin else lay.marlin_error
         grouped = None
@@ -283,7 +329,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"torch {meta.get('versions', {}).get('torch')}, triton {meta.get('versions', {}).get('triton')}; "
         f"copy bandwidth {meta['copy_gbs']:.0f} GB/s, bf16 dense GEMM {meta['bf16_tflops']:.0f} TFLOP/s (both "
-        f"measured in this run). GLM-5 experts H=6144, top-8; {meta.get('layers')} distinct layers per CUDA graph. "
+        f"measured in this run). GLM-5 experts H=6144, top-8; {_layers_said(meta.get('layers'))} distinct layers per "
+        "CUDA graph. "
         "Floor = bytes needed / copy bandwidth. Skew = time / balanced time at the same shard and T. "
         f"Marlin: {meta.get('marlin') or 'not run'}.",
         *([f"Plans: {meta['plan_arch']}'s (its tables and SM count), not this GPU's."] if meta.get("plan_arch") else []),
@@ -306,11 +353,33 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             continue
         lines.append(
             f"| {r['shard']} | {r['tokens']} | {r['routing']} | {r['experts_touched']} | {r['max_tokens_per_expert']} | "
-            f"{f(r.get('us'))} | {f(r['floor_us'])} | {f(r.get('pct_copy_bw'), '{:.0f} %')} | {f(r.get('tflops'))} | "
+            f"{f(r.get('us'))}{l2_mark(r)} | {f(r['floor_us'])} | "
+            f"{f(r.get('pct_copy_bw'), '{:.0f} %')} | {f(r.get('tflops'))} | "
             f"{f(r.get('pct_bf16'), '{:.0f} %')} | {f(r.get('skew_ratio'), '{:.2f}')} | {f(r.get('marlin_us'))} | "
             f"{f(r.get('speedup_vs_marlin'), '{:.2f}')} | {f(r.get('bf16_grouped_mm_us'))} | {plan_label(r)} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + l2_footnote(rows, meta.get("l2_bytes"))) + "\n"
+
+
+def l2_mark(r: dict) -> str:
+    """The table mark of a row whose layers' weights may have been read from L2 (:func:`l2_footnote`)."""
+    return " †" if r.get("l2_may_serve") else ""
+
+
+def l2_footnote(rows: list[dict], l2_bytes: int | None) -> list[str]:
+    if not any(r.get("l2_may_serve") for r in rows):
+        return []
+    return ["", f"† The layers of this row hold less than {L2_MARGIN:g}x the GPU's L2"
+            + (f" ({l2_bytes / 2**20:.0f} MB)" if l2_bytes else "") + " of touched weights: replays may read them "
+            "from L2, so the time may be below what DRAM allows (more layers: --layers, or the memory for them)."]
+
+
+def _layers_said(layers) -> str:
+    """The distinct-layer count(s) of a table: one number, or per shard where they differ."""
+    if not isinstance(layers, dict):
+        return str(layers)
+    counts = set(layers.values())
+    return str(counts.pop()) if len(counts) == 1 else "(" + ", ".join(f"{k}: {v}" for k, v in layers.items()) + ")"
 
 
 def plan_label(r: dict) -> str:

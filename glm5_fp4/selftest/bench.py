@@ -15,9 +15,12 @@ from __future__ import annotations
 import time
 import traceback
 
-QUICK = {"shards": ("tp8",), "tokens": (1, 16, 256), "routings": ("balanced", "same_k"), "layers": 2}
+# layers: distinct layers per CUDA graph, at least min_layers and enough to overflow this GPU's L2 (bench.moe.layers_for:
+# an RTX PRO 6000's 128 MB L2 holds 4 TP8 layers' weights at T=1, which would then time L2, not DRAM)
+QUICK = {"shards": ("tp8",), "tokens": (1, 16, 256), "routings": ("balanced", "same_k"), "layers": None,
+         "min_layers": 2}
 FULL = {"shards": ("tp8", "tp4"), "tokens": (1, 4, 16, 64, 256, 1024, 4096),
-        "routings": ("balanced", "same_k", "zipf1.2"), "layers": 4}
+        "routings": ("balanced", "same_k", "zipf1.2"), "layers": None, "min_layers": 4}
 
 
 def run(env: dict, quick: bool, progress=None) -> dict:
@@ -30,7 +33,7 @@ def run(env: dict, quick: bool, progress=None) -> dict:
     t0 = time.perf_counter()
     try:
         res = B.run_table(plan["shards"], plan["tokens"], plan["routings"], layers=plan["layers"], marlin=True,
-                          baselines=True, w4a4=True, on_row=None,
+                          baselines=True, w4a4=True, on_row=None, min_layers=plan.get("min_layers", B.DEFAULT_LAYERS),
                           progress=None if progress is None else (lambda msg: progress({"message": msg})))
     except Exception as exc:  # noqa: BLE001 - reported; the correctness part still stands
         return {**out, "status": "error", "error": f"{type(exc).__name__}: {exc}",
@@ -38,7 +41,8 @@ def run(env: dict, quick: bool, progress=None) -> dict:
     for r in res["rows"]:
         if table_bw and "gbs" in r:
             r["pct_table_bw"] = 100.0 * r["gbs"] / table_bw
-    out.update(copy_gbs=res["copy_gbs"], bf16_tflops=res["bf16_tflops"], marlin=res.get("marlin"), rows=res["rows"])
+    out.update(copy_gbs=res["copy_gbs"], bf16_tflops=res["bf16_tflops"], marlin=res.get("marlin"), rows=res["rows"],
+               layers=res.get("layers"), l2_bytes=res.get("l2_bytes"))
     former = former_plans(env.get("arch"), env.get("sm_count"), plan, res["rows"], progress=progress)
     if former:
         out["former_plans"] = former
@@ -75,6 +79,7 @@ def former_plans(arch: str | None, sm_count: int | None, plan: dict, rows: list[
         try:
             res = B.run_table((shard,), plan["tokens"], ("balanced",), layers=plan["layers"], marlin=False,
                               baselines=False, plan_for=plan_for, device=device,
+                              min_layers=plan.get("min_layers", B.DEFAULT_LAYERS),
                               progress=None if progress is None else (lambda msg: progress({"message": f"{form}: {msg}"})))
         except Exception as exc:  # noqa: BLE001 - reported beside the defaults, which stand
             entry["error"] = f"{type(exc).__name__}: {exc}"

@@ -42,6 +42,8 @@ def _experts_shape() -> str:
 
 
 def markdown(result: dict) -> str:
+    from glm5_fp4.bench.moe import l2_footnote, l2_mark
+
     env, meta = result["env"], result["meta"]
     corr = result.get("correctness") or {"cases": [], "passed": 0, "failed": 0, "tolerance": None}
     table = env.get("hardware_table") or {}
@@ -133,12 +135,14 @@ def markdown(result: dict) -> str:
                              f"{r['error'][:150]} |" + " |" * 11)
                 continue
             lines.append(
-                f"| {r['shard']} | {r['tokens']} | {r['routing']} | {r.get('experts_touched')} | {_f(r.get('us'))} | "
+                f"| {r['shard']} | {r['tokens']} | {r['routing']} | {r.get('experts_touched')} | "
+                f"{_f(r.get('us'))}{l2_mark(r)} | "
                 f"{_f(r.get('floor_us'))} | {_f(r.get('pct_copy_bw'), '{:.0f} %')} | {_f(r.get('pct_table_bw'), '{:.0f} %')} | "
                 f"{_f(r.get('tflops'))} | {_f(r.get('skew_ratio'), '{:.2f}')} | {_f(r.get('us_w4a4'))} | "
                 f"{_f(r.get('marlin_us'))} | {_f(r.get('speedup_vs_marlin'), '{:.2f}')} | "
                 f"{_f(r.get('bf16_grouped_mm_us'))} | {_f(r.get('speedup_vs_bf16'), '{:.2f}')} |"
             )
+        lines += l2_footnote(bench.get("rows", []), bench.get("l2_bytes"))
     for entry in (bench or {}).get("former_plans", []):
         lines += ["", f"### Former plans: `{entry['form']}`", "",
                   f"{entry.get('purpose', '')}. This GPU's default plans were picked on another GPU; the same run "
