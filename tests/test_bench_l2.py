@@ -46,5 +46,6 @@ def test_rows_whose_layers_fit_in_l2_are_marked_in_the_table():
     t1 = next(ln for ln in md.splitlines() if ln.startswith("| tp8 | 1 |"))
     t512 = next(ln for ln in md.splitlines() if ln.startswith("| tp8 | 512 |"))
     assert "22.0 †" in t1 and "†" not in t512
-    assert "† " in md and "L2 (128 MB)" in md and "tp8: 4" in md
+    assert "† " in md and "L2 (128 MB)" in md and "4 distinct layers" in md
+    assert "(tp8: 13, tp4: 7) distinct layers" in B.markdown(dict(meta, layers={"tp8": 13, "tp4": 7}), rows)
     assert math.isclose(B.L2_MARGIN, 2.0)
