@@ -223,3 +223,12 @@ def test_a_metric_null_in_the_baseline_is_still_listed(tmp_path) -> None:
         rows = _by_key(tables[0])
         for key in ("stalls", "longest_stall_ms", "mean_tpot_ms"):
             assert rows[key].verdict == "missing", (specs, key)
+
+
+def test_a_metric_no_run_measured_is_no_row() -> None:
+    """request_goodput is null without --goodput on both sides: no row at all, not a 'missing' one in every table."""
+    from glm5_fp4.loadtest.compare import metric_keys
+
+    keys = metric_keys({"completed": 4, "request_goodput": None, "output_throughput": 1.0, "mean_tpot_ms": None},
+                       {"completed": 4, "request_goodput": None, "output_throughput": 2.0, "mean_tpot_ms": None})
+    assert "request_goodput" not in keys and "mean_tpot_ms" not in keys and "output_throughput" in keys

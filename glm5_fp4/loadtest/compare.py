@@ -305,15 +305,16 @@ def _is_number(text: str) -> bool:
 
 
 def metric_keys(*results: dict[str, Any]) -> list[str]:
-    """The metrics any of ``results`` has (present, even if null: a statistic with no sample), in report order."""
+    """The metrics some run of ``results`` measured (a number), in report order; a run where one is null (a statistic
+    with no sample) then shows it as missing."""
     def has(k: str) -> bool:
-        return any(k in r for r in results)
+        return any(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in results)
 
     keys = [k for k in COUNT_KEYS + THROUGHPUT_KEYS if has(k)]
     for m in LATENCIES:
         stats: list[str] = []
         for r in results:
-            stats += [s for s in _latency_stats(r, m) if s not in stats]
+            stats += [s for s in _latency_stats(r, m) if s not in stats and has(f"{s}_{m}_ms")]
         keys += [f"{s}_{m}_ms" for s in _order_stats(stats)]
     keys += [k for k in OTHER_KEYS if has(k)]
     return keys
