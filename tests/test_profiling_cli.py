@@ -388,3 +388,21 @@ def test_a_measurement_faster_than_its_floor_is_flagged(tmp_path):
     assert any(w.startswith("expert_gemm:") and "below its floor" in w for w in res["warnings"]), res["warnings"]
     sane = {c: (v["floor_us"] or 0.0) * 2 + 1.0 for c, v in res["categories"].items()}
     assert ceilings(Glm5Spec(), shape, get_gpu("h200"), sane, sane, sum(sane.values()))["warnings"] == []
+
+
+def test_ceilings_price_auto_kv_as_the_engine_does_on_the_gpu():
+    """The ceilings' KV rows follow plan's rule for auto (launch.plan.auto_kv): BF16 on an H200, FP8 on an RTX PRO
+    6000; they priced FP8 everywhere."""
+    from glm5_fp4.hardware import get_gpu
+    from glm5_fp4.profiling.ceilings import StepShape, step_work
+    from glm5_fp4.spec import Glm5Spec
+
+    def attention_bytes(gpu, kv):
+        shape = StepShape(batch=64, context=4096, tp=8, pp=1, tokens_per_seq=1, expert_dtype="nvfp4",
+                          attention_dtype="bf16", kv_dtype=kv, dp=1, ep=1, ep_comm="a2a", expert_skew=0.0,
+                          dense_dtype=None)
+        return step_work(Glm5Spec(), shape, get_gpu(gpu))["attention"].bytes
+
+    assert attention_bytes("h200", "auto") == attention_bytes("h200", "bfloat16")
+    assert attention_bytes("rtx-pro-6000-ws", "auto") == attention_bytes("rtx-pro-6000-ws", "fp8")
+    assert attention_bytes("h200", "auto") > attention_bytes("h200", "fp8")

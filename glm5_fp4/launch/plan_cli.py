@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GiB kept for activations, CUDA graphs and NCCL buffers")
     parser.add_argument("--efficiency", type=fraction, default=1.0, help="fraction of peak bandwidth/FLOPS reached")
     parser.add_argument("--kv-cache-dtype", default=None,
-                        help="the engine's KV-cache dtype (default: the profile's, else auto = FP8 DSA row)")
+                        help="the engine's KV-cache dtype (default: the profile's, else auto: what the engine makes "
+                             "of it on the GPU, FP8 DSA rows on an RTX PRO 6000, BF16 on an H200)")
     parser.add_argument("--expert-math", choices=("nvfp4", "bf16"), default=None,
                         help="roof for expert GEMMs: nvfp4 (W4A4) or bf16 (W4A16); default nvfp4 where the GPU has it")
     parser.add_argument("--dense-dtype", choices=("nvfp4", "fp8", "bf16"), default=None,

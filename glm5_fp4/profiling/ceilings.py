@@ -81,7 +81,7 @@ def step_cost(spec: Glm5Spec, shape: StepShape, gpu: GpuSpec) -> cost_model.Step
     """The cost model's decode step for this shape."""
     shape.validate()
     precisions = cost_model.Precisions(experts=shape.expert_dtype, dense=shape.dense_dtype,
-                                       attention=shape.attention_dtype, kv=resolve_kv(None, shape.kv_dtype))
+                                       attention=shape.attention_dtype, kv=resolve_kv(None, shape.kv_dtype, gpu))
     layout = cost_model.Layout(shape.tp, shape.pp, shape.dp, shape.ep, shape.ep_comm)
     return cost_model.decode_step(spec, gpu, layout, shape.batch, shape.context, precisions, shape.tokens_per_seq,
                                   expert_skew=shape.expert_skew)

@@ -106,7 +106,7 @@ def _weight_dtypes(args) -> tuple[str, str | None, str]:
     return resolve_mlp_dtypes(args.config, args.expert_dtype, args.dense_dtype)
 
 
-def _kv_dtype(args, server_kv: str | None) -> tuple[str, str]:
+def _kv_dtype(args, server_kv: str | None, gpu=None) -> tuple[str, str]:
     """The KV cache dtype of the ceilings (--kv-dtype, else the server's own, else bf16) and a line saying which."""
     from glm5_fp4.launch.plan import KV_SPELLINGS, resolve_kv
 
@@ -119,7 +119,7 @@ def _kv_dtype(args, server_kv: str | None) -> tuple[str, str]:
     else:
         kv, origin = "bf16", ("default; pass the server's --kv-cache-dtype as --kv-dtype: only an SGLang server "
                               "tells capture --analyze its own")
-    resolved = resolve_kv(None, kv) if kv in KV_SPELLINGS else kv  # StepShape names a bad --kv-dtype
+    resolved = resolve_kv(None, kv, gpu) if kv in KV_SPELLINGS else kv  # StepShape names a bad --kv-dtype
     return kv, f"KV cache dtype: {kv}" + (f" -> {resolved}" if resolved != kv else "") + f" ({origin})"
 
 
@@ -163,7 +163,7 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
         pp = args.pp or len({r.pp_rank for r in breakdown.ranks})
         tp, dp, ep, ep_comm = args.tp or max(1, len(breakdown.ranks) // pp), 1, 1, "a2a"
     expert, dense, weights_from = _weight_dtypes(args)
-    kv, kv_from = _kv_dtype(args, server_kv)
+    kv, kv_from = _kv_dtype(args, server_kv, gpu)
     shape = StepShape(
         batch=args.batch, context=args.context, tp=tp, pp=pp, tokens_per_seq=args.tokens_per_seq,
         expert_dtype=expert, attention_dtype=args.attention_dtype, kv_dtype=kv,
