@@ -196,18 +196,22 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def install_stop_signals() -> None:
+def install_stop_signals(keep_ignored: bool = False) -> None:
     """Make Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt, so a foreground `serve` always stops its server (and
     `make-checkpoint` removes what it had begun to write).
 
     SIGINT is re-armed explicitly: a process started in the background by a non-interactive shell inherits
     SIGINT as ignored, and Python then never raises KeyboardInterrupt. SIGTERM (a supervisor, CI, `kill`) and
     SIGHUP (the terminal or SSH session went away) stop the server like Ctrl-C.
+
+    ``keep_ignored``: leave a signal this process inherited as ignored alone (`nohup`, a script's background job): for
+    work that should outlive the terminal, unlike a foreground server.
     """
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, _raise_interrupt)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is None or (keep_ignored and signal.getsignal(sig) == signal.SIG_IGN):
+            continue
+        signal.signal(sig, _raise_interrupt)
 
 
 def serve_until_stopped(handle: ServerProcess, timeout: float, url: str) -> int:

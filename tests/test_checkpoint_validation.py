@@ -140,3 +140,25 @@ def test_scalar_scales_stored_as_one_element_vectors_pass_inspect(made, tmp_path
     save_file(tensors, str(ck / "model.safetensors"))
     assert main(["inspect", str(ck)]) == 1
     assert f"tensor {name} is F32 [2], expected F32 []" in capsys.readouterr().err
+
+
+def test_under_nohup_a_hangup_does_not_stop_it(tmp_path):
+    """`nohup glm5-fp4 make-checkpoint ... &` then logging out: SIGHUP was inherited as ignored and stays so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "mk"
+    proc = subprocess.Popen([sys.executable, "-m", "glm5_fp4.cli", "make-checkpoint", "--out", str(out), "--arch",
+                             "glm4moe", "--size", "num_hidden_layers=40", "--size", "n_routed_experts=64"],
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".make-checkpoint-*/*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (out / "config.json").is_file()

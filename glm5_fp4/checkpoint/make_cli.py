@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from glm5_fp4.checkpoint.make import make_checkpoint
     from glm5_fp4.server_process import install_stop_signals
 
-    install_stop_signals()  # SIGTERM / SIGHUP (timeout, a CI cancel) clean up like Ctrl-C: no half-made directory
+    # SIGTERM / SIGHUP (timeout, a CI cancel) clean up like Ctrl-C: no half-made directory; under nohup, SIGHUP stays
+    # ignored
+    install_stop_signals(keep_ignored=True)
     out = make_checkpoint(args.out, arch=args.arch, seed=args.seed, dequantized=args.dequantized,
                           dense_attention=args.dense_attention, sizes=parse_sizes(args.size),
                           overwrite=args.overwrite, device=args.device, recipe=args.recipe)
