@@ -277,3 +277,18 @@ def test_a_broad_pattern_catching_much_of_the_time_is_flagged(tmp_path):
     flagged = [n for n in r.notes if "moe_routing" in n]
     assert flagged and "trtllm_moe_new_kernel" in flagged[0] and "74%" in flagged[0], r.notes
     assert "--taxonomy" in flagged[0]
+
+
+def test_when_every_step_carried_prefill_the_median_step_says_so(tmp_path):
+    ev, t, corr = [], 0.0, 1
+    for i in range(4):
+        s = t
+        ev.append({"ph": "X", "cat": "kernel", "name": MOE_GEMM1, "pid": 0, "tid": 7, "ts": t, "dur": 100.0,
+                   "args": {"stream": 7, "correlation": corr, "device": 0}})
+        t, corr = t + 100.0, corr + 1
+        ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_1(512)_generation_7(7)",
+                   "pid": 0, "tid": 1, "ts": s, "dur": t - s})
+        t += 10
+    write_trace({"traceEvents": ev}, tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz")
+    r = analyze_path(tmp_path, jobs=1).ranks[0]
+    assert any("all 4 complete steps carried prefill" in n for n in r.notes), r.notes

@@ -196,6 +196,9 @@ def _analyze_rank(
         mixed_note = (f"{len(complete) - len(decode)} of {len(complete)} complete steps carried prefill (vLLM's "
                       "execute_context_N with N > 0): left out of the median step and p90")
         complete = decode
+    elif complete and not decode:  # chunked prefill under steady arrivals: no pure decode step to show
+        mixed_note = (f"all {len(complete)} complete steps carried prefill (vLLM's execute_context_N with N > 0): the "
+                      "median step is a mixed prefill + decode step, not a decode step")
     times = np.array([s.time_us for s in complete])
     median_step = p90 = None
     if split.reliable:
