@@ -153,8 +153,9 @@ def run_ours(itl_ms: float, ttft_ms: float, output_len: int, concurrency: int, n
         "abs_added_itl_vs_sent_ms": _pcts(np.abs(vs_sent)),
         "added_itl_vs_scheduled_ms": _pcts(vs_sched),
         "delivery_lag_ms": _pcts(lag),
-        "reported": {k: round(res[k], 3) for k in ("mean_itl_ms", "p50_itl_ms", "p99_itl_ms", "mean_tpot_ms",
-                                                  "mean_ttft_ms", "p99_ttft_ms", "output_throughput")},
+        "reported": {k: None if res[k] is None else round(res[k], 3)  # (None: no sample, e.g. one-token outputs)
+                     for k in ("mean_itl_ms", "p50_itl_ms", "p99_itl_ms", "mean_tpot_ms", "mean_ttft_ms",
+                               "p99_ttft_ms", "output_throughput")},
         "server": {"chunks_sent": stats["chunks_sent"], "max_lag_ms": round(stats["max_lag_ms"], 3),
                    "cpu_s": None if srv_cpu is None or srv_cpu0 is None else round(srv_cpu - srv_cpu0, 3)},
     }
@@ -241,8 +242,9 @@ def run_vllm(itl_ms: float, ttft_ms: float, output_len: int, concurrency: int, n
         "chunks_per_s_per_full_core": round(chunks / cpu["cpu_s"], 0),
         "cpu_note": "benchmark() coroutine incl. its ready-check request and warm-ups",
         "added_itl_vs_scheduled_ms": _pcts(vs_sched),
-        "reported": {k: round(res[k], 3) for k in ("mean_itl_ms", "p50_itl_ms", "p99_itl_ms", "mean_tpot_ms",
-                                                  "mean_ttft_ms", "p99_ttft_ms", "output_throughput")},
+        "reported": {k: None if res[k] is None else round(res[k], 3)  # (None: no sample, e.g. one-token outputs)
+                     for k in ("mean_itl_ms", "p50_itl_ms", "p99_itl_ms", "mean_tpot_ms", "mean_ttft_ms",
+                               "p99_ttft_ms", "output_throughput")},
         "server": {"chunks_sent": stats["chunks_sent"], "max_lag_ms": round(stats["max_lag_ms"], 3),
                    "cpu_s": None if srv_cpu is None or srv_cpu0 is None else round(srv_cpu - srv_cpu0, 3)},
         "process_wall_s": round(wall, 1),
