@@ -68,13 +68,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glm5-fp4 {name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (`... | head`): nothing to report, but the output was cut, so a shell's SIGPIPE status.
+        # The reader of stdout went away (`... | head`): nothing to report, but the output was cut, so a shell's
+        # SIGPIPE status. A broken pipe elsewhere (a socket, a child's stdin) is an error of its own.
+        if not _stdout_reader_gone():
+            raise
         # stdout now points at /dev/null, or the interpreter's own flush at exit would raise again.
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError):  # stdout is no file (captured in-process)
             pass
         return 128 + signal.SIGPIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports POLLERR on such a write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll here, or stdout is no file (captured in-process)
+        return False
 
 
 if __name__ == "__main__":

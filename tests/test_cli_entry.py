@@ -36,3 +36,14 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 141, err
     assert "Traceback" not in err and "Exception ignored" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_broken_pipe_elsewhere_is_not_taken_for_a_closed_stdout():
+    """A socket or a child's stdin breaking is an error of its own: not the quiet 141 of `| head`."""
+    code = BIG_OUTPUT.replace('''def run(args):
+    for _ in range(20000):
+        print("y" * 200)''', '''def run(args):
+    raise BrokenPipeError(32, "Broken pipe (a socket)")''')
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode not in (0, 141) and "a socket" in proc.stderr

@@ -424,7 +424,10 @@ async def get_first_model(session: aiohttp.ClientSession, base: str) -> str:
             data = await json_reply(resp, where)
     except aiohttp.ClientError as exc:
         raise Glm5Fp4Error(f"cannot reach {base}/v1/models ({exc}); is the server up? (--url)") from exc
-    models = reply_field(data, "data", where, list)
+    try:
+        models = reply_field(data, "data", where, list)
+    except Glm5Fp4Error as exc:
+        raise Glm5Fp4Error(f"{exc}; pass --model NAME") from None
     if not models:
         raise Glm5Fp4Error(f"{base}/v1/models lists no model; pass --model NAME")
     if not isinstance(models[0], dict) or not isinstance(models[0].get("id"), str):

@@ -103,7 +103,7 @@ def plot_sweep(results: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dic
 
     out = Path(out_dir)
     rs = sorted(results, key=lambda r: r["max_concurrency"])
-    label = rs[0].get("label") or rs[0].get("model_id") or ""
+    label = next((r.get("label") or r.get("model_id") for r in rs if r.get("label") or r.get("model_id")), "")
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax1.plot(*_points(rs, "max_concurrency", "output_throughput"), "o-", label="output tok/s")

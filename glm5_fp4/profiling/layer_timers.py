@@ -511,6 +511,9 @@ MAX_REGION_US = 86_400e6
 
 def read_dumps(files: list[Path]) -> TimerReport:
     report = TimerReport()
+    # each dump by its file name, or its path where two runs' dumps share one (the writer names them rank<r>.jsonl)
+    plain = [Path(f).name for f in files]
+    names = {f: (Path(f).name if plain.count(Path(f).name) == 1 else str(f)) for f in files}
     seen: dict[bytes, Path] = {}
     for f in files:
         try:
@@ -537,7 +540,7 @@ def read_dumps(files: list[Path]) -> TimerReport:
             except (ValueError, KeyError, TypeError):
                 raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
             _check_regions(record["regions_us"], f"{f}:{i}")
-            report.add(record, f.name)
+            report.add(record, names[f])
     if not report.samples:
         raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}")
     return report

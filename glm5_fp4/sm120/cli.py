@@ -3,7 +3,7 @@
 floors on an RTX PRO 6000.
 
     glm5-fp4 compile-matrix --out benchmarks/results            # full matrix, ~minutes on 2 cores
-    glm5-fp4 compile-matrix --arch sm120 --shapes tp8 --strict  # quick gate: exit 3 if anything fails
+    glm5-fp4 compile-matrix --arch sm120 --shapes tp8 --strict  # quick gate: exit 3 if a kernel fails a check
 
 Exit status: 1 where a kernel could not be compiled at all (the compiler raised: it was not checked), else 3 with
 --strict where a kernel fails a check, else 0.
