@@ -173,7 +173,8 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
             tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
             base = (arch_plans(plan_arch)(sh, t) if plan_arch
                     else default_plan(x, ids, lay.prepared[0], "w4a16", form=form))
-            res = {"shard": name, "tokens": t, "routing": routing, "schedule": base.schedule, "runs": []}
+            res = {"shard": name, "tokens": t, "routing": routing, "schedule": base.schedule, "layers": count,
+                   "runs": []}
             ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=base)
             timed = {}
             for vname, plan in selected(sweep_variants(base, sh.hidden, sh.intermediate, arch), only).items():
@@ -391,8 +392,9 @@ def main(argv=None) -> int:
 
     def save(out):
         doc = dict(meta=dict(meta, copy_gbs=out.get("copy_gbs"), bf16_tflops=out.get("bf16_tflops"),
-                             marlin=out.get("marlin"), layers=out.get("layers") or meta["layers"],
-                             l2_bytes=out.get("l2_bytes")),
+                             marlin=out.get("marlin"), l2_bytes=out.get("l2_bytes"),
+                             layers=out.get("layers") or {s["shard"]: s["layers"] for s in out.get("sweeps", [])}
+                             or meta["layers"]),
                    rows=out.get("rows", []), sweeps=out.get("sweeps", []))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
@@ -421,7 +423,7 @@ def main(argv=None) -> int:
     if args.sweep:
         out = {"sweeps": run_sweep(shards, tokens, args.sweep_routing, args.layers, progress,
                                    on_point=lambda sw: save({"sweeps": sw}), only=args.only,
-                                   plan_arch=args.plan_arch, form=args.form)}
+                                   plan_arch=args.plan_arch, form=args.form), "l2_bytes": B.l2_cache_bytes()}
         ok = built_as_asked(out)
         save(out)
         return 0 if ok else 1
