@@ -205,10 +205,11 @@ class _FakeCommand:
     port: int
     env: dict[str, str] = field(default_factory=dict)
     engine: str = "sglang"
+    host: str = "127.0.0.1"  # (start() checks host:port is free before it starts the server)
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def shell(self) -> str:
         return shlex.join(self.argv)
