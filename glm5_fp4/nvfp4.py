@@ -19,12 +19,6 @@ import torch
 from glm5_fp4.errors import Glm5Fp4Error
 
 BLOCK_SIZE = 16
-
-
-def shape_matches(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
-    """A checkpoint tensor's shape against the expected one; ModelOpt stores scalars (global and input scales) as
-    0-d tensors or as [1], and both are one value."""
-    return tuple(got) == tuple(want) or (tuple(want) == () and tuple(got) == (1,))
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 # Bytes per element in memory: a 4-bit code plus one 1-byte scale per 16 elements.
@@ -38,6 +32,12 @@ _TIE_GOES_UP = (False, True, False, True, False, True, False)
 
 _SWIZZLE_ROWS = 128
 _SWIZZLE_COLS = 4
+
+
+def shape_matches(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """A checkpoint tensor's shape against the expected one; ModelOpt stores scalars (global and input scales) as
+    0-d tensors or as [1], and both are one value."""
+    return tuple(got) == tuple(want) or (tuple(want) == () and tuple(got) == (1,))
 
 
 def _table(device: torch.device) -> torch.Tensor:

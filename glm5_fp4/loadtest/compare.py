@@ -35,6 +35,7 @@ Groups are labelled with short unique names (the parts of the file names that di
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -79,9 +80,8 @@ def _t95(df: float) -> float:
     if not df >= 1:  # (Welch's df is at least 1; NaN too)
         return _T95[1]
     x = 1.0 / df
-    keys = sorted(_T95, reverse=True)  # x = 1/k ascending: inf, 120, ... 1
-    xs = [1.0 / k for k in keys]
-    for (x0, k0), (x1, k1) in zip(zip(xs, keys), zip(xs[1:], keys[1:])):
+    for k0, k1 in itertools.pairwise(sorted(_T95, reverse=True)):  # 1/k ascending: inf, 120, ... 1
+        x0, x1 = 1.0 / k0, 1.0 / k1
         if x0 <= x <= x1:
             return _T95[k0] + (_T95[k1] - _T95[k0]) * (x - x0) / (x1 - x0)
     return _T95[1]

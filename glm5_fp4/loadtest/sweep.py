@@ -44,8 +44,7 @@ def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
         raise Glm5Fp4Error("--concurrency: a sweep needs at least one level")
     result_dir = base.get("result_dir")
     results: list[dict[str, Any]] = []
-    not_run: list[int] = []
-    for i, level in enumerate(levels):
+    for level in levels:
         fields = dict(base)
         fields.update(concurrency=int(level), result_filename=f"c{level}.json", print_summary=True)
         try:
@@ -55,11 +54,10 @@ def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
                 raise
             results.append({"max_concurrency": int(level), "completed": 0, "failed": None, "partial": True,
                             "run_failed": True, "failure_reason": f"the level could not run: {exc}"})
-            not_run = [int(x) for x in levels[i + 1:]]
             break
         if results[-1].get("stopped_by"):  # SIGTERM: this level's results are written; run no more
-            not_run = [int(x) for x in levels[i + 1:]]
             break
+    not_run = [int(x) for x in levels[len(results):]]
     summary = [{k: v for k, v in r.items() if k not in _SUMMARY_DROP} for r in results]
     out: dict[str, Any] = {"results": results, "summary": summary, "files": {}, "not_run": not_run}
     if result_dir:
@@ -138,7 +136,7 @@ def plot_sweep(results: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dic
     ykey = "output_throughput_per_gpu" if per_gpu else "output_throughput"
     fig, ax = plt.subplots(figsize=(6, 4.5))
     measured = [r for r in rs if r.get("output_throughput_per_user") is not None and r.get(ykey) is not None]
-    xs, ys = _points(measured, "output_throughput_per_user", ykey)
+    xs, ys = [r["output_throughput_per_user"] for r in measured], [r[ykey] for r in measured]
     ax.plot(xs, ys, "o-")
     for x, y, r in zip(xs, ys, measured):
         ax.annotate(f"c={r['max_concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)

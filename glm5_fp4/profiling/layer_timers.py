@@ -426,24 +426,21 @@ class TimerReport:
         return said + " (a region's n below counts its samples in every dump)"
 
     def _dump_lines(self) -> list[str]:
-        """A table per dump where the dumps time different layers."""
-        rows = self.dumps()
-        lines = []
-        if self.stages_differ:
-            lines += ["## Per dump", "",
-                      "The dumps time different layers (pipeline stages): `all layers` is one stage's, so the tables "
-                      "below leave it out (pooled, it would mix the stages); a step of the model spans every stage.",
-                      "",
-                      "| dump | steps | layers | median `all layers` (µs) | p90 (µs) |", "|---|---:|---|---:|---:|"]
-            for r in rows:
-                med = "-" if r["all_layers_median_us"] is None else f"{r['all_layers_median_us']:.1f}"
-                p90 = "-" if r["all_layers_p90_us"] is None else f"{r['all_layers_p90_us']:.1f}"
-                lines.append(f"| {r['file']} | {r['steps']} | {r['layers']} | {med} | {p90} |")
-            lines.append("")
-        return lines
+        """A table per dump, for dumps that time different layers (:attr:`stages_differ`)."""
+        lines = ["## Per dump", "",
+                 "The dumps time different layers (pipeline stages): `all layers` is one stage's, so the tables "
+                 "below leave it out (pooled, it would mix the stages); a step of the model spans every stage.",
+                 "",
+                 "| dump | steps | layers | median `all layers` (µs) | p90 (µs) |", "|---|---:|---|---:|---:|"]
+        for r in self.dumps():
+            med = "-" if r["all_layers_median_us"] is None else f"{r['all_layers_median_us']:.1f}"
+            p90 = "-" if r["all_layers_p90_us"] is None else f"{r['all_layers_p90_us']:.1f}"
+            lines.append(f"| {r['file']} | {r['steps']} | {r['layers']} | {med} | {p90} |")
+        return lines + [""]
 
     def to_markdown(self, title: str = "Per-layer timers") -> str:
-        lines = self.pooled.header(title, self._counted()) + self._dump_lines()
+        mixed = self._mixed()
+        lines = self.pooled.header(title, self._counted()) + (self._dump_lines() if mixed else [])
         groups = self.groups
         if len(groups) > 1:
             total = "all layers"
@@ -455,13 +452,13 @@ class TimerReport:
                 lines.append(f"| {value} | {g.steps} | {med} |")
             lines.append("")
             for value, g in groups[:GROUP_TABLES]:
-                lines += [f"## {self._label(value)} ({g.steps} steps)", "", *g.table(self._mixed()), ""]
+                lines += [f"## {self._label(value)} ({g.steps} steps)", "", *g.table(mixed), ""]
             if len(groups) > GROUP_TABLES:
                 lines += [f"({len(groups) - GROUP_TABLES} more batch sizes in the JSON.)", ""]
             lines += ["## All steps pooled", "",
                       f"This table pools {len(groups)} batch sizes (prefill chunks and decode steps alike): its "
                       "medians describe none of them; read the tables above.", ""]
-        lines += self.pooled.table(self._mixed())
+        lines += self.pooled.table(mixed)
         return "\n".join(lines) + "\n"
 
     def _mixed(self) -> tuple[str, ...]:
@@ -471,10 +468,10 @@ class TimerReport:
     def write(self, out: Path, title: str = "Per-layer timers", png: bool = True) -> dict[str, Path]:
         out = output_dir(out)
         paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
-        doc = {"steps": self.steps, "dumps": self.dumps(), "stages_differ": self.stages_differ,
-               "regions": [r for r in self.summary() if r["region"] not in self._mixed()], "group_by": self.group_by,
-               "groups": [{"value": v, "steps": g.steps,
-                           "regions": [r for r in g.summary() if r["region"] not in self._mixed()]}
+        mixed = self._mixed()
+        doc = {"steps": self.steps, "dumps": self.dumps(), "stages_differ": bool(mixed),
+               "regions": [r for r in self.summary() if r["region"] not in mixed], "group_by": self.group_by,
+               "groups": [{"value": v, "steps": g.steps, "regions": [r for r in g.summary() if r["region"] not in mixed]}
                           for v, g in self.groups]}
         write_text_atomic(paths["json"], json.dumps(doc, indent=1) + "\n")
         write_text_atomic(paths["markdown"], self.to_markdown(title))
