@@ -32,6 +32,7 @@ def watch(monkeypatch):
 
 def test_a_slow_call_names_the_kernels_compiled_during_it(watch, caplog):
     w, counts = watch
+    w.warmed_up()
     with caplog.at_level(logging.WARNING, logger="glm5_fp4"):
         with w.call(4096, CUDA):
             counts["_gemm2"] += 2  # what Triton would add to its cache while compiling
@@ -39,6 +40,22 @@ def test_a_slow_call_names_the_kernels_compiled_during_it(watch, caplog):
     assert w.slow_count == 1 and w.slow[0].compiled == {"_gemm2": 2} and w.slow[0].tokens == 4096
     msg = caplog.records[-1].getMessage()
     assert "4096 tokens" in msg and "_gemm2 x2" in msg and "warm-up missed" in msg
+
+
+def test_a_compile_before_any_warm_up_is_not_blamed_on_the_warm_up(watch):
+    """H100, 2026-12-07: selftest (which runs no warm-up) logged its first call's compile as "a specialisation
+    the load-time warm-up missed"; the blame belongs only where a warm-up ran in this process."""
+    w, counts = watch
+    with w.call(1, CUDA):
+        counts["_gemm1"] += 1
+        time.sleep(0.03)
+    assert "warm-up missed" not in w.slow[0].cause()
+    assert "no load-time warm-up has run" in w.slow[0].cause()
+    w.warmed_up()
+    with w.call(1, CUDA):
+        counts["_gemm1"] += 1
+        time.sleep(0.03)
+    assert "warm-up missed" in w.slow[1].cause()
 
 
 def test_a_full_collection_is_named(watch):

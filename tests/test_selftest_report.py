@@ -224,3 +224,32 @@ def test_config_label_names_the_tile_forms():
     assert _cfg(plain) == "64/32/256/4/3"
     assert _cfg(dataclasses.asdict(C.Gemm1Config(64, 32, 256, 4, 3, stacked=True))) == "64/32/256/4/3 gate+up"
     assert _cfg(dataclasses.asdict(C.Gemm1Config(64, 32, 256, 4, 2, maxnreg=168, tma=True))) == "64/32/256/4/2 r168 tma"
+
+
+def test_a_case_s_first_call_compiles_without_a_slow_call_warning(monkeypatch, caplog):
+    """H100, 2026-12-07: `selftest --quick` printed the slow-call watch's warning, with a stack of import frames,
+    for its first case: the compile it times on purpose (first_call_s). Its calls are not a server's."""
+    import logging
+    import time
+
+    import glm5_fp4.kernels as K
+    from glm5_fp4.kernels import slow_calls as S
+    from glm5_fp4.sm120.launches import shape_classes
+
+    shape = next(s for s in shape_classes() if s.name == "tiny")
+    ex, prepared = checks.make_experts(shape, device="cpu")
+    monkeypatch.setenv(S.ENV, "20")
+    orig = K.fused_moe
+
+    def held_like_a_compile(x, w, ids, p, mode, out):
+        with S.WATCH.call(x.shape[0], torch.device("cuda")):  # as fused_moe's watch sees a GPU call
+            time.sleep(0.05)
+        return orig(x, w, ids, p, mode=mode, out=out)
+
+    monkeypatch.setattr(K, "fused_moe", held_like_a_compile)
+    before = S.WATCH.slow_count
+    with caplog.at_level(logging.WARNING, logger="glm5_fp4"):
+        r = checks.run_case(checks.Case("tiny", 5, "w4a16", "int32"), shape, ex, prepared["tiled"], sm_count=188,
+                            arch="sm120", seed=0, device="cpu")
+    assert r["passed"], r
+    assert S.WATCH.slow_count == before and not [m for m in caplog.messages if "held the host" in m]
