@@ -103,9 +103,12 @@ def test_a_failed_warm_up_is_tried_again(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("compile failed")
 
+    monkeypatch.setattr(W.WATCH, "warm_ups", 0)
     with pytest.raises(RuntimeError):
         W.warm_up(prep, "w4a16", 2, 64, run=boom)
+    assert W.WATCH.warm_ups == 0  # a failed warm-up missed everything: later compiles are not its misses
     assert W.warm_up(prep, "w4a16", 2, 64, run=lambda *a, **k: None) != []
+    assert W.WATCH.warm_ups == 1
 
 
 def test_counts_from_a_real_layers_prepared_experts():

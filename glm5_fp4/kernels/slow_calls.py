@@ -80,12 +80,17 @@ class SlowCall:
     compiled: dict[str, int]  # kernel -> new compiles during the call
     full_gc: int  # generation-2 collections during the call
     stack: list[str] = field(default_factory=list)  # where the calling thread was once past the threshold
+    after_warm_up: bool = True  # a load-time warm-up had finished in this process before the call
 
     def cause(self) -> str:
         parts = []
         if self.compiled:
+            # Only a warm-up that ran can have missed something; a process that never ran one (selftest, a
+            # script calling fused_moe) compiles on its first calls by design.
+            why = ("a specialisation the load-time warm-up missed" if self.after_warm_up else
+                   "no load-time warm-up has run in this process: glm5_fp4.kernels.warmup")
             parts.append("Triton compiled " + ", ".join(f"{k} x{v}" for k, v in sorted(self.compiled.items()))
-                         + " (a specialisation the load-time warm-up missed)")
+                         + f" ({why})")
         if self.full_gc:
             parts.append(f"{self.full_gc} full (generation-2) garbage collection(s) ran")
         return "; ".join(parts) or ("no compile and no full garbage collection: the host waited on the device "
@@ -101,6 +106,7 @@ class Watch:
     slow: list[SlowCall] = field(default_factory=list)
     slow_count: int = 0
     quiet_depth: int = 0
+    warm_ups: int = 0  # load-time warm-ups finished in this process (warmed_up)
     tokens: Counter = field(default_factory=Counter)  # eager calls per token count (the host sampler reports it)
     _open: dict = field(default_factory=dict)  # thread id -> [start, limit_s, stack or None]
     _sampler: threading.Thread | None = None
@@ -130,6 +136,10 @@ class Watch:
             if self._sampler is None:
                 self._sampler = threading.Thread(target=self._sample, name="glm5_fp4-slow-calls", daemon=True)
                 self._sampler.start()
+
+    def warmed_up(self) -> None:
+        """A load-time warm-up finished: later compiles are what it missed."""
+        self.warm_ups += 1
 
     def resnapshot(self) -> None:
         self.snapshot = compiled_kernels()
@@ -180,7 +190,7 @@ class Watch:
         before = self.snapshot or {}
         compiled = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
         self.snapshot = now
-        slow = SlowCall(tokens, ms, compiled, full_gc, stack or [])
+        slow = SlowCall(tokens, ms, compiled, full_gc, stack or [], after_warm_up=self.warm_ups > 0)
         self.slow_count += 1
         if len(self.slow) < 200:
             self.slow.append(slow)

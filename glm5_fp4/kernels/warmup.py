@@ -153,6 +153,7 @@ def warm_up(prepared, mode: str, top_k: int, max_tokens: int, x_dtype: torch.dty
                 run(x, w, ids.to(torch.int32), prepared, mode, expert_map=expert_map)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+        WATCH.warmed_up()
     except BaseException:
         with _LOCK:
             _DONE.discard(key)
