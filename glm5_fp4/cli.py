@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     except Glm5Fp4Error as exc:
         print(f"glm5-fp4 {name}: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"glm5-fp4 {name}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)  # server_process.StopSignal names SIGTERM / SIGHUP
+        print(f"glm5-fp4 {name}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         # The reader of stdout went away (`... | head`): nothing to report, but the output was cut, so a shell's
         # SIGPIPE status. A broken pipe elsewhere (a socket, a child's stdin) is an error of its own.

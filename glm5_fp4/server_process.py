@@ -192,8 +192,17 @@ class ServerProcess:
         self.stop()
 
 
+class StopSignal(KeyboardInterrupt):
+    """A stop signal turned into KeyboardInterrupt (install_stop_signals), so every cleanup written for Ctrl-C runs;
+    it keeps the signal's number so the command can exit with a shell's 128 + N."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    raise StopSignal(signum)
 
 
 def install_stop_signals(keep_ignored: bool = False) -> None:
