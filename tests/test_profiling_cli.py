@@ -373,6 +373,34 @@ def test_one_rank_of_many_gets_no_tp1_ceilings(tmp_path, capsys):
     assert data["ceilings"]["shape"]["tp"] == 8
 
 
+def test_a_rank_file_without_distributed_info_gets_no_tp1_ceilings(tmp_path):
+    """A trace with no distributedInfo (a process that never set up torch.distributed, or a tool that dropped the
+    key) said nothing of its world size, and the ceilings were costed as TP1 without a word. A file name that says
+    rank 3 means at least 4 ranks: no ceilings without --layout. Rank 0 alone may be TP1 or one of many: ceilings
+    for the layout the files give, and a warning that it was inferred."""
+    files, _ = make_decode_traces(n_ranks=8, n_steps=6, layers=2, graph="full")
+    for r, sub in ((3, "r3"), (0, "r0")):
+        name, trace = files[r]
+        del trace["distributedInfo"]
+        (tmp_path / sub).mkdir()
+        write_trace(trace, tmp_path / sub / name)
+    out = tmp_path / "out"
+    assert main(["profile", "analyze", str(tmp_path / "r3"), "--out", str(out), "--batch", "64", "--no-png",
+                 "--jobs", "1"]) == 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert data["ceilings"] is None
+    assert any("rank 3" in n and "at least 4 ranks" in n and "--layout" in n for n in data["notes"]), data["notes"]
+    assert main(["profile", "analyze", str(tmp_path / "r0"), "--out", str(out), "--batch", "64", "--no-png",
+                 "--jobs", "1"]) == 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert data["ceilings"]["shape"]["tp"] == 1
+    assert any("inferred" in n and "--layout" in n for n in data["notes"]), data["notes"]
+    assert main(["profile", "analyze", str(tmp_path / "r3"), "--out", str(out), "--batch", "64", "--no-png",
+                 "--jobs", "1", "--layout", "tp8"]) == 0
+    data = json.loads((out / "breakdown.json").read_text())
+    assert data["ceilings"]["shape"]["tp"] == 8 and not any("inferred" in n for n in data["notes"])
+
+
 def test_a_measurement_faster_than_its_floor_is_flagged(tmp_path):
     """A category measured faster than the hardware allows for the modelled work means the shape is not the traced
     run's (batch, context or layout): said as a warning beside the table, not left as "% of BW 2931 %"."""
