@@ -160,8 +160,19 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
                                    "(distributedInfo.world_size), so the layout is unknown; pass --layout (e.g. "
                                    "--layout tp8) or --tp/--pp")
             return None
+        # a rank the files name (not their order) that is past their count: the capture had more ranks
+        named = [r.rank for r in breakdown.ranks if r.rank_source != "file order"]
+        if args.tp is None and world is None and named and max(named) >= len(breakdown.ranks):
+            breakdown.notes.append(f"no ceilings: the traces include rank {max(named)}, so the capture had at least "
+                                   f"{max(named) + 1} ranks, and they carry no distributedInfo.world_size: the "
+                                   "layout is unknown; pass --layout (e.g. --layout tp8) or --tp/--pp")
+            return None
         pp = args.pp or len({r.pp_rank for r in breakdown.ranks})
         tp, dp, ep, ep_comm = args.tp or max(1, len(breakdown.ranks) // pp), 1, 1, "a2a"
+        if args.tp is None and world is None:
+            breakdown.notes.append(f"WARNING, ceilings: the layout TP{tp}" + (f"+PP{pp}" if pp > 1 else "")
+                                   + f" is inferred from the {len(breakdown.ranks)} trace file(s), which carry no "
+                                   "distributedInfo.world_size: if the capture had more ranks, pass --layout")
     expert, dense, weights_from = _weight_dtypes(args)
     kv, kv_from = _kv_dtype(args, server_kv, gpu)
     shape = StepShape(
