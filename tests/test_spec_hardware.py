@@ -121,3 +121,23 @@ def test_user_file_adds_an_arch_its_gpus_inherit(tmp_path, monkeypatch):
     orphan.write_text(gpu.format(arch="sm_75"))  # an arch the table does not know, no figure of its own
     with pytest.raises(Glm5Fp4Error, match="ada.*smem_per_block_bytes"):
         load_gpus(str(orphan))
+
+
+@pytest.mark.parametrize("device_name, want", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"),   # what torch names the lent H100 SXM (2026-12-07)
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 PCIe", None),              # another part (2 TB/s, 114 SMs): no entry rather than the SXM's peaks
+    ("NVIDIA H100 NVL", None),
+    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtx-pro-6000-server"),
+])
+def test_device_names_map_to_their_own_entry(device_name, want):
+    from glm5_fp4.hardware import detect_gpu_name
+
+    assert detect_gpu_name(device_name) == want
+
+
+def test_the_h100_sxm_entry():
+    h100 = get_gpu("h100-sxm")
+    assert h100.peak_tflops("nvfp4") is None and h100.peak_tflops("bf16") == pytest.approx(989.4)
+    assert h100.mem_bandwidth_gbs == 3350 and h100.sm_count == 132
+    assert h100.measured_copy_bandwidth_gbs < h100.mem_bandwidth_gbs
