@@ -170,6 +170,8 @@ def detect_gpu_name(device_name: str) -> str | None:
             return name
     if "h200" in lowered:
         return "h200"
+    if "h100" in lowered and "80gb hbm3" in lowered:  # the SXM part's CUDA name; PCIe / NVL are other parts
+        return "h100-sxm"
     if "b200" in lowered:
         return "b200"
     if "rtx pro 6000" in lowered:
