@@ -49,3 +49,21 @@ def test_rows_whose_layers_fit_in_l2_are_marked_in_the_table():
     assert "† " in md and "L2 (128 MB)" in md and "4 distinct layers" in md
     assert "(tp8: 13, tp4: 7) distinct layers" in B.markdown(dict(meta, layers={"tp8": 13, "tp4": 7}), rows)
     assert math.isclose(B.L2_MARGIN, 2.0)
+
+
+def test_the_l2_rule_is_one_function_the_table_and_the_sweep_share():
+    """The sweep's points had no mark at all (only the table's rows did): both now ask B.l2_may_serve."""
+    import torch
+    from script_modules import load_script
+
+    eight = nvfp4_weight_bytes(8, 6144, 256)  # the TP8 shard's k experts: 21.2 MB
+    assert B.l2_may_serve(4, eight, 50 * MB) is True and B.l2_may_serve(5, eight, 50 * MB) is False
+    assert B.l2_may_serve(4, eight, None) is None  # not a CUDA device: unknown, not "no"
+    mk = load_script("benchmarks/moe_kernel.py", "moe_kernel_bench")
+    sh = B.glm5_shard("tp8")
+    same_k = torch.arange(8).repeat(64, 1)  # 64 tokens all on experts 0-7
+    point = mk.sweep_point(sh, 64, "same_k", "grouped", 4, same_k, 50 * MB)
+    assert point["experts_touched"] == 8 and point["l2_may_serve"] is True and point["layers"] == 4
+    assert mk.sweep_point(sh, 64, "same_k", "grouped", 5, same_k, 50 * MB)["l2_may_serve"] is False
+    spread = torch.arange(64 * 8).view(64, 8) % 256  # 256 experts touched: 680 MB a layer
+    assert mk.sweep_point(sh, 64, "balanced", "grouped", 4, spread, 50 * MB)["l2_may_serve"] is False
