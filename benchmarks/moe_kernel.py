@@ -163,6 +163,7 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
 
     arch = plan_arch or device_arch(torch.device("cuda"))[0]
     gen = torch.Generator(device="cuda").manual_seed(1)
+    l2 = B.l2_cache_bytes()
     out = []
     for name in shards:
         sh = B.glm5_shard(name)
@@ -173,8 +174,7 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
             tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
             base = (arch_plans(plan_arch)(sh, t) if plan_arch
                     else default_plan(x, ids, lay.prepared[0], "w4a16", form=form))
-            res = {"shard": name, "tokens": t, "routing": routing, "schedule": base.schedule, "layers": count,
-                   "runs": []}
+            res = sweep_point(sh, t, routing, base.schedule, count, ids, l2)
             ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=base)
             timed = {}
             for vname, plan in selected(sweep_variants(base, sh.hidden, sh.intermediate, arch), only).items():
@@ -201,7 +201,8 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
                 try:
                     us = B.time_ours(lay, x, tw, ids, plan=best)
                     res["runs"].append({"name": f"best ({g1} + {g2})", "plan": dataclasses.asdict(best), "us": us})
-                    progress(f"  sweep {name} T={t} best ({g1} + {g2}): {us:.1f} (default {timed.get('default')})")
+                    progress(f"  sweep {name} T={t} best ({g1} + {g2}): {us:.1f} (default {timed.get('default')})"
+                             + (" † layers may be served from L2" if res["l2_may_serve"] else ""))
                 except Exception as exc:  # noqa: BLE001
                     res["runs"].append({"name": "best", "plan": dataclasses.asdict(best), "error": repr(exc)[:400]})
                 for fname, fplan in launch_forms(best).items():
@@ -222,6 +223,20 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
         del lay
         torch.cuda.empty_cache()
     return out
+
+
+def sweep_point(sh, t: int, routing: str, schedule: str, layers: int, ids, l2_bytes: int | None) -> dict:
+    """A sweep point's header: what it ran and whether its layers' touched weights may sit in L2 (the table's rule,
+    B.l2_may_serve: the variants' times may then be L2's, though their ranking still compares like with like)."""
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench import routing as R
+    from glm5_fp4.bench.experts import nvfp4_weight_bytes
+
+    touched = R.describe(ids, sh.num_experts)["experts_touched"]
+    return {"shard": sh.name, "tokens": t, "routing": routing, "schedule": schedule, "layers": layers,
+            "experts_touched": touched,
+            "l2_may_serve": B.l2_may_serve(layers, nvfp4_weight_bytes(touched, sh.hidden, sh.intermediate), l2_bytes),
+            "runs": []}
 
 
 def plans_from_sweep(path: str):

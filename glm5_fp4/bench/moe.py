@@ -86,6 +86,14 @@ def layers_for(shard: Shard, l2_bytes: int | None, floor: int = DEFAULT_LAYERS, 
     return max(floor, need)
 
 
+def l2_may_serve(layers: int, weight_bytes: int, l2_bytes: int | None) -> bool | None:
+    """Whether ``layers`` replays of ``weight_bytes`` of touched weights each hold less than L2_MARGIN x the L2, so the
+    figure may be L2's rather than DRAM's (the table's † and the sweep's points); None where the L2 is unknown."""
+    if not l2_bytes:
+        return None
+    return layers * weight_bytes < L2_MARGIN * l2_bytes
+
+
 @dataclass
 class Layers:
     """``count`` distinct random layers of one shard, prepared for our kernel (and for Marlin if asked)."""
@@ -212,8 +220,8 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
             r["rel_diff_vs_marlin"] = rel_err(out, layers.marlin[0].run(x, tw, ids))
     us = time_ours(layers, x, tw, ids, plan=plan, expert_map=emap)
     r["sm_clock_mhz"] = sm_clock_mhz() if ctx.device == "cuda" else None
-    if ctx.l2_bytes:  # every replay's weights fit in L2 twice over or less: the figure may be L2's, not DRAM's
-        r["l2_may_serve"] = len(layers.prepared) * weight_bytes < L2_MARGIN * ctx.l2_bytes
+    if ctx.l2_bytes:
+        r["l2_may_serve"] = l2_may_serve(len(layers.prepared), weight_bytes, ctx.l2_bytes)
     r.update(us=us, gbs=need / (us * 1e-6) / 1e9, pct_copy_bw=100 * need / (us * 1e-6) / (ctx.copy_gbs * 1e9),
              tflops=flops / (us * 1e-6) / 1e12, pct_bf16=100 * flops / (us * 1e-6) / (ctx.bf16_tflops * 1e12),
              pct_floor=100 * r["floor_us"] / us)
