@@ -102,8 +102,15 @@ def test_warm_up_calls_are_quiet_and_reset_the_snapshot(watch):
     assert w.slow[0].compiled == {}  # the warm-up's compiles are not charged to a later call
 
 
-def test_bad_threshold_falls_back_to_the_default(monkeypatch):
-    monkeypatch.setenv(S.ENV, "fast")
+def test_a_threshold_it_cannot_read_is_refused_by_name(monkeypatch):
+    """It fell back to the default without a word ("fast", and "nan" switched the watch off): glm5_fp4.envvars."""
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    for raw in ("fast", "nan", "-5"):
+        monkeypatch.setenv(S.ENV, raw)
+        with pytest.raises(Glm5Fp4Error, match=S.ENV):
+            S.threshold_ms()
+    monkeypatch.setenv(S.ENV, "")
     assert S.threshold_ms() == S.DEFAULT_MS
 
 
