@@ -148,3 +148,30 @@ def test_our_backend_in_additional_config_is_not_silently_replaced(ckpt, capsys)
     assert "glm5_fp4.backend 'dequant'" in err and "--backend dequant" in err, err
     assert cli_main(["serve", "--model", str(ckpt), "--backend", "dequant", "--dry-run", *extra]) == 0
     assert '"backend":"dequant"' in capsys.readouterr().out
+
+
+def test_serve_refuses_a_bad_environment_before_launching(ckpt, capsys, monkeypatch):
+    """A GLM5_FP4_* value the plugin cannot read (GLM5_FP4_NATIVE_FP4=false switched the native path on) is named
+    before any server starts, with every bad one at once; a likely misspelling is named with what it may mean."""
+    monkeypatch.setenv("GLM5_FP4_WARMUP", "nope")
+    monkeypatch.setenv("GLM5_FP4_SLOW_CALL_MS", "fast")
+    assert cli_main(["serve", "--model", str(ckpt), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "GLM5_FP4_WARMUP='nope'" in err and "GLM5_FP4_SLOW_CALL_MS='fast'" in err
+    monkeypatch.delenv("GLM5_FP4_WARMUP")
+    monkeypatch.delenv("GLM5_FP4_SLOW_CALL_MS")
+    monkeypatch.setenv("GLM5_FP4_WARMPU", "0")
+    assert cli_main(["serve", "--model", str(ckpt), "--dry-run"]) == 0
+    assert "GLM5_FP4_WARMPU (did you mean GLM5_FP4_WARMUP?)" in capsys.readouterr().err
+
+
+def test_the_vllm_plugin_resolves_the_environment_where_it_resolves_its_settings(monkeypatch):
+    """vLLM reads the settings when it builds our MoE method (before loading): a bad flag stops it there too."""
+    from glm5_fp4.engines.vllm import settings as vs
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    monkeypatch.setenv("GLM5_FP4_LAYER_TIMERS", "2")
+    with pytest.raises(Glm5Fp4Error, match="GLM5_FP4_LAYER_TIMERS='2'"):
+        vs.current()
+    monkeypatch.setenv("GLM5_FP4_LAYER_TIMERS", "1")
+    assert vs.current().backend == "auto"

@@ -93,3 +93,28 @@ def test_launcher_modules_do_not_import_vllm_or_torch(module):
         print(json.dumps({{m: m in sys.modules for m in ("vllm", "torch")}}))
     """)
     assert out == {"vllm": False, "torch": False}
+
+
+def test_a_broken_profiling_extra_or_environment_keeps_the_quantization_registered(tmp_path):
+    """An unusable GLM5_FP4_HOST_SAMPLES folder made the registration fail before --quantization glm5_nvfp4 was
+    registered (2026-12-07): the quantization comes first, each extra fails on its own with its name, and a bad
+    GLM5_FP4_* value is logged by name at registration (the MoE layer's construction raises it)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = _run(f"""
+        import json, logging, os
+        os.environ["GLM5_FP4_HOST_SAMPLES"] = {str(blocker / "sub")!r}  # a folder under a file: cannot be made
+        os.environ["GLM5_FP4_WARMUP"] = "perhaps"
+        records = []
+        h = logging.Handler(); h.emit = records.append
+        logging.getLogger("vllm.glm5_fp4").addHandler(h)
+        from glm5_fp4.engines import vllm_plugin
+        vllm_plugin.register()
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+        msgs = [r.getMessage() for r in records]
+        print(json.dumps({{"registered": "glm5_nvfp4" in QUANTIZATION_METHODS,
+                          "sampler": any("host sampler" in m and "GLM5_FP4_HOST_SAMPLES" in m for m in msgs),
+                          "env": any("GLM5_FP4_WARMUP='perhaps'" in m for m in msgs),
+                          "failed": any("registration failed" in m for m in msgs)}}))
+    """)
+    assert out == {"registered": True, "sampler": True, "env": True, "failed": False}

@@ -263,3 +263,19 @@ def test_expert_parallel_layers_log_their_local_experts(published, monkeypatch, 
         method.process_weights_after_loading(layer)
     assert any("run on backend reference" in r.getMessage() and f"expert parallel: {E} local experts (EP8)"
                in r.getMessage() for r in caplog.records)
+
+
+def test_a_bad_environment_stops_the_moe_method_before_any_weight_is_read(published, monkeypatch):
+    """GLM5_FP4_BACKEND / _MODE were read only in process_weights_after_loading, after the whole checkpoint had
+    loaded (GLM-5: minutes); any bad GLM5_FP4_* value now stops the method's construction, by name."""
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptNvFp4FusedMoEMethod as M
+
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    qc = ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16, exclude_modules=[])
+    for name, raw in (("GLM5_FP4_BACKEND", "tritn"), ("GLM5_FP4_NATIVE_FP4", "maybe")):
+        monkeypatch.setenv(name, raw)
+        with pytest.raises(Glm5Fp4Error, match=name):
+            M(qc)
+        monkeypatch.delenv(name)
+    M(qc)
