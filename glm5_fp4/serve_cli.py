@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     extra = list(args.vllm_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
+    from glm5_fp4 import envvars
+
+    envvars.check()  # the server inherits the environment: a value the plugin cannot read, named before it starts
+    for name in envvars.unknown():
+        print(f"warning: unknown environment variable {name}", file=sys.stderr)
     if args.profile:
         return _serve_profile(args, extra)
     if args.model is None:

@@ -42,7 +42,7 @@ class PluginSettings:
         return f"backend={self.backend} mode={self.mode} (from {self.source})"
 
 
-def _check(field: str, value: object, choices: tuple[str, ...], where: str) -> str:
+def check_choice(field: str, value: object, choices: tuple[str, ...], where: str) -> str:
     if not isinstance(value, str) or value.lower() not in choices:
         raise Glm5Fp4Error(f"{where}: {field} {value!r} is not one of {', '.join(choices)}")
     return value.lower()
@@ -54,6 +54,12 @@ def from_sources(engine_config: Mapping | None, environ: Mapping[str, str] | Non
     the environment."""
     from glm5_fp4 import backends  # torch: only when settings are actually resolved
 
+    if environ is None:
+        # where the settings are resolved (a layer's construction, before any weight is read), every GLM5_FP4_*
+        # value of the process is read too: a bad flag stops the start, not the first request
+        from glm5_fp4 import envvars
+
+        envvars.check()
     environ = os.environ if environ is None else environ
     ours = (engine_config or {}).get(CONFIG_KEY)
     if ours is not None and not isinstance(ours, Mapping):
@@ -66,10 +72,10 @@ def from_sources(engine_config: Mapping | None, environ: Mapping[str, str] | Non
     values, sources = {}, []
     for field, env, choices in (("backend", ENV_BACKEND, backends.names()), ("mode", ENV_MODE, backends.MODE_CHOICES)):
         if field in ours:
-            values[field] = _check(field, ours[field], choices, f"{origin} {CONFIG_KEY}")
+            values[field] = check_choice(field, ours[field], choices, f"{origin} {CONFIG_KEY}")
             sources.append(f"{origin} {CONFIG_KEY}.{field}")
         elif environ.get(env):
-            values[field] = _check(field, environ[env], choices, f"environment variable {env}")
+            values[field] = check_choice(field, environ[env], choices, f"environment variable {env}")
             sources.append(env)
     return PluginSettings(**values, source=", ".join(sources) or "default")
 

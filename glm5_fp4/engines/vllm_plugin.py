@@ -45,17 +45,24 @@ def _register() -> None:
     from glm5_fp4.engines.vllm.config import NAME, Glm5NvFp4Config
 
     route_to("vllm.glm5_fp4")
-    from glm5_fp4.profiling.host_sampler import start_from_env
-
-    start_from_env()
-
     if NAME not in QUANTIZATION_METHODS:
         register_quantization_config(NAME)(Glm5NvFp4Config)
     if current_platform.is_cpu():
         from glm5_fp4.engines.vllm.linear import register_cpu_kernel
 
         register_cpu_kernel()
+    log = logging.getLogger("vllm.glm5_fp4")
+    from glm5_fp4 import envvars
 
+    envvars.report(log)
+    # The profiling extras last and each on its own: a bad GLM5_FP4_HOST_SAMPLES folder once took
+    # --quantization glm5_nvfp4 away with it.
     from glm5_fp4.engines.layer_timers import install_vllm
+    from glm5_fp4.profiling.host_sampler import start_from_env
 
-    install_vllm()
+    for what, start in (("the host sampler (GLM5_FP4_HOST_SAMPLES)", start_from_env),
+                        ("the layer timers (GLM5_FP4_LAYER_TIMERS)", install_vllm)):
+        try:
+            start()
+        except Exception:  # noqa: BLE001 - the quantization stays registered; the extra is named
+            log.exception("glm5_fp4: %s did not start; --quantization glm5_nvfp4 is registered without it", what)

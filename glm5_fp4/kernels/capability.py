@@ -15,7 +15,6 @@ MoE path at load time rather than failing at the first forward.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -54,7 +53,9 @@ NATIVE_FP4_ENV = "GLM5_FP4_NATIVE_FP4"
 
 def native_fp4_requested() -> bool:
     """Whether the user switched the native FP4-MMA path on (``GLM5_FP4_NATIVE_FP4=1``)."""
-    return os.environ.get(NATIVE_FP4_ENV, "0") not in ("", "0")
+    from glm5_fp4 import envvars
+
+    return envvars.flag(NATIVE_FP4_ENV)
 
 
 def fp4_mma_serves(capability) -> bool:

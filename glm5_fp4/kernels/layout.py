@@ -248,9 +248,14 @@ def default_layout() -> str:
 
     "placed" became the default on 2026-12-01 (faster than "split", bit-identical output), "tiled" ("placed" with
     GEMM1's weights K-tile-major) on 2026-12-03: improvements/15 has the H200 A/B. Not measured on sm_120."""
+    return layout_from_env()
+
+
+def layout_from_env(environ=None) -> str:
+    """LAYOUT_ENV's layout ("tiled" where unset or empty), refused by name where it is not a decode layout."""
     import os
 
-    name = os.environ.get(LAYOUT_ENV) or "tiled"
+    name = (os.environ if environ is None else environ).get(LAYOUT_ENV) or "tiled"
     if name not in DECODE_LAYOUTS:
         raise Glm5Fp4Error(f"{LAYOUT_ENV}={name!r}: choose one of {', '.join(DECODE_LAYOUTS)} (the native path's "
                            "checkpoint layout is asked for by the caller, not by default)")

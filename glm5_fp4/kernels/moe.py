@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from glm5_fp4 import envvars
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels import capability
 from glm5_fp4.kernels import configs as cfgs
@@ -149,7 +150,7 @@ def _use_asm(device: torch.device) -> bool:
     # The decode's inline PTX needs cvt.*.e4m3x2 (SM89+) and a real GPU; the interpreter runs plain Triton.
     if device.type != "cuda" or _interpreting():
         return False
-    if os.environ.get("GLM5_FP4_MOE_NO_ASM", "0") not in ("", "0"):
+    if envvars.flag("GLM5_FP4_MOE_NO_ASM"):
         return False
     return capability.supports(device)[0]
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import sys
 import threading
 import time
@@ -31,8 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm5_fp4 import envvars
+
 ENV = "GLM5_FP4_SLOW_CALL_MS"
-DEFAULT_MS = 50.0
+DEFAULT_MS = envvars.VARS[ENV].default
 _LOG = logging.getLogger("glm5_fp4")
 LOGGED_IN_FULL = 20  # the first slow calls are logged one by one, then every 100th
 SAMPLE_S = 0.01
@@ -40,11 +41,7 @@ STACK_FRAMES = 12  # innermost frames kept
 
 
 def threshold_ms() -> float:
-    raw = os.environ.get(ENV, "")
-    try:
-        return float(raw) if raw.strip() else DEFAULT_MS
-    except ValueError:
-        return DEFAULT_MS
+    return envvars.number(ENV)
 
 
 def compiled_kernels() -> dict[str, int]:

@@ -23,13 +23,13 @@ another cause, which :mod:`glm5_fp4.kernels.slow_calls` is there to name.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Callable
 
 import torch
 
+from glm5_fp4 import envvars
 from glm5_fp4.kernels.slow_calls import WATCH
 
 ENV = "GLM5_FP4_WARMUP"
@@ -108,7 +108,7 @@ def _meta_like(prepared):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") not in ("", "0")
+    return envvars.flag(ENV)
 
 
 def _compiles_here(device: torch.device) -> bool:

@@ -43,9 +43,11 @@ import threading
 import time
 from pathlib import Path
 
+from glm5_fp4 import envvars
+
 ENV = "GLM5_FP4_HOST_SAMPLES"
 INTERVAL_ENV = "GLM5_FP4_HOST_SAMPLE_MS"
-DEFAULT_INTERVAL_MS = 20.0
+DEFAULT_INTERVAL_MS = envvars.VARS[INTERVAL_ENV].default
 LATE_MS = 50.0  # a wake-up this much past due is recorded as a gap in which no Python code ran
 FLUSH_S = 2.0
 CPU_EVERY_MS = 100.0
@@ -55,12 +57,7 @@ _LOG = logging.getLogger("glm5_fp4")
 
 
 def _interval_ms() -> float:
-    raw = os.environ.get(INTERVAL_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_INTERVAL_MS
-    except ValueError:
-        value = DEFAULT_INTERVAL_MS
-    return max(value, 0.5)
+    return envvars.number(INTERVAL_ENV)
 
 
 def _comm() -> str:

@@ -253,7 +253,9 @@ def first_tensor(value) -> torch.Tensor | None:
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV_ENABLE, "0").lower() in ("1", "true", "yes", "on")
+    from glm5_fp4 import envvars
+
+    return envvars.flag(ENV_ENABLE)
 
 
 def dump_path_from_env(rank: int = 0) -> Path:

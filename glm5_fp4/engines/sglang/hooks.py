@@ -90,6 +90,9 @@ def init_without_platform_check(method, quant_config, original=None) -> None:
 def around_init(original, self, quant_config, *args, **kwargs):
     if not _global_backend_is_ours():
         return original(self, quant_config, *args, **kwargs)
+    # GLM5_FP4_BACKEND / _MODE (and every GLM5_FP4_* value) read before any weight is: process_for_glm5 reads
+    # them again only after the whole checkpoint has loaded
+    settings.from_sources(None)
     try:
         return original(self, quant_config, *args, **kwargs)
     except ValueError as exc:

@@ -39,3 +39,10 @@ def register_all() -> None:
     from glm5_fp4.profiling.host_sampler import start_from_env
 
     start_from_env()
+
+    # 6. every GLM5_FP4_* value, read now: logged here; the MoE method's construction (hooks.around_init) raises.
+    import logging
+
+    from glm5_fp4 import envvars
+
+    envvars.report(logging.getLogger("glm5_fp4"))
