@@ -175,3 +175,35 @@ def test_the_vllm_plugin_resolves_the_environment_where_it_resolves_its_settings
         vs.current()
     monkeypatch.setenv("GLM5_FP4_LAYER_TIMERS", "1")
     assert vs.current().backend == "auto"
+
+
+def test_serve_takes_the_backend_from_the_environment_when_no_flag_names_it(ckpt, capsys, monkeypatch):
+    """`GLM5_FP4_BACKEND=reference glm5-fp4 serve` launched with --additional-config backend "auto" (the flag's
+    default), which beats the environment in the plugin: the variable was dropped without a word. The flag, else the
+    variable, now goes into --additional-config, so the printed command is what runs (and vLLM's compile hash sees
+    it)."""
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    monkeypatch.setenv("GLM5_FP4_MODE", "w4a16")
+    assert cli_main(["serve", "--model", str(ckpt), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert '"backend":"reference"' in out and '"mode":"w4a16"' in out
+    assert cli_main(["serve", "--model", str(ckpt), "--backend", "dequant", "--dry-run"]) == 0
+    assert '"backend":"dequant"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_profile_launch_says_which_backend_runs_on_both_engines(engine, capsys, monkeypatch):
+    """The same profile and shell gave vLLM the profile's "auto" but let SGLang inherit the shell's
+    GLM5_FP4_BACKEND (its command set the variable only for a non-auto value): an A/B of the engines ran two
+    backends. The profile's options are now spelled out for both, and a shell value they override is named."""
+    from pathlib import Path
+
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    profile = Path(__file__).resolve().parents[1] / "launch" / "tp8.yaml"
+    assert cli_main(["serve", "--profile", str(profile), "--engine", engine, "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    if engine == "vllm":
+        assert '"backend":"auto"' in out
+    else:
+        assert "GLM5_FP4_BACKEND=auto" in out
+    assert "GLM5_FP4_BACKEND=reference" in err and "glm5_fp4.backend" in err
