@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-backend", default=None, help="with --profile: glm5_fp4 or a stock name of the engine")
     parser.add_argument("--cuda-graphs", choices=("piecewise", "full", "off"), default=None,
                         help="with --profile: CUDA-graph mode override")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="glm5-fp4 MoE backend (auto: triton on CUDA, dequant on CPU)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="glm5-fp4 MoE backend (auto: triton on CUDA, dequant on CPU); default: GLM5_FP4_BACKEND "
+                             "or auto")
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="activations: w4a16 (weight-only), w4a4 (NVFP4-quantized), auto (W4A4 only on FP4 "
                              "tensor cores with GLM5_FP4_NATIVE_FP4=1, else W4A16); default: GLM5_FP4_MODE or auto")
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and "--api-key" not in extra and not os.environ.get("VLLM_API_KEY"):
         print(f"warning: serving on {args.host} without an API key (add -- --api-key KEY)", file=sys.stderr)
     plugin = not args.stock
-    if args.stock and (args.backend != "auto" or args.mode is not None):
+    if args.stock and (args.backend is not None or args.mode is not None):
         raise Glm5Fp4Error("--backend/--mode choose the glm5_fp4 MoE backend, which --stock does not load; drop them, "
                            "or drop --stock")
     if args.stock and args.quantization == "glm5_nvfp4":

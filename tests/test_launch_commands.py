@@ -76,7 +76,7 @@ def test_expert_parallel_profiles_parse_with_vllms_parser(vllm_parse, name):
            ea.all2all_backend, ea.max_num_seqs)
     assert got == PARALLEL_PROFILES[name]
     assert ea.max_cudagraph_capture_size == PARALLEL_PROFILES[name][-1]
-    assert ea.quantization == "glm5_nvfp4" and ea.additional_config == {"glm5_fp4": {"backend": "auto"}}
+    assert ea.quantization == "glm5_nvfp4" and ea.additional_config == {"glm5_fp4": {"backend": "auto", "mode": "auto"}}
     assert (ns.host, ns.port) == ("127.0.0.1", 8000)
     # our MoE method's dispatch is asked for explicitly only where vLLM gathers tokens (data parallelism)
     assert ("--all2all-backend" in cmd.engine_args) == (ea.data_parallel_size > 1)
@@ -202,7 +202,7 @@ def test_extra_args_may_not_repeat_profile_fields():
 def test_additional_config_from_extra_args_is_merged(vllm_parse):
     cmd = build_command(vllm_profile(extra_args=["--additional-config", '{"other": 1}']))
     _, ea = vllm_parse(cmd.engine_args)
-    assert ea.additional_config == {"other": 1, "glm5_fp4": {"backend": "auto"}}
+    assert ea.additional_config == {"other": 1, "glm5_fp4": {"backend": "auto", "mode": "auto"}}
     assert cmd.engine_args.count("--additional-config") == 1
 
 

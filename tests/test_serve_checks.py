@@ -141,9 +141,12 @@ def test_our_additional_config_must_be_an_object(ckpt, capsys, value):
 
 def test_our_backend_in_additional_config_is_not_silently_replaced(ckpt, capsys):
     """`serve -- --additional-config '{"glm5_fp4": {"backend": "triton"}}'` without --backend used to run --backend's
-    default (auto) without a word; a value that disagrees with the flag is refused, one that agrees is kept."""
+    default (auto) without a word; now no flag means the config's value runs, a flag that disagrees with it is
+    refused, one that agrees is kept."""
     extra = ["--", "--additional-config", '{"glm5_fp4": {"backend": "dequant"}}']
-    assert cli_main(["serve", "--model", str(ckpt), "--dry-run", *extra]) == 1
+    assert cli_main(["serve", "--model", str(ckpt), "--dry-run", *extra]) == 0
+    assert '"backend":"dequant"' in capsys.readouterr().out
+    assert cli_main(["serve", "--model", str(ckpt), "--backend", "triton", "--dry-run", *extra]) == 1
     err = capsys.readouterr().err
     assert "glm5_fp4.backend 'dequant'" in err and "--backend dequant" in err, err
     assert cli_main(["serve", "--model", str(ckpt), "--backend", "dequant", "--dry-run", *extra]) == 0

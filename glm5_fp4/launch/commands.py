@@ -316,10 +316,9 @@ def build_vllm(profile: LaunchProfile, python: str | None = None, environ: Mappi
     env = {**graph_env, **profile.env}
     env_why.update({k: "profile env" for k in profile.env})
     base_env = {**(os.environ if environ is None else environ), **env}
-    mode = None if profile.glm5_fp4.mode == "auto" else profile.glm5_fp4.mode
     kwargs = dict(model=profile.model, port=profile.effective_port, backend=profile.glm5_fp4.backend,
                   extra_args=[a for f in flags for a in f.args] + extra, env=base_env, host=profile.host,
-                  quantization=profile.effective_quantization, mode=mode, plugin=ours)
+                  quantization=profile.effective_quantization, mode=profile.glm5_fp4.mode, plugin=ours)
     spec = build_launch(**kwargs, python=python)
     for key, value in spec.env_overrides.items():
         env[key] = value
@@ -425,10 +424,11 @@ def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Map
     env: dict[str, str] = {}
     env_why: dict[str, str] = {}
     if ours:
+        # set even where "auto": else the shell's value would reach the server, unlike vLLM's launch of the
+        # same profile (its --additional-config beats the environment)
         for key, value in (("GLM5_FP4_BACKEND", profile.glm5_fp4.backend), ("GLM5_FP4_MODE", profile.glm5_fp4.mode)):
-            if value != "auto":
-                env[key] = value
-                env_why[key] = "glm5_fp4 options"
+            env[key] = value
+            env_why[key] = "glm5_fp4 options"
         allowed = {**environ, **profile.env}.get("SGLANG_PLUGINS")
         if allowed and SGLANG_PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
             env["SGLANG_PLUGINS"] = f"{allowed},{SGLANG_PLUGIN_NAME}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped, spawn
 from glm5_fp4.launch.commands import EngineCommand, build_command, owned_field
+from glm5_fp4.launch.engine_choices import OURS
 from glm5_fp4.launch.profile import load_profile
 from glm5_fp4.loopback import check_bind_host
 
@@ -90,6 +92,12 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
         profile = profile.model_copy(update={"extra_args": [*profile.engine_extra_args(), *extra_args]})
     check_bind_host(profile.host, allow_remote, "--host" if overrides.get("host") else f"host in {profile_path}:")
     command = build_command(profile, origin=str(profile_path))
+    if profile.moe_backend == OURS:
+        for field, var in (("backend", "GLM5_FP4_BACKEND"), ("mode", "GLM5_FP4_MODE")):
+            shell = os.environ.get(var, "").strip()
+            if shell and shell.lower() != getattr(profile.glm5_fp4, field):
+                print(f"warning: {var}={shell} in this shell is overridden by the profile's glm5_fp4.{field} "
+                      f"{getattr(profile.glm5_fp4, field)} (set it there)", file=sys.stderr)
     print(f"# {profile_path}: {profile.engine} {profile.layout}, cuda_graphs={profile.cuda_graphs}, "
           f"moe_backend={profile.moe_backend}", flush=True)
     print(describe(command), flush=True)

@@ -84,14 +84,18 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def build_launch(model: str | os.PathLike, port: int = 8000, backend: str = "auto",
+def build_launch(model: str | os.PathLike, port: int = 8000, backend: str | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, *, host: str = "127.0.0.1",
                  quantization: str = "glm5_nvfp4", mode: str | None = None, plugin: bool = True,
                  python: str | None = None) -> LaunchSpec:
-    """The command and environment for one server (nothing is started)."""
+    """The command and environment for one server (nothing is started).
+
+    ``backend`` / ``mode`` None: what ``--additional-config`` (in ``extra_args``) says, else GLM5_FP4_BACKEND /
+    GLM5_FP4_MODE of ``env``, else auto -- written into ``--additional-config`` either way, so the printed command
+    is what runs and vLLM's compile cache is keyed by it (it hashes additional_config, not the environment)."""
     if quantization not in QUANTIZATIONS:
         raise Glm5Fp4Error(f"--quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise Glm5Fp4Error(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if mode is not None and mode not in MODES:
         raise Glm5Fp4Error(f"--mode {mode!r} is not one of {', '.join(MODES)}")
@@ -113,9 +117,13 @@ def build_launch(model: str | os.PathLike, port: int = 8000, backend: str = "aut
                                f"pass {flag} {given[key]} instead")
     if plugin:
         ours = dict(given or {})
-        ours["backend"] = backend
-        if mode is not None:
-            ours["mode"] = mode
+        for key, value, var in (("backend", backend, "GLM5_FP4_BACKEND"), ("mode", mode, "GLM5_FP4_MODE")):
+            from_env = base_env.get(var, "").strip().lower()
+            if value is not None:
+                ours[key] = value
+            elif key not in ours and from_env:
+                ours[key] = from_env  # the plugin would read it too; spelled out here
+        ours.setdefault("backend", "auto")
         additional[CONFIG_KEY] = ours
     if additional:
         argv += ["--additional-config", json.dumps(additional, separators=(",", ":"))]
