@@ -134,3 +134,15 @@ def test_bad_mode_and_missing_input_scales(experts):
     no_scales = prepare_experts(random_experts(E, H, I, generator=torch.Generator().manual_seed(1), with_input_scales=False))
     with pytest.raises(Glm5Fp4Error, match="input scales"):
         fused_moe(x, w, ids, no_scales, mode="w4a4")
+
+
+@pytest.mark.parametrize("bad", [torch.float32, torch.float16, "rows"])
+def test_an_out_tensor_that_does_not_fit_is_refused_on_every_path(experts, bad):
+    """The fake implementation refused a wrong `out`, the eager op and fused_moe's CPU path cast into it (float32 /
+    float16) or failed inside a copy: eager and compiled disagreed. One check now, naming out's dtype and shape."""
+    _, prep = experts
+    x, w, ids = inputs(3, seed=2)
+    out = torch.empty(5, H, dtype=torch.bfloat16) if bad == "rows" else torch.empty(3, H, dtype=bad)
+    for call in (lambda: op.moe_nvfp4(x, w, ids, prep, out=out), lambda: fused_moe(x, w, ids, prep, out=out)):
+        with pytest.raises(Glm5Fp4Error, match=r"out must be .*bfloat16 \[3, 128\]"):
+            call()
