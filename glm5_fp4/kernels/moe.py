@@ -32,7 +32,7 @@ def _interpreting() -> bool:
 
 
 def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,
-                 expert_map: torch.Tensor | None = None):
+                 expert_map: torch.Tensor | None = None, out: torch.Tensor | None = None):
     if mode not in MODES:
         raise Glm5Fp4Error(f"unknown MoE mode {mode!r}; choose one of {MODES}")
     h = prepared.hidden_size
@@ -53,6 +53,13 @@ def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
             f"expert_map must be a 1-D int32/int64 tensor (global expert id -> local id or -1), got "
             f"{expert_map.dtype} {list(expert_map.shape)}"
         )
+    check_out(x, out)
+
+
+def check_out(x: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Every path writes ``out`` in place as it is (no cast, no copy): the op's fake implementation says the same."""
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise Glm5Fp4Error(f"out must be a row-contiguous {x.dtype} {list(x.shape)}, got {out.dtype} {list(out.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,10 +190,9 @@ def default_plan(x: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExpe
 def make_call(x, topk_weights, topk_ids, prepared, mode="w4a16", out=None, expert_map=None, use_asm=None, diag=0,
               workspace=None) -> L.MoECall:
     """Normalise one call's tensors (contiguity, dtypes) and attach the shared workspace."""
+    check_out(x, out)
     if out is None:
         out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1:
-        raise Glm5Fp4Error(f"out must be a row-contiguous {x.dtype} {list(x.shape)}, got {out.dtype} {list(out.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     tw = topk_weights.float().contiguous() if topk_weights.dtype != torch.float32 else topk_weights.contiguous()
@@ -272,7 +278,7 @@ def fused_moe(
     CUDA tensors run the Triton kernels; CPU tensors the torch reference path (or the Triton interpreter
     when ``TRITON_INTERPRET=1``).
     """
-    check_inputs(x, topk_weights, topk_ids, prepared, mode, expert_map)
+    check_inputs(x, topk_weights, topk_ids, prepared, mode, expert_map, out)
     if x.device.type == "cuda" or _interpreting():
         with WATCH.call(x.shape[0], x.device):
             return fused_moe_triton(x, topk_weights, topk_ids, prepared, mode, out, expert_map=expert_map)

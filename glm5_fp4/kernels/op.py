@@ -52,7 +52,7 @@ def _moe_nvfp4(
     prepared = _prepared_from(
         w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha, a13_scale, a2_scale, a13_gscale, a2_gscale, layout
     )
-    check_inputs(x, topk_weights, topk_ids, prepared, quant_mode, expert_map)
+    check_inputs(x, topk_weights, topk_ids, prepared, quant_mode, expert_map, out)
     if x.device.type == "cuda" or _interpreting():
         fused_moe_triton(x, topk_weights, topk_ids, prepared, quant_mode, out=out, expert_map=expert_map)
     else:
@@ -73,7 +73,8 @@ def _moe_nvfp4_fake(x, topk_weights, topk_ids, w13, w13_scale, w13_alpha, w2, w2
     if tuple(w2.shape) != (e, 2 * h_half, two_i // 4):
         raise Glm5Fp4Error(f"moe_nvfp4: w2 must be [{e}, {2 * h_half}, {two_i // 4}], got {list(w2.shape)}")
     if out.shape != x.shape or out.dtype != x.dtype:
-        raise Glm5Fp4Error(f"moe_nvfp4: out must be {x.dtype} {list(x.shape)}, got {out.dtype} {list(out.shape)}")
+        raise Glm5Fp4Error(f"moe_nvfp4: out must be a row-contiguous {x.dtype} {list(x.shape)}, got {out.dtype} "
+                           f"{list(out.shape)}")
     return None
 
 
