@@ -209,6 +209,38 @@ def test_capture_drives_the_profiler_during_decode_and_collects_traces(tmp_path)
     assert (out / "breakdown" / "breakdown.md").exists()
 
 
+def test_a_capture_stopped_while_profiling_stops_the_servers_profiler(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or any error) after /start_profile stopped the load but never sent /stop_profile: vLLM's profiler
+    kept recording (memory grows; the next capture's /start_profile fails). It is now stopped on the way out, and
+    the run says so; an existing file where the traces go is refused before any load is sent."""
+    from glm5_fp4.profiling import capture as C
+
+    trace_dir = tmp_path / "server_traces"
+    trace_dir.mkdir()
+    real_sleep = time.sleep
+
+    def interrupted(s):
+        if s >= 0.5:  # the profiling wait (the warm-up polls in 0.2 s naps)
+            raise KeyboardInterrupt
+        real_sleep(s)
+
+    monkeypatch.setattr(C.time, "sleep", interrupted)
+    with FakeServer(trace_dir) as server:
+        rc = main(["profile", "capture", "--url", server.url, "--steps", "200", "--trace-dir", str(trace_dir),
+                   "--concurrency", "2", "--out", str(tmp_path / "cap")])
+        calls = list(server.calls)
+    assert rc == 130 and calls.index("POST /stop_profile") > calls.index("POST /start_profile")
+    assert "/stop_profile" in capsys.readouterr().err
+    monkeypatch.setattr(C.time, "sleep", real_sleep)
+    (tmp_path / "cap2").mkdir()
+    (tmp_path / "cap2" / "traces").write_text("a file")
+    with FakeServer(trace_dir) as server:
+        rc = main(["profile", "capture", "--url", server.url, "--steps", "5", "--trace-dir", str(trace_dir),
+                   "--out", str(tmp_path / "cap2")])
+        assert rc == 1 and not any("completions" in c for c in server.calls)
+    assert "traces" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("told,kind", [("fp8_e4m3", "fp8"), (None, "bf16"), ("fp4_e2m1", "bf16")])
 def test_capture_hands_the_sglang_servers_kv_cache_dtype_to_the_ceilings(tmp_path, told, kind):
     trace_dir = tmp_path / "server_traces"
