@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import sys
 import threading
 import time
 import urllib.error
@@ -180,6 +181,16 @@ def _wait_for_traces(trace_dir: Path, before: dict[Path, float], timeout: float,
     return files
 
 
+def _stop_after_interruption(base: str, cfg: CaptureConfig) -> None:
+    try:
+        status, _ = _request(f"{base}/stop_profile", {}, timeout=min(cfg.flush_timeout_s, 60.0))
+        said = f"HTTP {status}"
+    except Exception as exc:  # noqa: BLE001 - best effort on the way out; the original error is what propagates
+        said = f"no answer ({exc})"
+    print(f"capture stopped while the server was profiling: sent {base}/stop_profile ({said}); its traces may "
+          f"still appear in {cfg.trace_dir}", file=sys.stderr, flush=True)
+
+
 def capture(cfg: CaptureConfig, log=print) -> Captured:
     """Run the capture; returns the trace files copied into ``cfg.out`` and what the server said of itself."""
     base = _check_url(cfg.url)
@@ -200,6 +211,7 @@ def capture(cfg: CaptureConfig, log=print) -> Captured:
     threads = [threading.Thread(target=_stream, args=(base, model, cfg, stats, stop), daemon=True) for _ in range(cfg.concurrency)]
     for t in threads:
         t.start()
+    profiling = False
     try:
         deadline = time.monotonic() + cfg.warmup_s
         while time.monotonic() < deadline:
@@ -223,17 +235,21 @@ def capture(cfg: CaptureConfig, log=print) -> Captured:
         if engine == "sglang":
             body = {"num_steps": cfg.steps, "activities": ["CPU", "GPU"], "output_dir": str(cfg.trace_dir)}
         status, answer = _request(f"{base}/start_profile", body, timeout=cfg.request_timeout_s)
+        profiling = status < 400
         if status == 404:
             raise Glm5Fp4Error(f"{base}/start_profile: 404; start the server with its profiler enabled (see the launch profile)")
         if status >= 400:
             raise Glm5Fp4Error(f"{base}/start_profile: HTTP {status}: {answer[:300]!r}")
         log(f"profiling {cfg.steps} decode steps (~{cfg.steps * step_s:.1f} s)")
         time.sleep(max(cfg.steps * step_s * 1.5, 0.5))
+        profiling = False  # asked to stop; a refusal below is the server's answer, not ours to repeat
         status, answer = _request(f"{base}/stop_profile", {}, timeout=cfg.flush_timeout_s)
         if status >= 400 and engine != "sglang":  # SGLang stops by itself after num_steps and may say so
             raise Glm5Fp4Error(f"{base}/stop_profile: HTTP {status}: {answer[:300]!r}")
     finally:
         stop.set()
+        if profiling:  # interrupted or failed while the server records: left on, its profiler would keep growing
+            _stop_after_interruption(base, cfg)
     files = _wait_for_traces(cfg.trace_dir, before, cfg.flush_timeout_s)
     cfg.out.mkdir(parents=True, exist_ok=True)
     copied = []

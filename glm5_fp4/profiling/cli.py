@@ -259,7 +259,9 @@ def run(args) -> int:
     if args.action == "capture":
         from glm5_fp4.profiling.capture import CaptureConfig, capture
 
-        output_dir(args.out, "--out", create=False)  # before any load is sent: the traces would be lost
+        # before any load is sent: the traces would be lost (where they are copied, and the analysis' folder)
+        for sub in ("traces", *(("breakdown",) if args.analyze else ())):
+            output_dir(Path(args.out) / sub, "--out", create=False)
         cfg = CaptureConfig(
             url=args.url, steps=args.steps, trace_dir=Path(args.trace_dir), out=Path(args.out) / "traces",
             engine=args.engine, concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,
