@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -372,3 +373,55 @@ def test_a_path_that_is_a_file_and_requests_that_are_a_folder_are_named(tmp_path
     assert f"{host} is a file; PATH is the folder of host-<pid>.jsonl files" in capsys.readouterr().err
     assert main(["profile", "stalls", str(tmp_path), "--requests", str(tmp_path)]) == 1
     assert f"request records {tmp_path} is a directory" in capsys.readouterr().err
+
+
+def _hung_in_here(seconds):
+    time.sleep(seconds)
+
+
+def test_a_call_still_hanging_at_a_flush_is_on_disk(tmp_path):
+    """The sampler wrote a thread's run only when its stack changed or at exit: a call that hung and was then killed
+    (the case this tool exists for) left no trace, though flushes ran during it. Each flush now writes the open
+    runs as they stand."""
+    sampler = H.HostSampler(tmp_path, 5.0)
+    hang = threading.Thread(target=_hung_in_here, args=(0.4,), name="hung")
+    hang.start()
+    try:
+        for _ in range(20):
+            sampler.sample_once()
+            time.sleep(0.005)
+        sampler.flush()  # no final flush: the process is killed here
+    finally:
+        hang.join()
+    (proc,) = S.load(tmp_path)
+    tid = hang.ident
+    stacks = [proc.stacks[sid] for _, sid, *_ in proc.thread_runs(tid)]
+    assert any(any(f[2] == "_hung_in_here" for f in st) for st in stacks), stacks
+    assert sum(r[4] for r in proc.thread_runs(tid)) >= 15
+
+
+def test_two_samplers_of_one_pid_write_two_files(tmp_path):
+    """A reused pid (containers give the engine the same one) appended a second run to the first's host-<pid>
+    file, with no header and stack ids from 0 again, relabelling the first run's stacks."""
+    for work in (_spin_in_here, _sleep_in_here):
+        s = H.HostSampler(tmp_path, 5.0)
+        s.start()
+        work(0.1)
+        s.stop()
+        time.sleep(0.01)
+    procs = S.load(tmp_path)
+    assert len(procs) == 2 and all(p.complete for p in procs)
+    names = [{f[2] for sid in p.stacks for f in p.stacks[sid]} for p in sorted(procs, key=lambda p: p.t0_unix)]
+    assert "_spin_in_here" in names[0] and "_sleep_in_here" not in names[0]
+    assert "_sleep_in_here" in names[1]
+
+
+def test_records_after_the_end_record_are_refused(tmp_path):
+    s = H.HostSampler(tmp_path, 5.0)
+    s.sample_once()
+    s.flush(final=True)
+    (path,) = tmp_path.glob("host-*.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": "runs", "runs": [[1, 0, 0.0, 1.0, 1, 5.0]]}) + "\n")
+    with pytest.raises(Glm5Fp4Error, match=r"after its 'end' record"):
+        S.load(tmp_path)
