@@ -130,9 +130,10 @@ def test_a_forked_child_samples_into_its_own_file(tmp_path, monkeypatch):
     finally:
         parent.stop()
         monkeypatch.setattr(H, "_SAMPLER", None)
-    names = sorted(p.name for p in tmp_path.glob("host-*.jsonl"))
-    assert names == sorted([f"host-{os.getpid()}.jsonl", f"host-{pid}.jsonl"])
-    child = S.load_process(tmp_path / f"host-{pid}.jsonl")
+    names = sorted(p.name.split("-")[1] for p in tmp_path.glob("host-*.jsonl"))  # host-<pid>-<start ms>.jsonl
+    assert names == sorted([str(os.getpid()), str(pid)])
+    (child_file,) = tmp_path.glob(f"host-{pid}-*.jsonl")
+    child = S.load_process(child_file)
     assert child.complete and child.runs
 
 
@@ -396,7 +397,7 @@ def test_a_call_still_hanging_at_a_flush_is_on_disk(tmp_path):
     (proc,) = S.load(tmp_path)
     tid = hang.ident
     stacks = [proc.stacks[sid] for _, sid, *_ in proc.thread_runs(tid)]
-    assert any(any(f[2] == "_hung_in_here" for f in st) for st in stacks), stacks
+    assert any(any(f[1] == "_hung_in_here" for f in st) for st in stacks), stacks
     assert sum(r[4] for r in proc.thread_runs(tid)) >= 15
 
 
@@ -411,7 +412,7 @@ def test_two_samplers_of_one_pid_write_two_files(tmp_path):
         time.sleep(0.01)
     procs = S.load(tmp_path)
     assert len(procs) == 2 and all(p.complete for p in procs)
-    names = [{f[2] for sid in p.stacks for f in p.stacks[sid]} for p in sorted(procs, key=lambda p: p.t0_unix)]
+    names = [{f[1] for sid in p.stacks for f in p.stacks[sid]} for p in sorted(procs, key=lambda p: p.t0_unix)]
     assert "_spin_in_here" in names[0] and "_sleep_in_here" not in names[0]
     assert "_sleep_in_here" in names[1]
 
