@@ -17,7 +17,7 @@ children restart it) starts one daemon thread per process that, every ``GLM5_FP4
   as CUDA's default synchronisation) or blocked (a C call that sleeps, e.g. ``time.sleep`` from Python, which the
   Python stack alone cannot show);
 * records every garbage collection (generation, duration, objects collected) through ``gc.callbacks``;
-* and, every :data:`FLUSH_S` and at exit, appends what it gathered to ``DIR/host-<pid>.jsonl`` (process name,
+* and, every :data:`FLUSH_S` and at exit, appends what it gathered to ``DIR/host-<pid>-<start ms>.jsonl`` (process name,
   command line, the eager MoE calls per token count of :mod:`glm5_fp4.kernels.slow_calls`).
 
 ``glm5-fp4 profile stalls DIR [--requests FILE]`` (:mod:`glm5_fp4.profiling.stalls`) reads the files: per process,
@@ -105,7 +105,10 @@ class HostSampler:
         self.interval = interval_ms / 1e3
         self.pid = os.getpid()
         self.t0 = time.time()
-        self.path = folder / f"{FILE_PREFIX}{self.pid}.jsonl"
+        # the start time in the name: a reused pid (containers restart the engine as pid 1, 7, ...) gets a file of
+        # its own instead of appending a second run, with stack ids from 0 again, to the first's
+        self.path = folder / f"{FILE_PREFIX}{self.pid}-{int(self.t0 * 1e3)}.jsonl"
+        self._header_written = False
         self._stack_ids: dict[tuple, int] = {}
         self._new_stacks: dict[int, list] = {}
         self._open: dict[int, list] = {}  # tid -> [stack id, first ms, last ms, samples, weight ms]
@@ -200,9 +203,10 @@ class HostSampler:
 
     def flush(self, final: bool = False) -> None:
         with self._lock:
-            if final:
-                self._closed.extend([tid, *run] for tid, run in self._open.items())
-                self._open.clear()
+            # every flush writes the open runs as they stand (the next sample opens new ones): a call that hangs
+            # until the process is killed is on disk up to the last flush
+            self._closed.extend([tid, *run] for tid, run in self._open.items())
+            self._open.clear()
             stacks, self._new_stacks = self._new_stacks, {}
             runs, self._closed = self._closed, []
             gaps, self._gaps = self._gaps, []
@@ -212,7 +216,8 @@ class HostSampler:
         new_names = {tid: n for tid, n in names.items() if self._threads.get(tid) != n}
         self._threads.update(new_names)
         lines = []
-        if not self.path.exists():
+        if not self._header_written:
+            self._header_written = True
             lines.append({"kind": "process", "pid": self.pid, "ppid": os.getppid(), "comm": _comm(),
                           "argv": sys.argv[:8], "main_tid": threading.main_thread().ident,
                           "t0_unix": self.t0, "interval_ms": self.interval * 1e3, "late_ms": LATE_MS})

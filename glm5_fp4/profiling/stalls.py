@@ -140,6 +140,9 @@ def load_process(path: Path) -> Process:
                 break
             raise Glm5Fp4Error(f"{path}:{no}: not a JSON line ({exc.msg})") from None
         kind = rec.get("kind") if isinstance(rec, dict) else None
+        if proc is not None and proc.complete:
+            raise Glm5Fp4Error(f"{path}:{no}: a {kind!r} record after its 'end' record: two runs wrote this file "
+                               "(an older sampler appending under a reused pid); split or remove it")
         if proc is None:
             if kind != "process":
                 raise Glm5Fp4Error(f"{path}:{no}: a host-sample file starts with a 'process' record, found {kind!r}")
