@@ -164,3 +164,59 @@ def test_under_nohup_a_hangup_does_not_stop_it(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert (out / "config.json").is_file()
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Rewrite a safetensors file's JSON header in place with ``edit(header)``; the data bytes stay."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("appended", "bytes past its last tensor"),   # a botched resumed download: the loader refuses the file
+    ("short_range", "holds 2 bytes"),             # offsets that disagree with shape x dtype
+    ("unknown_dtype", "dtype 'F4'"),
+])
+def test_a_header_the_loader_would_refuse_is_refused(made, tmp_path, capsys, damage, words):
+    """inspect checked only that each tensor ends inside the file; safetensors (and so the engine) also wants every
+    byte accounted for, offsets that match shape x dtype, and dtypes it knows."""
+    ck = _copy(made, tmp_path)
+    f = ck / "model.safetensors"
+    if damage == "appended":
+        f.write_bytes(f.read_bytes() + b"\0" * 64)
+    else:
+        def edit(h):
+            name = next(n for n in h if n.endswith("self_attn.o_proj.weight"))
+            if damage == "short_range":
+                h[name]["data_offsets"][1] = h[name]["data_offsets"][0] + 2
+            else:
+                h[name]["dtype"] = "F4"
+        _rewrite_header(f, edit)
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value", [5, {"x": 1}, "GlmMoeDsaForCausalLM", [], [3]])
+def test_architectures_must_be_a_list_of_names(made, tmp_path, capsys, value):
+    ck = _copy(made, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["architectures"] = value
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "architectures" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("size", ["hidden_size=--32", "hidden_size=²", "hidden_size=3x"])
+def test_a_size_that_is_not_an_integer_is_one_error(tmp_path, capsys, size):
+    assert main(["make-checkpoint", "--out", str(tmp_path / "ck"), "--size", size]) == 1
+    err = capsys.readouterr().err
+    assert "--size" in err and "Traceback" not in err and not (tmp_path / "ck").exists(), err
