@@ -175,6 +175,11 @@ def check_config(config: object, where: str) -> None:
 
     if not isinstance(config, dict):
         raise Glm5Fp4Error(f"{where}: expected a JSON object, got {type(config).__name__}")
+    archs = config.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not archs or not all(isinstance(a, str) and a
+                                                                                     for a in archs)):
+        raise Glm5Fp4Error(f"{where}: field 'architectures' is {archs!r}, expected a list of class names such as "
+                           '["GlmMoeDsaForCausalLM"]')
 
     def integer(key: str, minimum: int, required: bool = True) -> int | None:
         if key not in config:

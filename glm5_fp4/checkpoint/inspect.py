@@ -13,6 +13,7 @@ naming the file, the tensor and what was expected.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections import Counter
@@ -27,7 +28,8 @@ from glm5_fp4.nvfp4 import BLOCK_SIZE, shape_matches
 
 RECIPE_TEXT = {"glm5": "dense MLPs, shared and routed experts NVFP4",
                "routed-only": "only routed experts NVFP4; dense MLPs and shared experts BF16"}
-_DTYPE_BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "F64": 8}
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
+                "F32": 4, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F64": 8}
 _LINEAR_RE = re.compile(
     r"^model\.layers\.(?P<layer>\d+)\.mlp\.(?:(?:experts\.(?P<expert>\d+)|(?P<shared>shared_experts))\.)?"
     r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
@@ -127,19 +129,39 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise Glm5Fp4Error(f"{path}: corrupt safetensors header (not a JSON object)")
     size = path.stat().st_size
     out = {}
+    ranges = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         try:
-            end = meta["data_offsets"][1]
+            begin, end = meta["data_offsets"]
             dtype, shape = meta["dtype"], tuple(meta["shape"])
-            if not isinstance(end, int) or not isinstance(dtype, str) or not all(isinstance(d, int) for d in shape):
+            if not all(isinstance(v, int) and v >= 0 for v in (begin, end, *shape)) or not isinstance(dtype, str):
                 raise TypeError
-        except (KeyError, IndexError, TypeError):
+        except (KeyError, TypeError, ValueError):
             raise Glm5Fp4Error(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+        if dtype not in _DTYPE_BYTES:
+            raise Glm5Fp4Error(f"{path}: tensor {name} has dtype {dtype!r}, not one an NVFP4 checkpoint's loader "
+                               f"reads ({', '.join(_DTYPE_BYTES)})")
         if 8 + n + end > size:
             raise Glm5Fp4Error(f"{path}: tensor {name} extends past the end of the file (truncated download?)")
+        want = math.prod(shape) * _DTYPE_BYTES[dtype]
+        if end - begin != want:
+            raise Glm5Fp4Error(f"{path}: tensor {name} ({dtype} {list(shape)}, {want} bytes) holds {end - begin} bytes "
+                               f"(data_offsets {begin}..{end}): a corrupt header")
+        ranges.append((begin, end, name))
         out[name] = TensorInfo(dtype, shape, path.name)
+    # safetensors (and so the engine's loader) wants the data to be the tensors, back to back, and nothing more
+    ranges.sort()
+    at = 0
+    for begin, end, name in ranges:
+        if begin != at:
+            raise Glm5Fp4Error(f"{path}: tensor {name} starts at byte {begin} of the data, not {at}: tensors overlap or "
+                               "leave a hole (a corrupt header)")
+        at = end
+    if 8 + n + at != size:
+        raise Glm5Fp4Error(f"{path}: {size - 8 - n - at} bytes past its last tensor (a resumed or concatenated "
+                           "download?): the loader refuses such a file")
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from glm5_fp4.checkpoint.configs import ARCHS, TINY_SIZES
 from glm5_fp4.checkpoint.layout import RECIPES
@@ -33,7 +34,7 @@ def parse_sizes(items: list[str]) -> dict[str, int]:
     sizes = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not value.strip().lstrip("-").isdigit():
+        if not sep or not re.fullmatch(r"-?[0-9]+", value.strip()):  # isdigit() takes "²", lstrip took "--"
             raise Glm5Fp4Error(f"--size {item!r}: expected FIELD=INTEGER, e.g. --size n_routed_experts=8")
         sizes[key.strip()] = int(value)
     return sizes
