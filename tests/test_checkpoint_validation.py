@@ -220,3 +220,25 @@ def test_a_size_that_is_not_an_integer_is_one_error(tmp_path, capsys, size):
     assert main(["make-checkpoint", "--out", str(tmp_path / "ck"), "--size", size]) == 1
     err = capsys.readouterr().err
     assert "--size" in err and "Traceback" not in err and not (tmp_path / "ck").exists(), err
+
+
+@pytest.mark.parametrize("field, value", [("quant_algo", "FP8"), ("group_size", 32), ("ignore", ["lm_head"])])
+def test_the_two_quantization_configs_must_agree(made, tmp_path, capsys, field, value):
+    """inspect read hf_quant_config.json alone when it existed; vLLM reads config.json's quantization_config first.
+    A config.json saying FP8 (or group 32, or another exclude list) beside an NVFP4 hf_quant_config.json passed
+    --require-nvfp4. Both are read now, and one error names both files where they disagree."""
+    ck = _copy(made, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"][field] = value
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", str(ck), "--require-nvfp4"]) == 1
+    err = capsys.readouterr().err
+    assert "hf_quant_config.json" in err and "config.json" in err and "disagree" in err, err
+    assert field.replace("ignore", "exclude") in err
+
+
+def test_config_json_alone_is_the_quantization_config(made, tmp_path, capsys):
+    ck = _copy(made, tmp_path)
+    (ck / "hf_quant_config.json").unlink()
+    assert main(["inspect", str(ck), "--require-nvfp4"]) == 0
+    assert "NVFP4" in capsys.readouterr().out
