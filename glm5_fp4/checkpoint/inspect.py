@@ -274,18 +274,31 @@ def _check_complete(ckpt: Path, cfg_path: Path, config: dict, tensors: dict[str,
 
 def read_quant_config(ckpt: Path, config: dict, config_path: Path | None = None
                       ) -> tuple[str | None, int | None, list[str]]:
-    """(quant_algo, group_size, exclude_modules) from hf_quant_config.json or config.json quantization_config
-    (``config_path``: the file ``config`` came from, for messages; default ckpt/config.json)."""
-    hf = ckpt / "hf_quant_config.json"
-    if hf.exists():
-        doc = read_json(hf, "quantizer config")
-        if not isinstance(doc, dict):
-            raise Glm5Fp4Error(f"{hf}: expected a JSON object, got {type(doc).__name__}")
-        return _quant_fields(doc.get("quantization", {}), f"{hf}: quantization", "exclude_modules")
+    """(quant_algo, group_size, exclude_modules) from config.json's quantization_config, else hf_quant_config.json
+    (vLLM's order; ``config_path``: the file ``config`` came from, for messages; default ckpt/config.json). Where both
+    say something they must agree: engines differ in which they read first."""
+    cfg_where = f"{config_path or ckpt / 'config.json'}: quantization_config"
     q = config.get("quantization_config")
-    if not q:
-        return None, None, []
-    return _quant_fields(q, f"{config_path or ckpt / 'config.json'}: quantization_config", "ignore", "exclude_modules")
+    from_cfg = _quant_fields(q, cfg_where, "ignore", "exclude_modules") if q else None
+    hf = ckpt / "hf_quant_config.json"
+    if not hf.exists():
+        return from_cfg or (None, None, [])
+    doc = read_json(hf, "quantizer config")
+    if not isinstance(doc, dict):
+        raise Glm5Fp4Error(f"{hf}: expected a JSON object, got {type(doc).__name__}")
+    from_hf = _quant_fields(doc.get("quantization", {}), f"{hf}: quantization", "exclude_modules")
+    if from_cfg is None:
+        return from_hf
+    differ = [f"{name} {a!r} / {b!r}" for name, a, b in (
+        ("quant_algo", (from_cfg[0] or "").upper(), (from_hf[0] or "").upper()),
+        ("group_size", from_cfg[1], from_hf[1])) if a != b]
+    only = sorted(set(from_cfg[2]) ^ set(from_hf[2]))
+    if only:
+        differ.append(f"exclude list ({len(only)} entr{'y' if len(only) == 1 else 'ies'} in one only, e.g. {only[0]!r})")
+    if differ:
+        raise Glm5Fp4Error(f"{cfg_where} and {hf} disagree: {'; '.join(differ)} (config.json / hf_quant_config.json); "
+                           "engines differ in which they read first: make them agree")
+    return from_cfg
 
 
 def _quant_fields(q: object, where: str, *exclude_keys: str) -> tuple[str | None, int | None, list[str]]:
