@@ -279,3 +279,21 @@ def test_a_bad_environment_stops_the_moe_method_before_any_weight_is_read(publis
             M(qc)
         monkeypatch.delenv(name)
     M(qc)
+
+
+def test_a_missing_hook_target_stops_the_registration_by_name(sglang_plugins, monkeypatch):
+    """SGLang's HookRegistry logs a target it cannot find and goes on: with ModelOptNvFp4FusedMoEMethod renamed
+    upstream, `--moe-runner-backend glm5_fp4` was still accepted and the server died later in SGLang's own NVFP4
+    check, naming neither glm5-fp4 nor the version. Every target is resolved before anything is registered."""
+    from sglang.srt.layers.quantization import modelopt_quant
+
+    from glm5_fp4.engines.sglang import compat
+    from glm5_fp4.engines.sglang.registration import register_all
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    monkeypatch.delattr(modelopt_quant, "ModelOptNvFp4FusedMoEMethod")
+    with pytest.raises(Glm5Fp4Error) as e:
+        register_all()
+    msg = str(e.value)
+    assert "ModelOptNvFp4FusedMoEMethod" in msg and compat.PRIMARY in msg and compat.VEHICLE in msg
+    assert compat.running_version() in msg
