@@ -7,10 +7,37 @@ from __future__ import annotations
 from glm5_fp4.engines.sglang import NAME
 
 
+def _check_targets(compat) -> None:
+    """Resolve every hook target before registering anything: SGLang's HookRegistry logs a target it cannot find and
+    goes on, so a class renamed upstream left the name accepted and the server failing later in SGLang's own code."""
+    import pkgutil
+
+    from glm5_fp4.engines.layer_timers import sglang_hooks
+    from glm5_fp4.engines.sglang.hooks import HOOKS, TARGET
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    targets = [f"{TARGET}.{method}" for method in HOOKS]
+    if not compat.has_runner_core_registry():
+        targets += list(compat.legacy_hooks())
+    targets += list(sglang_hooks())
+    missing = []
+    for target in targets:
+        try:
+            pkgutil.resolve_name(target)
+        except (ImportError, AttributeError, ValueError):
+            missing.append(target)
+    if missing:
+        raise Glm5Fp4Error(f"SGLang {compat.running_version()} has no {', '.join(missing)}: glm5-fp4 hooks these in "
+                           f"SGLang {compat.PRIMARY} (and {compat.VEHICLE}); --moe-runner-backend {NAME} is not "
+                           "registered")
+
+
 def register_all() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from glm5_fp4.engines.sglang import compat
+
+    _check_targets(compat)
 
     # 1. argparse: --moe-runner-backend (and --speculative-moe-runner-backend) accept the name. Must run before
     #    ServerArgs builds its parser, which is why it lives in the plugin and not in a launcher.
