@@ -426,3 +426,38 @@ def test_records_after_the_end_record_are_refused(tmp_path):
         f.write(json.dumps({"kind": "runs", "runs": [[1, 0, 0.0, 1.0, 1, 5.0]]}) + "\n")
     with pytest.raises(Glm5Fp4Error, match=r"after its 'end' record"):
         S.load(tmp_path)
+
+
+def test_a_window_the_samples_barely_cover_is_not_reported_as_certain(tmp_path):
+    """Host samples cover T0 .. T0+4 s. A 2 s stall from 3.5 s (a quarter sampled) printed "main thread busy
+    100 %, CPU 100 %" (the CPU from readings before the window), and a stall after sampling ended printed its
+    heading and nothing. Each window now says how much of it was sampled; shares are n/a where under half was,
+    and a window no process covers says so."""
+    hosts = tmp_path / "hosts"
+    hosts.mkdir()
+    _host_file(hosts)
+
+    def tok(a, b):
+        return [a + 0.05 * i for i in range(int((b - a) / 0.05))]
+
+    reqs = _requests(tmp_path / "r.requests.jsonl.gz", [(0.0, tok(0.1, 3.5) + tok(5.5, 6.5) + tok(9.0, 9.5))])
+    res = S.analyze(hosts, [reqs], min_gap_ms=1000)
+    wins = sorted(res["request_files"][0]["windows"], key=lambda w: w["start_s"])
+    partly, after = wins
+    (p,) = partly["processes"]
+    assert p["sampled_share"] == pytest.approx(0.5 / 2.0, abs=0.05)
+    assert p["main_busy_share"] is None and p["main_cpu"] is None
+    assert after["processes"] == []
+    md = S.markdown(res)
+    assert "sampled 25 % of the window" in md and "busy n/a" in md and "no process was sampled in this window" in md
+
+
+def test_only_the_longest_windows_are_listed_and_the_report_says_so(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.mkdir()
+    _host_file(hosts)
+    tokens = [0.1 + 0.15 * i for i in range(25)]  # 24 gaps of 150 ms inside the sampled 4 s
+    res = S.analyze(hosts, [_requests(tmp_path / "r.requests.jsonl.gz", [(0.0, tokens)])], min_gap_ms=100)
+    rf = res["request_files"][0]
+    assert rf["stalls"] == 24 and len(rf["windows"]) == S.MAX_WINDOWS
+    assert f"the longest {S.MAX_WINDOWS} are listed" in S.markdown(res)
