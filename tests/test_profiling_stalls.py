@@ -449,7 +449,8 @@ def test_a_window_the_samples_barely_cover_is_not_reported_as_certain(tmp_path):
     assert p["main_busy_share"] is None and p["main_cpu"] is None
     assert after["processes"] == []
     md = S.markdown(res)
-    assert "sampled 25 % of the window" in md and "busy n/a" in md and "no process was sampled in this window" in md
+    assert re.search(r"sampled 2[4-6] % of the window", md) and "busy n/a" in md, md
+    assert "no process was sampled in this window" in md
 
 
 def test_only_the_longest_windows_are_listed_and_the_report_says_so(tmp_path):

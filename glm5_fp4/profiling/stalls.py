@@ -36,6 +36,7 @@ DEFAULT_MIN_GAP_MS = metrics.STALL_MS
 TOP_STACKS = 8
 STACK_SHOWN = 7  # innermost frames printed per stack
 MAX_WINDOWS = 12
+MIN_WINDOW_SAMPLED = 0.5  # a window's share a process's samples must span for its shares to be reported
 
 # Innermost frames that block: (file name, function) pairs, a function of any file, or any function of a file.
 _WAIT_FUNCS = {"sleep", "sched_yield", "select", "poll", "epoll", "wait", "wait_for", "_wait", "acquire", "recv", "recv_multipart",
@@ -379,11 +380,15 @@ def window_summary(procs: list[Process], window: tuple[float, float, int], t_ref
         gc_ms = sum(_overlap(proc.unix(a), proc.unix(a + d), w0, w1) for a, d, _, _ in proc.gcs) * 1e3
         gap_ms = sum(_overlap(proc.unix(a), proc.unix(a + d), w0, w1) for a, d in proc.gaps) * 1e3
         busy = sum(ms for sid, ms in weights.items() if not is_waiting(proc.stacks[sid]))
-        per.append({"label": proc.label, "main_sampled_ms": total, "main_busy_share": busy / total if total else 0.0,
-                    "main_cpu": cpu_share(proc, proc.main_tid, w0, w1), "gc_ms": gc_ms, "sampler_gap_ms": gap_ms,
-                    "top": _stack_rows(proc, weights, total, 3)})
+        sampled = _overlap(proc.unix(0), proc.unix(proc.end_ms), w0, w1) / max(w1 - w0, 1e-9)
+        # under half the window sampled (or no main thread known): its shares would be a guess, not a measurement
+        known = sampled >= MIN_WINDOW_SAMPLED and proc.main_tid is not None and total > 0
+        per.append({"label": proc.label, "sampled_share": sampled, "main_sampled_ms": total,
+                    "main_busy_share": busy / total if known else None,
+                    "main_cpu": cpu_share(proc, proc.main_tid, w0, w1) if known else None,
+                    "gc_ms": gc_ms, "sampler_gap_ms": gap_ms, "top": _stack_rows(proc, weights, total, 3)})
     # the process whose main thread ran most in the window first: the likeliest holder of the stall
-    per.sort(key=lambda p: -(p["main_cpu"] or 0.0) * p["main_busy_share"])
+    per.sort(key=lambda p: -(p["main_cpu"] or 0.0) * (p["main_busy_share"] or 0.0))
     return {"start_s": w0 - t_ref, "ms": (w1 - w0) * 1e3, "in_flight": flying, "processes": per}
 
 
@@ -421,6 +426,10 @@ def _cpu(x: float | None) -> str:
     return "n/a" if x is None else _pct(x)
 
 
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else _pct(x)
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Host samples: {result['folder']}", ""]
     for p in result["processes"]:
@@ -449,12 +458,16 @@ def markdown(result: dict) -> str:
                   f"{rf['requests']} requests over {rf['seconds']:.1f} s; {rf['stalls']} window(s) of >= "
                   f"{rf['min_gap_ms']:g} ms with no token delivered while requests were in flight, "
                   f"{rf['stalled_s']:.2f} s in all. Processes sampled throughout: "
-                  f"{', '.join(rf['processes_covering']) or 'none'}.", ""]
+                  f"{', '.join(rf['processes_covering']) or 'none'}."
+                  + (f" Of the {rf['stalls']} windows the longest {len(rf['windows'])} are listed."
+                     if rf["stalls"] > len(rf["windows"]) else ""), ""]
         for w in rf["windows"]:
             lines += [f"### {w['ms']:.0f} ms from t = {w['start_s']:.2f} s ({w['in_flight']} requests in flight)", ""]
+            if not w["processes"]:
+                lines.append("- no process was sampled in this window")
             for p in w["processes"]:
-                lines.append(f"- **{p['label']}** main thread busy {_pct(p['main_busy_share'])}, CPU "
-                             f"{_cpu(p['main_cpu'])}, GC "
+                lines.append(f"- **{p['label']}** (sampled {_pct(p['sampled_share'])} of the window) main thread busy "
+                             f"{_share(p['main_busy_share'])}, CPU {_cpu(p['main_cpu'])}, GC "
                              f"{p['gc_ms']:.0f} ms, sampler gaps {p['sampler_gap_ms']:.0f} ms")
                 for r in p["top"]:
                     lines.append(f"  - {_pct(r['share'])}{' (waiting)' if r['waiting'] else ''}: `{r['stack']}`")
