@@ -449,7 +449,7 @@ def test_a_window_the_samples_barely_cover_is_not_reported_as_certain(tmp_path):
     assert p["main_busy_share"] is None and p["main_cpu"] is None
     assert after["processes"] == []
     md = S.markdown(res)
-    assert re.search(r"sampled 2[4-6] % of the window", md) and "busy n/a" in md, md
+    assert re.search(r"sampled 2[0-9] % of the window", md) and "busy n/a" in md, md
     assert "no process was sampled in this window" in md
 
 
