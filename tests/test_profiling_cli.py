@@ -466,3 +466,21 @@ def test_ceilings_price_auto_kv_as_the_engine_does_on_the_gpu():
     assert attention_bytes("h200", "auto") == attention_bytes("h200", "bfloat16")
     assert attention_bytes("rtx-pro-6000-ws", "auto") == attention_bytes("rtx-pro-6000-ws", "fp8")
     assert attention_bytes("h200", "auto") > attention_bytes("h200", "fp8")
+
+
+def test_a_slow_stop_profile_is_not_called_unreachable(tmp_path, monkeypatch):
+    """A server still flushing its traces when --flush-timeout-s ran out was reported "not reachable (timed out)"."""
+    import socket
+    import urllib.request
+
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.profiling import capture as C
+
+    def slow(req, timeout):
+        raise urllib.error.URLError(socket.timeout("timed out"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", slow)
+    with pytest.raises(Glm5Fp4Error, match=r"no answer within 7 s .*--flush-timeout-s"):
+        C._request("http://127.0.0.1:9/stop_profile", {}, timeout=7)
+    with pytest.raises(Glm5Fp4Error, match="no answer within 3 s"):
+        C._request("http://127.0.0.1:9/version", timeout=3)
