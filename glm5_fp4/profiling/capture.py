@@ -78,7 +78,13 @@ def _request(url: str, body: dict | None = None, timeout: float = 30.0, method: 
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
     except (urllib.error.URLError, OSError) as exc:
-        raise Glm5Fp4Error(f"{url}: server not reachable ({getattr(exc, 'reason', exc)})") from None
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+            # connected but no answer in time: slow (a profiler flushing), not unreachable
+            raise Glm5Fp4Error(f"{url}: no answer within {timeout:g} s (the server may still be working on it; "
+                               + ("raise --flush-timeout-s; traces may still appear" if url.endswith("/stop_profile")
+                                  else "is it overloaded?") + ")") from None
+        raise Glm5Fp4Error(f"{url}: server not reachable ({reason})") from None
 
 
 def detect_engine(base: str, timeout: float) -> str:
