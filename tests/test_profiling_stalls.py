@@ -462,3 +462,19 @@ def test_only_the_longest_windows_are_listed_and_the_report_says_so(tmp_path):
     rf = res["request_files"][0]
     assert rf["stalls"] == 24 and len(rf["windows"]) == S.MAX_WINDOWS
     assert f"the longest {S.MAX_WINDOWS} are listed" in S.markdown(res)
+
+
+@pytest.mark.parametrize("damage", ["frame", "argv"])
+def test_malformed_stacks_and_argv_are_one_error_naming_the_file(tmp_path, damage):
+    """A frame without its line number crashed in is_waiting (ValueError), an argv entry that is not a string in
+    markdown (TypeError) after stalls.json had been written."""
+    path = _host_file(tmp_path)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in recs:
+        if damage == "frame" and r["kind"] == "stacks":
+            r["stacks"]["0"] = [["/x/core.py", "step"]]
+        if damage == "argv" and r["kind"] == "process":
+            r["argv"] = ["python", 3]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(Glm5Fp4Error, match=path.name):
+        S.load(tmp_path)
