@@ -148,7 +148,10 @@ def load_process(path: Path) -> Process:
             if kind != "process":
                 raise Glm5Fp4Error(f"{path}:{no}: a host-sample file starts with a 'process' record, found {kind!r}")
             try:
-                proc = Process(path, int(rec["pid"]), str(rec.get("comm", "?")), list(rec.get("argv", [])),
+                argv = rec.get("argv", [])
+                if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                    raise ValueError(f"argv {argv!r} (a list of strings)")
+                proc = Process(path, int(rec["pid"]), str(rec.get("comm", "?")), argv,
                                float(rec["t0_unix"]), float(rec["interval_ms"]), rec.get("main_tid"))
                 if not (math.isfinite(proc.t0_unix) and math.isfinite(proc.interval_ms) and proc.interval_ms > 0):
                     raise ValueError(f"t0_unix {rec['t0_unix']!r}, interval_ms {rec['interval_ms']!r} "
@@ -164,7 +167,12 @@ def load_process(path: Path) -> Process:
             elif kind == "threads":
                 proc.threads.update({int(k): v for k, v in rec["threads"].items()})
             elif kind == "stacks":
-                proc.stacks.update({int(k): [tuple(f) for f in v] for k, v in rec["stacks"].items()})
+                stacks = {int(k): [tuple(f) for f in v] for k, v in rec["stacks"].items()}
+                for sid, frames in stacks.items():  # (file, function, line) each, as host_sampler._stack writes
+                    if not all(len(f) == 3 and isinstance(f[0], str) and isinstance(f[1], str)
+                               and isinstance(f[2], int) for f in frames):
+                        raise ValueError(f"stack {sid} has a frame that is not (file, function, line)")
+                proc.stacks.update(stacks)
             elif kind == "runs":
                 runs = [(int(t), int(s), float(a), float(b), int(n), float(w)) for t, s, a, b, n, w in rec["runs"]]
                 bad = next((r for r in runs if not (r[3] >= r[2] and r[5] >= 0 and r[4] >= 0)), None)
