@@ -349,3 +349,18 @@ def test_triton_backend_through_the_method_on_a_fake_cuda_layer(monkeypatch):
     assert layer.w13_weight_scale_2.numel() == 0  # [E, 2] -> the gate's column, copied
     got = method.apply(layer, x, w, ids, None, None)
     assert _rel(got, moe_reference(x, w, ids, ex, mode="w4a16")) < moe_tolerance("w4a16", torch.bfloat16)
+
+
+def test_a_per_token_activation_override_is_refused_not_dropped(monkeypatch):
+    """vLLM's --quantization-config moe activation override (per-token NVFP4 activations) was silently dropped when
+    our backend served the layer (stock vLLM refuses it unless its backend implements it): refused by name now."""
+    pytest.importorskip("vllm.config.quantization")
+    from vllm.config.quantization import QuantizationConfigArgs, QuantSpec
+
+    args = QuantizationConfigArgs(moe=QuantSpec(activation="nvfp4_per_token"))
+    qc = Glm5NvFp4Config.from_config({**NVFP4_FLAT, "_online_quantization_args": args})
+    if getattr(qc, "moe_activation_override", None) is None:
+        pytest.skip("this vLLM has no MoE activation override")
+    monkeypatch.setenv("GLM5_FP4_BACKEND", "reference")
+    with pytest.raises(Glm5Fp4Error, match="activation"):
+        moe_mod.Glm5ModelOptNvFp4FusedMoE(qc, fake_moe_config())
