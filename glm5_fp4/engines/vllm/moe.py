@@ -136,6 +136,18 @@ class Glm5ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
                       "NVFP4 MoE backend selection", settings.backend, selection.reason)
             super().__init__(quant_config, moe_config)
             return
+        override = getattr(quant_config, "moe_activation_override", None)
+        if override is not None:
+            raise Glm5Fp4Error(f"glm5_fp4 backend {selection.backend.name}: the MoE activation override {override} "
+                               "(--quantization-config) is not one it implements (per-tensor NVFP4 or BF16 activations "
+                               "only); drop it, or serve with vLLM's own NVFP4 MoE (glm5-fp4 serve --stock)")
+        # What: ModelOptNvFp4FusedMoE.__init__ is skipped; FusedMoEMethodBase's runs and the attributes vLLM's other
+        #   code reads of this method (use_a16, per_token_activation, use_global_sf, nvfp4_backend) are set here.
+        # Why: the parent's __init__ picks and builds one of vLLM's NVFP4 kernels (and refuses platforms without
+        #   one: CPU, Hopper), which we would discard.
+        # How: the parent's attribute list as of vLLM 0.26-0.33 (tests/test_vllm_versions.py loads our layers
+        #   under each); an attribute vLLM adds later surfaces there.
+        # Remove when: vLLM lets an out-of-tree quantization supply the MoE kernel without the parent's selection.
         FusedMoEMethodBase.__init__(self, moe_config)
         self.quant_config = quant_config
         self.use_a16 = quant_config.quant_method == "W4A16_NVFP4"
