@@ -68,3 +68,14 @@ def test_check_names_every_bad_variable_at_once_and_the_readers_use_the_one_pars
 def test_a_misspelt_variable_is_named_with_its_likely_meaning():
     assert V.unknown({"GLM5_FP4_BACKNED": "triton", "GLM5_FP4_WARMUP": "1", "PATH": "/bin"}) == [
         "GLM5_FP4_BACKNED (did you mean GLM5_FP4_BACKEND?)"]
+
+
+def test_the_readme_lists_every_variable():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Environment variables", 1)[1].split("\n### ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `"))
+    listed = set(__import__("re").findall(r"`(GLM5_FP4_[A-Z0-9_]+)`", table))
+    listed |= {f"GLM5_FP4_LAYER_TIMERS{s}" for s in ("_OUT",)} if "`GLM5_FP4_LAYER_TIMERS` / `_OUT`" in section else set()
+    assert listed == set(V.VARS), (sorted(set(V.VARS) - listed), sorted(listed - set(V.VARS)))
