@@ -242,3 +242,21 @@ def test_config_json_alone_is_the_quantization_config(made, tmp_path, capsys):
     (ck / "hf_quant_config.json").unlink()
     assert main(["inspect", str(ck), "--require-nvfp4"]) == 0
     assert "NVFP4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("moe_layer_freq", 2, "moe_layer_freq"),
+    ("mlp_layer_types", ["dense", "dense"], "mlp_layer_types"),
+])
+def test_fields_the_engines_build_layers_from_must_agree_with_first_k_dense_replace(made, tmp_path, capsys, field,
+                                                                                     value, words):
+    """vLLM builds a layer's MLP from moe_layer_freq (layer_idx % freq), transformers' GlmMoeDsa from
+    mlp_layer_types; inspect counted MoE layers from first_k_dense_replace alone and passed configs whose engines
+    then built dense layers where the checkpoint has experts."""
+    ck = _copy(made, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg[field] = value
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert words in err and "first_k_dense_replace" in err and "Traceback" not in err, err
