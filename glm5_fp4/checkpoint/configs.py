@@ -226,6 +226,16 @@ def check_config(config: object, where: str) -> None:
         if value is not None and (not isinstance(value, list) or len(value) != layers):
             raise Glm5Fp4Error(f"{where}: field {key!r} must list one entry per layer ({layers}), "
                                f"got {value if not isinstance(value, list) else f'{len(value)} entries'}")
+    # the engines build each layer's MLP from these, the checkpoint's tensors follow first_k_dense_replace
+    freq = config.get("moe_layer_freq", 1)
+    if freq != 1 or isinstance(freq, bool):
+        raise Glm5Fp4Error(f"{where}: moe_layer_freq {freq!r}: vLLM makes layer i a MoE layer where i % moe_layer_freq "
+                           f"== 0, but GLM-5-family layers have experts in every layer from first_k_dense_replace "
+                           f"({dense}) on (expected 1)")
+    kinds = config.get("mlp_layer_types")
+    if kinds is not None and kinds != ["dense"] * dense + ["sparse"] * (layers - dense):
+        raise Glm5Fp4Error(f"{where}: mlp_layer_types {kinds} disagrees with first_k_dense_replace {dense} "
+                           f"(expected {dense} 'dense' then 'sparse'): transformers builds each layer's MLP from it")
 
 
 def check_tokenizer_fits(vocab_size: int, tokenizer_ids: int, where: str) -> None:
