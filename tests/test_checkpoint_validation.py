@@ -260,3 +260,30 @@ def test_fields_the_engines_build_layers_from_must_agree_with_first_k_dense_repl
     assert main(["inspect", str(ck)]) == 1
     err = capsys.readouterr().err
     assert words in err and "first_k_dense_replace" in err and "Traceback" not in err, err
+
+
+def test_tensors_the_config_does_not_account_for_are_named(made, tmp_path, capsys):
+    """A tensor no layer of the config has (a stale layer after num_hidden_layers was cut, a stray name) was
+    counted into the summary without a word; vLLM's loader fails on it after loading has begun. MTP layers (past
+    num_hidden_layers, within num_nextn_predict_layers) and activation / KV scales are the checkpoint's to carry."""
+    ck = _copy(made, tmp_path)
+    f = ck / "model.safetensors"
+    t = load_file(str(f))
+    t["model.layers.0.self_attn.bogus.weight"] = t["model.norm.weight"].clone()
+    save_file(t, str(f), metadata={"format": "pt"})
+    assert main(["inspect", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert "1 tensor(s) the config does not account for" in out and "self_attn.bogus.weight" in out, out
+
+
+def test_input_scales_on_some_quantized_linears_only_are_refused(made, tmp_path, capsys):
+    """W4A4 needs every NVFP4 linear's input_scale (the plugin refuses a partial set, but only after loading)."""
+    ck = _copy(made, tmp_path)
+    f = ck / "model.safetensors"
+    t = load_file(str(f))
+    gone = next(n for n in t if n.endswith("experts.1.down_proj.input_scale"))
+    del t[gone]
+    save_file(t, str(f), metadata={"format": "pt"})
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "input_scale" in err and gone.removesuffix(".input_scale") in err, err
