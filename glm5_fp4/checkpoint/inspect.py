@@ -249,7 +249,7 @@ def expected_tensors(config: dict, nvfp4: bool, excluded: list[str]) -> dict[str
 
 
 def _check_complete(ckpt: Path, cfg_path: Path, config: dict, tensors: dict[str, TensorInfo], nvfp4: bool,
-                    excluded: list[str]) -> None:
+                    excluded: list[str]) -> dict:
     try:
         expected = expected_tensors(config, nvfp4, excluded)
     except KeyError as exc:
@@ -270,6 +270,42 @@ def _check_complete(ckpt: Path, cfg_path: Path, config: dict, tensors: dict[str,
                                                       f"a float ({'/'.join(dtypes)})")
             raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, "
                                f"expected {want} {list(shape)}")
+    return expected
+
+
+def _dense_attention_view(config: dict) -> bool:
+    """make-checkpoint --dense-attention: GLM-5's weights (its DSA indexer's too) under a config without the indexer."""
+    return config.get("model_type") == "deepseek_v3" and config.get("architectures") == ["GlmMoeDsaForCausalLM"]
+
+
+_OPTIONAL_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".q_scale", ".kv_scale")  # activation / KV-cache scales
+
+
+def _unaccounted(config: dict, tensors: dict[str, TensorInfo], expected: dict) -> list[str]:
+    """Tensors no part of the config implies; the MTP layers past num_hidden_layers and activation / KV scales are
+    the checkpoint's to carry (engines skip or read them on their own)."""
+    layers = config["num_hidden_layers"]
+    mtp = layers + int(config.get("num_nextn_predict_layers") or 0)
+    dense_view = _dense_attention_view(config)
+    out = []
+    for name in tensors:
+        if name in expected or name.endswith(_OPTIONAL_SUFFIXES) or (dense_view and ".self_attn.indexer." in name):
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and layers <= int(m[1]) < mtp:
+            continue
+        out.append(name)
+    return out
+
+
+def _check_input_scales(ckpt: Path, tensors: dict[str, TensorInfo], expected: dict) -> None:
+    """Every NVFP4 linear's input_scale, or none: W4A4 needs all of them (the engines refuse a partial set only after
+    loading every weight)."""
+    bases = [n.removesuffix(".weight_scale_2") for n in expected if n.endswith(".weight_scale_2")]
+    without = [b for b in bases if f"{b}.input_scale" not in tensors]
+    if without and len(without) < len(bases):
+        raise Glm5Fp4Error(f"{ckpt}: {len(bases) - len(without)} of {len(bases)} NVFP4 linears carry an input_scale, "
+                           f"{len(without)} do not (e.g. {without[0]}): all or none (W4A4 needs every one)")
 
 
 def read_quant_config(ckpt: Path, config: dict, config_path: Path | None = None
@@ -423,7 +459,12 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
 
     notes: list[str] = []
     tensors = read_tensor_index(ckpt, notes)
-    _check_complete(ckpt, cfg_path, config, tensors, nvfp4, excluded)
+    expected = _check_complete(ckpt, cfg_path, config, tensors, nvfp4, excluded)
+    _check_input_scales(ckpt, tensors, expected)
+    extra = _unaccounted(config, tensors, expected)
+    if extra:
+        notes.append(f"WARNING: {len(extra)} tensor(s) the config does not account for (an engine's loader may refuse "
+                     f"them once loading has begun): {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else ""))
     layers = config["num_hidden_layers"]
     first_dense = config.get("first_k_dense_replace", 0)
     moe_layers = [i for i in range(layers) if i >= first_dense]
@@ -470,7 +511,7 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
         bytes_by_dtype=dict(by_dtype), tensors=len(tensors),
         notes=notes,
     )
-    if config.get("model_type") == "deepseek_v3" and config.get("architectures") == ["GlmMoeDsaForCausalLM"]:
+    if _dense_attention_view(config):
         report.notes.append("dense-attention view of GLM-5: the DSA indexer is not used (exact up to index_topk tokens)")
     return report
 
