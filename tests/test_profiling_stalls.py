@@ -478,3 +478,22 @@ def test_malformed_stacks_and_argv_are_one_error_naming_the_file(tmp_path, damag
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     with pytest.raises(Glm5Fp4Error, match=path.name):
         S.load(tmp_path)
+
+
+@pytest.mark.parametrize("step_s", [-1.0, 600.0])
+def test_a_wall_clock_step_does_not_break_the_samples(tmp_path, monkeypatch, step_s):
+    """The sampler timed samples with time.time(): an NTP or VM clock step of -1 s made the whole file 'malformed'
+    (runs ending before they start), +600 s invented a 600 s gap with no Python running. It now times on the
+    monotonic clock, the wall clock read once for the file's t0."""
+    s = H.HostSampler(tmp_path, 5.0)
+    real = time.time
+    for i in range(10):
+        if i == 5:
+            monkeypatch.setattr(H.time, "time", lambda: real() + step_s)
+        s.sample_once()
+        time.sleep(0.005)
+    s.flush(final=True)
+    monkeypatch.setattr(H.time, "time", real)
+    (proc,) = S.load(tmp_path)
+    assert proc.runs and all(r[3] >= r[2] and r[5] >= 0 for r in proc.runs)
+    assert not proc.gaps and proc.end_ms < 5_000
