@@ -487,6 +487,8 @@ def test_a_wall_clock_step_does_not_break_the_samples(tmp_path, monkeypatch, ste
     monotonic clock, the wall clock read once for the file's t0."""
     s = H.HostSampler(tmp_path, 5.0)
     real = time.time
+    other = threading.Thread(target=_hung_in_here, args=(0.3,))  # a thread to sample (the caller's own is skipped)
+    other.start()
     for i in range(10):
         if i == 5:
             monkeypatch.setattr(H.time, "time", lambda: real() + step_s)
@@ -494,6 +496,7 @@ def test_a_wall_clock_step_does_not_break_the_samples(tmp_path, monkeypatch, ste
         time.sleep(0.005)
     s.flush(final=True)
     monkeypatch.setattr(H.time, "time", real)
+    other.join()
     (proc,) = S.load(tmp_path)
     assert proc.runs and all(r[3] >= r[2] and r[5] >= 0 for r in proc.runs)
     assert not proc.gaps and proc.end_ms < 5_000
