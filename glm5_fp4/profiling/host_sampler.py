@@ -104,7 +104,10 @@ class HostSampler:
         self.folder = folder
         self.interval = interval_ms / 1e3
         self.pid = os.getpid()
+        # the wall clock read once, for the file's t0 (processes' files share it); every time after it is the
+        # monotonic clock's, so an NTP or VM clock step neither reverses runs nor invents gaps
         self.t0 = time.time()
+        self._m0 = time.monotonic()
         # the start time in the name: a reused pid (containers restart the engine as pid 1, 7, ...) gets a file of
         # its own instead of appending a second run, with stack ids from 0 again, to the first's
         self.path = folder / f"{FILE_PREFIX}{self.pid}-{int(self.t0 * 1e3)}.jsonl"
@@ -127,21 +130,21 @@ class HostSampler:
         self._last_wake: float | None = None
         self.samples = 0
 
-    # -- clock: ms since t0 (unix), so files of different processes share one time base
+    # -- clock: ms since t0 (monotonic since the wall-clock t0), so files of different processes share one time base
     def _ms(self, t: float | None = None) -> float:
-        return round(((time.time() if t is None else t) - self.t0) * 1e3, 3)
+        return round(((time.monotonic() if t is None else t) - self._m0) * 1e3, 3)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_start = time.time()
+            self._gc_start = time.monotonic()
         elif self._gc_start is not None:
             start, self._gc_start = self._gc_start, None
             with self._lock:
-                self._gcs.append([self._ms(start), round((time.time() - start) * 1e3, 3), info.get("generation", -1),
+                self._gcs.append([self._ms(start), round((time.monotonic() - start) * 1e3, 3), info.get("generation", -1),
                                   info.get("collected", 0)])
 
     def sample_once(self) -> None:
-        now = time.time()
+        now = time.monotonic()
         ms = self._ms(now)
         me = threading.get_ident()
         frames = sys._current_frames()
