@@ -68,10 +68,9 @@ def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     raw = _raw(name, environ)
     if raw is None:
         return bool(v.default)
-    if raw.strip().lower() in _TRUE:
-        return True
-    if raw.strip().lower() in _FALSE:
-        return False
+    word = raw.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
     raise Glm5Fp4Error(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off ({v.doc}; unset: "
                        f"{'on' if v.default else 'off'})")
 

@@ -30,6 +30,7 @@ RECIPE_TEXT = {"glm5": "dense MLPs, shared and routed experts NVFP4",
                "routed-only": "only routed experts NVFP4; dense MLPs and shared experts BF16"}
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
                 "F32": 4, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F64": 8}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")  # a tensor's decoder layer
 _LINEAR_RE = re.compile(
     r"^model\.layers\.(?P<layer>\d+)\.mlp\.(?:(?:experts\.(?P<expert>\d+)|(?P<shared>shared_experts))\.)?"
     r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
@@ -257,7 +258,7 @@ def _check_complete(ckpt: Path, cfg_path: Path, config: dict, tensors: dict[str,
     missing = [name for name in expected if name not in tensors]
     if missing:
         parts = Counter(_component(n) for n in missing)
-        layers = sorted({int(m[1]) for n in missing if (m := re.match(r"model\.layers\.(\d+)\.", n))})
+        layers = sorted({int(m[1]) for n in missing if (m := _LAYER_RE.match(n))})
         where = f"; layers {_ranges(layers)}" if layers else ""
         raise Glm5Fp4Error(
             f"{ckpt}: missing {len(missing):,} of {len(expected):,} tensors the config implies "
@@ -291,7 +292,7 @@ def _unaccounted(config: dict, tensors: dict[str, TensorInfo], expected: dict) -
     for name in tensors:
         if name in expected or name.endswith(_OPTIONAL_SUFFIXES) or (dense_view and ".self_attn.indexer." in name):
             continue
-        m = re.match(r"model\.layers\.(\d+)\.", name)
+        m = _LAYER_RE.match(name)
         if m and layers <= int(m[1]) < mtp:
             continue
         out.append(name)

@@ -15,7 +15,6 @@ MoE path at load time rather than failing at the first forward.
 
 from __future__ import annotations
 
-
 import torch
 
 MIN_CAPABILITY = (8, 9)

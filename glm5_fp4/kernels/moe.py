@@ -32,7 +32,7 @@ def _interpreting() -> bool:
 
 
 def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,
-                 expert_map: torch.Tensor | None = None, out: torch.Tensor | None = None):
+                 expert_map: torch.Tensor | None = None):
     if mode not in MODES:
         raise Glm5Fp4Error(f"unknown MoE mode {mode!r}; choose one of {MODES}")
     h = prepared.hidden_size
@@ -53,11 +53,11 @@ def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
             f"expert_map must be a 1-D int32/int64 tensor (global expert id -> local id or -1), got "
             f"{expert_map.dtype} {list(expert_map.shape)}"
         )
-    check_out(x, out)
 
 
 def check_out(x: torch.Tensor, out: torch.Tensor | None) -> None:
-    """Every path writes ``out`` in place as it is (no cast, no copy): the op's fake implementation says the same."""
+    """Every path writes ``out`` in place as it is (no cast, no copy): the op's fake implementation says the same.
+    Each path checks it once: the Triton path in make_call, the CPU path in fused_moe_torch."""
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
         raise Glm5Fp4Error(f"out must be a row-contiguous {x.dtype} {list(x.shape)}, got {out.dtype} {list(out.shape)}")
 
@@ -255,6 +255,7 @@ def fused_moe_torch(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU path: the reference MoE (float32 accumulation) on the checkpoint-layout experts."""
+    check_out(x, out)
     y = moe_reference(x, topk_weights.float(), topk_ids.long(), prepared.to_experts(), mode=mode, expert_map=expert_map)
     if out is None:
         return y
@@ -278,7 +279,7 @@ def fused_moe(
     CUDA tensors run the Triton kernels; CPU tensors the torch reference path (or the Triton interpreter
     when ``TRITON_INTERPRET=1``).
     """
-    check_inputs(x, topk_weights, topk_ids, prepared, mode, expert_map, out)
+    check_inputs(x, topk_weights, topk_ids, prepared, mode, expert_map)
     if x.device.type == "cuda" or _interpreting():
         with WATCH.call(x.shape[0], x.device):
             return fused_moe_triton(x, topk_weights, topk_ids, prepared, mode, out, expert_map=expert_map)

@@ -52,7 +52,7 @@ def _moe_nvfp4(
     prepared = _prepared_from(
         w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha, a13_scale, a2_scale, a13_gscale, a2_gscale, layout
     )
-    check_inputs(x, topk_weights, topk_ids, prepared, quant_mode, expert_map, out)
+    check_inputs(x, topk_weights, topk_ids, prepared, quant_mode, expert_map)
     if x.device.type == "cuda" or _interpreting():
         fused_moe_triton(x, topk_weights, topk_ids, prepared, quant_mode, out=out, expert_map=expert_map)
     else:

@@ -430,11 +430,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
-def _cpu(x: float | None) -> str:
-    return "n/a" if x is None else _pct(x)
-
-
-def _share(x: float | None) -> str:
+def _pct_or_na(x: float | None) -> str:
     return "n/a" if x is None else _pct(x)
 
 
@@ -447,7 +443,7 @@ def markdown(result: dict) -> str:
             lines.append(f"- note: {note}")
         lines += ["| thread | sampled s | busy (not in a wait) | CPU |", "|---|---:|---:|---:|"]
         for tid, t in sorted(p["threads"].items(), key=lambda kv: -(kv[1]["cpu"] or 0.0)):
-            lines.append(f"| {t['name']} | {t['ms'] / 1e3:.1f} | {_pct(t['busy'])} | {_cpu(t['cpu'])} |")
+            lines.append(f"| {t['name']} | {t['ms'] / 1e3:.1f} | {_pct(t['busy'])} | {_pct_or_na(t['cpu'])} |")
         gc = ", ".join(f"gen {g}: {v['count']} ({v['total_ms']:.0f} ms, max {v['max_ms']:.1f})" for g, v in p["gc"].items())
         gaps = p["gaps"]
         lines += ["", f"Garbage collections: {gc or 'none'}. Sampler gaps (no Python ran for > its threshold): "
@@ -456,7 +452,7 @@ def markdown(result: dict) -> str:
             calls = ", ".join(f"{k}: {v}" for k, v in p["moe_eager_calls"].items())
             lines += ["", f"Eager MoE calls per token count (CUDA-graph replays are not calls): {calls}."]
         if p["main_top_busy"]:
-            lines += ["", f"Main thread busy {_pct(p['main_busy_share'])} of its sampled time (CPU {_cpu(p['main_cpu'])}); "
+            lines += ["", f"Main thread busy {_pct(p['main_busy_share'])} of its sampled time (CPU {_pct_or_na(p['main_cpu'])}); "
                           "its busiest stacks "
                           "(innermost first):", "", "| share | ms | stack |", "|---:|---:|---|"]
             lines += [f"| {_pct(r['share'])} | {r['ms']:.0f} | `{r['stack']}` |" for r in p["main_top_busy"]]
@@ -475,7 +471,7 @@ def markdown(result: dict) -> str:
                 lines.append("- no process was sampled in this window")
             for p in w["processes"]:
                 lines.append(f"- **{p['label']}** (sampled {_pct(p['sampled_share'])} of the window) main thread busy "
-                             f"{_share(p['main_busy_share'])}, CPU {_cpu(p['main_cpu'])}, GC "
+                             f"{_pct_or_na(p['main_busy_share'])}, CPU {_pct_or_na(p['main_cpu'])}, GC "
                              f"{p['gc_ms']:.0f} ms, sampler gaps {p['sampler_gap_ms']:.0f} ms")
                 for r in p["top"]:
                     lines.append(f"  - {_pct(r['share'])}{' (waiting)' if r['waiting'] else ''}: `{r['stack']}`")
