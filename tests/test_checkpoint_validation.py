@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from glm5_fp4.checkpoint.make import make_checkpoint
@@ -287,3 +288,20 @@ def test_input_scales_on_some_quantized_linears_only_are_refused(made, tmp_path,
     assert main(["inspect", str(ck)]) == 1
     err = capsys.readouterr().err
     assert "input_scale" in err and gone.removesuffix(".input_scale") in err, err
+
+
+@pytest.mark.parametrize("suffix", ["down_proj.weight_scale_2", "gate_proj.input_scale"])
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])
+def test_a_global_or_input_scale_that_is_not_a_positive_number_is_refused(made, tmp_path, capsys, suffix, value):
+    """Headers alone passed a checkpoint whose global scale was 0 (every weight of that expert reads as zero) or NaN
+    (every output NaN): the engines load it without a word. The scalars are 4 bytes each, so inspect reads them."""
+    ck = _copy(made, tmp_path)
+    f = ck / "model.safetensors"
+    t = load_file(str(f))
+    name = next(n for n in t if n.endswith(f"experts.1.{suffix}"))
+    t[name] = torch.full_like(t[name], value)
+    save_file(t, str(f), metadata={"format": "pt"})
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert name in err and "model.safetensors" in err and "Traceback" not in err, err
+    assert "positive" in err and str(value) in err, err
