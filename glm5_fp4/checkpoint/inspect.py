@@ -42,6 +42,8 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     file: str
+    # where the data starts in the file (bytes from its start), so a scalar can be read without loading the file
+    offset: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +153,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise Glm5Fp4Error(f"{path}: tensor {name} ({dtype} {list(shape)}, {want} bytes) holds {end - begin} bytes "
                                f"(data_offsets {begin}..{end}): a corrupt header")
         ranges.append((begin, end, name))
-        out[name] = TensorInfo(dtype, shape, path.name)
+        out[name] = TensorInfo(dtype, shape, path.name, 8 + n + begin)
     # safetensors (and so the engine's loader) wants the data to be the tensors, back to back, and nothing more
     ranges.sort()
     at = 0
@@ -415,6 +417,27 @@ def _check(info: TensorInfo | None, name: str, dtype: str, shape: tuple[int, ...
         )
 
 
+def _check_scalar_scales(ckpt: Path, tensors: dict[str, TensorInfo], names: list[str]) -> None:
+    """Each global / input scale must be a positive finite number: the engines load 0 (the linear's weights all
+    read as zero), a negative (its sign flipped) or NaN without a word. They are 4 bytes each (GLM-5: ~60,000), so
+    reading them costs one seek each, in file order."""
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(tensors[name].file, []).append(name)
+    for fname, group in sorted(by_file.items()):
+        path = ckpt / fname
+        try:
+            with path.open("rb") as f:
+                for name in sorted(group, key=lambda nm: tensors[nm].offset):
+                    f.seek(tensors[name].offset)
+                    (value,) = struct.unpack("<f", f.read(4))
+                    if not (math.isfinite(value) and value > 0):
+                        raise Glm5Fp4Error(f"{path}: tensor {name} is {value}, expected a positive finite scale "
+                                           "(a broken export? the engines would load it as is)")
+        except OSError as exc:
+            raise Glm5Fp4Error(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
 _HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -472,6 +495,7 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
     n_experts = config["n_routed_experts"]
 
     quantized = 0
+    scalars: list[str] = []  # the global and input scales, checked by value once their shapes are known
     seen_experts: Counter = Counter()
     for name, info in tensors.items():
         m = _LINEAR_RE.match(name)
@@ -491,12 +515,15 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
             _check(info, name, "U8", (out_f, in_f // 2), ckpt)
             _check(tensors.get(f"{base}.weight_scale"), f"{base}.weight_scale", "F8_E4M3", (out_f, in_f // BLOCK_SIZE), ckpt)
             _check(tensors.get(f"{base}.weight_scale_2"), f"{base}.weight_scale_2", "F32", (), ckpt)
+            scalars.append(f"{base}.weight_scale_2")
             if f"{base}.input_scale" in tensors:
                 _check(tensors[f"{base}.input_scale"], f"{base}.input_scale", "F32", (), ckpt)
+                scalars.append(f"{base}.input_scale")
             quantized += 1
         elif info.shape != (out_f, in_f):
             raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, "
                                f"expected [{out_f}, {in_f}]")
+    _check_scalar_scales(ckpt, tensors, scalars)
     for layer in moe_layers:
         if seen_experts[layer] != 3 * n_experts:
             raise Glm5Fp4Error(f"{ckpt}: layer {layer} has {seen_experts[layer] // 3 if seen_experts[layer] else 0} "
