@@ -395,7 +395,7 @@ def test_a_call_still_hanging_at_a_flush_is_on_disk(tmp_path):
     finally:
         hang.join()
     (proc,) = S.load(tmp_path)
-    tid = hang.ident
+    tid = hang.native_id  # the file keys threads by the kernel thread id
     stacks = [proc.stacks[sid] for _, sid, *_ in proc.thread_runs(tid)]
     assert any(any(f[1] == "_hung_in_here" for f in st) for st in stacks), stacks
     assert sum(r[4] for r in proc.thread_runs(tid)) >= 15

@@ -85,6 +85,20 @@ def thread_cpu_ns(native_id: int) -> int | None:
         return None
 
 
+def _live_threads() -> dict[int, threading.Thread]:
+    return {t.ident: t for t in threading.enumerate() if t.ident is not None}
+
+
+def _key(ident: int | None, live: dict[int, threading.Thread]) -> int | None:
+    """A thread's key in the file: the kernel's thread id where Python knows it. Python's ident is the address of
+    the thread's pthread structure, which glibc hands to the next thread (pool workers get the same one every
+    time), so keyed by ident two threads shared a name, a run of stacks and one CPU curve that fell back to 0.
+    A thread Python did not start (no Thread object) keeps its ident: addresses and kernel ids do not meet."""
+    t = live.get(ident)
+    native = getattr(t, "native_id", None)
+    return ident if native is None else native
+
+
 def _stack(frame) -> tuple:
     out = []
     while frame is not None and len(out) < MAX_FRAMES:
@@ -121,7 +135,8 @@ class HostSampler:
         self._cpu: list[list] = []  # [ms, {tid: cpu ns}]
         self._next_cpu = 0.0
         self._gc_start: float | None = None
-        self._threads: dict[int, str] = {}
+        self._threads: dict[int, str | None] = {}  # thread key -> the name last written
+        self._pending_names: dict[int, str] = {}  # names seen by a sample, for the next flush
         self._comm: str | None = None  # the process name last written
         # re-entrant: a collection can start inside sample_once (it allocates) and its callback takes the lock too
         self._lock = threading.RLock()
@@ -148,6 +163,7 @@ class HostSampler:
         ms = self._ms(now)
         me = threading.get_ident()
         frames = sys._current_frames()
+        live = _live_threads()
         with self._lock:
             # each sample stands for the time since the one before (a busy thread that held the GIL longer than
             # the interval was seen less often but for longer)
@@ -158,9 +174,13 @@ class HostSampler:
                     self._gaps.append([self._ms(self._last_wake), round(late, 3)])
             self._last_wake = now
             seen = set()
-            for tid, frame in frames.items():
-                if tid == me:
+            for ident, frame in frames.items():
+                if ident == me:
                     continue
+                tid = _key(ident, live)
+                if tid not in self._threads and ident in live:
+                    self._threads[tid] = None  # named at the next flush, even if it ends before that
+                    self._pending_names[tid] = live[ident].name
                 seen.add(tid)
                 key = _stack(frame)
                 sid = self._stack_ids.get(key)
@@ -182,18 +202,20 @@ class HostSampler:
         if now >= self._next_cpu:
             self._next_cpu = now + CPU_EVERY_MS / 1e3
             cpu = {}
-            for t in threading.enumerate():
-                if t.ident is not None and t.ident != me and getattr(t, "native_id", None) is not None:
+            for ident, t in live.items():
+                if ident != me and t.native_id is not None:
                     ns = thread_cpu_ns(t.native_id)
                     if ns is not None:
-                        cpu[str(t.ident)] = ns
+                        cpu[str(t.native_id)] = ns
             if cpu:
                 with self._lock:
                     self._cpu.append([ms, cpu])
 
     def _thread_names(self) -> dict[int, str]:
-        names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
-        main = threading.main_thread().ident
+        live = _live_threads()
+        names = {**self._pending_names, **{_key(i, live): t.name for i, t in live.items()}}
+        self._pending_names = {}
+        main = _key(threading.main_thread().ident, live)
         if main is not None:
             names[main] = "MainThread"
         return names
@@ -222,7 +244,7 @@ class HostSampler:
         if not self._header_written:
             self._header_written = True
             lines.append({"kind": "process", "pid": self.pid, "ppid": os.getppid(), "comm": _comm(),
-                          "argv": sys.argv[:8], "main_tid": threading.main_thread().ident,
+                          "argv": sys.argv[:8], "main_tid": _key(threading.main_thread().ident, _live_threads()),
                           "t0_unix": self.t0, "interval_ms": self.interval * 1e3, "late_ms": LATE_MS})
         comm = _comm()
         if comm != self._comm:  # engines rename their processes after start-up
