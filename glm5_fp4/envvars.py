@@ -32,15 +32,19 @@ class Var:
     default: object = None
     minimum: float | None = None  # numbers
     doc: str = ""
+    # changes what an engine compiles (the prepared weights, which kernels a layer calls): part of vLLM's compile
+    # hash (compiled_values)
+    compiled: bool = False
 
 
 VARS: dict[str, Var] = {v.name: v for v in (
-    Var("GLM5_FP4_BACKEND", "text", "auto", doc="MoE backend (glm5_fp4.settings)"),
-    Var("GLM5_FP4_MODE", "text", "auto", doc="activation mode (glm5_fp4.settings)"),
-    Var("GLM5_FP4_EXPERT_LAYOUT", "text", "tiled", doc="prepared expert layout (glm5_fp4.kernels.layout)"),
-    Var("GLM5_FP4_NATIVE_FP4", "flag", False, doc="the opt-in native FP4-MMA path on Blackwell"),
+    Var("GLM5_FP4_BACKEND", "text", "auto", doc="MoE backend (glm5_fp4.settings)", compiled=True),
+    Var("GLM5_FP4_MODE", "text", "auto", doc="activation mode (glm5_fp4.settings)", compiled=True),
+    Var("GLM5_FP4_EXPERT_LAYOUT", "text", "tiled", doc="prepared expert layout (glm5_fp4.kernels.layout)",
+        compiled=True),
+    Var("GLM5_FP4_NATIVE_FP4", "flag", False, doc="the opt-in native FP4-MMA path on Blackwell", compiled=True),
     Var("GLM5_FP4_WARMUP", "flag", True, doc="compile the MoE kernels at load time"),
-    Var("GLM5_FP4_MOE_NO_ASM", "flag", False, doc="the decode without inline PTX (a diagnostic)"),
+    Var("GLM5_FP4_MOE_NO_ASM", "flag", False, doc="the decode without inline PTX (a diagnostic)", compiled=True),
     Var("GLM5_FP4_LAYER_TIMERS", "flag", False, doc="per-layer GPU timers in the engines"),
     Var("GLM5_FP4_LAYER_TIMERS_OUT", "text", doc="where the layer timers write"),
     Var("GLM5_FP4_SLOW_CALL_MS", "number", 50.0, minimum=0.0, doc="slow MoE call warning threshold; 0: off"),
@@ -89,6 +93,17 @@ def number(name: str, environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
+def compiled_values(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The variables that change what an engine compiles, as read (a flag as a bool, so "on" and "1" are one value;
+    a name as given, its default where unset). The backend and mode are left to the caller, which has them resolved
+    together with the engine's own config (glm5_fp4.settings)."""
+    out: dict[str, object] = {}
+    for v in VARS.values():
+        if v.compiled and v.name not in ("GLM5_FP4_BACKEND", "GLM5_FP4_MODE"):
+            out[v.name] = flag(v.name, environ) if v.kind == "flag" else (_raw(v.name, environ) or v.default)
+    return out
+
+
 def unknown(environ: Mapping[str, str] | None = None) -> list[str]:
     """Set variables that look like a misspelt one of ours (a close match), each with its likely meaning. Other
     GLM5_FP4_* names (the test suite's, the benchmarks') are not ours to judge."""
@@ -116,10 +131,9 @@ def report(log) -> None:
 
 def check(environ: Mapping[str, str] | None = None) -> None:
     """Every variable of ours that is set, read as its user will: one error naming each one that cannot be. No torch
-    (the launcher calls it): the backend and mode names from the launcher's mirror of the registry, the layout's
+    (the launcher calls it): the backend and mode names from :mod:`glm5_fp4.settings`, the layout's
     module only where that variable is set."""
     from glm5_fp4 import settings
-    from glm5_fp4.engines.vllm.serve import BACKENDS, MODES
 
     environ = os.environ if environ is None else environ
     bad = []
@@ -130,7 +144,8 @@ def check(environ: Mapping[str, str] | None = None) -> None:
             elif v.kind == "number":
                 number(v.name, environ)
             elif v.name in (settings.ENV_BACKEND, settings.ENV_MODE) and _raw(v.name, environ) is not None:
-                field, choices = (("backend", BACKENDS) if v.name == settings.ENV_BACKEND else ("mode", MODES))
+                field, choices = (("backend", settings.BACKEND_CHOICES) if v.name == settings.ENV_BACKEND
+                                   else ("mode", settings.MODE_CHOICES))
                 settings.check_choice(field, environ[v.name], tuple(choices), f"environment variable {v.name}")
             elif v.name == "GLM5_FP4_EXPERT_LAYOUT" and _raw(v.name, environ) is not None:
                 from glm5_fp4.kernels.layout import layout_from_env

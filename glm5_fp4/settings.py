@@ -27,6 +27,10 @@ CONFIG_KEY = "glm5_fp4"
 ENV_BACKEND = "GLM5_FP4_BACKEND"
 ENV_MODE = "GLM5_FP4_MODE"
 _KNOWN_KEYS = ("backend", "mode")
+# The choices as every torch-free reader (launcher, profiles, environment check) spells them; glm5_fp4.backends
+# (which imports torch) holds the registry they name, and tests/test_launch_profile.py checks the two agree.
+BACKEND_CHOICES = ("auto", "triton", "dequant", "reference")
+MODE_CHOICES = ("auto", "w4a16", "w4a4")
 # Buffers for the largest forward are reserved before CUDA-graph capture (never allocated inside it). When the
 # engine does not say how many tokens one forward may carry, reserve for vLLM's default max_num_batched_tokens.
 DEFAULT_RESERVE_TOKENS = 8192

@@ -40,12 +40,11 @@ from glm5_fp4.launch.engine_choices import (
     STOCK_QUANTIZATION,
     VLLM_OURS_QUANTIZATION,
 )
+from glm5_fp4.settings import BACKEND_CHOICES, MODE_CHOICES
 
 CUDA_GRAPH_MODES = ("piecewise", "full", "off")
 Engine = Literal["vllm", "sglang"]
-# Mirrors glm5_fp4.backends / the vLLM launcher (importable without torch); a test checks they agree.
-OUR_BACKENDS = ("auto", "triton", "dequant", "reference")
-OUR_MODES = ("auto", "w4a16", "w4a4")
+OUR_BACKENDS, OUR_MODES = BACKEND_CHOICES, MODE_CHOICES
 # Quantization method per engine: None picks the right one for the MoE backend (see engine_choices).
 QUANTIZATIONS = {"vllm": ("glm5_nvfp4", "modelopt_fp4", "none"), "sglang": ("modelopt_fp4", "none")}
 
@@ -54,8 +53,8 @@ class OurOptions(BaseModel):
     """Options of the glm5_fp4 MoE backend: which implementation and which activation precision."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    backend: Literal["auto", "triton", "dequant", "reference"] = "auto"
-    mode: Literal["auto", "w4a16", "w4a4"] = "auto"
+    backend: Literal[BACKEND_CHOICES] = "auto"
+    mode: Literal[MODE_CHOICES] = "auto"
 
 
 def _scalar_to_str(value: object) -> object:

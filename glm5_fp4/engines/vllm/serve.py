@@ -30,13 +30,12 @@ from pathlib import Path
 from glm5_fp4.engines.vllm import compat
 from glm5_fp4.engines.vllm.settings import CONFIG_KEY
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.settings import BACKEND_CHOICES, MODE_CHOICES
 from glm5_fp4.server_process import ServerProcess, spawn
 
 PLUGIN_NAME = "glm5_fp4"  # our entry-point name in vllm.general_plugins
 QUANTIZATIONS = ("glm5_nvfp4", "modelopt_fp4", "none")
-# Mirrors glm5_fp4.backends (which imports torch); test_vllm_plugin_backends checks they agree.
-BACKENDS = ("auto", "triton", "dequant", "reference")
-MODES = ("auto", "w4a16", "w4a4")
+BACKENDS, MODES = BACKEND_CHOICES, MODE_CHOICES
 DEFAULT_CPU_KV_GIB = "1"
 _CPU_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
