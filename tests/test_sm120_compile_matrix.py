@@ -265,3 +265,10 @@ def test_a_kernel_the_compiler_could_not_build_fails_the_run(tmp_path, capsys, m
     out = capsys.readouterr()
     assert "1 kernel(s) could not be compiled" in out.err and "ptxas died" in out.err, out
     assert (tmp_path / "o").exists()  # the report of what was checked is still written
+
+
+def test_a_target_named_twice_is_compiled_and_reported_once():
+    """--arch sm120,sm120 printed the summary twice and named each row's origins twice."""
+    from glm5_fp4.sm120.cli import _csv
+
+    assert _csv(("sm120", "sm100", "sm90"))("sm120,sm90,sm120") == ["sm120", "sm90"]
