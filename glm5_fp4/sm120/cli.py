@@ -30,7 +30,8 @@ def _csv(choices):
             raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
         if not vals:  # an empty selection compiles nothing, and --strict would pass it
             raise argparse.ArgumentTypeError(f"{text!r} names nothing; choose from {', '.join(choices)}")
-        return vals
+        # a repeat would compile and report the same kernels twice, each row naming its origins twice
+        return list(dict.fromkeys(vals))
 
     return parse
 
