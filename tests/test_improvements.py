@@ -132,3 +132,32 @@ def test_a_title_with_a_pipe_stays_one_index_cell_and_blank_or_multiline_titles_
         with pytest.raises(Glm5Fp4Error, match="one-line title"):
             W.new_writeup(d, bad)
     assert sorted(p.name for p in d.iterdir() if p.name.startswith("0")) == ["01-a-b.md"]
+
+
+@pytest.mark.parametrize("stray", ["02-Fast-Path.md", "3-c.md", "notes.md", "04-x.MD.md"])
+def test_a_writeup_named_off_pattern_is_one_clear_error(workdir, capsys, stray):
+    """Before: such files were skipped, so `index --check` passed without them and `new` reused their number
+    (01-a.md, 02-Fast-Path.md, 3-c.md -> `new --title Next` made 02-next.md)."""
+    (workdir / "01-a.md").write_text("---\nnumber: 1\ntitle: a\nstatus: proposed\nheadline: h\n---\n")
+    main(["improvements", "index", "--dir", str(workdir)])
+    capsys.readouterr()
+    (workdir / stray).write_text("---\nnumber: 2\ntitle: b\nstatus: proposed\nheadline: h\n---\n")
+    before = sorted(workdir.iterdir())
+    for argv in (["index", "--check"], ["index"], ["new", "--title", "Next"]):
+        assert main(["improvements", *argv, "--dir", str(workdir)]) == 1
+        err = capsys.readouterr().err
+        assert stray in err and "NN-slug.md" in err and "Traceback" not in err, err
+    assert sorted(workdir.iterdir()) == before
+
+
+@pytest.mark.parametrize("field", ["title", "headline"])
+@pytest.mark.parametrize("value", ["", "''", "'  '", "null"])
+def test_an_empty_title_or_headline_is_refused(workdir, capsys, field, value):
+    """Before: an empty field showed as "None" in the index."""
+    front = {"number": "1", "title": "a", "status": "proposed", "headline": "h"}
+    front[field] = value
+    (workdir / "01-a.md").write_text("---\n" + "".join(f"{k}: {v}\n" for k, v in front.items()) + "---\n")
+    assert main(["improvements", "index", "--dir", str(workdir)]) == 1
+    err = capsys.readouterr().err
+    assert f"01-a.md: field '{field}' is empty" in err and "Traceback" not in err, err
+    assert "None" not in (workdir / "README.md").read_text()

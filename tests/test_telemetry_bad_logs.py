@@ -152,3 +152,90 @@ def test_malformed_meta_is_one_clear_error(tmp_path, capsys, over, culprit):
     assert culprit in err and META_FILE in err
     assert "Traceback" not in err
     assert not (d / SUMMARY_FILE).exists()
+
+
+def _flat_rows(gpu, watts, t0, t1, dt=0.1, counter=True):
+    """Constant `watts` sampled every dt from t0 to t1; the counter (from t0) is the exact integral."""
+    n = int(round((t1 - t0) / dt))
+    rows = []
+    for k in range(n + 1):
+        t = round(t0 + k * dt, 4)
+        row = {"t": t, "gpu": gpu, "power_w": watts, "sm_mhz": 1500.0}
+        if counter:
+            row["energy_j"] = watts * (t - t0)
+        rows.append(row)
+    return rows
+
+
+def test_samples_ending_long_before_the_run_are_a_gap_held_flat(tmp_path, capsys):
+    """Before: samples 0-10 s of a 100 s run gave "Energy 5,000 J, mean power 50 W" and no warning."""
+    meta = _meta(interval_s=0.1, end_s=100.0)
+    meta["gpus"][0]["metrics"] = ["power_w", "sm_mhz"]
+    d = _write(tmp_path, _flat_rows(0, 500.0, 0.0, 10.0, counter=False), meta=meta)
+    rc, text, summary = _report(d, capsys)
+    assert rc == 0
+    assert "no samples for 90.00 s" in text
+    g = summary["gpus"][0]
+    assert g["gaps"] == [{"start_s": 10.0, "end_s": 100.0}]
+    assert g["samples"] == 101  # real samples only
+    assert summary["energy_j"] == pytest.approx(500 * 100)
+    assert summary["mean_power_w"] == pytest.approx(500)
+
+
+def test_samples_starting_long_after_the_run_are_a_gap_held_flat(tmp_path, capsys):
+    meta = _meta(interval_s=0.1, end_s=30.0)
+    meta["gpus"][0]["metrics"] = ["power_w", "sm_mhz"]
+    d = _write(tmp_path, _flat_rows(0, 500.0, 20.0, 30.0, counter=False), meta=meta)
+    rc, text, summary = _report(d, capsys)
+    assert "no samples for 20.00 s" in text
+    assert summary["gpus"][0]["gaps"] == [{"start_s": 0.0, "end_s": 20.0}]
+    assert summary["energy_j"] == pytest.approx(500 * 30)
+    assert summary["mean_power_w"] == pytest.approx(500)
+
+
+def test_a_gpu_whose_log_stops_early_counts_in_the_later_phases(tmp_path, capsys):
+    """Before: GPU 1's log stopping at 5 s of 10 made it count 0 J in the 6-10 s phase; and its energy counter,
+    which cannot be extrapolated, still made the headline."""
+    rows = _flat_rows(0, 500.0, 0.0, 10.0) + _flat_rows(1, 400.0, 0.0, 5.0)
+    marks = [{"t": 0.0, "name": "warmup"}, {"t": 6.0, "name": "measure"}]
+    meta = _meta(n_gpus=2, interval_s=0.1, end_s=10.0, marks=marks)
+    d = _write(tmp_path, rows, meta=meta)
+    rc, text, summary = _report(d, capsys)
+    assert "GPU 1: no samples for 5.00 s" in text and "GPU 0: no samples" not in text
+    assert "GPU 1: the NVML energy counter" in text
+    assert summary["energy_source"] == "power_trapezoid"
+    assert summary["energy_j"] == pytest.approx(500 * 10 + 400 * 10)
+    assert [g["samples"] for g in summary["gpus"]] == [101, 51]
+    assert [g["gaps"] for g in summary["gpus"]] == [[], [{"start_s": 5.0, "end_s": 10.0}]]
+    measure = {p["name"]: p for p in summary["phases"]}["measure"]
+    assert [x["energy_j"] for x in measure["gpus"]] == pytest.approx([500 * 4, 400 * 4])
+    assert measure["mean_power_w"] == pytest.approx(900)
+    assert sum(p["energy_j"] for p in summary["phases"]) == pytest.approx(summary["energy_j"])
+    rc, text, phase = _report(d, capsys, "--phase", "measure")
+    assert phase["energy_j"] == pytest.approx(900 * 4)
+    assert phase["gpus"][1]["gaps"] == [{"start_s": 5.0, "end_s": 10.0}]
+
+
+def test_a_phase_marked_twice_is_its_own_intervals_only(tmp_path, capsys):
+    """Before: `--phase measure` took 0-30 s (first start to last end), cooldown included: 100 W in the median."""
+    rows = _flat_rows(0, 600.0, 0.0, 30.0, counter=False)
+    for r in rows:
+        if 10.0 <= r["t"] < 20.0:
+            r["power_w"] = 100.0
+    meta = _meta(interval_s=0.1, end_s=30.0,
+                 marks=[{"t": 0.0, "name": "measure"}, {"t": 10.0, "name": "cooldown"}, {"t": 20.0, "name": "measure"}])
+    meta["gpus"][0]["metrics"] = ["power_w", "sm_mhz"]
+    d = _write(tmp_path, rows, meta=meta)
+    _, _, whole = _report(d, capsys)
+    rows_energy = sum(p["energy_j"] for p in whole["phases"] if p["name"] == "measure")
+    rc, text, s = _report(d, capsys, "--phase", "measure")
+    assert rc == 0
+    assert s["window"]["duration_s"] == pytest.approx(20.0)
+    assert s["window"]["intervals"] == [[0.0, 10.0], [20.0, 30.0]]
+    assert s["energy_j"] == pytest.approx(rows_energy)  # the phase rows' own numbers
+    assert s["energy_j"] == pytest.approx(600 * 20, rel=0.01)  # the 10 s step's trapezoid edge is off by 25 J
+    assert s["mean_power_w"] == pytest.approx(600, rel=0.01)
+    m = s["gpus"][0]["metrics"]["power_w"]
+    assert m["median"] == 600 and m["p90"] == 600
+    assert s["gpus"][0]["samples"] == 100 + 101  # [0, 10) and [20, 30], the run's last sample included
+    assert "phase `measure` (2 intervals), 20.0 s" in text

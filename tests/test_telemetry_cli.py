@@ -12,6 +12,7 @@ from glm5_fp4 import cli
 from glm5_fp4.telemetry import nvml_reader
 from glm5_fp4.telemetry.fake_nvml import FakeNvml
 from glm5_fp4.telemetry.series import MARKDOWN_FILE, META_FILE, PNG_FILE, SAMPLES_FILE, SUMMARY_FILE
+from test_telemetry_sampler import full_disk  # noqa: F401 - a fixture, shared
 
 
 @pytest.fixture
@@ -106,6 +107,10 @@ def test_report_with_tokens_and_phase(tmp_path, fake_nvml, capsys):
     [
         (["record", "--out", "{tmp}/x"], "give the command"),
         (["record", "--out", "{tmp}/x", "--gpus", "a,b", "--", "true"], "--gpus"),
+        (["record", "--out", "{tmp}/x", "--gpus", "0,1,0", "--", "sh", "-c", "exit 3"],
+         "--gpus '0,1,0': GPU 0 is listed twice"),
+        (["record", "--out", "{tmp}/x", "--gpus", "5", "--", "sh", "-c", "exit 3"],
+         "GPU 5 does not exist: NVML sees 2 GPU(s): 0, 1"),
         (["record", "--out", "{tmp}/x", "--interval", "0", "--", "true"], "interval_s"),
         (["record", "--out", "{tmp}/x", "--", "/no/such/program"], "cannot run"),
         (["report", "{tmp}/missing"], "not a directory"),
@@ -213,3 +218,55 @@ def test_record_default_interval_is_auto(tmp_path, fake_nvml):
     md = (tmp_path / MARKDOWN_FILE).read_text()
     assert "chosen automatically" in md and "NVML calls per GPU per tick" in md
     assert "wrap every 4 GiB" in md  # the fake has PCIe counters: say where they alias
+
+
+def test_a_missing_gpu_is_refused_before_the_command_runs(tmp_path, fake_nvml, capsys):
+    """Before: `--gpus 5` on a 2-GPU machine ran the command, printed "nothing recorded" and exited 0."""
+    marker = tmp_path / "ran"
+    rc = cli.main(["telemetry", "record", "--out", str(tmp_path / "x"), "--gpus", "1,5", "--",
+                   "sh", "-c", f"touch {marker}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "GPU 5 does not exist" in err and "nothing recorded" not in err
+    assert not marker.exists() and not (tmp_path / "x").exists()
+    assert fake_nvml.shutdowns == fake_nvml.initialised == 1
+
+
+@pytest.mark.parametrize("status, expected", [(0, 74), (3, 3)])
+def test_a_full_disk_keeps_the_commands_status_and_says_so(tmp_path, fake_nvml, full_disk, capsys, status, expected):
+    """Before: an OSError traceback from the end of the `with` block; the command's status and the summary were lost
+    and NVML stayed open. Now: the command's status if it failed, else 74; one error line either way."""
+    marker = tmp_path / "ran"
+    code = f"import pathlib, sys, time; time.sleep(0.3); pathlib.Path({str(marker)!r}).touch(); sys.exit({status})"
+    rc = cli.main(["telemetry", "record", "--out", str(tmp_path), "--interval", "0.01", "--", sys.executable, "-c",
+                   code])
+    err = capsys.readouterr().err
+    assert rc == expected and marker.exists()
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "telemetry is incomplete" in errors[0] and "No space left" in errors[0], err
+    assert fake_nvml.shutdowns == 1
+    assert json.loads((tmp_path / SUMMARY_FILE).read_text())["complete"] is False
+    # and the recording, reported later, says so too
+    assert cli.main(["telemetry", "report", str(tmp_path), "--no-plot"]) == 1
+    assert "No space left" in capsys.readouterr().err
+
+
+def test_record_help_states_the_exit_status_rule(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["telemetry", "record", "--help"])
+    assert "74" in " ".join(capsys.readouterr().out.split())
+
+
+def test_no_report_and_no_plot_leave_no_earlier_report_behind(tmp_path, fake_nvml):
+    """Before: `record --no-report` kept the earlier run's telemetry.md / .png beside the new samples, and
+    `report --no-plot` an old PNG beside the new table."""
+    argv = ["telemetry", "record", "--out", str(tmp_path), "--interval", "0.05", "--", sys.executable, "-c", "pass"]
+    assert cli.main(argv) == 0
+    assert (tmp_path / PNG_FILE).is_file() and (tmp_path / MARKDOWN_FILE).is_file()
+    assert cli.main(argv[:-4] + ["--no-report"] + argv[-4:]) == 0
+    assert not (tmp_path / PNG_FILE).exists() and not (tmp_path / MARKDOWN_FILE).exists()
+    assert (tmp_path / SUMMARY_FILE).is_file()
+    assert cli.main(["telemetry", "report", str(tmp_path)]) == 0 and (tmp_path / PNG_FILE).is_file()
+    assert cli.main(["telemetry", "report", str(tmp_path), "--no-plot"]) == 0
+    assert not (tmp_path / PNG_FILE).exists() and (tmp_path / MARKDOWN_FILE).is_file()
+    assert "telemetry.png" not in (tmp_path / MARKDOWN_FILE).read_text()

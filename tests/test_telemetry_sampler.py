@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import random
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,7 @@ from glm5_fp4.telemetry import TelemetrySampler, load_run
 from glm5_fp4.telemetry import sampler as sampler_mod
 from glm5_fp4.telemetry.fake_nvml import FakeNvml, FakeNvmlError
 from glm5_fp4.telemetry.nvml_reader import THROTTLE_BITS, counter_rate, decode_throttle
-from glm5_fp4.telemetry.series import META_FILE, SAMPLES_FILE, SUMMARY_FILE
+from glm5_fp4.telemetry.series import MARKDOWN_FILE, META_FILE, PNG_FILE, SAMPLES_FILE, SUMMARY_FILE
 
 
 def _threads() -> set[str]:
@@ -160,10 +163,24 @@ def test_gpu_selection_and_cuda_visible_devices(tmp_path, monkeypatch):
         pass
     assert [g.index for g in s.run.gpus] == [3, 0]
 
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with TelemetrySampler(tmp_path / "bad", gpus=[7], nvml=FakeNvml(n_gpus=2)) as s:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,1")
+    with TelemetrySampler(tmp_path / "env-twice", interval_s=0.05, nvml=FakeNvml(n_gpus=4)) as s:
         pass
-    assert not s.available and "index 7" in s.reason
+    assert [g.index for g in s.run.gpus] == [1]  # a GPU recorded twice would count its energy twice
+
+
+def test_a_gpu_that_does_not_exist_is_an_error_not_a_machine_without_nvml(tmp_path):
+    """Before: gpus=[7] on a 2-GPU machine recorded nothing and said "no GPU telemetry", as if NVML were missing."""
+    fake = FakeNvml(n_gpus=2)
+    with pytest.raises(Glm5Fp4Error, match=r"GPU 7 does not exist.*2 GPU\(s\): 0, 1"):
+        TelemetrySampler(tmp_path / "bad", gpus=[1, 7], nvml=fake).start()
+    assert fake.initialised == fake.shutdowns == 1
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+def test_a_gpu_listed_twice_is_refused(tmp_path):
+    with pytest.raises(Glm5Fp4Error, match="GPU 0 is listed twice"):
+        TelemetrySampler(tmp_path, gpus=[0, 1, 0])
 
 
 def test_unsupported_metrics_are_dropped(tmp_path):
@@ -437,3 +454,113 @@ def test_wide_pcie_counters_are_not_taken_modulo_4gib(tmp_path):
     assert tx and tx == pytest.approx([300_000.0] * len(tx), rel=0.01)
     sampler = s.summary()["sampler"]
     assert sampler["pcie_counter_wrap_bytes"] == 2**64 and sampler["pcie_alias_above_mbs"] is None
+
+
+class _FullDisk:
+    """The samples file on a disk that fills up: the `room`-th write and everything after it fail with ENOSPC, and
+    so do flush and close (what was buffered cannot be written either)."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room, self.full = f, room, False
+
+    def _check(self):
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def write(self, text):
+        self.room -= 1
+        self.full = self.full or self.room <= 0
+        self._check()
+        return self.f.write(text)
+
+    def flush(self):
+        self._check()
+        self.f.flush()
+
+    def close(self):
+        self.f.close()
+        self._check()
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """telemetry.jsonl opened for writing fills the disk on its third write (the start's sample is the first)."""
+    real_open = Path.open
+
+    def open_(self, mode="r", *args, **kw):
+        f = real_open(self, mode, *args, **kw)
+        return _FullDisk(f, room=3) if self.name == SAMPLES_FILE and "w" in mode else f
+
+    monkeypatch.setattr(Path, "open", open_)
+
+
+def test_a_full_disk_while_recording_does_not_break_the_workload(tmp_path, full_disk):
+    """Before: the sampling thread died, then stop() wrote the last sample again and raised OSError out of the
+    `with` block: the workload's own result was lost and NVML stayed open."""
+    fake = FakeNvml(n_gpus=2)
+    with TelemetrySampler(tmp_path, interval_s=0.01, flush_s=0.0, nvml=fake) as s:
+        s.mark("measure")
+        time.sleep(0.8)  # past the 0.5 s that makes a gap
+    assert fake.shutdowns == 1
+    assert "No space left on device" in s.run.sampler["error"]
+    written = json.loads((tmp_path / SUMMARY_FILE).read_text())
+    assert written["complete"] is False
+    assert any("recording failed" in w and "No space left" in w for w in written["warnings"])
+    assert json.loads((tmp_path / META_FILE).read_text())["sampler"]["error"] == s.run.sampler["error"]
+    # the samples stop where the disk filled: that is a gap at the end of the run, not a shorter run
+    assert written["gpus"][0]["gaps"] and written["gpus"][0]["gaps"][-1]["end_s"] == pytest.approx(s.run.end_s)
+    assert s.stop()["complete"] is False  # and a second stop() is as quiet
+
+
+def test_stop_that_cannot_write_its_summary_logs_it_and_returns(tmp_path, monkeypatch, caplog):
+    fake = FakeNvml(n_gpus=1)
+    s = TelemetrySampler(tmp_path, interval_s=0.02, nvml=fake).start()
+    time.sleep(0.05)
+
+    def no_room(path, data):
+        raise Glm5Fp4Error(f"{path}: cannot write (No space left on device)")
+
+    monkeypatch.setattr(sampler_mod, "write_json_atomic", no_room)
+    caplog.set_level(logging.WARNING, logger="glm5_fp4.telemetry")
+    s.mark("measure")  # the workload's own call: a full disk must not raise out of it either
+    summary = s.stop()
+    assert fake.shutdowns == 1
+    assert summary["complete"] is False and "No space left" in s.run.sampler["error"]
+    assert any(META_FILE in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+@pytest.mark.parametrize("blocker", ["samples file is a folder", "folder is read-only"])
+def test_an_output_folder_that_cannot_be_written_is_one_clear_error(tmp_path, blocker):
+    """Before: IsADirectoryError / PermissionError tracebacks, with NVML left open."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if blocker == "samples file is a folder":
+        (out / SAMPLES_FILE / "x").mkdir(parents=True)
+        culprit = str(out / SAMPLES_FILE)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder")
+        out.chmod(0o555)
+        culprit = str(out)
+    fake = FakeNvml(n_gpus=2)
+    try:
+        with pytest.raises(Glm5Fp4Error, match="cannot write") as e:
+            TelemetrySampler(out, interval_s=0.05, nvml=fake).start()
+    finally:
+        out.chmod(0o755)
+    assert culprit in str(e.value)
+    assert fake.initialised == fake.shutdowns == 1
+
+
+@pytest.mark.parametrize("nvml", [FakeNvml(n_gpus=1), FakeNvml(n_gpus=2, init_error="Driver Not Loaded")])
+def test_a_new_recording_removes_an_earlier_runs_files(tmp_path, nvml):
+    """Before: a report, plot and (without NVML) samples of an earlier run stayed beside the new recording."""
+    with TelemetrySampler(tmp_path, interval_s=0.05, nvml=FakeNvml(n_gpus=2)):
+        pass
+    for name in (MARKDOWN_FILE, PNG_FILE):
+        (tmp_path / name).write_text("an earlier run's")
+    with TelemetrySampler(tmp_path, interval_s=0.05, nvml=nvml) as s:
+        pass
+    assert not (tmp_path / MARKDOWN_FILE).exists() and not (tmp_path / PNG_FILE).exists()
+    assert (tmp_path / SAMPLES_FILE).exists() == s.available
+    assert load_run(tmp_path).available == s.available

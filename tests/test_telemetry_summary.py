@@ -110,7 +110,9 @@ def test_summary_energy_stats_and_tokens():
     assert by_name["idle"]["gpus"][1]["median_power_w"] == 70
 
     m = summarize(run, tokens=12_000, phase="measure")
-    assert m["window"] == {"phase": "measure", "start_s": 1.0, "end_s": 4.0, "duration_s": 3.0}
+    assert m["window"] == {
+        "phase": "measure", "start_s": 1.0, "end_s": 4.0, "duration_s": 3.0, "intervals": [[1.0, 4.0]]
+    }
     assert m["energy_j"] == pytest.approx(3.0 * 1100, rel=0.02)
     assert m["gpus"][0]["metrics"]["power_w"]["median"] == 600
     assert m["gpus"][0]["metrics"]["sm_mhz"]["p90"] == 1600
