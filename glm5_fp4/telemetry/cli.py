@@ -9,6 +9,9 @@ import time
 from glm5_fp4.argtypes import ranged
 from glm5_fp4.errors import Glm5Fp4Error
 
+# sysexits' EX_IOERR: the command succeeded but its telemetry did not (nearly always a write, a full disk)
+TELEMETRY_FAILED = 74
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="{record,report}")
@@ -16,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "record",
         help="record GPU telemetry while a command runs",
         description="Run CMD and record GPU power, clocks and utilisation until it exits; "
-        "exits with CMD's status. Example: glm5-fp4 telemetry record --out out/tel -- python bench.py",
+        "exits with CMD's status. If the telemetry itself fails while CMD runs (a full disk), CMD is left to "
+        f"finish, one error line says so, and the status is CMD's if non-zero, else {TELEMETRY_FAILED}. "
+        "Example: glm5-fp4 telemetry record --out out/tel -- python bench.py",
     )
     rec.add_argument("--out", required=True, help="directory for telemetry.jsonl, summary, plot and table")
     rec.add_argument(
@@ -64,6 +69,9 @@ def _parse_gpus(text: str | None) -> list[int] | None:
         raise Glm5Fp4Error(f"--gpus {text!r}: expected comma-separated GPU indices such as 0,1") from None
     if not gpus or any(g < 0 for g in gpus):
         raise Glm5Fp4Error(f"--gpus {text!r}: expected comma-separated GPU indices such as 0,1")
+    twice = next((g for i, g in enumerate(gpus) if g in gpus[:i]), None)
+    if twice is not None:  # it would be recorded twice and its energy counted twice
+        raise Glm5Fp4Error(f"--gpus {text!r}: GPU {twice} is listed twice")
     return gpus
 
 
@@ -104,13 +112,16 @@ def _record(args: argparse.Namespace) -> int:
         if args.settle:
             sampler.mark("idle-after")
             time.sleep(args.settle)
-    if args.no_report:
-        summary = sampler.summary()
-        where = args.out
-    else:
-        files = render_report(args.out)
-        summary = files.summary
-        where = files.markdown_path
+    failure = sampler.run.sampler.get("error")
+    summary = None
+    if not args.no_report:
+        try:
+            files = render_report(args.out)
+            summary, where = files.summary, files.markdown_path
+        except Glm5Fp4Error as exc:  # the command ran: its status must not be lost to a report that failed
+            failure = failure or f"the report failed: {exc}"
+    if summary is None:
+        summary, where = sampler.summary(), args.out
     if summary["available"]:
         energy = "energy not measurable" if summary["energy_j"] is None else f"{summary['energy_j']:.0f} J"
         print(
@@ -120,6 +131,9 @@ def _record(args: argparse.Namespace) -> int:
         )
     else:
         print(f"telemetry: nothing recorded -> {where}", file=sys.stderr)  # the reason was logged once already
+    if failure:
+        print(f"glm5-fp4 telemetry: error: telemetry is incomplete ({failure})", file=sys.stderr)
+        return rc or TELEMETRY_FAILED
     return rc
 
 
@@ -133,7 +147,9 @@ def _report(args: argparse.Namespace) -> int:
     summary = files.summary
     if not summary.get("complete", True):
         # the table is printed for what it is worth, but the headline number the report exists for is missing
-        why = summary.get("reason") or "energy could not be computed"
+        failed = (summary.get("sampler") or {}).get("error")
+        why = summary.get("reason") or (f"the recording failed ({failed})" if failed else None)
+        why = why or "energy could not be computed"
         print(f"telemetry report: {args.dir}: {why}", file=sys.stderr)
         return 1
     return 0

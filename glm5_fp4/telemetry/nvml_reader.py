@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from glm5_fp4.errors import Glm5Fp4Error
+
 # NVML's clock-event ("throttle") reason bits. They are part of NVML's stable C API, so they are
 # spelled out here rather than read from pynvml, whose constant names changed between releases.
 THROTTLE_BITS: dict[int, str] = {
@@ -106,7 +108,7 @@ def visible_gpu_selection(count: int) -> list[int | str] | None:
     raw = os.environ.get("CUDA_VISIBLE_DEVICES")
     if raw is None or not raw.strip():
         return None
-    items = [s.strip() for s in raw.split(",") if s.strip()]
+    items = list(dict.fromkeys(s.strip() for s in raw.split(",") if s.strip()))  # a GPU named twice is one GPU
     if all(s.isdigit() for s in items):
         picked = [int(s) for s in items if int(s) < count]
         return picked or None
@@ -252,7 +254,10 @@ class NvmlReader:
                 index = int(self.nvml.nvmlDeviceGetIndex(handle))
             else:
                 if not 0 <= int(item) < count:
-                    raise TelemetryUnavailable(f"GPU index {item} does not exist (NVML sees {count} GPUs)")
+                    # asked for by the caller, unlike a machine without NVML: an error, not "no telemetry"
+                    raise Glm5Fp4Error(
+                        f"GPU {item} does not exist: NVML sees {count} GPU(s): {', '.join(map(str, range(count)))}"
+                    )
                 index = int(item)
                 handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
             name = _as_str(self.nvml.nvmlDeviceGetName(handle))

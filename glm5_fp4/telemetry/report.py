@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.outputs import save_figure, write_text_atomic
 from glm5_fp4.telemetry.series import (
     MARKDOWN_FILE,
@@ -117,6 +118,8 @@ def summary_markdown(summary: dict[str, Any], png_name: str | None = None, headi
 
     w = summary["window"]
     where = f"phase `{w['phase']}`" if w.get("phase") else "whole run"
+    if len(w.get("intervals") or []) > 1:  # the duration is their sum, not end minus start
+        where += f" ({len(w['intervals'])} intervals)"
     head = f"{where}, {_fmt(w['duration_s'], 1)} s, sampled every {summary['interval_s']:g} s. "
     if summary["energy_j"] is None:
         head += "Energy **not measurable** (see the warnings above)."
@@ -213,6 +216,12 @@ def render_report(
             png_path = plot_run(run, run_dir / PNG_FILE)
         except ImportError:
             note = "plot skipped: matplotlib is not installed"
+    if png_path is None:  # an earlier report's plot would pass for this one's
+        stale = run_dir / PNG_FILE
+        try:
+            stale.unlink(missing_ok=True)
+        except OSError as exc:
+            raise Glm5Fp4Error(f"{stale}: cannot remove an earlier report's plot ({exc.strerror or exc})") from None
     md = summary_markdown(summary, png_name=png_path.name if png_path else None)
     if note:
         md += f"\n_{note}_\n"

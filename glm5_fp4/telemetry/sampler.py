@@ -7,7 +7,12 @@
 
 One daemon thread reads NVML every `interval_s` for each GPU and appends a line per GPU to
 telemetry.jsonl (format in series.py). Without NVML or GPUs the sampler logs one warning per
-process, writes metadata saying "no GPU telemetry", and every call still works.
+process, writes metadata saying "no GPU telemetry", and every call still works. Starting removes
+the files an earlier run left in the directory (its report, plot, samples), so they never pass for
+this run's. Once started, telemetry's own failures (a full disk) never reach the workload: sampling
+stops, the error is logged and kept in the metadata's sampler.error, and the summary says the
+telemetry is incomplete. Bad arguments and an output directory that cannot be written are refused
+at start(), before the workload runs.
 
 Cost: each NVML query costs the driver ~0.36 ms of CPU on an H200 (see nvml_reader.py); with 3.4
 queries per GPU per tick the sampler takes ~1.3 % of one core per GPU at 0.1 s, ten times the 1 %
@@ -29,8 +34,10 @@ from typing import Any
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.telemetry.nvml_reader import PCIE_COUNTER_WRAP, SLOW, NvmlReader, TelemetryUnavailable
 from glm5_fp4.telemetry.series import (
+    MARKDOWN_FILE,
     META_FILE,
     NO_TELEMETRY,
+    PNG_FILE,
     SAMPLES_FILE,
     SUMMARY_FILE,
     GpuSeries,
@@ -123,6 +130,9 @@ class TelemetrySampler:
             raise Glm5Fp4Error(f"telemetry slow_s must be between 0.001 and 3600 seconds, got {slow_s!r}")
         if gpus is not None and not all(isinstance(g, int) and g >= 0 for g in gpus):
             raise Glm5Fp4Error(f"telemetry gpus must be non-negative NVML indices, got {gpus!r}")
+        twice = next((g for i, g in enumerate(gpus or []) if g in gpus[:i]), None)
+        if twice is not None:  # it would be sampled twice and its energy counted twice
+            raise Glm5Fp4Error(f"telemetry gpus {gpus!r}: GPU {twice} is listed twice")
         self.out_dir = Path(out_dir)
         self.interval_s = AUTO_INTERVALS[0] if self.auto else float(interval_s)
         self.gpus = list(gpus) if gpus is not None else None
@@ -169,10 +179,6 @@ class TelemetrySampler:
         if self._started:
             raise Glm5Fp4Error("TelemetrySampler.start() called twice; use a new sampler per recording")
         self._started = True
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise Glm5Fp4Error(f"{self.out_dir}: cannot create telemetry directory ({exc})") from exc
         self._t0 = time.monotonic()
         self.run.start_monotonic = self._t0
         self.run.start_unix = time.time()
@@ -180,9 +186,40 @@ class TelemetrySampler:
             self._reader = NvmlReader(self._nvml, self.gpus, pcie=self.pcie, pcie_legacy=self.pcie_legacy)
         except TelemetryUnavailable as exc:
             self.run.reason = str(exc)
-            _warn_unavailable(self.run.reason)
-            self._write_meta()
-            return self
+        try:
+            self._open_output()
+            if self._reader is None:
+                _warn_unavailable(self.run.reason)
+                self._write_meta()
+                return self
+            self._start_sampling()
+        except BaseException:
+            self._stopped = True  # nothing to stop: NVML and the file are closed here
+            self._release()
+            raise
+        self._thread = threading.Thread(target=self._loop, name="glm5-fp4-telemetry", daemon=True)
+        self._thread.start()
+        return self
+
+    def _open_output(self) -> None:
+        """Make the directory, remove an earlier run's files, open the samples file: a failure is one error naming
+        the path, raised before the workload starts."""
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise Glm5Fp4Error(f"{self.out_dir}: cannot create telemetry directory ({exc.strerror or exc})") from None
+        path = self.out_dir
+        try:
+            for name in (SAMPLES_FILE, SUMMARY_FILE, MARKDOWN_FILE, PNG_FILE):
+                path = self.out_dir / name
+                path.unlink(missing_ok=True)
+            if self._reader is not None:
+                path = self.out_dir / SAMPLES_FILE
+                self._file = path.open("w", buffering=1 << 16)
+        except OSError as exc:
+            raise Glm5Fp4Error(f"{path}: cannot write telemetry there ({exc.strerror or exc})") from None
+
+    def _start_sampling(self) -> None:
         self.run.available = True
         self.run.driver = self._reader.driver
         self._configure_interval()
@@ -196,35 +233,65 @@ class TelemetrySampler:
             )
             self._series[dev.index] = series
             self.run.gpus.append(series)
-        self._file = (self.out_dir / SAMPLES_FILE).open("w", buffering=1 << 16)
         # t=0 once NVML is open and timed, so the first sample is at t≈0 and marks line up with it
         self._t0 = time.monotonic()
         self.run.start_monotonic = self._t0
         self.run.start_unix = time.time()
         self._write_meta()
         self._tick(full=True)  # a sample at t≈0 with every metric, so the series spans the whole block
-        self._thread = threading.Thread(target=self._loop, name="glm5-fp4-telemetry", daemon=True)
-        self._thread.start()
-        return self
 
     def stop(self) -> dict[str, Any]:
-        """Stop sampling, close the files, write the summary; returns summary(). Safe to call twice."""
+        """Stop sampling, close the files, write the summary; returns summary(). Safe to call twice.
+
+        Never raises for telemetry's own failures: it runs in the workload's `finally` (or `with`), where an
+        exception would replace the workload's result. They are logged and kept in sampler.error instead.
+        """
         if not self._started:
             raise Glm5Fp4Error("TelemetrySampler.stop() before start()")
         if not self._stopped:
             self._stopped = True
-            if self._thread is not None:
-                self._stop.set()
-                self._thread.join()
-            if self._reader is not None:
-                self._tick(full=True)  # and one at the end
-                self._reader.close()
-            if self._file is not None:
-                self._file.close()
+            try:
+                if self._thread is not None:
+                    self._stop.set()
+                    self._thread.join()
+                if self._reader is not None and "error" not in self.run.sampler:  # not into a file that failed
+                    self._tick(full=True)  # and one at the end
+            except Exception as exc:
+                self._fail("the last sample", exc)
+            finally:
+                self._release()
             self.run.end_s = time.monotonic() - self._t0
-            self._write_meta()
-            self.write_summary()
+            try:
+                self._write_meta()
+                self.write_summary()
+            except Exception as exc:
+                self._fail("writing the metadata and summary", exc)
         return self.summary()
+
+    def _release(self) -> None:
+        """Close NVML and the samples file, each whatever became of the other."""
+        try:
+            if self._reader is not None:
+                self._reader.close()
+        finally:
+            f, self._file = self._file, None
+            if f is not None:
+                try:
+                    f.close()  # flushes what was buffered: the disk may be full
+                except Exception as exc:
+                    self._fail(f"closing {self.out_dir / SAMPLES_FILE}", exc)
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        """Telemetry failed mid-run: the first failure is logged and kept (the summary reports it); the workload
+        goes on."""
+        with self._lock:  # the metadata may be being copied in another thread
+            first = "error" not in self.run.sampler
+            if first:
+                self.run.sampler["error"] = f"{what}: {exc}"
+        if first:
+            log.warning("GPU telemetry stopped early: %s: %s", what, exc)
+        else:
+            log.debug("GPU telemetry: %s also failed: %s", what, exc)
 
     def mark(self, name: str) -> None:
         """Start a named load phase now (e.g. "warmup", "measure"); plots and summary split on it."""
@@ -234,7 +301,10 @@ class TelemetrySampler:
             raise Glm5Fp4Error(f"mark({name!r}) outside a running TelemetrySampler")
         with self._lock:
             self.run.marks.append((time.monotonic() - self._t0, name.strip()))
-        self._write_meta()
+        try:
+            self._write_meta()
+        except Exception as exc:  # the mark is kept in memory; stop() writes the metadata again
+            log.warning("GPU telemetry: %s", exc)
 
     def summary(self, tokens: int | None = None, phase: str | None = None) -> dict[str, Any]:
         """Summary dict (see summary.py); `tokens` adds tokens per joule, `phase` restricts to a phase."""
@@ -266,8 +336,7 @@ class TelemetrySampler:
                     self._late_ticks += missed
                     next_t += missed * self.interval_s
         except Exception as exc:  # the user's workload must never die because telemetry did
-            log.warning("GPU telemetry sampling stopped early: %s", exc)
-            self.run.sampler["error"] = str(exc)
+            self._fail("sampling", exc)
         finally:
             self._cpu_s = time.thread_time() - cpu0
 

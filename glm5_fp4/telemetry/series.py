@@ -151,7 +151,7 @@ class TelemetryRun:
             "driver": self.driver,
             "gpus": [g.info() for g in self.gpus],
             "marks": [{"t": round(t, 4), "name": name} for t, name in self.marks],
-            "sampler": self.sampler,
+            "sampler": dict(self.sampler),  # a copy: it is written out after the lock is let go
         }
 
 

@@ -4,13 +4,18 @@ Energy comes two ways. `trapezoid` integrates the power samples (linear between 
 works on any GPU; `counter` is the difference of NVML's own total-energy counter, which is what
 the board measured and is preferred as the headline `energy_j` when every GPU has it. Both are
 integrated over the same window, interpolating at window edges, so phase energies add up to the
-run's total. Pure Python on purpose: it runs wherever the sampler runs (numpy or not), and a few
-hundred thousand samples summarise in about a second.
+run's total, and a phase marked more than once is the sum of its own intervals. Pure Python on
+purpose: it runs wherever the sampler runs (numpy or not), and a few hundred thousand samples
+summarise in about a second.
 
 Logs are not always clean: lines duplicated by a copy, a hole where the sampler stalled, NaN
 readings, a counter that jumped back. Each GPU's samples are therefore put in time order with
-repeated timestamps dropped before anything is computed, and every such repair (and every gap)
-is listed in the summary's `warnings`, so a number is never silently made from a broken log.
+repeated timestamps dropped before anything is computed, and every such repair (and every gap,
+including time at the start or end of the run that a GPU has no samples for) is listed in the
+summary's `warnings`, so a number is never silently made from a broken log. A hole between samples
+is bridged linearly; uncovered time at either end holds the nearest reading flat, so that energy
+and mean power describe the same window; the energy counter cannot be carried over such an edge,
+so a GPU with one falls back to its power-sample integral.
 Statistics are time-weighted (each sample stands for the time to halfway to its neighbours), the
 same linear bridging the energy integral uses: without that, a hole in a busy phase would leave
 the idle samples a majority and drag the median down to idle power.
@@ -159,25 +164,36 @@ def gap_threshold_s(interval_s: float) -> float:
     return max(5.0 * interval_s, 0.5)
 
 
-def _spans(t: list[float]) -> list[float]:
+def _spans(t: list[float], lo: float | None = None, hi: float | None = None) -> list[float]:
     """The time each sample stands for: halfway to each neighbour; the ends mirror their one neighbour,
-    so uniformly spaced samples all weigh the same."""
+    so uniformly spaced samples all weigh the same, or reach to `lo` / `hi` where the run goes on
+    further without samples (the reading held flat there, as in the energy)."""
     n = len(t)
     if n < 2:
         return [1.0] * n
-    return [
+    spans = [
         ((t[1] - t[0]) if i == 0 else (t[i] - t[i - 1])) / 2 + ((t[-1] - t[-2]) if i == n - 1 else (t[i + 1] - t[i])) / 2
         for i in range(n)
     ]
+    if lo is not None:
+        spans[0] += max(t[0] - lo - (t[1] - t[0]) / 2, 0.0)
+    if hi is not None:
+        spans[-1] += max(hi - t[-1] - (t[-1] - t[-2]) / 2, 0.0)
+    return spans
 
 
-def _window_values(t: Sequence[float], y: Sequence[float], a: float, b: float, last: bool) -> list[tuple[float, float]]:
-    """(value, weight) of the finite samples in [a, b), sorted by value; weights come from the finite
-    samples only, so a NaN reading's time goes to its neighbours as in the integral."""
+def _inside(tt: float, intervals: Sequence[tuple[float, float]], end: float) -> bool:
+    """Whether time tt is in one of the half-open intervals; the run's end belongs to its last one."""
+    return any(a <= tt < b or (b >= end and tt == b) for a, b in intervals)
+
+
+def _window_values(
+    t: Sequence[float], y: Sequence[float], intervals: Sequence[tuple[float, float]], lo: float, hi: float
+) -> list[tuple[float, float]]:
+    """(value, weight) of the finite samples inside `intervals` of the run [lo, hi], sorted by value; weights
+    come from the finite samples only, so a NaN reading's time goes to its neighbours as in the integral."""
     ts, ys = _finite_points(t, y)
-    return sorted(
-        (v, w) for tt, v, w in zip(ts, ys, _spans(ts)) if a <= tt < b or (last and tt == b)
-    )
+    return sorted((v, w) for tt, v, w in zip(ts, ys, _spans(ts, lo, hi)) if _inside(tt, intervals, hi))
 
 
 def _stats(pairs: list[tuple[float, float]]) -> dict[str, float] | None:
@@ -191,9 +207,12 @@ def _median(pairs: list[tuple[float, float]]) -> float | None:
 
 
 class _Samples:
-    """One GPU's samples in time order without repeated timestamps, plus what was wrong with them."""
+    """One GPU's samples in time order without repeated timestamps, plus what was wrong with them.
 
-    def __init__(self, g: GpuSeries, interval_s: float, warnings: list[str]):
+    lo, hi: the run's start and end, which the samples should reach.
+    """
+
+    def __init__(self, g: GpuSeries, interval_s: float, warnings: list[str], lo: float, hi: float):
         n = len(g.t)
         order = sorted(range(n), key=g.t.__getitem__)  # stable: of equal timestamps the first line wins
         who = f"GPU {g.index}"
@@ -216,16 +235,29 @@ class _Samples:
         self.throttle = [g.throttle[i] for i in keep]
         for metric, count in sorted(g.nonfinite.items()):
             warnings.append(f"{who}: {count} {metric} reading(s) were null, NaN or infinite; left out")
+        self.lo, self.hi = lo, hi
         self.gaps: list[tuple[float, float]] = []
         limit = gap_threshold_s(interval_s)
-        for t0, t1 in zip(self.t, self.t[1:]):
+        holes = [(t0, t1, "", "bridge the gap linearly") for t0, t1 in zip(self.t, self.t[1:])]
+        if self.t:
+            holes.insert(0, (lo, self.t[0], ", the start of the run", "hold the first reading over it"))
+            holes.append((self.t[-1], hi, ", the end of the run", "hold the last reading over it"))
+        edge_gap = False
+        for t0, t1, where, bridge in holes:
             if t1 - t0 > limit:
                 self.gaps.append((t0, t1))
+                edge_gap = edge_gap or bool(where)
                 warnings.append(
-                    f"{who}: no samples for {t1 - t0:.2f} s ({t0:.2f}-{t1:.2f} s); "
-                    "energy and statistics bridge the gap linearly"
+                    f"{who}: no samples for {t1 - t0:.2f} s ({t0:.2f}-{t1:.2f} s{where}); "
+                    f"energy and statistics {bridge}"
                 )
         self.counter_ok = "energy_j" in g.metrics
+        if self.counter_ok and edge_gap:
+            # the counter has no reading at the run's start or end, and a power reading held there is no counter
+            self.counter_ok = False
+            warnings.append(
+                f"{who}: the NVML energy counter does not cover the whole run; using the power-sample integral instead"
+            )
         if self.counter_ok:
             _, e = _finite_points(self.t, self.values["energy_j"])
             drops = sum(1 for e0, e1 in zip(e, e[1:]) if e1 < e0)
@@ -237,6 +269,24 @@ class _Samples:
                     "using the power-sample integral instead"
                 )
         self.finite_power = len(_finite_points(self.t, self.values["power_w"])[0])
+
+    def energy(self, metric: str, intervals: Sequence[tuple[float, float]]) -> float:
+        """Integral of a power metric over the intervals, its first and last readings held flat to the run's
+        start and end: integrate() alone stops at the samples, and the run's mean power would count that as 0 W."""
+        ts, ys = _finite_points(self.t, self.values[metric])
+        if len(ts) >= 2:
+            if ts[0] > self.lo:
+                ts, ys = [self.lo, *ts], [ys[0], *ys]
+            if ts[-1] < self.hi:
+                ts, ys = [*ts, self.hi], [*ys, ys[-1]]
+        return sum(integrate(ts, ys, a, b) for a, b in intervals)
+
+    def counter(self, intervals: Sequence[tuple[float, float]]) -> float | None:
+        deltas = [counter_delta(self.t, self.values["energy_j"], a, b) for a, b in intervals]
+        return None if any(d is None for d in deltas) else sum(deltas)
+
+    def window_values(self, metric: str, intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+        return _window_values(self.t, self.values[metric], intervals, self.lo, self.hi)
 
 
 def unavailable_summary(reason: str | None, tokens: int | None = None, complete: bool = True) -> dict[str, Any]:
@@ -273,7 +323,11 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
         return unavailable_summary("telemetry was recorded but the log holds no samples", tokens, complete=False)
 
     warnings: list[str] = list(run.warnings)
-    clean = {g.index: _Samples(g, run.interval_s, warnings) for g in run.gpus}
+    failed = run.sampler.get("error")
+    if failed:
+        warnings.append(f"the recording failed ({failed}); telemetry is incomplete")
+    end = run.duration_s
+    clean = {g.index: _Samples(g, run.interval_s, warnings, 0.0, end) for g in run.gpus}
     # Fewer than two power readings integrate to nothing: a 0 J headline would be a made-up number.
     short = [g.index for g in run.gpus if clean[g.index].finite_power < 2]
     for i in short:
@@ -281,14 +335,13 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
 
     all_phases = phases(run)
     if phase is None:
-        a, b = 0.0, run.duration_s
+        window = [(0.0, end)]
     else:
-        found = [p for p in all_phases if p[0] == phase]
-        if not found:
+        # a phase marked more than once is its own intervals, not what was marked between them
+        window = [(pa, pb) for name, pa, pb in all_phases if name == phase]
+        if not window:
             names = ", ".join(sorted({p[0] for p in all_phases}))
             raise Glm5Fp4Error(f"phase {phase!r} was not marked in this run (phases: {names})")
-        # A phase marked more than once is taken from its first start to its last end.
-        a, b = min(p[1] for p in found), max(p[2] for p in found)
 
     gpus = []
     for g in run.gpus:
@@ -297,17 +350,17 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
         metrics = {}
         for m in STAT_METRICS:
             if m in g.metrics:
-                metrics[m] = _stats(_window_values(t, c.values[m], a, b, last=True))
-        in_window = [i for i, tt in enumerate(t) if a <= tt <= b]
+                metrics[m] = _stats(c.window_values(m, window))
+        in_window = [i for i, tt in enumerate(t) if _inside(tt, window, end)]
         # clock-event reasons are a slow metric: shares are of the samples that read them
         throttle_read = [c.throttle[i] for i in in_window if c.throttle[i] is not None]
         throttle: dict[str, float] = {}
         for reasons in throttle_read:
             for name in reasons:
                 throttle[name] = throttle.get(name, 0) + 1
-        trap = integrate(t, c.values["power_w"], a, b) if g.index not in short else None
-        counter = counter_delta(t, c.values["energy_j"], a, b) if c.counter_ok else None
-        inst = integrate(t, c.values["power_inst_w"], a, b) if "power_inst_w" in g.metrics else None
+        trap = c.energy("power_w", window) if g.index not in short else None
+        counter = c.counter(window) if c.counter_ok else None
+        inst = c.energy("power_inst_w", window) if "power_inst_w" in g.metrics else None
         mismatch = (100.0 * (trap - counter) / counter) if counter and trap is not None else None
         if mismatch is not None and abs(mismatch) > COUNTER_MISMATCH_PCT:
             warnings.append(
@@ -320,7 +373,9 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
                 "name": g.name,
                 "uuid": g.uuid,
                 "samples": len(in_window),
-                "gaps": [{"start_s": g0, "end_s": g1} for g0, g1 in c.gaps if g1 > a and g0 < b],
+                "gaps": [
+                    {"start_s": g0, "end_s": g1} for g0, g1 in c.gaps if any(g1 > a and g0 < b for a, b in window)
+                ],
                 "metrics": metrics,
                 "energy_j": {"trapezoid": trap, "counter": counter, "trapezoid_instant_power": inst},
                 "counter_vs_trapezoid_pct": mismatch,
@@ -330,7 +385,7 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
             }
         )
 
-    duration = max(b - a, 0.0)
+    duration = sum(max(b - a, 0.0) for a, b in window)
     traps = [g["energy_j"]["trapezoid"] for g in gpus]
     trap_total = sum(traps) if gpus and all(x is not None for x in traps) else None
     counters = [g["energy_j"]["counter"] for g in gpus]
@@ -342,13 +397,12 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
         per_gpu = []
         for g in run.gpus:
             c = clean[g.index]
-            t = c.t
             if counter_total is not None:
-                e = counter_delta(t, c.values["energy_j"], pa, pb)
+                e = c.counter([(pa, pb)])
             else:
-                e = integrate(t, c.values["power_w"], pa, pb) if g.index not in short else None
-            pw = _window_values(t, c.values["power_w"], pa, pb, last=pb >= run.duration_s)
-            sm = _window_values(t, c.values["sm_mhz"], pa, pb, last=pb >= run.duration_s)
+                e = c.energy("power_w", [(pa, pb)]) if g.index not in short else None
+            pw = c.window_values("power_w", [(pa, pb)])
+            sm = c.window_values("sm_mhz", [(pa, pb)])
             per_gpu.append(
                 {"index": g.index, "energy_j": e, "median_power_w": _median(pw), "median_sm_mhz": _median(sm)}
             )
@@ -371,11 +425,17 @@ def summarize(run: TelemetryRun, tokens: int | None = None, phase: str | None = 
     out = {
         "format": FORMAT,
         "available": True,
-        "complete": energy is not None,
+        "complete": energy is not None and not failed,
         "reason": None,
         "message": None,
         "warnings": warnings,
-        "window": {"phase": phase, "start_s": a, "end_s": b, "duration_s": duration},
+        "window": {
+            "phase": phase,
+            "start_s": window[0][0],
+            "end_s": window[-1][1],
+            "duration_s": duration,
+            "intervals": window,
+        },
         "interval_s": run.interval_s,
         "start_unix": run.start_unix,
         "driver": run.driver,
