@@ -95,6 +95,7 @@ def make_decode_traces(
     hold_us: dict[tuple[int, int], float] | None = None,
     sync_gap_us: float = 0.0,
     side_stream_copy: bool = False,
+    copy_stream: int | None = None,
     step_gap_us: float = 150.0,
     launch_gap_us: float = 1.0,
     jitter_us: float = 0.0,
@@ -113,6 +114,9 @@ def make_decode_traces(
     its GPU idles and its peers wait that long in the step's first all-reduce.
     sync_gap_us: eager MoE routing synced to the host: the GPU idles about this long (x0.5..1.5) before every
     layer's expert GEMMs, on every rank.
+    copy_stream: the sampled tokens' copy that ends every step runs on this stream (vLLM's async output copy);
+    Kineto projects a GPU-side range once per stream, so each step's range then comes in two pieces, the copy's
+    after the main stream's. GPU-side ranges carry their CPU range's External id, as Kineto writes them.
     """
     rng = random.Random(seed)
     offsets = {r: 0.0 for r in range(n_ranks)} | dict(clock_offset_us or {})
@@ -250,27 +254,33 @@ def make_decode_traces(
                 add_runtime(r, "cudaGraphLaunch", step_start[r] - cpu_lag, graph_corr[r])
             # the sampled tokens go back to the host: an eager copy ends every step
             c = new_corr(r)
+            main_end = clock[r]
             ts = clock[r] + 2.0
             if in_trace[r]:
                 add_runtime(r, "cudaMemcpyAsync", ts - cpu_lag, c)
-                add_kernel(r, MEMCPY_DTOH, ts, 3.0, c)
+                add_kernel(r, MEMCPY_DTOH, ts, 3.0, c, stream=copy_stream or 7)
                 truth.summed_us[r]["memcpy"] += 3.0
                 last_end[r] = ts + 3.0
             launches[r].append(ts - cpu_lag)
             clock[r] = ts + 3.0
-            annotate = in_trace[r] and r in annotated
+            annotate = in_trace[r] and r in annotated and profiler_steps is not None
+            range_id = new_corr(r) if annotate else 0
             if annotate and profiler_steps in ("cpu", "both"):
                 lo, hi = min(launches[r]) - 1.0 - hold[r], max(launches[r]) + 5.0
                 events[r].append(
                     {"ph": "X", "cat": "user_annotation", "name": step_name.format(step), "pid": 4242 + r, "tid": 4242 + r,
-                     "ts": round(lo + offsets[r], 3), "dur": round(hi - lo, 3), "args": {"External id": new_corr(r)}}
+                     "ts": round(lo + offsets[r], 3), "dur": round(hi - lo, 3), "args": {"External id": range_id}}
                 )
             if annotate and profiler_steps in ("gpu", "both"):
-                events[r].append(
-                    {"ph": "X", "cat": "gpu_user_annotation", "name": step_name.format(step), "pid": r, "tid": 7,
-                     "ts": round(step_start[r] + launch_gap_us + offsets[r], 3),
-                     "dur": round(clock[r] - step_start[r] - launch_gap_us, 3), "args": {"External id": 0}}
-                )
+                pieces = [(7, step_start[r] + launch_gap_us, clock[r])]
+                if copy_stream is not None:
+                    pieces = [(7, step_start[r] + launch_gap_us, main_end), (copy_stream, ts, clock[r])]
+                for stream, lo, hi in pieces:
+                    events[r].append(
+                        {"ph": "X", "cat": "gpu_user_annotation", "name": step_name.format(step), "pid": r,
+                         "tid": stream, "ts": round(lo + offsets[r], 3), "dur": round(hi - lo, 3),
+                         "args": {"External id": range_id}}
+                    )
             clock[r] += step_gap_us
         if step == 0:
             truth.step_period_us = clock[0] - step_start[0]

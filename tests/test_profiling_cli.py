@@ -484,3 +484,52 @@ def test_a_slow_stop_profile_is_not_called_unreachable(tmp_path, monkeypatch):
         C._request("http://127.0.0.1:9/stop_profile", {}, timeout=7)
     with pytest.raises(Glm5Fp4Error, match="no answer within 3 s"):
         C._request("http://127.0.0.1:9/version", timeout=3)
+
+
+def test_one_unknown_kernel_on_two_ranks_is_one_name(trace_dir, tmp_path, capsys):
+    """The console summed each rank's list: the synthetic traces' one unknown kernel, on 2 ranks, was "2 names"."""
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(tmp_path / "r"), "--no-png", "--jobs", "1"]) == 0
+    assert "1 unknown kernel name(s)" in capsys.readouterr().out
+
+
+def _analyze_json(d, out, *extra):
+    assert main(["profile", "analyze", str(d), "--out", str(out), "--no-png", "--jobs", "1", "--batch", "8", *extra]) == 0
+    return json.loads((out / "breakdown.json").read_text()), (out / "breakdown.md").read_text()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_prefill_only_trace_is_called_so_and_gets_no_decode_ceilings(tmp_path, capsys, engine):
+    """vLLM forwards named execute_context_4(2048)_generation_0(0) got decode ceilings and a note calling them mixed;
+    an SGLang capture of EXTEND traces only was a "Decode-time breakdown" without a word."""
+    if engine == "vllm":
+        files, _ = make_decode_traces(n_ranks=1, n_steps=6, profiler_steps="gpu",
+                                      step_name="execute_context_4(2048)_generation_0(0)")
+    else:
+        files, _ = make_decode_traces(n_ranks=2, n_steps=6, naming="sglang")
+        files = [(name.replace("-DECODE", "-EXTEND"), trace) for name, trace in files]
+    d = tmp_path / "traces"
+    d.mkdir()
+    for name, trace in files:
+        write_trace(trace, d / name)
+    data, md = _analyze_json(d, tmp_path / "out")
+    assert md.startswith("# Prefill-only breakdown: NVIDIA H200")
+    assert "Median prefill step per rank" in md and "decode step" not in md.split("## Notes")[0]
+    assert data["prefill_only"] is True and data["ceilings"] is None
+    said = [n for n in data["notes"] if n.startswith("no ceilings")]
+    assert said and "prefill" in said[0] and "decode step" in said[0]
+    notes = [n for r in data["ranks"] for n in r["notes"]]
+    assert any(n.startswith("prefill only") for n in notes), notes
+    assert not any("mixed" in n for n in notes)
+    assert capsys.readouterr().out.startswith("Prefill-only breakdown")
+
+
+def test_decode_traces_keep_their_title_and_ceilings(tmp_path):
+    files, _ = make_decode_traces(n_ranks=1, n_steps=6, profiler_steps="gpu",
+                                  step_name="execute_context_0(0)_generation_8(8)")
+    d = tmp_path / "traces"
+    d.mkdir()
+    for name, trace in files:
+        write_trace(trace, d / name)
+    data, md = _analyze_json(d, tmp_path / "out")
+    assert md.startswith("# Decode-time breakdown: NVIDIA H200") and "Median decode step per rank" in md
+    assert data["prefill_only"] is False and data["ceilings"] is not None

@@ -158,3 +158,48 @@ def test_real_h200_traces_with_user_step_names(tmp_path, keep_gpu_ranges, unanno
         assert [s.time_us for s in r.steps] == pytest.approx([s.time_us for s in want[r.rank].steps], abs=0.01)
         for key in ("summed_us", "exposed_us"):
             assert r.median_step[key] == pytest.approx(want[r.rank].median_step[key], abs=0.01)
+
+
+def _strip_gpu_range_ids(files):
+    for _, trace in files:
+        for e in trace["traceEvents"]:
+            if e["cat"] == "gpu_user_annotation":
+                e["args"] = {}
+    return files
+
+
+@pytest.mark.parametrize("step_name", ["ProfilerStep#{}", "execute_context_0(0)_generation_8(8)"])
+@pytest.mark.parametrize("ids", [True, False])
+def test_a_step_range_kineto_split_over_two_streams_is_one_step(tmp_path, step_name, ids):
+    """Kineto writes a GPU-side range once per (device, stream): with the sampled tokens' copy on its own stream every
+    step's range came in two pieces and each piece became a step (16 steps of 8, median 495 us for 649, idle 40 for
+    191). The pieces of one range are one range: by External id where the trace has it, else by name and time."""
+    files, truth = make_decode_traces(n_ranks=1, n_steps=8, graph="full", profiler_steps="gpu", step_name=step_name,
+                                      copy_stream=9)
+    assert sum(e["cat"] == "gpu_user_annotation" for e in files[0][1]["traceEvents"]) == 16
+    r = analyze_path(_write(tmp_path, files if ids else _strip_gpu_range_ids(files)), jobs=1).ranks[0]
+    assert r.step_method == "annotation" and r.steps_reliable and r.n_steps == 8 and r.n_complete_steps == 8
+    assert [s.time_us for s in r.steps] == pytest.approx(truth.step_time_us[0], rel=1e-6)
+    assert [s.n_kernels for s in r.steps] == [12 * 3 + 3 + 1] * 8  # the copy is in its step
+    assert [s.summed_us["memcpy"] for s in r.steps] == pytest.approx([3.0] * 8)
+    assert r.median_step["time_us"] == pytest.approx(truth.step_period_us)
+    busy = sum(v for c, v in truth.summed_us[0].items() if c != "allreduce_wait") / 8  # one stream at a time
+    assert r.median_step["idle_us"] == pytest.approx(truth.step_period_us - busy, abs=0.01)
+
+
+@pytest.mark.parametrize("variant", ["around", "inside"])
+def test_engine_step_ranges_inside_one_profiler_step_are_the_steps(tmp_path, variant):
+    """One prof.step() per generate call puts a single ProfilerStep# around vLLM's per-step execute ranges: it hid them
+    (the whole trace one window, per-step figures withheld), or, with a step outside it, gave 2 "steps" of 1 and 7."""
+    files, truth = make_decode_traces(n_ranks=1, n_steps=8, graph=None, profiler_steps="both",
+                                      step_name="execute_context_0(0)_generation_8(8)", step_gap_us=5.0)
+    ev = files[0][1]["traceEvents"]
+    for cat, tid in (("user_annotation", 4242), ("gpu_user_annotation", 7)):
+        ranges = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["cat"] == cat)
+        lo, hi = ranges[0 if variant == "around" else 1][0] - 1.0, ranges[-1][1] + 1.0
+        ev.append({"ph": "X", "cat": cat, "name": "ProfilerStep#0", "pid": 0, "tid": tid, "ts": lo, "dur": hi - lo,
+                   "args": {"External id": 1}})
+    r = analyze_path(_write(tmp_path, files), jobs=1).ranks[0]
+    assert r.step_method == "annotation" and r.steps_reliable and "execute_context" in r.step_detail
+    assert r.n_steps == 8 and r.n_complete_steps == 8
+    assert [s.time_us for s in r.steps] == pytest.approx(truth.step_time_us[0], rel=1e-6)

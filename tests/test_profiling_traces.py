@@ -194,3 +194,81 @@ def test_cpu_run_steps_follow_vllm_execute_annotations(tmp_path):
     assert r.step_method == "annotation" and r.n_steps == 5
     assert r.n_complete_steps == 5  # the last annotation closed: the last step is complete too
     assert r.median_step["time_us"] == pytest.approx(sorted(durations)[2], rel=0.15)
+
+
+def _steps(path):
+    from glm5_fp4.profiling.breakdown import analyze_path
+
+    return [(r.step_method, r.steps_reliable, [(s.start_us, s.time_us, s.n_kernels) for s in r.steps])
+            for r in analyze_path(path, jobs=1).ranks]
+
+
+def _cpu_run_events():
+    events = []
+    for step in range(4):
+        t = 1000.0 * step
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"execute_context_0(0)_generation_4({step})",
+                       "pid": 1, "tid": 1, "ts": t, "dur": 60.0})
+        events += [{"ph": "X", "cat": "cpu_op", "name": n, "pid": 1, "tid": 1, "ts": t + o, "dur": 20.0}
+                   for n, o in (("aten::addmm", 1.0), ("_C::cpu_fused_moe", 30.0))]
+    return events
+
+
+@pytest.mark.parametrize("case", ["profiler steps as cpu_op", "cpu run"])
+def test_a_trimmed_trace_analyses_as_the_full_one(tmp_path, case):
+    """Older torch writes ProfilerStep# as cpu_op, and a CPU run's cpu_ops are its kernels; trim dropped every cpu_op,
+    so the trimmed GPU trace fell back to other steps and the trimmed CPU run could not be read at all."""
+    from glm5_fp4.profiling.traces import trim_trace
+
+    if case == "cpu run":
+        name, trace = "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", _trace(_cpu_run_events())
+    else:
+        files, _ = make_decode_traces(n_ranks=1, n_steps=6, layers=2, graph=None, profiler_steps="cpu",
+                                      step_gap_us=0.0, target_bytes=300_000)
+        name, trace = files[0]
+        for e in trace["traceEvents"]:
+            if e["cat"] == "user_annotation":
+                e["cat"] = "cpu_op"
+    full, small = tmp_path / "full", tmp_path / "small"
+    full.mkdir()
+    small.mkdir()
+    write_trace(trace, full / name)
+    kept, total = trim_trace(full / name, small / name)
+    assert kept < total or case == "cpu run"
+    want = _steps(full)
+    assert want[0][0] == "annotation" and want[0][1]
+    assert _steps(small) == want
+
+
+@pytest.mark.parametrize("value", ["abc", [1], {"ns": 1}, True, "12:00"])
+def test_a_bad_clock_origin_is_named(tmp_path, value):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(_trace([_kernel("k", 1.0, 1.0)], baseTimeNanoseconds=value)))
+    with pytest.raises(Glm5Fp4Error) as err:
+        load_trace(p)
+    assert str(p) in str(err.value) and "baseTimeNanoseconds" in str(err.value)
+
+
+def test_a_good_clock_origin_is_kept(tmp_path):
+    for value, want in ((1_764_000_000_000_000_000, 1_764_000_000_000_000_000), ("5000", 5000), (None, 0)):
+        p = write_trace(_trace([_kernel("k", 2.0, 1.0)], baseTimeNanoseconds=value), tmp_path / "t.json")
+        assert load_trace(p).origin_ns == want + 2000
+
+
+def test_every_gzip_member_is_read(tmp_path):
+    """zlib read only a multi-member gzip's first member: the other members' events were dropped without a word."""
+    files, _ = make_decode_traces(n_ranks=1, n_steps=3, layers=1)
+    name, trace = files[0]
+    whole = load_trace(write_trace(trace, tmp_path / name))
+    text = json.dumps(trace).encode()
+    cut = len(text) // 2
+    split = tmp_path / "split" / name
+    split.parent.mkdir()
+    split.write_bytes(gzip.compress(text[:cut]) + gzip.compress(text[cut:]))
+    t = load_trace(split)
+    assert t.n_kernels == whole.n_kernels
+    np.testing.assert_array_equal(t.start, whole.start)
+    two = tmp_path / "two.json.gz"  # two whole traces, one after the other: no JSON, said so
+    two.write_bytes(gzip.compress(text) + gzip.compress(text))
+    with pytest.raises(Glm5Fp4Error, match=f"{two}: corrupt or truncated trace JSON"):
+        load_trace(two)
