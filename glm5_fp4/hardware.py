@@ -32,6 +32,7 @@ class GpuSpec(BaseModel):
 
     name: str
     display_name: str
+    device_names: tuple[str, ...] = ()  # what CUDA calls this part (torch.cuda.get_device_name), besides display_name
     arch: str
     compute_capability: tuple[int, int]
     sm_count: int = Field(gt=0)
@@ -103,7 +104,15 @@ def _parse(data: object, origin: str, archs: dict[str, ArchLimits] | None = None
     fill = {name: {"smem_per_block_bytes": archs[arch_key(e["arch"])].smem_per_block_optin_bytes}
             for name, e in (data.get("gpus") or {}).items()
             if isinstance(e, dict) and "smem_per_block_bytes" not in e and arch_key(str(e.get("arch", ""))) in archs}
-    return _entries(data, "gpus", GpuSpec, origin, "gpu", **fill), archs
+    gpus = _entries(data, "gpus", GpuSpec, origin, "gpu", **fill)
+    claimed: dict[str, str] = {}
+    for gpu in gpus.values():
+        for key, spelled in {_device_key(n): n for n in (gpu.display_name, *gpu.device_names)}.items():
+            other = claimed.setdefault(key, gpu.name)
+            if other != gpu.name:  # which of the two a device is would depend on the file's order
+                raise Glm5Fp4Error(f"{origin}: gpu entries {other!r} and {gpu.name!r} both name the device "
+                                   f"{spelled!r}; a device is one entry's")
+    return gpus, archs
 
 
 def _load_yaml(path: Path) -> object:
@@ -162,18 +171,17 @@ def get_gpu(name: str) -> GpuSpec:
     return gpus[key]
 
 
+def _device_key(name: str) -> str:
+    return " ".join(name.lower().split())
+
+
 def detect_gpu_name(device_name: str) -> str | None:
-    """Map a CUDA device name (torch.cuda.get_device_name) to a table entry, if one matches."""
-    lowered = device_name.lower()
-    for name, spec in load_gpus(os.environ.get(ENV_VAR)).items():
-        if spec.display_name.lower() in lowered or lowered in spec.display_name.lower():
+    """The table entry a CUDA device name (torch.cuda.get_device_name) is: the one whose display_name or
+    device_names equal it, case and spacing aside; None for any other name. Names are never matched in part:
+    'NVIDIA H20', 'NVIDIA GH200 480GB' and 'NVIDIA H200 NVL' are other parts than the H200 SXM, with other peaks
+    and bandwidth. The user's file, added last, wins over a built-in entry naming the same device."""
+    key = _device_key(device_name)
+    for name, spec in reversed(load_gpus(os.environ.get(ENV_VAR)).items()):
+        if key in {_device_key(n) for n in (spec.display_name, *spec.device_names)}:
             return name
-    if "h200" in lowered:
-        return "h200"
-    if "h100" in lowered and "80gb hbm3" in lowered:  # the SXM part's CUDA name; PCIe / NVL are other parts
-        return "h100-sxm"
-    if "b200" in lowered:
-        return "b200"
-    if "rtx pro 6000" in lowered:
-        return "rtx-pro-6000-server" if "server" in lowered else "rtx-pro-6000-ws"
     return None

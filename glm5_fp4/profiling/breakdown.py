@@ -77,6 +77,7 @@ class RankBreakdown:
     notes: list[str] = field(default_factory=list)
     host: dict | None = None  # CPU-side ranges per decode step (profiling.host)
     world_size: int | None = None  # the capture's rank count (distributedInfo), where the trace says it
+    prefill_only: bool = False  # no step holds a decode request (vLLM's execute ranges, SGLang's EXTEND traces)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Breakdown:
     collective_groups: list[dict]
     notes: list[str] = field(default_factory=list)
     ceilings: dict | None = None
+    prefill_only: bool = False  # every rank's: the steps are prefill forwards, the ceilings (of a decode step) do not apply
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,7 +194,13 @@ def _analyze_rank(
     complete = [steps[i] for i in split.complete]
     decode = [s for s in complete if s.batch is None or s.batch["prefill_reqs"] == 0]
     mixed_note = None
-    if decode and len(decode) < len(complete):  # a prefill chunk in a forward makes it no decode step
+    prefill_only = trace.stage == "EXTEND" or bool(complete) and all(
+        s.batch is not None and s.batch["decode_reqs"] == 0 and s.batch["prefill_reqs"] > 0 for s in complete)
+    if prefill_only:
+        mixed_note = ("prefill only: " + ("an SGLang EXTEND-stage trace (prefill forwards)" if trace.stage == "EXTEND"
+                      else f"none of the {len(complete)} complete steps holds a decode request (vLLM's "
+                      "execute_context_N(T)_generation_0(0))") + ": the median step is a prefill step")
+    elif decode and len(decode) < len(complete):  # a prefill chunk in a forward makes it no decode step
         mixed_note = (f"{len(complete) - len(decode)} of {len(complete)} complete steps carried prefill (vLLM's "
                       "execute_context_N with N > 0): left out of the median step and p90")
         complete = decode
@@ -268,6 +276,7 @@ def _analyze_rank(
         notes=notes,
         host=host_side(trace, split, median_step["time_us"] if median_step else None),
         world_size=_world_size(trace),
+        prefill_only=prefill_only,
     )
 
 
@@ -383,6 +392,7 @@ def analyze_traces(
         across_ranks=across,
         collective_groups=groups,
         notes=all_notes,
+        prefill_only=bool(ranks) and all(r.prefill_only for r in ranks),
     )
 
 

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = sub.add_parser("trim", help="copy traces keeping only what the analysis reads (small fixtures to commit)")
     m.add_argument("src", help="trace file or directory of traces")
     m.add_argument("dst", help="output directory")
-    m.add_argument("--keep-cpu-ops", action="store_true", help="keep cpu_op events too (needed for CPU-run traces)")
+    m.add_argument("--keep-cpu-ops", action="store_true", help="keep every cpu_op event (a CPU run's, and the step ranges among a "
+                        "GPU trace's, are kept anyway: the analysis reads them)")
 
 
 def _analysis_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -128,6 +129,10 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
     from glm5_fp4.profiling.ceilings import StepShape, ceilings
     from glm5_fp4.spec import Glm5Spec
 
+    if breakdown.prefill_only:
+        breakdown.notes.append("no ceilings: they price one decode step (--batch sequences each reading the weights and "
+                               "its context for one new token), and these traces hold prefill steps only")
+        return None
     if args.batch is None:
         breakdown.notes.append("no ceilings: pass --batch (and --context) to compare with the hardware's peaks")
         return None
@@ -245,7 +250,7 @@ def _print_summary(b) -> None:
 
     for line in host_summary_lines(b):
         print(line)
-    unknown = sum(len(r.unknown_kernels) for r in b.ranks)
+    unknown = len({row.name for r in b.ranks for row in r.unknown_kernels})  # one kernel on every rank is one name
     if unknown:
         print(f"{unknown} unknown kernel name(s) (listed in the markdown report)")
     for note in b.notes:

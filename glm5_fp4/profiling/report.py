@@ -38,14 +38,20 @@ def _sci(v: float | None) -> str:
 
 
 def title(b: Breakdown) -> str:
+    what = "Prefill-only breakdown" if b.prefill_only else "Decode-time breakdown"
     if b.mode == "cpu":
-        return "Decode-time breakdown: CPU run (CPU ops stand in for GPU kernels)"
+        return f"{what}: CPU run (CPU ops stand in for GPU kernels)"
     names = {r.device_name for r in b.ranks if r.device_name}
-    return f"Decode-time breakdown: {', '.join(sorted(names)) or 'GPU'}"
+    return f"{what}: {', '.join(sorted(names)) or 'GPU'}"
+
+
+def _step_kind(b: Breakdown) -> str:
+    return "prefill" if b.prefill_only else "decode"
 
 
 def markdown(b: Breakdown) -> str:
     cats = b.categories
+    kind = _step_kind(b)
     lines = [f"# {title(b)}", ""]
     lines.append(f"Source `{b.source}`: {len(b.ranks)} rank(s); taxonomy `{b.taxonomy}`.")
     if b.mode == "cpu":
@@ -60,11 +66,11 @@ def markdown(b: Breakdown) -> str:
     reliable = [r for r in b.ranks if r.steps_reliable]
     if len(reliable) < len(b.ranks):
         bad = ", ".join(f"{r.rank} ({r.step_method}: {r.step_detail})" for r in b.ranks if not r.steps_reliable)
-        lines += ["## Decode steps: no reliable step boundaries", "",
+        lines += [f"## {kind.capitalize()} steps: no reliable step boundaries", "",
                   f"No reliable step boundaries on rank(s) {bad}. Per-step figures are withheld for them (the "
                   f"whole-trace figures below count every kernel); {HINT}.", ""]
     if reliable:
-        lines += ["## Median decode step per rank: exposed time (µs)", "",
+        lines += [f"## Median {kind} step per rank: exposed time (µs)", "",
                   "The median step is one real step, the complete step of median time (the lower middle one of an "
                   "even count), so its parts add up to its time; p90 is of the complete steps' times (n/a under 5).", ""]
         lines.append("| rank | steps (complete) | median step # | step time | p90 step | idle | " + " | ".join(cats) + " |")
@@ -77,7 +83,7 @@ def markdown(b: Breakdown) -> str:
                 + " | ".join(_us(ms["exposed_us"][c]) for c in cats)
                 + " |"
             )
-        lines += ["", "## Median decode step per rank: summed kernel time (µs)", ""]
+        lines += ["", f"## Median {kind} step per rank: summed kernel time (µs)", ""]
         lines.append("| rank | kernels/step | total | " + " | ".join(cats) + " |")
         lines.append("|---:|---:|---:|" + "---:|" * len(cats))
         for r in reliable:
@@ -176,7 +182,7 @@ def host_markdown(b: Breakdown) -> list[str]:
     ranks = [r for r in b.ranks if r.host is not None]
     if not ranks:
         return []
-    lines = ["## Host side per decode step", "",
+    lines = [f"## Host side per {_step_kind(b)} step", "",
              "The CPU-side `record_function` ranges (`user_annotation`) of the thread that launches the GPU work. A step's "
              "host side runs from the start of the outermost range around the launch of its first kernel to the same "
              "point of the next step; a range counts in the step in which it starts, with its whole duration (not "
@@ -293,7 +299,7 @@ def plot_breakdown(b: Breakdown, path: Path) -> Path:
             vals = [(f["idle_us"] if c == "idle" else f[key][c]) / 1000.0 for f in figures]
             ax.barh(ranks, vals, left=left, color=COLORS.get(c, "#7f7f7f"), label=c)
             left = [x + v for x, v in zip(left, vals)]
-        ax.set_xlabel("ms per decode step (median)" if per_step else "ms, whole trace (no reliable step boundaries)")
+        ax.set_xlabel(f"ms per {_step_kind(b)} step (median)" if per_step else "ms, whole trace (no reliable step boundaries)")
         ax.set_title(label)
         ax.invert_yaxis()
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

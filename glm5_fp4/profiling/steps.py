@@ -4,8 +4,9 @@ CUDA-graph replays carry no CPU op names, so steps are found from the GPU side, 
 
 1. ``annotation``: ranges that mark steps, GPU side (``gpu_user_annotation``, Kineto's projection of a CPU
    range onto the kernels it launched) or CPU side (mapped to kernels through each kernel's launch call, by
-   correlation id): the profiler's ``ProfilerStep#N`` and vLLM's execute ranges first; else the user's own
-   ``record_function`` ranges: the top-level family of names (digits aside: ``decode_step_3`` is
+   correlation id): the profiler's ``ProfilerStep#N`` and vLLM's execute ranges first (the execute ranges where
+   they outnumber the ``ProfilerStep#`` ones: one ``prof.step()`` per generate call holds many steps); else the
+   user's own ``record_function`` ranges: the top-level family of names (digits aside: ``decode_step_3`` is
    ``decode_step_N``) that repeats and holds at least half of the kernels. ``--step-annotation REGEX`` picks
    the ranges instead. A step ends where its range ends, so the last annotated step is complete;
 2. ``graph``: CUDA-graph replays (kernels sharing a ``cudaGraphLaunch`` correlation id). A decode step is one
@@ -42,7 +43,7 @@ import numpy as np
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.profiling.collectives import GroupMatch, RankCollectives
 from glm5_fp4.profiling.intervals import merge
-from glm5_fp4.profiling.traces import KIND_MEMCPY, KIND_MEMSET, RankTrace, is_engine_step
+from glm5_fp4.profiling.traces import KIND_MEMCPY, KIND_MEMSET, STEP_PREFIX, RankTrace, is_engine_step
 
 METHODS = ("auto", "annotation", "graph", "gap", "whole")
 PRIORITY = {"annotation": 3, "graph": 2, "gap": 1, "whole": 0}
@@ -148,6 +149,15 @@ def _top_level(marks: list[tuple[float, float, str]]) -> list[tuple[float, float
     return out
 
 
+def _engine_ranges(marks: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The top-level step ranges of the profiler and the engine. A ProfilerStep# holding several of the engine's
+    ranges (one prof.step() per generate call, or none in the whole capture) is no decode step: where the engine's
+    ranges outnumber the ProfilerStep# ones, they are the steps."""
+    profiler = _top_level([m for m in marks if m[2].startswith(STEP_PREFIX)])
+    engine = _top_level([m for m in marks if is_engine_step(m[2]) and not m[2].startswith(STEP_PREFIX)])
+    return engine if len(engine) > len(profiler) else _top_level(profiler + engine)
+
+
 def _kernel_marks(trace: RankTrace, marks: list[tuple[float, float, str]], gpu_side: bool) -> np.ndarray | None:
     """Index of the range holding each kernel (-1: none): by the kernel's start for GPU-side ranges and for a CPU
     run's ops, by the time of its launch call for CPU-side ranges of a GPU trace."""
@@ -188,8 +198,7 @@ def annotation_families(trace: RankTrace) -> Counter:
     counts: Counter = Counter()
     for marks in (trace.annotations_gpu, trace.annotations_cpu):
         ours = [m for m in marks if not is_engine_step(m[2])]
-        engine = [m for m in marks if is_engine_step(m[2])]
-        for m in _top_level(ours) + _top_level(engine):
+        for m in _top_level(ours) + _engine_ranges(marks):
             counts[family(m[2])] += 1
         if counts:
             break  # the GPU projections repeat the CPU ranges
@@ -206,7 +215,7 @@ def _split_by_annotation(trace: RankTrace, pattern: re.Pattern | None = None) ->
                 return found[0]
         return None
     for gpu_side, marks in sides:  # the profiler's and the engine's own step ranges
-        chosen = _top_level([m for m in marks if is_engine_step(m[2])])
+        chosen = _engine_ranges(marks)
         names = sorted({family(m[2]) for m in chosen})
         found = _split_by_ranges(trace, chosen, gpu_side, " / ".join(f"'{n}'" for n in names)) if chosen else None
         if found is not None and found[0].n_steps >= 2:

@@ -3,10 +3,10 @@
 Only what the breakdown needs is kept, as numpy columns: GPU kernels / memcpy / memset records (name, start,
 duration, stream, correlation id), the correlation ids of CUDA-graph launches, launch times of runtime calls
 (to map kernels onto CPU-side annotations) and the annotations (``ProfilerStep#``, vLLM's step ranges and the
-user's own ``record_function`` ranges, CPU side and their GPU projections) from which steps are found, the
-CPU-side ranges again with the thread that ran them (what the host did in each step), and how many
-``python_function`` events Python tracing left. A trace without GPU records
-falls back to CPU mode: its ``cpu_op`` events stand in for kernels, so a CPU run gets the same report.
+user's own ``record_function`` ranges, CPU side and their GPU projections, one range however many streams
+Kineto projected it on) from which steps are found, the CPU-side ranges again with the thread that ran them
+(what the host did in each step), and how many ``python_function`` events Python tracing left. A trace without
+GPU records falls back to CPU mode: its ``cpu_op`` events stand in for kernels, so a CPU run gets the same report.
 
 The rank comes from the file name (vLLM ``..._dp0_pp0_tp3_..._rank3.<ts>.pt.trace.json.gz``, SGLang
 ``...-TP-3[-PP-1][-DECODE].trace.json.gz``, ``....rank3.trace.json.gz``), else from ``distributedInfo``.
@@ -157,8 +157,7 @@ def _read_bytes(path: Path) -> bytes:
         raise Glm5Fp4Error(f"{path}: empty trace file")
     if raw[:2] == b"\x1f\x8b":
         try:
-            # zlib in one call is faster than GzipFile for whole-file reads; wbits=47 accepts gzip headers
-            raw = zlib.decompress(raw, 47)
+            raw = _gunzip(raw)
         except zlib.error as exc:
             raise Glm5Fp4Error(f"{path}: corrupt or truncated gzip trace ({exc})") from None
         if not raw.strip():
@@ -166,6 +165,19 @@ def _read_bytes(path: Path) -> bytes:
     elif path.name.endswith(".gz"):
         raise Glm5Fp4Error(f"{path}: named .gz but is not gzip data")
     return raw
+
+
+def _gunzip(raw: bytes) -> bytes:
+    """Every member of a gzip file, as gunzip reads them: zlib.decompress stops after the first without a word. One
+    zlib call per member (wbits=47 reads the gzip header and checks the trailer) is faster than GzipFile."""
+    members = []
+    while raw:
+        member = zlib.decompressobj(47)
+        members.append(member.decompress(raw))
+        if not member.eof:
+            raise zlib.error("incomplete or truncated stream")
+        raw = member.unused_data.lstrip(b"\x00")  # gzip allows zero padding between and after members
+    return b"".join(members)
 
 
 class NotATrace(Glm5Fp4Error):
@@ -214,7 +226,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
     cpu_rows: list[tuple] = []
     graph_corrs: list[int] = []
     launch_rows: list[tuple[int, float, int]] = []
-    marks_gpu: list[tuple[float, float, str]] = []
+    pieces_gpu: list[tuple[float, float, str, str, object]] = []  # (start, end, name, stream, External id)
     marks_cpu: list[tuple[float, float, str]] = []
     host_rows: list[tuple[float, float, str, int]] = []
     thread_index: dict[tuple, int] = {}
@@ -276,7 +288,12 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                 name = str(ev.get("name", ""))
                 if cat != "cpu_op" or is_engine_step(name):
                     mark = (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), name)
-                    (marks_gpu if cat == "gpu_user_annotation" else marks_cpu).append(mark)
+                    if cat == "gpu_user_annotation":
+                        args = ev.get("args")
+                        ext = args.get("External id") if isinstance(args, dict) else None
+                        pieces_gpu.append((*mark, str(ev.get("tid")), ext))
+                    else:
+                        marks_cpu.append(mark)
                     if cat == "user_annotation" and ev.get("ph", "X") == "X":
                         host_rows.append((mark[0], max(float(ev.get("dur", 0.0)), 0.0), name, thread_of(ev)))
                 elif want_cpu and ev.get("ph") == "X":
@@ -316,7 +333,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
     order = np.argsort(table[:, 1], kind="stable")
     table = table[order]
     t0 = float(table[0, 1])
-    base_ns = int(data.get("baseTimeNanoseconds") or 0)
+    base_ns = _base_time_ns(data.get("baseTimeNanoseconds"), path)
     origin_ns = base_ns + int(round(t0 * 1000.0))
 
     launch = np.array(launch_rows, dtype=np.float64).reshape(-1, 3)
@@ -353,7 +370,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         graph_corrs=np.unique(np.array(graph_corrs, dtype=np.int64)),
         launch_corr=launch[:, 0].astype(np.int64),
         launch_ts=launch[:, 1] - t0,
-        annotations_gpu=shift(marks_gpu),
+        annotations_gpu=shift(_join_stream_pieces(pieces_gpu)),
         annotations_cpu=shift(marks_cpu),
         origin_ns=origin_ns,
         distributed=dist,
@@ -367,6 +384,41 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
         trace_id=str(data["trace_id"]) if data.get("trace_id") else None,
         trace_name=data["traceName"] if isinstance(data.get("traceName"), str) else None,
     )
+
+
+def _join_stream_pieces(pieces: list[tuple[float, float, str, str, object]]) -> list[tuple[float, float, str]]:
+    """One range per CPU range from its GPU projections, which Kineto writes once per (device, stream): a step whose
+    sampled tokens are copied back on another stream has a second piece, not inside the first, that would otherwise
+    be a step of its own. Pieces sharing a name and an External id (the CPU range's) are one range; a piece without
+    an id joins the range of its name before it if that holds nothing on its stream yet and the piece overlaps it
+    or lies nearer to it than to the next piece of that name."""
+    by_id: dict[tuple, list] = {}
+    items: dict[str, list[list]] = {}  # per name: [start, end, streams, has id]
+    for start, end, name, stream, ext in pieces:
+        if ext and isinstance(ext, (int, str)):  # Kineto numbers ranges from 1: 0 or none is no id
+            item = by_id.get((name, ext))
+            if item is None:
+                item = by_id[(name, ext)] = [start, end, set(), True]
+                items.setdefault(name, []).append(item)
+            item[0], item[1] = min(item[0], start), max(item[1], end)
+            item[2].add(stream)
+        else:
+            items.setdefault(name, []).append([start, end, {stream}, False])
+    out = []
+    for name, members in items.items():
+        members.sort(key=lambda m: (m[0], m[1]))
+        ranges: list[list] = []
+        for i, item in enumerate(members):
+            prev = ranges[-1] if ranges else None
+            next_start = members[i + 1][0] if i + 1 < len(members) else math.inf
+            if (prev is not None and not item[3] and not item[2] & prev[2]
+                    and (item[0] <= prev[1] or item[0] - prev[1] < next_start - item[1])):
+                prev[1] = max(prev[1], item[1])
+                prev[2] |= item[2]
+            else:
+                ranges.append(item)
+        out += [(a, b, name) for a, b, *_ in ranges]
+    return out
 
 
 def find_trace_files(path: str | Path) -> list[Path]:
@@ -533,6 +585,19 @@ def _refuse_mixed_captures(traces: list[RankTrace]) -> None:
                            f"{MAX_CLOCK_SKEW_S:g} s?); put each capture in its own directory")
 
 
+def _base_time_ns(value: object, path: Path) -> int:
+    """The trace's clock origin (ns; absent: 0): ranks' clocks are lined up by it, so a foreign value is refused."""
+    if value is None:
+        return 0
+    try:
+        if isinstance(value, (bool, list, dict)):
+            raise TypeError
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise Glm5Fp4Error(f"{path}: baseTimeNanoseconds {repr(value)[:60]} is not an integer (the trace's clock "
+                           "origin in ns, as torch.profiler writes it)") from None
+
+
 def _time_field(ev: dict, key: str, default: float | None = None) -> float:
     """A record's time field (µs) as a finite float; ValueError naming the field otherwise (KeyError if absent)."""
     v = ev[key] if default is None else ev.get(key, default)
@@ -546,18 +611,23 @@ def _time_field(ev: dict, key: str, default: float | None = None) -> float:
 
 
 def trim_trace(src: str | Path, dst: str | Path, keep_cpu_ops: bool = False) -> tuple[int, int]:
-    """Copy a trace keeping only what the analysis reads (GPU records, launch calls, annotations and the
-    header), e.g. to commit a small test fixture. Returns (events kept, events in the source)."""
+    """Copy a trace keeping only what the analysis reads (GPU records, launch calls, annotations, the cpu_ops the
+    loader reads and the header), e.g. to commit a small test fixture, so that the copy analyses as the source does.
+    ``keep_cpu_ops``: every cpu_op, read or not. Returns (events kept, events in the source)."""
     src = Path(src)
     data = _parse_json(_read_bytes(src), src)
     keep_cats = set(_GPU_CATS) | _RUNTIME_CATS | {"user_annotation", "gpu_user_annotation"}
-    if keep_cpu_ops:
-        keep_cats.add("cpu_op")
     events = data["traceEvents"]
-    kept = [
-        e for e in events
-        if isinstance(e, dict) and (e.get("cat") in keep_cats or e.get("ph") == "M")
-    ]
+    # a CPU run's cpu_ops are its kernels; in a GPU trace the loader reads only the step ranges among them
+    # (older torch writes ProfilerStep# as a cpu_op)
+    all_cpu_ops = keep_cpu_ops or not any(isinstance(e, dict) and e.get("cat") in _GPU_CATS for e in events)
+
+    def read(e: dict) -> bool:
+        if e.get("cat") == "cpu_op":
+            return all_cpu_ops or is_engine_step(str(e.get("name", "")))
+        return e.get("cat") in keep_cats or e.get("ph") == "M"
+
+    kept = [e for e in events if isinstance(e, dict) and read(e)]
     write_trace({**data, "traceEvents": kept}, dst)
     return len(kept), len(events)
 
