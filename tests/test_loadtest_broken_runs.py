@@ -153,3 +153,42 @@ def test_failures_on_a_live_server_do_not_blame_its_death(tmp_path):
         _cli(srv.url, tmp_path)
     s = _summary(tmp_path)
     assert s["failed"] == 2 and s["server_gone"] is None and "no longer answers" not in s["failure_reason"]
+
+
+# The child must get Python's own SIGINT handler even when started with SIGINT ignored (a background job of a
+# non-interactive shell): it is what turns Ctrl-C into KeyboardInterrupt, and asyncio.Runner into a cancel.
+_CTRL_C_CLI = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "from glm5_fp4.cli import main; sys.exit(main())")
+
+
+@pytest.mark.parametrize("levels", ["2", "2,4"])
+def test_ctrl_c_stops_the_run_and_the_sweep_at_once(tmp_path, levels):
+    """Ctrl-C was recorded as an abort with stopped_by null: a sweep ran its next level in full after it, and the
+    exit code was 1. Now it is stopped_by SIGINT, the sweep stops there, and the exit code is 130 (SIGTERM: 143)."""
+    out = tmp_path / "results"
+    with spawn_fake_server("--ttft-ms", "20", "--itl-ms", "100") as srv:
+        cmd = [sys.executable, "-c", _CTRL_C_CLI, "loadtest", "--url", srv.url, "--model", "fake-model",
+               "--concurrency", levels, "--num-prompts", "8", "--input-len", "8", "--output-len", "100",
+               "--num-warmups", "0", "--prompt-format", "ids", "--no-progress", "--no-telemetry",
+               "--result-dir", str(out)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        srv.wait_for(lambda st: st["active"] == 2 and st["tokens_sent"] >= 2, 60, "2 streams decoding")
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        arrivals = srv.stats()["arrivals"]
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert time.monotonic() - t < 10 and arrivals <= 8, "the next level ran after Ctrl-C"
+    name = "c2.json" if "," in levels else None
+    s = json.loads((out / name).read_text()) if name else _summary(out)
+    assert s["stopped_by"] == "SIGINT" and "Ctrl-C" in s["abort_reason"] and s["run_failed"] is True
+    assert len((out / s["requests_file"]).read_text().splitlines()) == 8
+    if name:
+        assert not (out / "c4.json").exists()
+        assert "Levels not run (the sweep stopped): 4" in (out / "sweep.md").read_text()
+    assert "Traceback" not in err

@@ -149,3 +149,13 @@ def test_bad_url_and_unreachable_server(capsys) -> None:
     # nothing listens on port 9 (discard): a clear error, not a traceback
     assert cli_main(["loadtest", "--url", "http://127.0.0.1:9", "--no-progress", "--result-dir", ""]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:notaport", "http://127.0.0.1:99999"])
+def test_an_unparsable_url_is_one_error_naming_url(url: str, capsys) -> None:
+    """`--url 'http://[::1'` was a ValueError traceback from urlsplit."""
+    with pytest.raises(Glm5Fp4Error, match="--url"):
+        LoadTestConfig(url=url)
+    assert cli_main(["loadtest", "--url", url, "--no-progress", "--result-dir", ""]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--url" in err and "not a valid URL" in err and "Traceback" not in err, err

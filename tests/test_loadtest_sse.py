@@ -11,11 +11,15 @@ from aiohttp import web
 from glm5_fp4.loadtest.client import RequestRecord, make_session, stream_request
 
 
-def _chunk(text: str, completion_tokens: int | None, **extra) -> bytes:
+def _chunk(text: str | int, completion_tokens: float | None, **extra) -> bytes:
     obj = {"id": "x", "choices": [{"index": 0, "text": text, "finish_reason": None}], **extra}
     if completion_tokens is not None:
         obj["usage"] = {"prompt_tokens": 3, "completion_tokens": completion_tokens}
     return json.dumps(obj, ensure_ascii=False).encode()
+
+
+def _delta(delta: dict) -> bytes:
+    return json.dumps({"id": "x", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}).encode()
 
 
 _E = _chunk("h\u00e9", 1)
@@ -49,6 +53,30 @@ STREAMS: dict[str, tuple[list[bytes], dict]] = {
     "not-an-object": ([b"data: [1, 2]\n\n", b"data: [DONE]\n\n"], {"status": "failed", "error_kind": "malformed_sse"}),
     "wrong-shape": ([b'data: {"choices": "abc"}\n\n', b"data: [DONE]\n\n"],
                     {"status": "failed", "error_kind": "malformed_sse"}),
+    # chat: the role chunk adds no token; reasoning streams as delta.reasoning (newer vLLM, SGLang) or
+    # delta.reasoning_content (older vLLM), then the answer as delta.content; usage only at the end
+    "chat-reasoning": ([b"data: " + _delta({"role": "assistant", "content": ""}) + b"\n\n",
+                        b"data: " + _delta({"reasoning": " think"}) + b"\n\n",
+                        b"data: " + _delta({"reasoning_content": " hmm"}) + b"\n\n",
+                        b"data: " + _delta({"content": " tok"}) + b"\n\n", USAGE_END, b"data: [DONE]\n\n"],
+                       {"status": "ok", "chunk_tokens": [1, 1, 1], "chunk_texts": [" think", " hmm", " tok"],
+                        "output_tokens": 4}),
+    # a count must be an integer and a text a string: anything else is a malformed chunk of that request, not a
+    # crash of the whole run after its measured phase
+    "float-usage": ([b"data: " + _chunk("a", 1.0) + b"\n\n", b"data: [DONE]\n\n"],
+                    {"status": "failed", "error_kind": "malformed_sse"}),
+    "negative-usage": ([b"data: " + _chunk("a", -2) + b"\n\n", b"data: [DONE]\n\n"],
+                       {"status": "failed", "error_kind": "malformed_sse"}),
+    "float-usage-last": ([b"data: " + _chunk("a", None) + b"\n\n",
+                          b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4.0}}\n\n',
+                          b"data: [DONE]\n\n"], {"status": "failed", "error_kind": "malformed_sse"}),
+    "string-prompt-tokens": ([b'data: {"id":"x","choices":[{"index":0,"text":"a"}],'
+                              b'"usage":{"prompt_tokens":"3","completion_tokens":1}}\n\n', b"data: [DONE]\n\n"],
+                             {"status": "failed", "error_kind": "malformed_sse"}),
+    "number-text": ([b"data: " + _chunk("a", None) + b"\n\n", b"data: " + _chunk(7, None) + b"\n\n",
+                     b"data: [DONE]\n\n"], {"status": "failed", "error_kind": "malformed_sse"}),
+    "number-content": ([b"data: " + _delta({"content": 7}) + b"\n\n", b"data: [DONE]\n\n"],
+                       {"status": "failed", "error_kind": "malformed_sse"}),
     "error-event": ([b"data: " + _chunk("a", 1) + b"\n\n", b'data: {"error": {"message": "engine died"}}\n\n'],
                     {"status": "failed", "error_kind": "server_error_event"}),
 }
@@ -101,6 +129,8 @@ def test_odd_streams(name: str) -> None:
         assert rec.chunk_tokens == want["chunk_tokens"]
         assert len(rec.chunk_times) == len(rec.chunk_tokens)
         assert all(b >= a for a, b in zip(rec.chunk_times, rec.chunk_times[1:]))
+    if "chunk_texts" in want:
+        assert rec.chunk_texts == want["chunk_texts"]
     if "output_tokens" in want:
         assert rec.output_tokens == want["output_tokens"]
 
