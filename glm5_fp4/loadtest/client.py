@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import json
 import json.scanner
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import yarl
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loopback import is_loopback
@@ -37,23 +39,44 @@ ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completion
 READ_BUFSIZE = 4 * 1024 * 1024
 
 
+REDACTED = "***"
+# scheme://user:PASSWORD@ - greedy up to the authority's last "@", as urlsplit splits it
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:)[^/?#\s]*@")
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of every user:password URL in it replaced (results get committed)."""
+    return _URL_PASSWORD.sub(rf"\g<head>{REDACTED}@", text)
+
+
 def check_loopback(url: str, allow_remote: bool) -> None:
     """Load tests only target this machine unless the user says otherwise (--allow-remote)."""
-    parts = urlsplit(url)
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises for a port that is no number or out of range
+    except ValueError as exc:  # "http://[::1" (unclosed bracket), "http://h:port"
+        raise Glm5Fp4Error(f"--url {shown!r} is not a valid URL ({exc}), e.g. http://127.0.0.1:8000") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise Glm5Fp4Error(f"--url {url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8000")
+        raise Glm5Fp4Error(f"--url {shown!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8000")
     if allow_remote or is_loopback(parts.hostname):
         return
     raise Glm5Fp4Error(
-        f"--url {url!r} is not a loopback address; load tests target 127.0.0.1/::1/localhost by default. "
+        f"--url {shown!r} is not a loopback address; load tests target 127.0.0.1/::1/localhost by default. "
         "Pass --allow-remote to load a remote server you are allowed to load."
     )
 
 
 def base_url(url: str) -> str:
-    """Accept http://host:port, .../v1 or a full endpoint URL; return http://host:port."""
+    """Accept http://host:port, .../v1 or a full endpoint URL; return http://host:port, without user:password
+    (they go to the session as basic auth: ``url_auth``), so no message or result built from it holds them."""
     parts = urlsplit(url.rstrip("/"))
-    return f"{parts.scheme}://{parts.netloc}"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+
+
+def url_auth(url: str) -> aiohttp.BasicAuth | None:
+    """The basic auth of a user:password URL (what aiohttp would send for it), None without userinfo."""
+    return aiohttp.BasicAuth.from_url(yarl.URL(url))
 
 
 @dataclass(slots=True)
@@ -93,13 +116,15 @@ class _StreamError(Exception):
 
 
 def make_session(concurrency: int, *, request_timeout_s: float | None, read_timeout_s: float | None,
-                 api_key: str | None = None) -> aiohttp.ClientSession:
+                 api_key: str | None = None, auth: aiohttp.BasicAuth | None = None) -> aiohttp.ClientSession:
     n = max(1, int(concurrency))
     connector = aiohttp.TCPConnector(limit=n, limit_per_host=n, keepalive_timeout=60, force_close=False,
                                      ttl_dns_cache=300)
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream", "Accept-Encoding": "identity"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+    elif auth is not None:
+        headers["Authorization"] = auth.encode()
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=request_timeout_s, sock_read=read_timeout_s),
@@ -184,6 +209,10 @@ def _make_json_parser() -> Any:
 _parse_json = _make_json_parser()
 
 
+def _not_count(v: Any) -> bool:
+    return v is not None and (type(v) is not int or v < 0)  # type(): no bool, no 1.0
+
+
 class _SSEState:
     """Parses one response's SSE bytes as they arrive and records token-carrying chunks."""
 
@@ -216,22 +245,29 @@ class _SSEState:
         if payload == b"[DONE]":
             rec.got_done = True
             return
-        text = payload.decode("utf-8", "replace")
+        raw = payload.decode("utf-8", "replace")
         try:
-            obj = _parse_json(text)
+            obj = _parse_json(raw)
         except ValueError:
-            raise _StreamError("malformed_sse", f"malformed SSE data: {text[:120]!r}") from None
+            raise _StreamError("malformed_sse", f"malformed SSE data: {raw[:120]!r}") from None
         if not isinstance(obj, dict):
-            raise _StreamError("malformed_sse", f"SSE data is not a JSON object: {text[:120]!r}")
+            raise _StreamError("malformed_sse", f"SSE data is not a JSON object: {raw[:120]!r}")
         choices = obj.get("choices")
         usage = obj.get("usage")
+        ct = usage.get("completion_tokens") if usage else None
+        # Checked here, so that a float count fails its request rather than the run's statistics after it.
+        if usage and (_not_count(ct) or _not_count(usage.get("prompt_tokens"))):
+            raise _StreamError("malformed_sse", f"usage counts are not integers >= 0: {raw[:120]!r}")
         if choices:
             first = choices[0]
             text = first.get("text")
             if text is None:  # chat: the delta's content (a reasoning model streams its reasoning first)
                 delta = first.get("delta") or {}
-                text = delta.get("content") or delta.get("reasoning_content") or ""
-            ct = usage.get("completion_tokens") if usage else None
+                # reasoning_content: vLLM before 0.10; reasoning: later vLLM and SGLang. Some servers send both
+                # with the same text in one delta: the first present is the chunk's text, never their sum.
+                text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+            if type(text) is not str:
+                raise _StreamError("malformed_sse", f"the chunk's text is not a string: {raw[:120]!r}")
             if ct is not None:
                 n = ct - self.prev_tokens
                 self.prev_tokens = ct

@@ -12,10 +12,12 @@ Whether a difference is real:
   `ITL_PER_REQUEST` ITLs per request - this widens the interval a little, never narrows it.
   Throughputs have no per-request sample; a closed loop obeys Little's law (throughput =
   concurrency / mean E2EL x tokens), so their interval scales with the bootstrap of mean E2EL
-  (approximate, and marked so). Each run needs at least `MIN_BOOTSTRAP_REQUESTS` (20) completed
-  requests: with fewer the bootstrap interval is too narrow to trust (simulated on log-normal
-  latencies, a nominal 95 % interval of a mean difference covers ~69 % at 2 requests, ~85 % at 5,
-  ~89 % at 10, ~92 % at 20), and at 1 request it has zero width;
+  (approximate, and marked so). An open loop (a finite request rate) does not: there the arrival
+  schedule sets throughput, so it gets no bootstrap interval (the output says why). Each run needs
+  at least `MIN_BOOTSTRAP_REQUESTS` (20) completed requests: with fewer the bootstrap interval is
+  too narrow to trust (simulated on log-normal latencies, a nominal 95 % interval of a mean
+  difference covers ~69 % at 2 requests, ~85 % at 5, ~89 % at 10, ~92 % at 20), and at 1 request
+  it has zero width;
 - with neither, the difference is shown without a verdict.
 A difference whose interval contains 0 is reported as "within noise". An interval of zero width (no
 spread between the repeats, or in the resamples) is no estimate: no verdict. Nor is there one for a
@@ -27,8 +29,12 @@ are committed). It must hold the summary's run: as many ok rows as `completed` a
 copy of it, is refused.
 
 Runs that are not comparable get no verdict at all (every row says "not comparable", the reasons
-head the table, the command exits 1): different workloads (model, concurrency, rate, prompt count,
-endpoint, lengths), different numbers of failed requests, or a run that stopped early or failed.
+head the table, the command exits 1): different workloads (model, concurrency, rate, burstiness when
+either is an open loop, prompt count, endpoint, lengths, prompt format, ignore_eos, min_tokens,
+extra_body), different numbers of failed requests, a run that stopped early or failed, or one with
+short outputs although ignore_eos / min_tokens fixed the output length (the server did not honour
+them: a lighter workload). A key missing from a result (older files, `vllm bench serve`'s) reads as
+null: missing on both sides is no difference.
 Groups are labelled with short unique names (the parts of the file names that differ, else A, B, ...).
 """
 
@@ -60,10 +66,14 @@ HIGHER_IS_BETTER = {"completed", "request_throughput", "request_goodput", "outpu
 COUNT_KEYS = ("completed", "failed")
 THROUGHPUT_KEYS = ("request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
                    "output_throughput_per_user", "output_throughput_per_gpu", "max_output_tokens_per_s")
+# The throughputs whose bootstrap interval comes from E2EL through Little's law (closed loop only).
+LITTLE_KEYS = tuple(k for k in THROUGHPUT_KEYS if k not in ("max_output_tokens_per_s", "output_throughput_per_user"))
 OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tokens_per_chunk", "stalls", "stalled_s",
               "longest_stall_ms")
-CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "num_prompts")
-CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format")
+CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "burstiness", "num_prompts")
+# What each request asks for: ignore_eos / min_tokens fix the output length, extra_body can change anything.
+CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format", "ignore_eos", "min_tokens",
+               "extra_body")
 NOT_COMPARABLE = "not comparable"
 NOT_COMPARABLE_MARK = "**Not comparable**"  # heads a markdown block without verdicts (improvements reads it)
 NOT_FINITE = "not finite"
@@ -172,7 +182,7 @@ def _read_summary(p: Path) -> tuple[dict[str, Any], str]:
 
 def _check_summary_fields(p: Path, res: dict[str, Any]) -> None:
     """The fields compare relies on for comparability and for finding the per-request data."""
-    for key in ("completed", "failed"):
+    for key in ("completed", "failed", "short_outputs"):
         if key in res and not is_count(res[key]):
             raise Glm5Fp4Error(f"compare: {p}: field {key!r} is {json.dumps(res[key])}, "
                                "expected a count (integer >= 0)")
@@ -385,6 +395,12 @@ class _Bootstrap:
         return self._cache[metric].get(stat)
 
 
+def open_loop(result: dict[str, Any]) -> bool:
+    """Whether requests arrived on a schedule (a finite request rate; closed loop is "inf", or inf)."""
+    rate = result.get("request_rate")
+    return isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate)
+
+
 def _throughput_replicates(value: float, boot: _Bootstrap) -> np.ndarray | None:
     reps = boot.replicates("e2el", "mean")
     if reps is None:
@@ -417,7 +433,9 @@ def _replicates_for(key: str, group: Group, run: int, boot: _Bootstrap | None) -
     if boot is None:
         return None
     value = group.results[run].get(key)
-    if key in THROUGHPUT_KEYS and key not in ("max_output_tokens_per_s", "output_throughput_per_user"):
+    if key in LITTLE_KEYS:
+        if open_loop(group.results[run]):  # the arrival schedule sets these, not E2EL: Little's law says nothing
+            return None
         return _throughput_replicates(float(value), boot) if isinstance(value, (int, float)) else None
     if key == "output_throughput_per_user":
         reps = boot.replicates("tpot", "mean")
@@ -453,6 +471,11 @@ def not_comparable(base: Group, other: Group) -> list[str]:
                 reasons.append(f"{g.label}: {p.name} failed ({r.get('failure_reason')})")
             elif not r.get("completed"):
                 reasons.append(f"{g.label}: {p.name} completed no request")
+            meta = r.get("metadata") or {}
+            if r.get("short_outputs") and (meta.get("ignore_eos") or meta.get("min_tokens")):
+                # The output length was to be fixed; a server that stopped early ran a lighter workload.
+                reasons.append(f"{g.label}: {p.name} has {r['short_outputs']} of {r.get('completed')} completed "
+                               "requests shorter than asked (the server did not honour ignore_eos / min_tokens)")
     return reasons
 
 
@@ -537,6 +560,9 @@ def noise_notes(base: Group, other: Group, rows: list[Row]) -> list[str]:
                 n = _ok_count(g.rows[0])
                 notes.append(f"`{g.paths[0]}` has {n} completed request{'' if n == 1 else 's'}, fewer than "
                              f"{MIN_BOOTSTRAP_REQUESTS}: too few for a bootstrap interval")
+        if any(open_loop(g.results[0]) for g in (base, other)) and any(r.key in LITTLE_KEYS for r in rows):
+            notes.append("open loop (finite --request-rate): throughputs follow the arrival schedule, not the "
+                         "latencies, so Little's law gives no interval for them; give >= 2 repeat runs a side")
     elif (len(base.results) >= 2) != (len(other.results) >= 2):
         notes.append("repeat runs on one side only: give >= 2 runs on both sides for run-to-run noise")
     flat = [r.key for r in rows if r.method.endswith("(no spread)") and r.delta]
@@ -563,6 +589,8 @@ def config_differences(base: Group, other: Group) -> list[str]:
 def _config_diffs(ra: dict[str, Any], rb: dict[str, Any]) -> list[str]:
     diffs = []
     for k in CONFIG_KEYS:
+        if k == "burstiness" and not (open_loop(ra) or open_loop(rb)):
+            continue  # it shapes the gaps between arrivals; a closed loop has none
         if ra.get(k) != rb.get(k):
             diffs.append(f"{k}: {ra.get(k)} vs {rb.get(k)}")
     ma, mb = ra.get("metadata", {}), rb.get("metadata", {})

@@ -175,11 +175,27 @@ def counting_notes(result: dict[str, Any]) -> list[str]:
     return notes
 
 
+def short_outputs_note(result: dict[str, Any]) -> str | None:
+    """How many completed requests ended before their requested output length, and what that means here."""
+    n, done = result.get("short_outputs"), result.get("completed")
+    if not n or not done:
+        return None
+    meta = result.get("metadata") or {}
+    share = f"{n} of {done} ({n / done:.0%}) completed requests ended before the requested output length"
+    if meta.get("ignore_eos") or meta.get("min_tokens"):
+        return (f"{share}, although ignore_eos / min_tokens asked for it: the server did not honour them, so the "
+                "run measured a lighter workload than asked (compare refuses it)")
+    return f"{share} (no ignore_eos / min_tokens: the model stopped where it liked)"
+
+
 def markdown_summary(result: dict[str, Any]) -> str:
     lines = [f"### Load test {result.get('label') or ''}".rstrip(), "", describe_run(result) + f" ({result.get('date')})", ""]
     if result.get("partial"):
         verdict = "Run failed" if result.get("run_failed") else "Partial result"
         lines += [f"**{verdict}:** {result.get('failure_reason') or result.get('abort_reason')}", ""]
+    short = short_outputs_note(result)
+    if short:
+        lines += [f"**Short outputs:** {short}", ""]
     lines += ["| Metric | Value |", "|---|---|"]
     for key, label, fmt in THROUGHPUT_ROWS:
         if key in result:
@@ -233,6 +249,9 @@ def print_summary(result: dict[str, Any], console: Any = None) -> None:
         for k, v in sorted(result["errors_by_kind"].items()):
             et.add_row(k, str(v), (result.get("first_errors") or {}).get(k, "")[:100])
         console.print(et)
+    short = short_outputs_note(result)
+    if short:
+        console.print(f"[bold yellow]Short outputs:[/] {short}", highlight=False)
     if result.get("partial"):
         verdict = "[bold red]run failed:[/]" if result.get("run_failed") else "[bold yellow]partial result:[/]"
         console.print(f"{verdict} {result.get('failure_reason') or result.get('abort_reason')}")

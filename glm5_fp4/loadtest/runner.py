@@ -10,7 +10,12 @@ run timeout or a dead server kept from being sent, and results are written even 
 stops early: on the run timeout, Ctrl-C or SIGTERM (CI, `timeout`). The summary says
 `"partial": true` whenever a request is missing from the figures (the run stopped early or requests
 failed), and `"run_failed": true`, with `failure_reason`, when it stopped early, nothing completed, or
-more than `max_failed_fraction` (default 0: any) of the requests failed; the CLI then exits 1.
+more than `max_failed_fraction` (default 0: any) of the requests failed; the CLI then exits 1. A run
+stopped by a signal records it (`stopped_by`: SIGINT for Ctrl-C, or SIGTERM): a sweep runs no more
+levels and the CLI exits 128 + the signal (130, 143).
+
+What a run records has no secrets (results get committed): the --api-key value in `argv` and the
+password of a user:password `--url` are replaced by `***`; the password reaches the server as basic auth.
 
 A stream that stops sending tokens is cut at the stall limit: `stall_timeout_s`, or by default
 max(STALL_MIN_S, STALL_FACTOR x the p99 gap between chunks seen so far in the run), so one hung
@@ -184,6 +189,9 @@ class LoadTestConfig:
             # before the measurement, not after it: a result that cannot be written is a run lost
             output_dir(self.result_dir, "--result-dir", create=False)
         _client.check_loopback(self.url, self.allow_remote)
+        if self.api_key and _client.url_auth(self.url) is not None:
+            # both would be an Authorization header; aiohttp refuses the pair on every request
+            raise Glm5Fp4Error("--api-key and a user:password in --url are two credentials; give one")
 
     def _check_counts_and_times(self) -> None:
         for flag, value, least in (("--num-prompts", self.num_prompts, 1), ("--num-warmups", self.num_warmups, 0),
@@ -429,6 +437,22 @@ async def _chunk_text_tokens(tok: Tokenizer, recs: list[RequestRecord]) -> tuple
     return {t: len(i) for t, i in zip(texts, ids)}, None
 
 
+def redact_argv(argv: list[str]) -> list[str]:
+    """The command line as results record it: the --api-key value (either form) and URL passwords replaced."""
+    out, secret_next = [], False
+    for arg in argv:
+        opt, eq, _ = arg.partition("=")
+        is_key = len(opt) >= 4 and "--api-key".startswith(opt)  # argparse takes an unambiguous prefix ("--ap") too
+        if secret_next:
+            out.append(_client.REDACTED)
+        elif is_key and eq:
+            out.append(f"{opt}={_client.REDACTED}")
+        else:
+            out.append(_client.redact_url(arg))
+        secret_next = is_key and not eq and not secret_next
+    return out
+
+
 def _result_path(cfg: LoadTestConfig, model: str, date: str) -> Path | None:
     if not cfg.result_dir:
         return None
@@ -483,9 +507,11 @@ def _verdict(result: dict[str, Any], cfg: LoadTestConfig, abort: str | None) -> 
 async def _run_async(cfg: LoadTestConfig, stop: _Stop) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     stop.task = asyncio.current_task()
     run = _Run(cfg)
-    api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
+    auth = _client.url_auth(cfg.url)
+    # credentials in --url are explicit; $OPENAI_API_KEY is ambient and would be a second Authorization header
+    api_key = cfg.api_key or (None if auth else os.environ.get("OPENAI_API_KEY"))
     session = _client.make_session(cfg.concurrency, request_timeout_s=cfg.request_timeout_s,
-                                   read_timeout_s=cfg.read_timeout_s, api_key=api_key)
+                                   read_timeout_s=cfg.read_timeout_s, api_key=api_key, auth=auth)
     async with session:
         model, prompts, tokenizer = await run.prepare(session)
         warm = await run.warmup(session, model, prompts)
@@ -523,6 +549,9 @@ async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, mode
         abort = f"terminated by {stop.signal}" if stop.signal else "interrupted by the user (Ctrl-C)"
         if stop.signal and stop.task is not None:
             stop.task.uncancel()  # handled: the results are written below (Ctrl-C: asyncio.Runner does this)
+        # Only the two handlers cancel this task: without SIGTERM's mark it was Ctrl-C (asyncio.Runner's SIGINT
+        # handler, or a KeyboardInterrupt). Recorded, so a sweep stops and the CLI exits 130.
+        stop.signal = stop.signal or "SIGINT"
         duration = time.perf_counter() - t0
         for r in recs:
             if r.status in ("running", "not_sent"):
@@ -583,7 +612,7 @@ async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, mode
         result["telemetry"] = telemetry
     result["metadata"] = {
         "tool": "glm5-fp4 loadtest",
-        "url": cfg.url,
+        "url": _client.redact_url(cfg.url),
         "endpoint": cfg.endpoint,
         "input_len": cfg.input_len,
         "output_len": cfg.output_len,
@@ -591,6 +620,8 @@ async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, mode
         "seed": cfg.seed,
         "ignore_eos": cfg.ignore_eos,
         "min_tokens": cfg.min_tokens,
+        # null, not {}, when none: results written before this was recorded have no key and compare alike
+        "extra_body": cfg.extra_body or None,
         "prompt_format": cfg.prompt_format,
         "prompt_len_misses": sum(1 for p in prompts if p.mismatch),
         "percentiles": list(cfg.percentiles),
@@ -602,7 +633,7 @@ async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, mode
         "client_cpu_s": run.client_cpu_s,
         "host": socket.gethostname(),
         "versions": _versions(),
-        "argv": sys.argv,
+        "argv": redact_argv(sys.argv),
         **warm,
     }
     if result_path is not None:

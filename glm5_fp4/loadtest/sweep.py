@@ -55,7 +55,7 @@ def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
             results.append({"max_concurrency": int(level), "completed": 0, "failed": None, "partial": True,
                             "run_failed": True, "failure_reason": f"the level could not run: {exc}"})
             break
-        if results[-1].get("stopped_by"):  # SIGTERM: this level's results are written; run no more
+        if results[-1].get("stopped_by"):  # Ctrl-C or SIGTERM: this level's results are written; run no more
             break
     not_run = [int(x) for x in levels[len(results):]]
     summary = [{k: v for k, v in r.items() if k not in _SUMMARY_DROP} for r in results]
