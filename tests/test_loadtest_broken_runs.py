@@ -192,3 +192,22 @@ def test_ctrl_c_stops_the_run_and_the_sweep_at_once(tmp_path, levels):
         assert not (out / "c4.json").exists()
         assert "Levels not run (the sweep stopped): 4" in (out / "sweep.md").read_text()
     assert "Traceback" not in err
+
+
+def test_a_telemetry_sampler_that_cannot_start_does_not_stop_the_load_test(tmp_path, monkeypatch, capsys):
+    """Telemetry must never break a load test: building the sampler was guarded, starting it (an unwritable
+    folder, NVML failing) was not, and the run died before its first request."""
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.telemetry import sampler as sampler_module
+
+    def refuse(self):
+        raise Glm5Fp4Error(f"{self.out_dir}: cannot write telemetry.jsonl (Permission denied)")
+
+    monkeypatch.setattr(sampler_module.TelemetrySampler, "start", refuse)
+    with spawn_fake_server("--ttft-ms", "1", "--itl-ms", "1") as srv:
+        cfg = LoadTestConfig(url=srv.url, model="fake-model", concurrency=2, num_prompts=4, input_len=8,
+                             output_len=4, num_warmups=0, prompt_format="ids", timeout_s=20, progress=False,
+                             telemetry=True, result_dir=str(tmp_path))
+        res, rows = run_loadtest_detailed(cfg)
+    assert res["completed"] == 4 and not res["run_failed"], res
+    assert "telemetry disabled" in capsys.readouterr().err
