@@ -238,7 +238,8 @@ def _versions() -> dict[str, str]:
 
 def _telemetry_sampler(cfg: LoadTestConfig, out_dir: Path | None,
                        scratch: contextlib.ExitStack) -> Any:
-    """The telemetry package's sampler if it is installed and wanted, else None (never fatal).
+    """The telemetry package's sampler, started, if it is installed and wanted, else None (never fatal: building
+    or starting it may fail, on an unwritable folder or a failing NVML, and the load test runs on without it).
 
     Its samples go next to the results; without a result dir only its summary is kept (the
     samples land in a temporary directory that `scratch` removes).
@@ -254,7 +255,7 @@ def _telemetry_sampler(cfg: LoadTestConfig, out_dir: Path | None,
     else:
         target = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="glm5fp4-telemetry-")))
     try:
-        return TelemetrySampler(target, interval_s=0.1)
+        return TelemetrySampler(target, interval_s=0.1).start()
     except Exception as exc:  # noqa: BLE001 - telemetry must never break a load test
         print(f"loadtest: telemetry disabled ({exc})", file=sys.stderr)
         return None
@@ -542,9 +543,15 @@ async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, mode
     abort: str | None = None
     duration = 0.0
     try:
-        with sampler if sampler is not None else contextlib.nullcontext():
+        try:
             t0, t0_unix = time.perf_counter(), time.time()
             duration, abort = await run.measure(session, model, prompts, recs)
+        finally:
+            if sampler is not None:
+                try:
+                    sampler.stop()  # a failure while sampling is kept in its summary, read below
+                except Exception as exc:  # noqa: BLE001 - its summary is computed again below, guarded
+                    print(f"loadtest: stopping telemetry failed ({exc})", file=sys.stderr)
     except (asyncio.CancelledError, KeyboardInterrupt):
         abort = f"terminated by {stop.signal}" if stop.signal else "interrupted by the user (Ctrl-C)"
         if stop.signal and stop.task is not None:
