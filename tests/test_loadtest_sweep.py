@@ -86,3 +86,26 @@ def test_levels_without_tpot_samples_are_left_off_the_curves(tmp_path) -> None:
     files = plot_sweep(rows, tmp_path)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files.values())
     assert "| 1 | 4 | 0 |" in sweep_markdown(rows)
+
+
+def test_an_interrupt_between_measured_phases_keeps_the_levels_that_ran(tmp_path, monkeypatch) -> None:
+    """Ctrl-C (or SIGTERM) in a later level's warm-up left c1.json but no sweep.json / sweep.md: the sweep's own
+    files are written from the levels that ran, that level and the rest named as not run, and the command still
+    ends as interrupted (130)."""
+    from glm5_fp4.loadtest import runner
+
+    real, calls = runner.run_loadtest, []
+
+    def interrupted_second(cfg):
+        calls.append(cfg.concurrency)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(cfg)
+
+    monkeypatch.setattr(runner, "run_loadtest", interrupted_second)
+    with spawn_fake_server("--ttft-ms", "1", "--itl-ms", "1") as srv:
+        rc = _sweep(srv.url, tmp_path, [1, 2, 4])
+    assert rc == 130 and calls == [1, 2]
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [s["max_concurrency"] for s in sweep] == [1]
+    assert "Levels not run (the sweep stopped): 2, 4" in (tmp_path / "sweep.md").read_text()
