@@ -42,7 +42,6 @@ def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
 
     if not levels:
         raise Glm5Fp4Error("--concurrency: a sweep needs at least one level")
-    result_dir = base.get("result_dir")
     results: list[dict[str, Any]] = []
     for level in levels:
         fields = dict(base)
@@ -55,9 +54,19 @@ def run_sweep(base: Mapping[str, Any], levels: Sequence[int]) -> dict[str, Any]:
             results.append({"max_concurrency": int(level), "completed": 0, "failed": None, "partial": True,
                             "run_failed": True, "failure_reason": f"the level could not run: {exc}"})
             break
+        except KeyboardInterrupt:
+            # outside a level's measured phase (its warm-up, its tokenizer lookup): nothing of this level to keep,
+            # but the levels before it are the sweep's result; the interrupt still ends the command (130 / 143)
+            if results:
+                _write_sweep(base, results, [int(x) for x in levels[len(results):]])
+            raise
         if results[-1].get("stopped_by"):  # Ctrl-C or SIGTERM: this level's results are written; run no more
             break
-    not_run = [int(x) for x in levels[len(results):]]
+    return _write_sweep(base, results, [int(x) for x in levels[len(results):]])
+
+
+def _write_sweep(base: Mapping[str, Any], results: list[dict[str, Any]], not_run: list[int]) -> dict[str, Any]:
+    result_dir = base.get("result_dir")
     summary = [{k: v for k, v in r.items() if k not in _SUMMARY_DROP} for r in results]
     out: dict[str, Any] = {"results": results, "summary": summary, "files": {}, "not_run": not_run}
     if result_dir:
