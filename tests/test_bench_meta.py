@@ -78,3 +78,45 @@ def test_plan_label_names_the_launch_forms():
     ws = C.plan("sm90", 512, 256, 8, 6144, 256, sm_count=132, form="gemm1_ws64")
     assert plan_label(row(ws)).startswith("64x32x64mw4s8r80guws / ")
     assert "ws" not in plan_label(row(C.plan("sm90", 512, 256, 8, 6144, 256, sm_count=132))).split(" / ")[0]
+
+
+def _repo(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    _git(tmp_path, "add", "f.txt")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    return _git(tmp_path, "log", "-1", "--format=%H")
+
+
+@pytest.mark.parametrize("value", ["abc", "HEAD", "1d61d1b", "g" * 40, "a" * 41, "a" * 40 + "-dirtyish",
+                                   " " + "a" * 39])
+def test_an_override_that_names_no_commit_is_refused(tmp_path, monkeypatch, value):
+    """The override was trusted over a readable checkout: 'abc' went into results as their commit."""
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    _repo(tmp_path)
+    monkeypatch.setenv("GLM5_FP4_GIT_SHA", value)
+    with pytest.raises(Glm5Fp4Error) as e:
+        meta.git_sha(tmp_path)
+    assert "GLM5_FP4_GIT_SHA" in str(e.value) and repr(value) in str(e.value)
+    outside = tmp_path.parent / f"{tmp_path.name}-not-a-repo"
+    outside.mkdir()
+    with pytest.raises(Glm5Fp4Error):
+        meta.git_sha(outside)
+
+
+def test_an_override_is_a_full_sha_or_one_the_checkout_knows(tmp_path, monkeypatch):
+    """The device copy's .git is stale and does not know the commit sent: a full 40-hex SHA stands as given there; a
+    short one is expanded by a checkout that knows it."""
+    head = _repo(tmp_path)
+    sent = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("GLM5_FP4_GIT_SHA", sent)
+    assert meta.git_sha(tmp_path) == sent
+    monkeypatch.setenv("GLM5_FP4_GIT_SHA", sent.upper() + "-dirty")
+    assert meta.git_sha(tmp_path) == sent + "-dirty"
+    monkeypatch.setenv("GLM5_FP4_GIT_SHA", head[:9])
+    assert meta.git_sha(tmp_path) == head
+    (tmp_path / "f.txt").write_text("b\n")  # the override names the commit sent; the local tree's state is not it
+    assert meta.git_sha(tmp_path) == head
+    monkeypatch.delenv("GLM5_FP4_GIT_SHA")
+    assert meta.git_sha(tmp_path) == head + "-dirty"

@@ -1,7 +1,8 @@
 """The benchmark table's code path (glm5_fp4.bench.moe, shared by benchmarks/moe_kernel.py and the
 self-test) on a tiny shard under the interpreter, with the GPU-only timers replaced: every routing, the
 expert-parallel shard, the skew ratios, the markdown. The timings are fake; the routing, byte and FLOP
-accounting and the kernel calls (checked against the reference inside ``row``) are real."""
+accounting and the kernel calls are real, each row's first call checked inside ``row`` against the float64 reference
+(glm5_fp4.reference) within the GPU tests' tolerance (a wrong layer failing that check: test_bench_checks.py)."""
 
 from __future__ import annotations
 
