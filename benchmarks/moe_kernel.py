@@ -149,47 +149,54 @@ def selected(variants: dict, only: str | None) -> dict:
 
 
 def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=None, plan_arch=None,
-              form=None) -> list[dict]:
+              form=None, device="cuda") -> list[dict]:
     """Whole-layer time of each variant at each (shard, T); the best GEMM1 and GEMM2 choices combined last.
     ``on_point(results so far)`` after each (shard, T), so a run cut by its time limit keeps what it measured.
     ``only``: a regular expression the variants' names must match (the default plan always runs). ``plan_arch``:
     sweep that architecture's default plans and candidate lists instead of this GPU's. ``form``: sweep around an
-    opt-in form's plan (configs.OPT_IN) instead of the default one."""
+    opt-in form's plan (configs.OPT_IN) instead of the default one. The calls are the table's (B.call_inputs: the same
+    routing, expert map and local accounting); ``device`` "cpu" only under Triton's interpreter (tests)."""
     import torch
 
     from glm5_fp4.bench import moe as B
-    from glm5_fp4.bench import routing as R
-    from glm5_fp4.kernels.moe import default_plan, device_arch, fused_moe_triton
+    from glm5_fp4.kernels.moe import device_arch
+    from glm5_fp4.spec import Glm5Spec
 
-    arch = plan_arch or device_arch(torch.device("cuda"))[0]
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    l2 = B.l2_cache_bytes()
+    arch = plan_arch or device_arch(torch.device(device))[0]
+    gen = torch.Generator(device=device).manual_seed(1)
+    spec = Glm5Spec()
+    l2 = B.l2_cache_bytes(device)
     out = []
     for name in shards:
-        sh = B.glm5_shard(name)
-        count = layers_n or B.layers_for(sh, B.l2_cache_bytes(), free_bytes=torch.cuda.mem_get_info()[0])
-        lay = B.make_layers(sh, count, gen)
+        sh = B.glm5_shard(name) if isinstance(name, str) else name
+        count = B.layer_count(sh, layers_n, l2, device)
+        lay = B.make_layers(sh, count, gen, device=device)
         for t in tokens:
-            x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-            tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
-            base = (arch_plans(plan_arch)(sh, t) if plan_arch
-                    else default_plan(x, ids, lay.prepared[0], "w4a16", form=form))
-            res = sweep_point(sh, t, routing, base.schedule, count, ids, l2)
-            ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=base)
+            call = B.call_inputs(sh, t, routing, gen, device, spec)
+            base = arch_plans(plan_arch)(sh, t) if plan_arch else call.plan(lay.prepared[0], form=form)
+            res = sweep_point(sh, t, routing, base.schedule, count, call.ids, l2)
+            if call.no_work():
+                res["skipped"] = call.no_work()
+                progress(f"  sweep {sh.name} T={t}: not timed, {res['skipped']}")
+                out.append(res)
+                if on_point:
+                    on_point(out)
+                continue
+            ref = call.run(lay.prepared[0], base)
             timed = {}
             for vname, plan in selected(sweep_variants(base, sh.hidden, sh.intermediate, arch), only).items():
                 t0 = time.time()
                 try:
-                    o = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
+                    o = call.run(lay.prepared[0], plan)
                     diff = B.rel_err(o, ref)
                     if not diff < 2e-3:  # every variant computes the same layer
                         raise AssertionError(f"output differs from the default plan's by {diff:.2e}")
-                    timed[vname] = B.time_ours(lay, x, tw, ids, plan=plan)
+                    timed[vname] = call.time(lay, plan)
                     res["runs"].append({"name": vname, "plan": dataclasses.asdict(plan), "us": timed[vname],
                                         "rel_diff": diff, "wall_s": round(time.time() - t0, 1)})
                 except Exception as exc:  # noqa: BLE001
                     res["runs"].append({"name": vname, "plan": dataclasses.asdict(plan), "error": repr(exc)[:400]})
-                progress(f"  sweep {name} T={t} {vname}: {timed.get(vname, res['runs'][-1].get('error'))} "
+                progress(f"  sweep {sh.name} T={t} {vname}: {timed.get(vname, res['runs'][-1].get('error'))} "
                          f"[{time.time() - t0:.0f}s]")
             if timed:
                 plans = sweep_variants(base, sh.hidden, sh.intermediate, arch)
@@ -199,21 +206,21 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
                                            gemm2_unroll=plans[g2].gemm2_unroll,
                                            gemm2_split_slots=plans[g2].gemm2_split_slots)
                 try:
-                    us = B.time_ours(lay, x, tw, ids, plan=best)
+                    us = call.time(lay, best)
                     res["runs"].append({"name": f"best ({g1} + {g2})", "plan": dataclasses.asdict(best), "us": us})
-                    progress(f"  sweep {name} T={t} best ({g1} + {g2}): {us:.1f} (default {timed.get('default')})"
+                    progress(f"  sweep {sh.name} T={t} best ({g1} + {g2}): {us:.1f} (default {timed.get('default')})"
                              + (" † layers may be served from L2" if res["l2_may_serve"] else ""))
                 except Exception as exc:  # noqa: BLE001
                     res["runs"].append({"name": "best", "plan": dataclasses.asdict(best), "error": repr(exc)[:400]})
                 for fname, fplan in launch_forms(best).items():
                     try:
-                        diff = B.rel_err(fused_moe_triton(x, tw, ids, lay.prepared[0], plan=fplan), ref)
+                        diff = B.rel_err(call.run(lay.prepared[0], fplan), ref)
                         if not diff < 2e-3:
                             raise AssertionError(f"output differs from the default plan's by {diff:.2e}")
-                        us = B.time_ours(lay, x, tw, ids, plan=fplan)
+                        us = call.time(lay, fplan)
                         res["runs"].append({"name": f"best {fname}", "plan": dataclasses.asdict(fplan), "us": us,
                                             "rel_diff": diff})
-                        progress(f"  sweep {name} T={t} best {fname}: {us:.1f}")
+                        progress(f"  sweep {sh.name} T={t} best {fname}: {us:.1f}")
                     except Exception as exc:  # noqa: BLE001
                         res["runs"].append({"name": f"best {fname}", "plan": dataclasses.asdict(fplan),
                                             "error": repr(exc)[:400]})
@@ -221,31 +228,58 @@ def run_sweep(shards, tokens, routing, layers_n, progress, on_point=None, only=N
             if on_point:
                 on_point(out)
         del lay
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
 def sweep_point(sh, t: int, routing: str, schedule: str, layers: int, ids, l2_bytes: int | None) -> dict:
     """A sweep point's header: what it ran and whether its layers' touched weights may sit in L2 (the table's rule,
-    B.l2_may_serve: the variants' times may then be L2's, though their ranking still compares like with like)."""
+    B.l2_may_serve: the variants' times may then be L2's, though their ranking still compares like with like). Experts
+    and bytes are the measured rank's (B.local_load), as in the table."""
     from glm5_fp4.bench import moe as B
-    from glm5_fp4.bench import routing as R
     from glm5_fp4.bench.experts import nvfp4_weight_bytes
 
-    touched = R.describe(ids, sh.num_experts)["experts_touched"]
+    touched = B.local_load(sh, ids)["desc"]["experts_touched"]
     return {"shard": sh.name, "tokens": t, "routing": routing, "schedule": schedule, "layers": layers,
             "experts_touched": touched,
             "l2_may_serve": B.l2_may_serve(layers, nvfp4_weight_bytes(touched, sh.hidden, sh.intermediate), l2_bytes),
             "runs": []}
 
 
-def plans_from_sweep(path: str):
-    """(shard, T) -> the sweep's best plan there, else None (the defaults)."""
-    best = {}
-    for res in json.loads(Path(path).read_text()).get("sweeps", []):
+def sweep_failures(sweeps: list[dict]) -> tuple[int, int]:
+    """(runs that failed, runs in all) of a sweep's points (a point skipped for want of local work has none)."""
+    runs = [r for p in sweeps for r in p.get("runs", [])]
+    return sum("error" in r for r in runs), len(runs)
+
+
+def plans_from_sweep(path: str, shapes=None):
+    """(shard, T) -> the sweep's best plan there, else None (the defaults: a shape the sweep did not visit). A file
+    that is no sweep, or one whose point at a (shard name, T) of ``shapes`` has no plan that ran, is a Glm5Fp4Error:
+    the table would otherwise time the defaults under a meta.plans naming the sweep."""
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise Glm5Fp4Error(f"--plans {path}: not a readable sweep JSON ({exc})") from None
+    sweeps = doc.get("sweeps") if isinstance(doc, dict) else None
+    if not sweeps:
+        raise Glm5Fp4Error(f"--plans {path}: no sweep points in it (moe_kernel.py --sweep --json writes them)")
+    best, empty = {}, set()
+    for res in sweeps:
+        key = (res["shard"], res["tokens"])
         ok = [r for r in res["runs"] if "us" in r]
         if ok:
-            best[(res["shard"], res["tokens"])] = _plan_of(min(ok, key=lambda r: r["us"])["plan"])
+            best[key] = _plan_of(min(ok, key=lambda r: r["us"])["plan"])
+        else:
+            empty.add(key)
+    empty -= set(best)
+    asked = sorted(empty if shapes is None else empty & set(shapes)) if best else sorted(empty)
+    if asked:
+        raise Glm5Fp4Error(f"--plans {path}: no plan ran at {', '.join(f'{s} T={t}' for s, t in asked)} (every variant "
+                           "failed or was not timed there; the errors are in the file): sweep those shapes again or "
+                           "leave them out of --shards/--tokens")
 
     def lookup(shard, t):
         return best.get((shard.name, t))
@@ -317,7 +351,8 @@ def _empty_call(shard: str, t: int):
     x = torch.zeros(t, h, dtype=torch.bfloat16, device=dev)
     ids = torch.zeros(t, k, dtype=torch.int32, device=dev)
     tw = torch.zeros(t, k, dtype=torch.float32, device=dev)
-    return sh, x, ids, prep, make_call(x, tw, ids, prep, "w4a16", workspace=Workspace(dev, e, k, h, i, t))
+    return sh, x, ids, prep, make_call(x, tw, ids, prep, "w4a16", expert_map=B.expert_map_for(sh, dev),
+                                       workspace=Workspace(dev, e, k, h, i, t))
 
 
 def _sweep_plans(shard: str, t: int, plan_for=None, form: str | None = None) -> dict:
@@ -327,11 +362,12 @@ def _sweep_plans(shard: str, t: int, plan_for=None, form: str | None = None) -> 
 
     from glm5_fp4.kernels.moe import default_plan, device_arch
 
-    sh, x, ids, prep, _ = _empty_call(shard, t)
+    sh, x, ids, prep, call = _empty_call(shard, t)
     if plan_for is not None:
         return sweep_variants(plan_for(sh, t), sh.hidden, sh.intermediate, plan_for.arch)
     arch, _ = device_arch(torch.device("cuda"))
-    return sweep_variants(default_plan(x, ids, prep, "w4a16", form=form), sh.hidden, sh.intermediate, arch)
+    return sweep_variants(default_plan(x, ids, prep, "w4a16", call.expert_map, form=form), sh.hidden,
+                          sh.intermediate, arch)
 
 
 def _precompile_one(item) -> int:
@@ -342,7 +378,7 @@ def _precompile_one(item) -> int:
     _, x, ids, prep, call = _empty_call(shard, t)
     n = 0
     try:
-        for launch in launches(plan or default_plan(x, ids, prep, "w4a16"), call):
+        for launch in launches(plan or default_plan(x, ids, prep, "w4a16", call.expert_map), call):
             launch.fn.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
             n += 1
     except Exception as exc:  # noqa: BLE001 - a plan that does not build fails again, by name, in the sweep
@@ -356,8 +392,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--routings", default="balanced,same_k,one_hot,zipf1.2,zipf2")
     ap.add_argument("--layers", type=int, default=None,
-                    help="distinct expert sets per graph (defeats L2 reuse); default: per shard, enough that the "
-                         "fewest experts a routing touches overflow twice the GPU's L2 (at least 4)")
+                    help="distinct expert sets per graph; default: per shard, enough that the fewest experts a "
+                         "routing touches overflow twice the GPU's L2 (at least 4)")
     ap.add_argument("--no-baselines", action="store_true", help="skip torch's bf16/fp8 grouped GEMMs")
     ap.add_argument("--no-marlin", action="store_true", help="skip vLLM's Marlin MoE")
     ap.add_argument("--w4a4", action="store_true", help="also time the W4A4 emulation mode")
@@ -384,6 +420,30 @@ def main(argv=None) -> int:
 
     if args.form and args.form not in C.OPT_IN:
         ap.error(f"unknown --form {args.form!r}; choose from {sorted(C.OPT_IN)}")
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench import routing as R
+    from glm5_fp4.bench.meta import git_sha
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    try:  # every value before any GPU work ('tp8,tpx' measured tp8, then died on tpx)
+        shards, tokens = B.shard_names(args.shards), B.token_counts(args.tokens)
+        routings = B.routing_names(args.routings)
+        R.check(args.sweep_routing)
+        if args.layers is not None and args.layers < 1:
+            raise Glm5Fp4Error(f"--layers {args.layers}: at least one layer per CUDA graph")
+        git_sha()  # a GLM5_FP4_GIT_SHA that names no commit
+    except Glm5Fp4Error as exc:
+        ap.error(str(exc))
+    if args.plans and not Path(args.plans).is_file():
+        print(f"--plans {args.plans}: no such sweep JSON (moe_kernel.py --sweep --json writes one)", file=sys.stderr)
+        return 2
+    lookup = arch_plans(args.plan_arch) if args.plan_arch else None
+    if args.plans and not args.sweep:
+        try:
+            lookup = plans_from_sweep(args.plans, [(s, t) for s in shards for t in tokens])
+        except Glm5Fp4Error as exc:
+            print(exc, file=sys.stderr)
+            return 2
 
     cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles (the workers inherit it)
     import torch
@@ -391,12 +451,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moe_kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    from glm5_fp4.bench import moe as B
     from glm5_fp4.bench.meta import result_metadata
 
-    shards = [s for s in args.shards.split(",") if s]
-    tokens = [int(v) for v in args.tokens.split(",") if v]
-    routings = [r for r in args.routings.split(",") if r]
     meta = result_metadata(benchmark="moe_kernel", layers=args.layers, shards=shards, tokens=tokens, routings=routings,
                            plans=args.plans or "built-in defaults (glm5_fp4/kernels/configs.py)",
                            plan_arch=args.plan_arch, form=args.form,
@@ -413,11 +469,10 @@ def main(argv=None) -> int:
                    rows=out.get("rows", []), sweeps=out.get("sweeps", []))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
-        ok = [r for r in doc["rows"] if "us" in r or "error" in r]
+        ok = [r for r in doc["rows"] if "us" in r or "error" in r or "skipped" in r]
         if ok and not args.sweep:
             Path(args.md).write_text(B.markdown(doc["meta"], ok))
 
-    lookup = arch_plans(args.plan_arch) if args.plan_arch else None
     if args.precompile:
         try:
             precompile(shards, tokens, args.precompile, progress, sweep=args.sweep, only=args.only, plan_for=lookup,
@@ -441,12 +496,14 @@ def main(argv=None) -> int:
                                    plan_arch=args.plan_arch, form=args.form), "l2_bytes": B.l2_cache_bytes()}
         ok = built_as_asked(out)
         save(out)
-        return 0 if ok else 1
-    if args.plans and not Path(args.plans).is_file():
-        print(f"--plans {args.plans}: no such sweep JSON (moe_kernel.py --sweep --json writes one)", file=sys.stderr)
-        return 2
-    if args.plans:
-        lookup = plans_from_sweep(args.plans)
+        failed, runs = sweep_failures(out["sweeps"])
+        if failed == runs:
+            print(f"--sweep: no variant ran at any point ({failed} runs failed; their errors are in {args.json})",
+                  file=sys.stderr)
+            return 1
+        if failed:
+            print(f"--sweep: {failed} of {runs} runs failed (their errors are in {args.json})", file=sys.stderr)
+        return 0 if ok and not failed else 1
     out = B.run_table(shards, tokens, routings, layers=args.layers, marlin=not args.no_marlin,
                       baselines=not args.no_baselines, w4a4=args.w4a4, stages=args.stages, plan_for=lookup,
                       progress=progress, on_row=save)

@@ -29,6 +29,8 @@ are absolute: "default" there was split).
     python benchmarks/moe_variants.py --plan-arch sm120 --mma-sync --forms sm120_former   # sm_120's plans, H200
 
 ``--plan-arch`` / ``--mma-sync``: as benchmarks/moe_kernel.py's (another arch's plans; the dots as mma.sync).
+Distinct layers per CUDA graph, inputs and expert maps are the table's (glm5_fp4.bench.moe: ``layer_count``,
+``call_inputs``); each row records its layers and whether they may be served from L2 (``l2_may_serve``).
 """
 
 from __future__ import annotations
@@ -40,13 +42,17 @@ import sys
 import time
 from pathlib import Path
 
+DEVICE = "cuda"  # the tests run the script's bookkeeping on the CPU
 
-def main(argv=None) -> int:
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shards", default="tp8")
     ap.add_argument("--tokens", default="1,4,64,512,4096")
     ap.add_argument("--routings", default="balanced,same_k")
-    ap.add_argument("--layers", type=int, default=4, help="distinct expert sets per graph (defeats L2 reuse)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="distinct expert sets per graph; default: the table's rule, enough that the fewest experts a "
+                         "routing touches overflow twice the GPU's L2 (at least 4)")
     ap.add_argument("--json", default="moe_variants.json")
     ap.add_argument("--forms", help="comma-separated opt-in forms to time (default: all of configs.OPT_IN and the "
                     "other weight layout)")
@@ -58,7 +64,15 @@ def main(argv=None) -> int:
                     "in JOBS processes first (benchmarks/moe_kernel.py's precompile)")
     ap.add_argument("--noatomic", action="store_true", help="also time GEMM2 with plain stores instead of its "
                     "atomic adds (wrong results, not checked): the combine's cost")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench.meta import git_sha
+    from glm5_fp4.errors import Glm5Fp4Error
     from glm5_fp4.kernels import configs as C  # (a bad --forms is refused before any GPU work)
     from glm5_fp4.kernels.layout import DECODE_LAYOUTS as layouts
 
@@ -66,29 +80,33 @@ def main(argv=None) -> int:
     unknown = forms - set(C.OPT_IN) - set(layouts) if forms else set()
     if unknown:
         ap.error(f"unknown --forms {sorted(unknown)}; choose from {sorted(C.OPT_IN)} or a weight layout {layouts}")
+    try:
+        shards, tokens = B.shard_names(args.shards), B.token_counts(args.tokens)
+        routings = B.routing_names(args.routings)
+        if args.layers is not None and args.layers < 1:
+            raise Glm5Fp4Error(f"--layers {args.layers}: at least one layer per CUDA graph")
+        git_sha()  # a GLM5_FP4_GIT_SHA that names no commit
+    except Glm5Fp4Error as exc:
+        ap.error(str(exc))
     cache = MMA.force_mma_sync() if args.mma_sync else None  # before anything compiles
     import torch
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("moe_variants needs a CUDA GPU", file=sys.stderr)
         return 2
-    from glm5_fp4.bench import moe as B
-    from glm5_fp4.bench import routing as R
     from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import copy_bandwidth_gbs
     from glm5_fp4.kernels import prepare_experts
-    from glm5_fp4.kernels.moe import device_arch, fused_moe_triton, plan_for
+    from glm5_fp4.kernels.moe import device_arch, plan_for
     from glm5_fp4.kernels.launch import DIAG_NO_DECODE, DIAG_PLAIN_STORES
     from glm5_fp4.kernels.layout import default_layout
 
-    shards = [s for s in args.shards.split(",") if s]
-    tokens = [int(v) for v in args.tokens.split(",") if v]
-    routings = [r for r in args.routings.split(",") if r]
-    meta = result_metadata(benchmark="moe_variants", layers=args.layers, shards=shards, tokens=tokens,
+    l2 = B.l2_cache_bytes(DEVICE)
+    meta = result_metadata(benchmark="moe_variants", layers={}, l2_bytes=l2, shards=shards, tokens=tokens,
                            routings=routings, copy_gbs=round(copy_bandwidth_gbs(), 1),
                            opt_in={name: o.purpose for name, o in C.OPT_IN.items()},  # what each variant is for
                            plan_arch=args.plan_arch, mma="mma.sync (forced)" if args.mma_sync else "Triton's choice")
-    arch, sms = device_arch(torch.device("cuda"))
+    arch, sms = device_arch(torch.device(DEVICE))
     if args.plan_arch:
         arch, sms = args.plan_arch, C.sm_count_guess(args.plan_arch)
     rows: list[dict] = []
@@ -103,19 +121,20 @@ def main(argv=None) -> int:
         work = []
         for name in shards:
             for t in tokens:
-                sh, _, _, prep, _ = _empty_call(name, t)
-                base = plan_for(arch, sms, t, sh.top_k, prep, "w4a16")
+                sh, _, _, prep, call = _empty_call(name, t)
+                base = plan_for(arch, sms, t, sh.top_k, prep, "w4a16", call.expert_map)
                 work.append((name, t, base))
                 for form in (forms or C.OPT_IN):
                     if form in C.OPT_IN:
-                        vplan = plan_for(arch, sms, t, sh.top_k, prep, "w4a16", form=form)
+                        vplan = plan_for(arch, sms, t, sh.top_k, prep, "w4a16", call.expert_map, form=form)
                         if vplan != base:
                             work.append((name, t, vplan))
         precompile_plans(work, args.precompile, lambda m: print(m, flush=True))
-    gen = torch.Generator(device="cuda").manual_seed(13)
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
     for name in shards:
         sh = B.glm5_shard(name)
-        lay = B.make_layers(sh, args.layers, gen)
+        count = meta["layers"][name] = B.layer_count(sh, args.layers, l2, DEVICE)
+        lay = B.make_layers(sh, count, gen, device=DEVICE)
         others = [lo for lo in layouts if lo != default_layout() and (not forms or lo in forms)]
         alts = {lo: B.Layers(sh, [prepare_experts(e, layout=lo) for e in lay.experts], lay.experts) for lo in others}
         # name -> (layers, DIAG, checked against the default, opt-in form or None)
@@ -130,39 +149,48 @@ def main(argv=None) -> int:
         for t in tokens:
             for routing in routings:
                 t0 = time.time()
-                x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-                tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, gen, "cuda")
-                plan = plan_for(arch, sms, t, sh.top_k, lay.prepared[0], "w4a16")
+                call = B.call_inputs(sh, t, routing, gen, DEVICE)
+                plan = plan_for(arch, sms, t, sh.top_k, lay.prepared[0], "w4a16", call.expert_map)
                 row = {"shard": name, "tokens": t, "routing": routing, "plan": dataclasses.asdict(plan),
-                       "plan_label": B.plan_label(dataclasses.asdict(plan)), "us": {}, "errors": {}}
-                try:
-                    ref = fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan)
-                    row["us"]["default"] = B.time_ours(lay, x, tw, ids, plan=plan)
-                except Exception as exc:  # noqa: BLE001 - the row records it
-                    row["errors"]["default"] = repr(exc)[:400]
-                for vname, (layers, diag, check, form) in variants.items():
-                    vplan = plan_for(arch, sms, t, sh.top_k, lay.prepared[0], "w4a16", form=form) if form else plan
+                       "plan_label": B.plan_label(dataclasses.asdict(plan)), "layers": count,
+                       "experts_touched": call.desc["experts_touched"],
+                       "l2_may_serve": B.l2_may_serve(count, call.weight_bytes, l2), "us": {}, "errors": {}}
+                if call.no_work():
+                    row["skipped"] = call.no_work()
+                    variants_here = {}
+                else:
+                    variants_here = variants
+                    try:
+                        ref = call.run(lay.prepared[0], plan)
+                        row["us"]["default"] = call.time(lay, plan)
+                    except Exception as exc:  # noqa: BLE001 - the row records it
+                        row["errors"]["default"] = repr(exc)[:400]
+                for vname, (layers, diag, check, form) in variants_here.items():
+                    vplan = (plan_for(arch, sms, t, sh.top_k, lay.prepared[0], "w4a16", call.expert_map, form=form)
+                             if form else plan)
                     if form and vplan == plan:
                         continue  # the form does not serve here, or is the default: nothing to compare
                     try:
                         if check:
-                            o = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=vplan)
+                            o = call.run(layers.prepared[0], vplan)
                             diff = B.rel_err(o, ref)
                             row.setdefault("rel_diff", {})[vname] = diff
                             if not diff < 2e-3:  # the same layer, up to fp32 atomics order
                                 raise AssertionError(f"output differs from the default's by {diff:.2e}")
-                        row["us"][vname] = B.time_ours(layers, x, tw, ids, plan=vplan, diag=diag)
+                        row["us"][vname] = call.time(layers, vplan, diag=diag)
                     except Exception as exc:  # noqa: BLE001
                         row["errors"][vname] = repr(exc)[:400]
                 if "default" in row["us"]:
-                    row["us"]["default_again"] = B.time_ours(lay, x, tw, ids, plan=plan)
+                    row["us"]["default_again"] = call.time(lay, plan)
                 row["wall_s"] = round(time.time() - t0, 1)
                 rows.append(row)
                 save()
                 us = {k: round(v, 1) for k, v in row["us"].items()}
-                print(f"{name} T={t} {routing}: {us} {row['errors'] or ''} [{row['wall_s']}s]", flush=True)
+                print(f"{name} T={t} {routing}: {us} {row['errors'] or row.get('skipped') or ''} [{row['wall_s']}s]",
+                      flush=True)
         del lay, alts
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     if cache is not None:
         meta["compiled_mma"], meta["still_wgmma"] = MMA.what_was_built(cache)
     save()

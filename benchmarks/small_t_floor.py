@@ -1,7 +1,10 @@
 """How fast the bytes of a T <= 2 MoE layer can be read at all, by one launch or by two (issue 13, goal 4: TP8 T=1 <=
 12 us per layer; the fused kernel takes ~18 us on an H100). Each variant reads exactly the weight bytes the layer
 reads -- the routed experts' gate/up words and scales, then their down words and scales, out of the same prepared
-layers the benchmark times, 4 distinct layers per CUDA graph -- and does no arithmetic beyond an XOR per 8 bytes:
+layers the benchmark times, as many distinct layers per CUDA graph as the table uses (glm5_fp4.bench.moe.layer_count:
+the fewest experts a routing touches overflow twice the GPU's L2; the results before 2026-12-07 used 4, which a 50 MB
+L2 can serve at TP8 T=1; each row records ``layers`` and ``l2_may_serve``) -- and does no arithmetic beyond an XOR
+per 8 bytes:
 
 * ``layer``: the fused MoE on its default plan (reference; ``gemm1``: its GEMM1 stage alone);
 * ``read1``: one launch reading all four regions (the floor of a single-kernel form);
@@ -90,40 +93,64 @@ def _views(p, chunk: int):
     return views, [v.shape[1] // chunk for v in views]
 
 
-def main(argv=None) -> int:
+DEVICE = "cuda"  # the tests run the script's bookkeeping on the CPU
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shard", default="tp8")
+    ap.add_argument("--shard", default="tp8", help="a TP shard (the floor kernel reads experts by the router's ids)")
     ap.add_argument("--tokens", default="1,2")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="distinct expert sets per graph; default: the table's rule, enough that the fewest experts a "
+                         "routing touches overflow twice the GPU's L2 (at least 4)")
     ap.add_argument("--chunk", type=int, default=4096, help="int64 elements each program reads (4096: 32 KB)")
     ap.add_argument("--json", default="small_t_floor.json")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench.meta import git_sha
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    try:
+        tokens = B.token_counts(args.tokens)
+        if B.glm5_shard(args.shard).expert_parallel:
+            raise Glm5Fp4Error(f"--shard {args.shard}: a TP shard only (the floor kernel indexes the layer by the "
+                               "router's global expert ids)")
+        if args.layers is not None and args.layers < 1:
+            raise Glm5Fp4Error(f"--layers {args.layers}: at least one layer per CUDA graph")
+        git_sha()  # a GLM5_FP4_GIT_SHA that names no commit
+    except Glm5Fp4Error as exc:
+        ap.error(str(exc))
     import torch
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("small_t_floor needs a CUDA GPU", file=sys.stderr)
         return 2
-    from glm5_fp4.bench import moe as B
-    from glm5_fp4.bench import routing as R
     from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import copy_bandwidth_gbs, graph_time_us
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
     sh = B.glm5_shard(args.shard)
-    layers = B.make_layers(sh, args.layers, gen)
+    l2 = B.l2_cache_bytes(DEVICE)
+    count = B.layer_count(sh, args.layers, l2, DEVICE)
+    layers = B.make_layers(sh, count, gen, device=DEVICE)
     copy = copy_bandwidth_gbs()
     rows = []
-    for t in (int(v) for v in args.tokens.split(",")):
-        x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        tw, ids = R.make_routing("balanced", t, sh.global_experts, sh.top_k, gen, "cuda")
+    for t in tokens:
+        call = B.call_inputs(sh, t, "balanced", gen, DEVICE)
+        x, tw, ids = call.x, call.tw, call.ids
         ids32 = ids.to(torch.int32).reshape(-1).contiguous()
         slots = ids32.numel()
         per = [_views(p, args.chunk) for p in layers.prepared]
         counts = per[0][1]
         np_all = sum(counts)
-        out = torch.zeros(slots * 128, dtype=torch.int64, device="cuda")
-        cnt = torch.zeros(slots, dtype=torch.int32, device="cuda")
-        val = torch.zeros(slots, dtype=torch.int64, device="cuda")
+        out = torch.zeros(slots * 128, dtype=torch.int64, device=DEVICE)
+        cnt = torch.zeros(slots, dtype=torch.int32, device=DEVICE)
+        val = torch.zeros(slots, dtype=torch.int64, device=DEVICE)
         nbytes = sum(int(v.shape[1]) * 8 for v in per[0][0]) * len(set(ids32.tolist()))
 
         def launch(views, regions, pdl, prefetch=False, arrive=False, read_val=False):
@@ -150,15 +177,15 @@ def main(argv=None) -> int:
 
         times = {k: graph_time_us(variant(k), replays=50) / len(per)
                  for k in ("read1", "read1_13", "read2", "read2_pf", "chain2")}
-        times["layer"] = B.time_ours(layers, x, tw, ids)
-        times["gemm1"] = B.time_ours(layers, x, tw, ids, stages=("align", "gemm1"))
+        times["layer"] = call.time(layers)
+        times["gemm1"] = call.time(layers, stages=("align", "gemm1"))
         floor_us = nbytes / copy / 1e3
-        row = dict(tokens=t, slots=slots, programs_per_slot=np_all, bytes=nbytes, floor_us=floor_us,
-                   us=times)
+        row = dict(tokens=t, slots=slots, programs_per_slot=np_all, bytes=nbytes, floor_us=floor_us, layers=count,
+                   l2_may_serve=B.l2_may_serve(count, call.weight_bytes, l2), us=times)
         rows.append(row)
         print(f"T={t}: {nbytes / 1e6:.1f} MB, copy-bandwidth floor {floor_us:.1f} us; "
               + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
-    res = dict(meta=result_metadata(copy_gbs=copy, shard=args.shard, layers=args.layers, chunk=args.chunk),
+    res = dict(meta=result_metadata(copy_gbs=copy, shard=args.shard, layers=count, l2_bytes=l2, chunk=args.chunk),
                rows=rows)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)

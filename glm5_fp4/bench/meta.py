@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,11 +16,14 @@ def git_sha(path: str | Path | None = None) -> str | None:
     """The checkout's HEAD (with ``-dirty`` when tracked files changed), or None outside a git checkout.
 
     ``GLM5_FP4_GIT_SHA`` overrides it: on a machine that received a copy of the working tree (the lent GPUs)
-    the copy's ``.git`` is stale, and the caller knows the commit it sent."""
+    the copy's ``.git`` is stale, and the caller knows the commit it sent. That copy may not know the commit, so a
+    full 40-hex SHA (``git rev-parse HEAD`` where it was sent from, ``-dirty`` allowed) stands as given; a shorter
+    value must name a commit this checkout knows (it is recorded in full); anything else is refused (a Glm5Fp4Error
+    naming the value): results would record a commit no one can check out."""
+    cwd = Path(path) if path else Path(__file__).resolve().parent
     override = os.environ.get("GLM5_FP4_GIT_SHA")
     if override:
-        return override
-    cwd = Path(path) if path else Path(__file__).resolve().parent
+        return _override_sha(override, cwd)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:
@@ -29,6 +33,24 @@ def git_sha(path: str | Path | None = None) -> str | None:
         return sha.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _override_sha(value: str, cwd: Path) -> str:
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    m = re.fullmatch(r"([0-9a-fA-F]{4,40})(-dirty)?", value)
+    if m and len(m.group(1)) == 40:
+        return m.group(1).lower() + (m.group(2) or "")
+    if m:
+        try:
+            full = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{m.group(1)}^{{commit}}"], cwd=cwd,
+                                  capture_output=True, text=True, timeout=10)
+            if full.returncode == 0:
+                return full.stdout.strip() + (m.group(2) or "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    raise Glm5Fp4Error(f"GLM5_FP4_GIT_SHA={value!r}: not a commit; give the full 40-hex SHA of the commit the run "
+                       "measures (git rev-parse HEAD), or a short one this checkout knows")
 
 
 def _versions(packages: tuple[str, ...] = ()) -> dict:

@@ -9,6 +9,12 @@ measured in the same run, % of that bandwidth, TFLOP/s and % of the bf16 dense G
 same run, the ratio to the balanced routing's time at the same (TP, T) ("skew ratio"), and same-run
 baselines: vLLM's Marlin MoE (when vLLM's CUDA build is importable), torch's bf16 and fp8 grouped GEMMs.
 
+Each row's first call is checked against the float64 reference (:func:`glm5_fp4.reference.moe_reference`) within the
+GPU tests' tolerance before it is timed; a row that fails carries ``error``. An expert-parallel shard is timed as rank
+0 (experts 0..E_local-1, :func:`expert_map_for`), its bytes and experts counted over its local experts, its skewed
+routings' hot experts on that rank (:mod:`glm5_fp4.bench.routing`); a row whose routing gives it no token is marked
+``skipped`` and not timed.
+
 Used by ``benchmarks/moe_kernel.py`` (the project's published table) and ``glm5-fp4 selftest`` (a user's
 own GPU), so both measure the same thing.
 """
@@ -16,6 +22,7 @@ own GPU), so both measure the same thing.
 from __future__ import annotations
 
 import math
+import re
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -25,6 +32,7 @@ import torch
 from glm5_fp4.bench import routing as R
 from glm5_fp4.bench.experts import GroupedBaselines, nvfp4_weight_bytes, random_nvfp4_experts
 from glm5_fp4.bench.timing import bf16_gemm_tflops, copy_bandwidth_gbs, graph_time_us, sm_clock_mhz
+from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.spec import Glm5Spec
 
 
@@ -45,14 +53,68 @@ class Shard:
 
 
 def glm5_shard(name: str, spec: Glm5Spec | None = None) -> Shard:
-    """``tp8``/``tp4``/``tp2``/``tp1`` (experts sharded along I) or ``ep8`` (32 whole experts of 256)."""
+    """``tp8``/``tp4``/``tp2``/``tp1`` (experts sharded along I) or ``ep8`` (32 whole experts of 256). A name GLM-5
+    cannot have is a Glm5Fp4Error: tpN must cut I into whole 16-element NVFP4 blocks (tp3 gave I=682), epN the
+    experts into equal whole sets (ep3 gave 85 of 256)."""
+    from glm5_fp4.nvfp4 import BLOCK_SIZE
+
     spec = spec or Glm5Spec()
     e, h, k, i = spec.n_routed_experts, spec.hidden_size, spec.num_experts_per_tok, spec.moe_intermediate_size
-    if name.startswith("tp"):
-        return Shard(name, e, h, i // int(name[2:]), k, e)
-    if name.startswith("ep"):
-        return Shard(name, e // int(name[2:]), h, i, k, e)
-    raise ValueError(f"unknown shard {name!r}: tpN or epN")
+    m = re.fullmatch(r"(tp|ep)([0-9]+)", name)
+    if not m:
+        raise Glm5Fp4Error(f"shard {name!r}: not tpN or epN (e.g. tp8, tp4, ep8)")
+    n = int(m.group(2))
+    if m.group(1) == "tp":
+        if n < 1 or i % (n * BLOCK_SIZE):
+            raise Glm5Fp4Error(f"shard {name!r}: TP{n} does not cut I={i} into whole {BLOCK_SIZE}-element NVFP4 "
+                               f"blocks (N must divide {i // BLOCK_SIZE})")
+        return Shard(name, e, h, i // n, k, e)
+    if n < 1 or e % n:
+        raise Glm5Fp4Error(f"shard {name!r}: EP{n} does not split GLM-5's {e} experts into equal whole sets")
+    return Shard(name, e // n, h, i, k, e)
+
+
+def shard_names(text: str) -> list[str]:
+    """A comma-separated ``--shards`` list, every name checked (:func:`glm5_shard`) before anything runs."""
+    names = [s for s in text.split(",") if s]
+    if not names:
+        raise Glm5Fp4Error("--shards: no shard given (e.g. tp8,tp4)")
+    for name in names:
+        glm5_shard(name)
+    return names
+
+
+def token_counts(text: str) -> list[int]:
+    """A comma-separated ``--tokens`` list of positive whole numbers (T=0 made a 0-byte row that looked measured)."""
+    out = []
+    for v in (v.strip() for v in text.split(",")):
+        if not v:
+            continue
+        try:
+            out.append(int(v))
+        except ValueError:
+            raise Glm5Fp4Error(f"--tokens: {v!r} is not a whole number of tokens") from None
+    return check_token_counts(out)
+
+
+def check_token_counts(tokens) -> list[int]:
+    tokens = list(tokens)
+    if not tokens:
+        raise Glm5Fp4Error("--tokens: no token count given (e.g. 1,512)")
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise Glm5Fp4Error(f"--tokens: {t!r} is not a positive whole token count")
+    return tokens
+
+
+def routing_names(text: str) -> list[str]:
+    """A comma-separated ``--routings`` list, every name checked (:func:`routing.check`)."""
+    names = [r for r in text.split(",") if r]
+    if not names:
+        raise Glm5Fp4Error("--routings: no routing given (e.g. balanced,same_k)")
+    for name in names:
+        R.check(name)
+    return names
 
 
 # Distinct layers per CUDA graph: at least DEFAULT_LAYERS, and enough that one replay's weights are L2_MARGIN x the
@@ -84,6 +146,18 @@ def layers_for(shard: Shard, l2_bytes: int | None, floor: int = DEFAULT_LAYERS, 
         per_layer = LAYER_COPIES * nvfp4_weight_bytes(shard.num_experts, shard.hidden, shard.intermediate)
         need = min(need, int(free_bytes // 2 // per_layer))
     return max(floor, need)
+
+
+def layer_count(shard: Shard, asked: int | None, l2_bytes: int | None, device: str = "cuda",
+                floor: int = DEFAULT_LAYERS) -> int:
+    """``asked`` distinct layers, or where None the table's rule (:func:`layers_for` from the GPU's L2 and free memory):
+    the one place the table, the sweep and the variant scripts get their layer counts."""
+    if asked is not None:
+        if asked < 1:
+            raise Glm5Fp4Error(f"--layers {asked}: at least one layer per CUDA graph")
+        return asked
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+    return layers_for(shard, l2_bytes, floor, free)
 
 
 def l2_may_serve(layers: int, weight_bytes: int, l2_bytes: int | None) -> bool | None:
@@ -141,6 +215,90 @@ def expert_map_for(shard: Shard, device="cuda") -> torch.Tensor | None:
     return m
 
 
+def local_load(shard: Shard, ids: torch.Tensor) -> dict:
+    """What a routing (global ids) gives the measured rank: ``desc`` (:func:`routing.describe` over its local experts)
+    and ``local_slots``. On an expert-parallel shard experts of other ranks are neither read nor counted."""
+    emap = expert_map_for(shard, ids.device)
+    local = ids.long() if emap is None else emap[ids.long()]
+    mine = local[local >= 0]
+    return {"desc": R.describe(mine.view(-1, 1), shard.num_experts), "local_slots": int(mine.numel())}
+
+
+@dataclass
+class CallInputs:
+    """One (shard, T, routing) call as every MoE benchmark makes it: ``x``, the router's weights and global ids, rank
+    0's ``expert_map`` (None unless expert parallel) and what the routing gives that rank (:func:`local_load`).
+    ``run`` / ``time`` / ``plan`` pass the map, so no caller can leave it out (the sweep once ran ids up to 255
+    against a 32-expert layer)."""
+
+    shard: Shard
+    x: torch.Tensor
+    tw: torch.Tensor
+    ids: torch.Tensor
+    expert_map: torch.Tensor | None
+    desc: dict
+    local_slots: int
+
+    @property
+    def weight_bytes(self) -> int:
+        """NVFP4 bytes of the local experts the routing touches."""
+        sh = self.shard
+        return nvfp4_weight_bytes(self.desc["experts_touched"], sh.hidden, sh.intermediate)
+
+    def no_work(self) -> str | None:
+        """Why there is nothing to time (the routing sends no token to this rank's experts), else None."""
+        if self.local_slots:
+            return None
+        return (f"the routing gives rank 0 no token (all {self.ids.numel()} slots on other ranks' experts): "
+                "nothing to time")
+
+    def plan(self, prepared, mode="w4a16", form=None):
+        from glm5_fp4.kernels.moe import default_plan
+
+        return default_plan(self.x, self.ids, prepared, mode, self.expert_map, form=form)
+
+    def run(self, prepared, plan=None, mode="w4a16", out=None):
+        from glm5_fp4.kernels.moe import fused_moe_triton
+
+        return fused_moe_triton(self.x, self.tw, self.ids, prepared, mode, out=out, plan=plan,
+                                expert_map=self.expert_map)
+
+    def time(self, layers: Layers, plan=None, mode="w4a16", stages=("align", "gemm1", "gemm2"), diag=0) -> float:
+        return time_ours(layers, self.x, self.tw, self.ids, mode, plan, stages, diag, expert_map=self.expert_map)
+
+
+def call_inputs(shard: Shard, t: int, routing: str, gen: torch.Generator, device="cuda", spec: Glm5Spec | None = None,
+                dtype: torch.dtype | None = None) -> CallInputs:
+    """Draw ``x`` and the routing of one call (hot experts on the measured rank of an expert-parallel shard)."""
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float16)  # the interpreter's bf16 dot is broken
+    x = torch.randn(t, shard.hidden, device=device, generator=gen).to(dtype)
+    tw, ids = R.make_routing(routing, t, shard.global_experts, shard.top_k, gen, device, spec=spec or Glm5Spec(),
+                             hot_experts=shard.num_experts if shard.expert_parallel else None)
+    return CallInputs(shard, x, tw, ids, expert_map_for(shard, device), **local_load(shard, ids))
+
+
+# Tokens of a row checked against the float64 reference, spread over the batch: the reference goes expert by expert
+# in float64, which at T=8192 would take longer than the row's timing; a wrong block, slot or expert still shows.
+CHECK_TOKENS = 64
+
+
+def check_against_reference(call: CallInputs, out: torch.Tensor, experts, mode: str = "w4a16") -> tuple[float, int]:
+    """(relative error, tokens checked) of ``out`` against the float64 reference of the same codes, on up to
+    CHECK_TOKENS tokens; an error over the GPU tests' tolerance (tolerances.moe_tolerance) raises."""
+    from glm5_fp4.reference import moe_reference
+    from glm5_fp4.tolerances import moe_tolerance, rel_error
+
+    t = call.x.shape[0]
+    sub = torch.linspace(0, t - 1, min(t, CHECK_TOKENS), device=call.x.device).round().long().unique()
+    ref = moe_reference(call.x[sub].double(), call.tw[sub].double(), call.ids[sub].long(), experts, mode=mode,
+                        compute_dtype=torch.float64, expert_map=call.expert_map)
+    err, tol = rel_error(out[sub], ref), moe_tolerance(mode, call.x.dtype)
+    if not err < tol:
+        raise AssertionError(f"output differs from the float64 reference by {err:.2e} (tolerance {tol:.0e}, "
+                             f"{sub.numel()} of {t} tokens checked)")
+    return err, int(sub.numel())
+
+
 def time_ours(layers: Layers, x, tw, ids, mode="w4a16", plan=None, stages=("align", "gemm1", "gemm2"), diag=0,
               expert_map=None) -> float:
     from glm5_fp4.kernels.moe import fused_moe_triton
@@ -179,7 +337,7 @@ class Context:
     baselines: bool = True
     w4a4: bool = False
     stages: bool = False
-    check: bool = True  # compare ours (and Marlin) with each other on the first row of each shard
+    check: bool = True  # each row's first call against the float64 reference (and Marlin's, where it ran)
     plan_for: object = None  # callable (shard, T) -> Plan | None overriding the defaults
     balanced_us: dict = field(default_factory=dict)
     l2_bytes: int | None = None  # the GPU's L2, to mark rows whose layers' weights fit in it
@@ -188,23 +346,21 @@ class Context:
 
 def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBaselines | None = None) -> dict:
     """Time one (shard, T, routing)."""
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton, launches_per_call
+    from glm5_fp4.kernels.moe import launches_per_call
 
     sh = layers.shard
-    dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float16  # the interpreter's bf16 dot is broken
-    x = torch.randn(t, sh.hidden, device=ctx.device, generator=ctx.gen).to(dtype)
-    tw, ids = R.make_routing(routing, t, sh.global_experts, sh.top_k, ctx.gen, ctx.device, spec=ctx.spec)
-    emap = expert_map_for(sh, ctx.device)
-    local_ids = ids if emap is None else emap[ids.long()]
-    desc = R.describe(local_ids[local_ids >= 0].view(-1, 1) if emap is not None else ids, sh.num_experts)
-    weight_bytes = nvfp4_weight_bytes(desc["experts_touched"], sh.hidden, sh.intermediate)
+    call = call_inputs(sh, t, routing, ctx.gen, ctx.device, ctx.spec)
+    x, tw, ids, emap, desc = call.x, call.tw, call.ids, call.expert_map, call.desc
+    head = dict(shard=sh.name, tp=int(sh.name[2:]) if sh.name.startswith("tp") else None, experts=sh.num_experts,
+                intermediate=sh.intermediate, tokens=t, routing=routing, **desc)
+    if call.no_work():
+        return dict(head, skipped=call.no_work())
+    weight_bytes = call.weight_bytes
     need = weight_bytes + 2 * t * sh.hidden * 2
-    local_slots = int((local_ids >= 0).sum())
-    flops = 2 * local_slots * 3 * sh.intermediate * sh.hidden
+    flops = 2 * call.local_slots * 3 * sh.intermediate * sh.hidden
     plan = ctx.plan_for(sh, t) if ctx.plan_for else None
-    plan = plan or default_plan(x, ids, layers.prepared[0], "w4a16", emap)
-    r = dict(shard=sh.name, tp=int(sh.name[2:]) if sh.name.startswith("tp") else None, experts=sh.num_experts,
-             intermediate=sh.intermediate, tokens=t, routing=routing, **desc, bytes_needed=need, gflop=flops / 1e9,
+    plan = plan or call.plan(layers.prepared[0])
+    r = dict(head, bytes_needed=need, gflop=flops / 1e9,
              floor_us=need / (ctx.copy_gbs * 1e9) * 1e6, compute_floor_us=flops / (ctx.bf16_tflops * 1e12) * 1e6,
              schedule=plan.schedule, launches=launches_per_call(plan), gemm1=plan.gemm1.__dict__,
              gemm2=plan.gemm2.__dict__, gemm2_n_split=plan.gemm2_n_split, gemm1_split_k=plan.gemm1_split_k,
@@ -213,12 +369,11 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
              gemm2_split_slots=plan.gemm2_split_slots, dedup_fused_finalize=plan.dedup_fused_finalize,
              finalize_block=plan.finalize_block)
     if ctx.check:
-        out = fused_moe_triton(x, tw, ids, layers.prepared[0], plan=plan, expert_map=emap)
-        if not torch.isfinite(out).all():
-            raise AssertionError("non-finite output")
+        out = call.run(layers.prepared[0], plan)
+        r["rel_err_vs_reference"], r["checked_tokens"] = check_against_reference(call, out, layers.experts[0])
         if layers.marlin and emap is None:
             r["rel_diff_vs_marlin"] = rel_err(out, layers.marlin[0].run(x, tw, ids))
-    us = time_ours(layers, x, tw, ids, plan=plan, expert_map=emap)
+    us = call.time(layers, plan)
     r["sm_clock_mhz"] = sm_clock_mhz() if ctx.device == "cuda" else None
     if ctx.l2_bytes:
         r["l2_may_serve"] = l2_may_serve(len(layers.prepared), weight_bytes, ctx.l2_bytes)
@@ -232,15 +387,13 @@ def row(ctx: Context, layers: Layers, t: int, routing: str, grouped: GroupedBase
         r["skew_ratio"] = us / ctx.balanced_us[key]
     if ctx.stages and plan.schedule == "grouped":
         try:
-            r["stage_us"] = {
-                "align": time_ours(layers, x, tw, ids, plan=plan, stages=("align",), expert_map=emap),
-                "align+gemm1": time_ours(layers, x, tw, ids, plan=plan, stages=("align", "gemm1"), expert_map=emap),
-            }
+            r["stage_us"] = {"align": call.time(layers, plan, stages=("align",)),
+                             "align+gemm1": call.time(layers, plan, stages=("align", "gemm1"))}
         except Exception as exc:  # noqa: BLE001
             r["stage_us"] = {"error": repr(exc)[:300]}
     if ctx.w4a4:
         try:
-            r["us_w4a4"] = time_ours(layers, x, tw, ids, mode="w4a4", expert_map=emap)
+            r["us_w4a4"] = call.time(layers, mode="w4a4")
         except Exception as exc:  # noqa: BLE001
             r["us_w4a4"] = repr(exc)[:300]
     if layers.marlin and emap is None:
@@ -266,8 +419,15 @@ def run_table(shards, tokens, routings, layers: int | None = None, marlin: bool 
               min_layers: int = DEFAULT_LAYERS) -> dict:
     """Every (shard, T, routing) row plus the same-run ceilings; rows that fail carry ``error``. ``shards``:
     names for :func:`glm5_shard` or :class:`Shard` objects. ``layers``: distinct layers per CUDA graph; None: per
-    shard from the GPU's L2 (:func:`layers_for`, at least ``min_layers``). The counts used: ``out["layers"]``."""
+    shard from the GPU's L2 (:func:`layers_for`, at least ``min_layers``). The counts used: ``out["layers"]``.
+    Every shard name, token count and routing is checked before anything is measured (a Glm5Fp4Error names it)."""
     spec = Glm5Spec()
+    shards = [glm5_shard(name, spec) if isinstance(name, str) else name for name in shards]
+    check_token_counts(tokens)
+    for rt in routings:
+        R.check(rt)
+    if layers is not None and layers < 1:
+        raise Glm5Fp4Error(f"--layers {layers}: at least one layer per CUDA graph")
     gen = torch.Generator(device=device).manual_seed(seed)
     ctx = Context(copy_bandwidth_gbs(), bf16_gemm_tflops(), spec, gen, baselines, w4a4, stages, True, plan_for,
                   device=device)
@@ -278,12 +438,8 @@ def run_table(shards, tokens, routings, layers: int | None = None, marlin: bool 
         progress(f"copy {ctx.copy_gbs:.0f} GB/s, bf16 {ctx.bf16_tflops:.0f} TFLOP/s")
     # balanced first: the skew ratios of a (shard, T) refer to its balanced row
     routings = sorted(routings, key=lambda r: r != "balanced")
-    for name in shards:
-        sh = glm5_shard(name, spec) if isinstance(name, str) else name
-        count = layers
-        if count is None:
-            free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
-            count = layers_for(sh, ctx.l2_bytes, min_layers, free)
+    for sh in shards:
+        count = layer_count(sh, layers, ctx.l2_bytes, device, min_layers)
         out["layers"][sh.name] = count
         lay = make_layers(sh, count, gen, marlin=marlin and not sh.expert_parallel, device=device)
         if marlin and out["marlin"] is None:
@@ -317,6 +473,8 @@ def run_table(shards, tokens, routings, layers: int | None = None, marlin: bool 
 def summary_line(r: dict) -> str:
     if "error" in r:
         return f"{r['shard']} T={r['tokens']} {r['routing']}: ERROR {r['error'][:200]}"
+    if "skipped" in r:
+        return f"{r['shard']} T={r['tokens']} {r['routing']}: not timed, {r['skipped']}"
     s = (f"{r['shard']} T={r['tokens']} {r['routing']}: {r['us']:.1f} us, floor {r['floor_us']:.1f} "
          f"({r['pct_copy_bw']:.0f} % BW, {r['pct_bf16']:.0f} % bf16)")
     if "skew_ratio" in r and r["routing"] != "balanced":
@@ -358,6 +516,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r.get('shard')} | {r.get('tokens')} | {r.get('routing')} | error: {r['error'][:80]} |"
                          + " |" * 11)
+            continue
+        if "skipped" in r:
+            lines.append(f"| {r['shard']} | {r['tokens']} | {r['routing']} | {r.get('experts_touched')} | "
+                         f"not timed: {r['skipped'][:80]} |" + " |" * 10)
             continue
         lines.append(
             f"| {r['shard']} | {r['tokens']} | {r['routing']} | {r['experts_touched']} | {r['max_tokens_per_expert']} | "
