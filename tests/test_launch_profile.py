@@ -223,3 +223,25 @@ def test_a_key_that_is_not_a_string_is_named(tmp_path, line, shown):
     """YAML reads a bare number, yes/no or on/off as a number or a boolean: not a field name (was a TypeError)."""
     with pytest.raises(Glm5Fp4Error, match=f"key {shown} is not a field name"):
         load_profile(write(tmp_path, f"model: /m\n{line}\n"))
+
+
+@pytest.mark.parametrize("var,field", [("GLM5_FP4_BACKEND", "backend"), ("GLM5_FP4_MODE", "mode")])
+def test_env_may_not_set_our_options_which_the_glm5_fp4_field_sets(tmp_path, var, field):
+    """vLLM took backend/mode from --additional-config (the profile's glm5_fp4 field) while SGLang took env's value:
+    one profile ran two MoE backends. The variable in env is refused, pointing at the field."""
+    path = write(tmp_path, f"model: /m\nenv: {{{var}: reference, NCCL_MIN_NCHANNELS: '8'}}\n")
+    with pytest.raises(Glm5Fp4Error) as err:
+        load_profile(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: ") and var in msg and f"glm5_fp4: {{{field}: ...}}" in msg, msg
+
+
+@pytest.mark.parametrize("key,shown", [("A=B", "'A=B'"), ("", "''"), ("A\0B", r"'A\x00B'")])
+def test_env_names_the_server_cannot_be_started_with_are_refused(key, shown):
+    """A name with '=' (or empty, or with a NUL byte) passed --dry-run and died in Popen with a traceback."""
+    with pytest.raises(Glm5Fp4Error) as err:
+        profile_from_dict({"model": "/m", "env": {key: "1"}}, "p.yaml")
+    msg = str(err.value)
+    assert msg.startswith("p.yaml: field 'env'") and shown in msg, msg
+    with pytest.raises(Glm5Fp4Error, match=r"p.yaml: field 'env'.*'A'.*NUL"):
+        profile_from_dict({"model": "/m", "env": {"A": "x\0y"}}, "p.yaml")

@@ -210,3 +210,50 @@ def test_a_profile_launch_says_which_backend_runs_on_both_engines(engine, capsys
     else:
         assert "GLM5_FP4_BACKEND=auto" in out
     assert "GLM5_FP4_BACKEND=reference" in err and "glm5_fp4.backend" in err
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_one_profile_runs_one_backend_on_both_engines(tmp_path, capsys, engine):
+    """tp8.yaml + env {GLM5_FP4_BACKEND: reference, GLM5_FP4_MODE: w4a16} with --mode w4a4: vLLM ran auto/w4a4
+    (--additional-config), SGLang reference/w4a16 (env over the generated variables), without a warning."""
+    profile = yaml.safe_load((ROOT / "launch" / "tp8.yaml").read_text())
+    profile["env"] = {"GLM5_FP4_BACKEND": "reference", "GLM5_FP4_MODE": "w4a16"}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    rc = cli_main(["serve", "--profile", str(path), "--engine", engine, "--mode", "w4a4", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 1 and str(path) in err and "GLM5_FP4_BACKEND" in err and "glm5_fp4: {backend: ...}" in err, err
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("flag,value", [("--backend", "auto"), ("--mode", "auto")])
+def test_backend_and_mode_auto_override_the_profile(tmp_path, capsys, engine, flag, value):
+    """`--backend auto` / `--mode auto` were dropped as if not given, so a profile's triton/w4a4 ran instead."""
+    profile = yaml.safe_load((ROOT / "launch" / "tp8.yaml").read_text())
+    profile["glm5_fp4"] = {"backend": "triton", "mode": "w4a4"}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    assert cli_main(["serve", "--profile", str(path), "--engine", engine, flag, value, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    backend, mode = ("auto", "w4a4") if flag == "--backend" else ("triton", "auto")
+    if engine == "vllm":
+        assert f'"glm5_fp4":{{"backend":"{backend}","mode":"{mode}"}}' in out, out
+    else:
+        assert f"GLM5_FP4_BACKEND={backend} GLM5_FP4_MODE={mode}" in out, out
+
+
+@pytest.mark.parametrize("via", ["flag", "profile-vllm", "profile-sglang"])
+def test_a_model_path_too_long_for_the_os_is_named_not_a_traceback(tmp_path, capsys, via):
+    """Path(model).is_dir() raised OSError (ENAMETOOLONG) for a 300-character name."""
+    model = "/tmp/" + "m" * 300
+    if via == "flag":
+        argv = ["serve", "--model", model, "--dry-run"]
+    else:
+        path = tmp_path / "p.yaml"
+        path.write_text(yaml.safe_dump({"model": model, "engine": via.split("-")[1]}))
+        argv = ["serve", "--profile", str(path), "--dry-run"]
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err
+    where = "--model" if via == "flag" else f"model in {tmp_path / 'p.yaml'}"
+    assert where in err and "File name too long" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -188,3 +188,49 @@ def test_a_port_another_server_answers_on_is_refused_before_starting(tmp_path):
     assert proc.returncode == 1, out
     assert f"port {port} on 127.0.0.1 is already in use" in out and "ready after" not in out, out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_a_stop_signal_after_ready_exits_128_plus_its_number(tmp_path, sig, code):
+    """SIGTERM to a ready `serve` exited 0, so a supervisor could not tell a stop from a clean finish."""
+    proc, pid = _start_serve(tmp_path)
+    try:
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=30)[0]
+        assert proc.returncode == code, out
+        assert _wait_dead(pid) and "Traceback" not in out, out
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+
+
+# A stand-in that becomes ready, then goes away by itself after a second: {how}
+DYING_ENGINE = """#!{python}
+import http.server, os, signal, sys, threading, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+threading.Thread(target=lambda: (time.sleep(1.5), {how}), daemon=True).start()
+""" + HEALTH_SERVER
+
+
+@pytest.mark.parametrize("how,code,status", [
+    ("os.kill(os.getpid(), signal.SIGKILL)", 137, "killed by SIGKILL"),
+    ("os._exit(3)", 3, "exit code 3"),
+    # vLLM 0.33 when its engine core dies: the watchdog sets should_exit and the API server returns normally
+    ("os._exit(0)", 1, "exit code 0"),
+], ids=["sigkill", "exit-3", "exit-0"])
+def test_a_server_that_goes_away_after_ready_fails_serve(tmp_path, how, code, status):
+    """A server SIGKILLed after ready made `serve` exit 247 (run() returned -9), one that exited 0 by itself made it
+    exit 0: any exit `serve` did not ask for is a failure, named on one line with the server's status."""
+    proc, pid = _start_serve(tmp_path, DYING_ENGINE.format(python=sys.executable, how=how))
+    try:
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode == code, out
+    lines = [line for line in out.splitlines() if "exited unexpectedly" in line]
+    assert len(lines) == 1 and status in lines[0] and "server.log" in lines[0], out
+    assert "Traceback" not in out, out
