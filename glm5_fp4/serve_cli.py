@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from glm5_fp4.engines.vllm.serve import build_launch, launch_vllm
-    from glm5_fp4.server_process import install_stop_signals, serve_until_stopped
+    from glm5_fp4.launch.spelling import read_as, spelled
+    from glm5_fp4.server_process import install_stop_signals, local_model_dir, serve_until_stopped
 
     extra = list(args.vllm_args)
     if extra and extra[0] == "--":
@@ -74,10 +75,14 @@ def run(args: argparse.Namespace) -> int:
         raise Glm5Fp4Error("--engine/--moe-backend/--cuda-graphs need --profile (e.g. --profile launch/cpu-demo.yaml)")
     args.port = 8000 if args.port is None else args.port
     args.host = args.host or "127.0.0.1"
-    if any(a == "--host" or a.startswith("--host=") for a in extra):
-        raise Glm5Fp4Error("pass --host to glm5-fp4 serve itself, not after --, so its bind check applies")
+    for arg in extra:  # vLLM reads --hos as --host too: any spelling of it would dodge the bind check
+        for flag in read_as("vllm", arg, ("--host", "--port")):
+            raise Glm5Fp4Error(f"{spelled('vllm', arg, flag)} after --: pass {flag} to glm5-fp4 serve itself, not "
+                               f"after --, so its {'bind' if flag == '--host' else 'port'} check applies")
     check_bind_host(args.host, args.allow_remote)
-    if not is_loopback(args.host) and "--api-key" not in extra and not os.environ.get("VLLM_API_KEY"):
+    local_model_dir(args.model)
+    has_key = any(read_as("vllm", a, ("--api-key",)) for a in extra)
+    if not is_loopback(args.host) and not has_key and not os.environ.get("VLLM_API_KEY"):
         print(f"warning: serving on {args.host} without an API key (add -- --api-key KEY)", file=sys.stderr)
     plugin = not args.stock
     if args.stock and (args.backend is not None or args.mode is not None):
@@ -104,7 +109,7 @@ def _serve_profile(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.stock or args.quantization != "glm5_nvfp4":
         raise Glm5Fp4Error("with --profile, choose stock vs ours with --moe-backend (and the profile's quantization)")
-    ours = {k: v for k, v in (("backend", args.backend), ("mode", args.mode)) if v not in (None, "auto")}
+    ours = {k: v for k, v in (("backend", args.backend), ("mode", args.mode)) if v is not None}
     overrides = {"engine": args.engine, "model": args.model, "moe_backend": args.moe_backend,
                  "cuda_graphs": args.cuda_graphs, "host": args.host, "port": args.port,
                  "glm5_fp4": ours or None}

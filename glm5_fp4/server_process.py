@@ -92,6 +92,25 @@ def check_port_free(host: str, port: int) -> None:
             raise Glm5Fp4Error(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
 
 
+def local_model_dir(model: str | os.PathLike, where: str = "--model") -> bool:
+    """Whether ``model`` is a local directory (else a Hugging Face id, left to the engine). A path the OS will not
+    look up (a name over 255 bytes, a directory it may not enter) is one error naming ``where``, not an OSError."""
+    try:
+        return Path(model).is_dir()
+    except OSError as exc:
+        raise Glm5Fp4Error(f"{where} {model}: {exc.strerror or exc}") from None
+
+
+def exit_status(returncode: int) -> str:
+    """A server's return code as a shell would describe it."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
 def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, header: str,
           listen: tuple[str, int] | None = None) -> subprocess.Popen:
     """Start a server: output appended to ``log_path`` after a ``# header`` line, its own process group, and
@@ -233,10 +252,14 @@ def serve_until_stopped(handle: ServerProcess, timeout: float, url: str) -> int:
         print(f"ready after {took:.0f} s: {url} (Ctrl-C stops the server)", flush=True)
         while handle.process.poll() is None:
             time.sleep(1.0)
-        print(f"{handle.name} server exited with code {handle.process.returncode} (log: {handle.log_path})")
-        return handle.process.returncode or 0
+        # Only a stop signal ends a ready server on purpose: an engine whose core died can still exit 0 (vLLM 0.33's
+        # watchdog just ends the API server), and a supervisor must see that as a failure.
+        code = handle.process.returncode
+        print(f"{handle.name} server exited unexpectedly ({exit_status(code)}; log: {handle.log_path})",
+              file=sys.stderr, flush=True)
+        return 128 - code if code < 0 else code or 1
     except KeyboardInterrupt:
         print(f"stopping {handle.name} server", flush=True)
-        return 0
+        raise  # the command's exit status is 128 + the signal's number (glm5_fp4.cli)
     finally:
         handle.stop()

@@ -79,6 +79,8 @@ from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.launch.profile import LaunchProfile
+from glm5_fp4.launch.spelling import read_as, spelled
+from glm5_fp4.server_process import local_model_dir
 
 VLLM_GRAPH_MODE = {"full": "FULL_AND_PIECEWISE", "piecewise": "PIECEWISE", "off": "NONE"}
 SGLANG_GRAPH_BACKENDS = {  # mode -> (decode, prefill)
@@ -167,14 +169,17 @@ EP_COMM_DEFAULT = {"vllm": "allgather_reducescatter", "sglang": "none"}
 EP_COMM_GATHERS = {"vllm": ("allgather_reducescatter", "naive"), "sglang": ("none",)}
 
 
-def _flag_value(args: list[str], flag: str) -> str | None:
-    """The last value given for ``flag`` (``--flag V`` or ``--flag=V``), as argparse would keep it."""
+def _flag_value(engine: str, args: list[str], flag: str) -> str | None:
+    """The last value given for ``flag`` under any spelling the engine reads as it (``--flag V``, ``--flag=V``), as
+    argparse would keep it."""
     value = None
     for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
+        if not read_as(engine, arg, (flag,)):
+            continue
+        if "=" in arg:
             value = arg.split("=", 1)[1]
+        elif i + 1 < len(args):
+            value = args[i + 1]
     return value
 
 
@@ -183,7 +188,8 @@ def ep_communication(profile: LaunchProfile) -> tuple[str, str] | None:
     what :mod:`glm5_fp4.cost_model` prices; None for other layouts."""
     if profile.data_parallel == 1 or not profile.expert_parallel:
         return None
-    name = _flag_value(profile.engine_extra_args(), EP_COMM_FLAG[profile.engine]) or EP_COMM_DEFAULT[profile.engine]
+    engine = profile.engine
+    name = _flag_value(engine, profile.engine_extra_args(), EP_COMM_FLAG[engine]) or EP_COMM_DEFAULT[engine]
     return name, "agrs" if name in EP_COMM_GATHERS[profile.engine] else "a2a"
 
 
@@ -208,7 +214,7 @@ def _batch_is(profile: LaunchProfile) -> str:
     return f"max_concurrency / data_parallel per DP rank ({profile.max_concurrency} / {profile.data_parallel})"
 
 
-# -- flags the profile owns: extra_args must not repeat them ---------------------------------------------
+# -- flags the profile owns: extra_args must not repeat them, in any spelling the engine reads as them -----
 
 _VLLM_OWNED = {
     "--model": "model", "--host": "host", "--port": "port", "--quantization": "quantization", "-q": "quantization",
@@ -218,7 +224,10 @@ _VLLM_OWNED = {
     "--enable-expert-parallel": "expert_parallel", "-ep": "expert_parallel",
     "--moe-backend": "moe_backend", "--kv-cache-dtype": "kv_cache_dtype", "--max-num-seqs": "max_concurrency",
     "--max-cudagraph-capture-size": "max_concurrency", "-cc.cudagraph_mode": "cuda_graphs",
-    "--enforce-eager": "cuda_graphs",
+    "--compilation-config.cudagraph_mode": "cuda_graphs", "--enforce-eager": "cuda_graphs",
+    # the negative forms of boolean flags (vLLM 0.32: --no-X, 0.33: --disable-X too)
+    "--no-enforce-eager": "cuda_graphs", "--no-enable-expert-parallel": "expert_parallel",
+    "--disable-expert-parallel": "expert_parallel",
 }
 _SGLANG_OWNED = {
     "--model-path": "model", "--model": "model", "--host": "host", "--port": "port",
@@ -236,17 +245,27 @@ _SGLANG_OWNED = {
 }
 
 
+def owned_flag(engine: str, arg: str) -> tuple[str, str] | None:
+    """(flag, profile field) when the engine reads ``arg`` as a flag a profile sets: ``--host``, ``--host=...`` and
+    any other spelling its parser takes for it (``--hos``, vLLM's ``--tensor_parallel_size``; see
+    :mod:`glm5_fp4.launch.spelling`)."""
+    table = _VLLM_OWNED if engine == "vllm" else _SGLANG_OWNED
+    hits = read_as(engine, arg, table)
+    return (hits[0], table[hits[0]]) if hits else None
+
+
 def owned_field(engine: str, arg: str) -> str | None:
-    """The profile field that sets engine flag ``arg`` (``--host`` or ``--host=...``), if a profile sets it."""
-    return (_VLLM_OWNED if engine == "vllm" else _SGLANG_OWNED).get(arg.split("=", 1)[0])
+    """The profile field that sets the engine flag ``arg`` is read as, if a profile sets it."""
+    owned = owned_flag(engine, arg)
+    return owned[1] if owned else None
 
 
 def _check_extra_args(profile: LaunchProfile, extra: list[str], origin: str) -> None:
     for arg in extra:
-        field = owned_field(profile.engine, arg)
-        if field:
-            raise Glm5Fp4Error(f"{origin}: extra_args repeats {arg.split('=', 1)[0]}, which the profile sets from "
-                               f"field {field!r}; change that field instead")
+        owned = owned_flag(profile.engine, arg)
+        if owned:
+            raise Glm5Fp4Error(f"{origin}: extra_args repeats {spelled(profile.engine, arg, owned[0])}, which the "
+                               f"profile sets from field {owned[1]!r}; change that field instead")
     _check_ep_communication(profile, origin)
 
 
@@ -262,7 +281,8 @@ def _vllm_parallel_flags(profile: LaunchProfile) -> list[Flag]:
         flags.append(Flag(("--enable-expert-parallel",),
                           f"expert_parallel: {profile.ep_size} GPUs hold whole experts (expert_map per layer)"))
     comm = ep_communication(profile)
-    if comm is not None and profile.uses_ours and not _flag_value(profile.engine_extra_args(), EP_COMM_FLAG["vllm"]):
+    given = _flag_value("vllm", profile.engine_extra_args(), EP_COMM_FLAG["vllm"])
+    if comm is not None and profile.uses_ours and not given:
         flags.append(Flag((EP_COMM_FLAG["vllm"], EP_COMM_DEFAULT["vllm"]),
                           "the dispatch our MoE method runs under: tokens all-gathered, partial sums reduce-scattered"))
     return flags
@@ -296,6 +316,7 @@ def build_vllm(profile: LaunchProfile, python: str | None = None, environ: Mappi
     """vLLM's OpenAI server for ``profile``, through the plugin's launcher (which adds the CPU-build fixes)."""
     from glm5_fp4.engines.vllm.serve import build_launch
 
+    local_model_dir(profile.model, f"model in {origin}:")  # build_launch's own probe would blame --model
     c = _per_replica(profile)
     ours = profile.uses_ours
     flags = _vllm_parallel_flags(profile)
@@ -438,7 +459,7 @@ def build_sglang(profile: LaunchProfile, python: str | None = None, environ: Map
             continue
         env[key] = value
         env_why[key] = "profile env"
-    if Path(profile.model).is_dir() and "HF_HUB_OFFLINE" not in {**environ, **env}:
+    if local_model_dir(profile.model, f"model in {origin}:") and "HF_HUB_OFFLINE" not in {**environ, **env}:
         env["HF_HUB_OFFLINE"] = "1"
         env_why["HF_HUB_OFFLINE"] = "local checkpoint: no hub lookups"
     args = tuple(a for f in flags for a in f.args)

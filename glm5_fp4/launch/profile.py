@@ -15,7 +15,8 @@ Example (``launch/tp8.yaml``)::
     host: 127.0.0.1
     glm5_fp4: {backend: auto, mode: auto}   # our backend's options (ignored for stock backends)
     extra_args: []              # appended verbatim; or {vllm: [...], sglang: [...]}
-    env: {}                     # added to the server's environment (wins over generated variables)
+    env: {}                     # added to the server's environment (wins over generated variables; not
+                                # GLM5_FP4_BACKEND/MODE: the glm5_fp4 field sets those for both engines)
 
 Loading validates every field; the first problem becomes one :class:`Glm5Fp4Error` that names the file, the
 field and the allowed values. Command-line overrides (``--engine`` ...) are validated the same way and the
@@ -45,6 +46,8 @@ from glm5_fp4.settings import BACKEND_CHOICES, MODE_CHOICES
 CUDA_GRAPH_MODES = ("piecewise", "full", "off")
 Engine = Literal["vllm", "sglang"]
 OUR_BACKENDS, OUR_MODES = BACKEND_CHOICES, MODE_CHOICES
+# variable -> the glm5_fp4 option the profile's glm5_fp4 field sets it from (env may not set them)
+OUR_ENV = {"GLM5_FP4_BACKEND": "backend", "GLM5_FP4_MODE": "mode"}
 # Quantization method per engine: None picks the right one for the MoE backend (see engine_choices).
 QUANTIZATIONS = {"vllm": ("glm5_nvfp4", "modelopt_fp4", "none"), "sglang": ("modelopt_fp4", "none")}
 
@@ -149,6 +152,22 @@ class LaunchProfile(BaseModel):
     def _env_as_strings(cls, value: object) -> object:
         if isinstance(value, dict):
             return {str(k): _scalar_to_str(v) for k, v in value.items()}
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_startable(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, text in value.items():
+            # what execve cannot pass (Popen would raise in the middle of `serve`, after --dry-run said fine)
+            if not key or "=" in key or "\0" in key:
+                raise ValueError(f"{key!r} is not a variable name (it must be non-empty, without '=' or NUL)")
+            if "\0" in text:
+                raise ValueError(f"{key!r}: the value contains a NUL byte")
+            # vLLM reads these from --additional-config, which the glm5_fp4 field writes, SGLang from the
+            # environment: set here they would make the same profile run a different backend on each engine
+            if key in OUR_ENV:
+                raise ValueError(f"{key} is our backend's option {OUR_ENV[key]!r}: set it as glm5_fp4: "
+                                 f"{{{OUR_ENV[key]}: ...}} in the profile (both engines get it from there)")
         return value
 
     # -- derived ------------------------------------------------------------------------------------

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.server_process import ServerProcess, install_stop_signals, serve_until_stopped, spawn
-from glm5_fp4.launch.commands import EngineCommand, build_command, owned_field
+from glm5_fp4.server_process import ServerProcess, install_stop_signals, local_model_dir, serve_until_stopped, spawn
+from glm5_fp4.launch.commands import EngineCommand, build_command, owned_flag
 from glm5_fp4.launch.engine_choices import OURS
 from glm5_fp4.launch.profile import load_profile
+from glm5_fp4.launch.spelling import spelled
 from glm5_fp4.loopback import check_bind_host
 
 # serve flag -> profile field; the flags `glm5-fp4 serve --profile` accepts as overrides
@@ -82,12 +83,15 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     """
     profile = load_profile(profile_path, overrides, OVERRIDE_FLAGS)
     for arg in extra_args or ():  # the command line's own extras: blamed on it, not on the file's extra_args
-        field = owned_field(profile.engine, arg)
-        if field:
+        owned = owned_flag(profile.engine, arg)
+        if owned:
+            flag, field = owned
             instead = (f"pass {OVERRIDE_FLAGS[field]} to glm5-fp4 serve" if field in OVERRIDE_FLAGS
                        else f"change field {field!r} in {profile_path}")
-            raise Glm5Fp4Error(f"{arg.split('=', 1)[0]} after --: the profile sets it from field {field!r}; "
-                               f"{instead} instead")
+            raise Glm5Fp4Error(f"{spelled(profile.engine, arg, flag)} after --: the profile sets it from field "
+                               f"{field!r}; {instead} instead")
+    where = "--model" if overrides.get("model") else f"model in {profile_path}:"
+    local_model_dir(profile.model, where)  # a path the OS refuses (too long): named here, not a traceback later
     if extra_args:
         profile = profile.model_copy(update={"extra_args": [*profile.engine_extra_args(), *extra_args]})
     check_bind_host(profile.host, allow_remote, "--host" if overrides.get("host") else f"host in {profile_path}:")
@@ -105,7 +109,6 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
         return 0
     from glm5_fp4.checkpoint.inspect import check_model_dir  # imports torch: only when about to launch
 
-    where = "--model" if overrides.get("model") else f"model in {profile_path}:"
     check_model_dir(profile.model, where)  # before the engine starts, not seconds into its own start-up
     log = log_file or f"glm5-fp4-{profile.engine}-{profile.effective_port}.log"
     install_stop_signals()

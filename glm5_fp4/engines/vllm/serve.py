@@ -30,8 +30,9 @@ from pathlib import Path
 from glm5_fp4.engines.vllm import compat
 from glm5_fp4.engines.vllm.settings import CONFIG_KEY
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.launch.spelling import read_as
 from glm5_fp4.settings import BACKEND_CHOICES, MODE_CHOICES
-from glm5_fp4.server_process import ServerProcess, spawn
+from glm5_fp4.server_process import ServerProcess, local_model_dir, spawn
 
 PLUGIN_NAME = "glm5_fp4"  # our entry-point name in vllm.general_plugins
 QUANTIZATIONS = ("glm5_nvfp4", "modelopt_fp4", "none")
@@ -57,14 +58,19 @@ class LaunchSpec:
 
 
 def _split_additional_config(extra: Sequence[str]) -> tuple[list[str], dict]:
-    """Remove ``--additional-config`` from the user's extra args, returning it parsed, to merge ours in."""
+    """Remove ``--additional-config`` (any spelling vLLM reads as it) from the user's extra args, returning it parsed,
+    to merge ours in: vLLM keeps only the last one."""
     rest, merged, i = [], {}, 0
     while i < len(extra):
         arg = extra[i]
-        if arg == "--additional-config" and i + 1 < len(extra):
-            value, i = extra[i + 1], i + 2
-        elif arg.startswith("--additional-config="):
+        given = _has_flag([arg], "--additional-config")
+        if given and "." in arg.split("=", 1)[0]:  # vLLM builds a whole new object from it, replacing ours
+            raise Glm5Fp4Error(f"{arg.split('=', 1)[0]}: give --additional-config as one JSON object, e.g. "
+                               """--additional-config '{"glm5_fp4": {"backend": "triton"}}'""")
+        if given and "=" in arg:
             value, i = arg.split("=", 1)[1], i + 1
+        elif given and i + 1 < len(extra):
+            value, i = extra[i + 1], i + 2
         else:
             rest.append(arg)
             i += 1
@@ -80,7 +86,7 @@ def _split_additional_config(extra: Sequence[str]) -> tuple[list[str], dict]:
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+    return any(read_as("vllm", a, (flag,)) for a in args)
 
 
 def build_launch(model: str | os.PathLike, port: int = 8000, backend: str | None = None,
@@ -134,7 +140,7 @@ def build_launch(model: str | os.PathLike, port: int = 8000, backend: str | None
         overrides["VLLM_TARGET_DEVICE"] = "cpu"
         if not _has_flag(rest, "--kv-cache-memory-bytes") and "VLLM_CPU_KVCACHE_SPACE" not in base_env:
             overrides["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KV_GIB
-    if Path(model).is_dir() and "HF_HUB_OFFLINE" not in base_env:
+    if local_model_dir(model) and "HF_HUB_OFFLINE" not in base_env:
         overrides["HF_HUB_OFFLINE"] = "1"
     allowed = base_env.get("VLLM_PLUGINS")
     if not plugin:
