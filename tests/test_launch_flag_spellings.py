@@ -217,3 +217,20 @@ def test_what_we_refuse_is_what_the_engines_parser_reads_as_a_flag_we_set(case, 
     assert not missed, f"{len(missed)} spellings the engine reads as a profile's flag pass: {missed[:30]}"
     assert not wrongly, f"{len(wrongly)} spellings of other flags refused: {wrongly[:30]}"
     assert len(read) > 1000  # the probe saw the parser's options
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("arg", ["--config", "--config=x.yaml", "--conf"])
+def test_an_engine_config_file_is_refused_in_every_place_extra_args_come_from(engine, arg, tmp_path, capsys):
+    """Both engines take `--config FILE` whose keys set any flag (`host: 0.0.0.0` among them), past the bind-host
+    and profile-field checks; it is refused where extra args enter: a profile's extra_args, `serve --profile ... --`
+    and plain `serve --model ... --`."""
+    extra = [arg] if "=" in arg else [arg, str(tmp_path / "engine.yaml")]
+    profile = profile_from_dict({"model": "/m", "engine": engine, "extra_args": extra})
+    with pytest.raises(Glm5Fp4Error, match="config file"):
+        build_command(profile, origin="x.yaml")
+    rc = cli_main(["serve", "--profile", str(LAUNCH / "tp8.yaml"), "--engine", engine, "--dry-run", "--", *extra])
+    assert rc != 0 and "config file" in capsys.readouterr().err
+    if engine == "vllm":
+        rc = cli_main(["serve", "--model", str(tmp_path), "--dry-run", "--", *extra])
+        assert rc != 0 and "config file" in capsys.readouterr().err
