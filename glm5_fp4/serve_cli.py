@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         raise Glm5Fp4Error("--engine/--moe-backend/--cuda-graphs need --profile (e.g. --profile launch/cpu-demo.yaml)")
     args.port = 8000 if args.port is None else args.port
     args.host = args.host or "127.0.0.1"
+    from glm5_fp4.launch.commands import refuse_config_file
+
+    refuse_config_file("vllm", extra, "after --")
     for arg in extra:  # vLLM reads --hos as --host too: any spelling of it would dodge the bind check
         for flag in read_as("vllm", arg, ("--host", "--port")):
             raise Glm5Fp4Error(f"{spelled('vllm', arg, flag)} after --: pass {flag} to glm5-fp4 serve itself, not "

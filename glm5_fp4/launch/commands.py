@@ -245,6 +245,19 @@ _SGLANG_OWNED = {
 }
 
 
+# Both engines read `--config FILE` (YAML keys for any of their flags): `host: 0.0.0.0` or a profile's sizes in it
+# would pass every check above, so it is refused wherever extra args come in.
+CONFIG_FILE_FLAG = "--config"
+
+
+def refuse_config_file(engine: str, args: list[str], where: str) -> None:
+    for arg in args:
+        if read_as(engine, arg, (CONFIG_FILE_FLAG,)):
+            raise Glm5Fp4Error(f"{where}: {spelled(engine, arg, CONFIG_FILE_FLAG)} passes an engine config file, whose "
+                               "keys can set any flag (the bind host, the profile's sizes) past glm5-fp4's checks; "
+                               "give its settings as flags instead")
+
+
 def owned_flag(engine: str, arg: str) -> tuple[str, str] | None:
     """(flag, profile field) when the engine reads ``arg`` as a flag a profile sets: ``--host``, ``--host=...`` and
     any other spelling its parser takes for it (``--hos``, vLLM's ``--tensor_parallel_size``; see
@@ -261,6 +274,7 @@ def owned_field(engine: str, arg: str) -> str | None:
 
 
 def _check_extra_args(profile: LaunchProfile, extra: list[str], origin: str) -> None:
+    refuse_config_file(profile.engine, extra, f"{origin}: extra_args")
     for arg in extra:
         owned = owned_flag(profile.engine, arg)
         if owned:
