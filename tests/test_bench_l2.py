@@ -67,3 +67,14 @@ def test_the_l2_rule_is_one_function_the_table_and_the_sweep_share():
     assert mk.sweep_point(sh, 64, "same_k", "grouped", 5, same_k, 50 * MB)["l2_may_serve"] is False
     spread = torch.arange(64 * 8).view(64, 8) % 256  # 256 experts touched: 680 MB a layer
     assert mk.sweep_point(sh, 64, "balanced", "grouped", 4, spread, 50 * MB)["l2_may_serve"] is False
+
+
+def test_an_expert_parallel_tables_skew_is_said_to_be_load_imbalance():
+    """On an EP shard the skewed routings put their hot experts on the measured rank (the worst case for it), which
+    then has more slots than a balanced rank: H100, 2026-12-07, ep8 T=512 same_k 3.26x balanced at 39 % of bf16.
+    That ratio is the ranks' load imbalance, not the kernel's schedule, and the table says so where EP rows are."""
+    meta = dict(gpu="test", date="d", git_sha="s", copy_gbs=1000.0, bf16_tflops=100.0, layers={"ep8": 5})
+    base = dict(routing="same_k", tokens=512, experts_touched=8, max_tokens_per_expert=512, floor_us=60.0,
+                pct_copy_bw=6.0, tflops=290.0, pct_bf16=39.0, skew_ratio=3.26, us=1064.0)
+    assert "load imbalance" in B.markdown(meta, [dict(base, shard="ep8")])
+    assert "load imbalance" not in B.markdown(dict(meta, layers={"tp8": 5}), [dict(base, shard="tp8")])
