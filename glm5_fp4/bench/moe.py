@@ -500,6 +500,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "Floor = bytes needed / copy bandwidth. Skew = time / balanced time at the same shard and T. "
         f"Marlin: {meta.get('marlin') or 'not run'}.",
         *([f"Plans: {meta['plan_arch']}'s (its tables and SM count), not this GPU's."] if meta.get("plan_arch") else []),
+        *(["Expert-parallel shards are timed as rank 0, and their skewed routings put the hot experts on it: that rank "
+           "then has up to EP times a balanced rank's slots, so their skew is the ranks' load imbalance, not the "
+           "kernel's schedule (read their % of bf16)."] if any(str(r.get("shard", "")).startswith("ep") for r in rows)
+          else []),
         *([f"Tensor-core instruction: {meta['mma']}; built: "
            + "; ".join(f"{k} {', '.join(v)}" for k, v in meta.get("compiled_mma", {}).items()) + "."]
           if meta.get("mma", "").startswith("mma.sync") else []),
