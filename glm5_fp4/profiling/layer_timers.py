@@ -352,26 +352,86 @@ class TimerStats:
 # What a step's layer time depends on is the tokens its layers processed: a prefill chunk of 8,192 tokens and a
 # decode step of 512 streams differ ~8x, so pooling them gives a median of neither. Dumps since 2026-12-01 carry
 # ``tokens`` (rows the decoder layers ran); older ones only ``rows`` (the engine's batch size / sampled rows).
+# SGLang adds ``phase`` (its forward mode): a DECODE step of 512 streams and a 512-token EXTEND chunk have the same
+# token count but not the same attention, so the phase is part of a group too.
 GROUP_KEYS = ("tokens", "rows")
 GROUP_TABLES = 6  # per-batch tables in the markdown (the groups with the most steps); the JSON has all
+# Why a step can lack the count the report groups by, said where such steps are kept apart.
+UNCOUNTED_WHY = {
+    "tokens": "vLLM's full CUDA graphs replay decode steps without the forward pre-hook that counts the tokens, "
+              "while prefill steps run it",
+    "rows": "the engine did not say its batch size for them",
+}
+
+
+def _counted(steps: list[int]) -> str:
+    """How many steps several dumps (ranks) hold: per dump, since each rank of a step dumps it once."""
+    if len(steps) == 1:
+        return f"{steps[0]} step(s)"
+    return (f"{steps[0]} step(s) in each of {len(steps)} dumps" if len(set(steps)) == 1
+            else f"{len(steps)} dumps of {', '.join(map(str, steps))} steps")
+
+
+def _dump_rows(by_dump: dict[str, TimerStats]) -> list[dict]:
+    out = []
+    for name, s in by_dump.items():
+        total = s.samples.get("all layers")
+        layers = sorted(_layers(s))
+        out.append({"file": name, "steps": s.steps, "layers": f"{layers[0]}-{layers[-1]}" if layers else "-",
+                    "all_layers_median_us": statistics.median(total) if total else None,
+                    "all_layers_p90_us": percentile(total, 90) if total else None})
+    return out
+
+
+class StepGroup:
+    """The steps of one phase and batch size: pooled over the dumps (region tables; a region is one layer's, so
+    ranks of one stage agree) and per dump (step counts, and `all layers`, which is one stage's)."""
+
+    def __init__(self, phase: str | None, value: int | None) -> None:
+        self.phase, self.value = phase, value
+        self.pooled = TimerStats()
+        self.by_dump: dict[str, TimerStats] = {}
+
+    def add(self, regions: dict, dump: str) -> None:
+        self.pooled.add(regions)
+        self.by_dump.setdefault(dump, TimerStats()).add(regions)
+
+    @property
+    def steps(self) -> int:
+        return max(s.steps for s in self.by_dump.values())
+
+    def steps_per_dump(self) -> dict[str, int]:
+        return {name: s.steps for name, s in self.by_dump.items()}
+
+    def counted(self) -> str:
+        steps = list(self.steps_per_dump().values())
+        return f"{steps[0]} steps" if len(steps) == 1 else _counted(steps)
 
 
 class TimerReport:
-    """Every step pooled (:attr:`pooled`) and the steps grouped by batch size (:attr:`groups`, most steps first)."""
+    """Every step pooled (:attr:`pooled`) and the steps grouped by phase and batch size (:attr:`groups`, most
+    steps first); :attr:`notes` says what was skipped or set apart, and why."""
 
     def __init__(self) -> None:
         self.pooled = TimerStats()
-        self.by_key: dict[str, dict[int, TimerStats]] = {k: {} for k in GROUP_KEYS}
+        # per group key: (phase, value or None where the step lacks the key) -> its steps
+        self.by_key: dict[str, dict[tuple, StepGroup]] = {k: {} for k in GROUP_KEYS}
         self.by_dump: dict[str, TimerStats] = {}  # one dump per rank (or run): its own steps
+        self.notes: list[str] = []
 
     def add(self, record: dict, dump: str = "") -> None:
         regions = record["regions_us"]
         self.pooled.add(regions)
         self.by_dump.setdefault(dump, TimerStats()).add(regions)
+        phase = record.get("phase")
+        phase = phase if isinstance(phase, str) and phase else None
         for key in GROUP_KEYS:
             value = record.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                self.by_key[key].setdefault(value, TimerStats()).add(regions)
+            value = value if isinstance(value, int) and not isinstance(value, bool) else None
+            group = self.by_key[key].get((phase, value))
+            if group is None:
+                group = self.by_key[key][(phase, value)] = StepGroup(phase, value)
+            group.add(regions, dump)
 
     # TimerStats' interface, on the pooled steps (what callers used before the groups existed)
     @property
@@ -380,28 +440,48 @@ class TimerReport:
 
     @property
     def steps(self) -> int:
-        return self.pooled.steps
+        """Steps per dump (the most of any dump): ranks of one step each dump it."""
+        return max((s.steps for s in self.by_dump.values()), default=0)
 
     def summary(self) -> list[dict]:
         return self.pooled.summary()
 
     @property
     def group_by(self) -> str | None:
-        """``tokens`` when every step has it, else ``rows`` when every step has that, else None (no groups)."""
+        """``tokens`` when any step has it, else ``rows`` when any step has that, else None (phases only)."""
         for key in GROUP_KEYS:
-            if self.by_key[key] and sum(g.steps for g in self.by_key[key].values()) == self.steps:
+            if any(v is not None for _, v in self.by_key[key]):
                 return key
         return None
 
     @property
-    def groups(self) -> list[tuple[int, TimerStats]]:
-        key = self.group_by
-        if key is None:
+    def groups(self) -> list[StepGroup]:
+        """Steps lacking the ``group_by`` count form a group of their own (value None), never pooled with counted
+        ones."""
+        groups = list(self.by_key[self.group_by or GROUP_KEYS[0]].values())
+        if len(groups) == 1 and groups[0].phase is None and groups[0].value is None:
             return []
-        return sorted(self.by_key[key].items(), key=lambda kv: (-kv[1].steps, kv[0]))
+        return sorted(groups, key=lambda g: (-g.steps, g.phase or "", g.value is None, g.value or 0))
 
-    def _label(self, value: int) -> str:
-        return f"{value} tokens per step" if self.group_by == "tokens" else f"{value} rows per step"
+    def _label(self, g: StepGroup) -> str:
+        parts = [g.phase] if g.phase else []
+        if self.group_by:
+            parts.append(f"no {'token' if self.group_by == 'tokens' else 'row'} count" if g.value is None
+                         else f"{g.value} {self.group_by} per step")
+        return ", ".join(parts)
+
+    def _group_notes(self) -> list[str]:
+        key = self.group_by
+        uncounted = [g for g in self.groups if g.value is None] if key else []
+        if not uncounted:
+            return []
+        steps = sum(g.steps for g in uncounted)
+        return [f"{steps} step(s) have no `{key}`: {UNCOUNTED_WHY[key]}. They are kept apart as "
+                f"`{self._label(uncounted[0])}`{' (per phase)' if len(uncounted) > 1 else ''}, not pooled with the "
+                "counted steps."]
+
+    def all_notes(self) -> list[str]:
+        return self.notes + self._group_notes()
 
     @property
     def stages_differ(self) -> bool:
@@ -409,23 +489,13 @@ class TimerReport:
         return len({frozenset(_layers(s)) for s in self.by_dump.values()}) > 1
 
     def dumps(self) -> list[dict]:
-        out = []
-        for name, s in self.by_dump.items():
-            total = s.samples.get("all layers")
-            layers = sorted(_layers(s))
-            out.append({"file": name, "steps": s.steps, "layers": f"{layers[0]}-{layers[-1]}" if layers else "-",
-                        "all_layers_median_us": statistics.median(total) if total else None,
-                        "all_layers_p90_us": percentile(total, 90) if total else None})
-        return out
+        return _dump_rows(self.by_dump)
 
     def _counted(self) -> str | None:
-        """The step count of several dumps (ranks): per dump, since each rank runs the same steps."""
         if len(self.by_dump) < 2:
             return None
         steps = [s.steps for s in self.by_dump.values()]
-        said = (f"{steps[0]} step(s) in each of {len(steps)} dumps" if len(set(steps)) == 1
-                else f"{len(steps)} dumps of {', '.join(map(str, steps))} steps")
-        return said + " (a region's n below counts its samples in every dump)"
+        return _counted(steps) + " (a region's n below counts its samples in every dump)"
 
     def _dump_lines(self) -> list[str]:
         """A table per dump, for dumps that time different layers (:attr:`stages_differ`)."""
@@ -435,26 +505,42 @@ class TimerReport:
                  "",
                  "| dump | steps | layers | median `all layers` (µs) | p90 (µs) |", "|---|---:|---|---:|---:|"]
         for r in self.dumps():
-            med = "-" if r["all_layers_median_us"] is None else f"{r['all_layers_median_us']:.1f}"
-            p90 = "-" if r["all_layers_p90_us"] is None else f"{r['all_layers_p90_us']:.1f}"
-            lines.append(f"| {r['file']} | {r['steps']} | {r['layers']} | {med} | {p90} |")
+            lines.append(f"| {r['file']} | {r['steps']} | {r['layers']} | {_us(r['all_layers_median_us'])} | "
+                         f"{_us(r['all_layers_p90_us'])} |")
+        return lines + [""]
+
+    def _group_lines(self, groups: list[StepGroup], mixed: tuple[str, ...]) -> list[str]:
+        """One row per group; where the dumps are different stages, one per group and dump, since a stage's
+        `all layers` is not the model's and two stages' pooled are neither."""
+        phased = any(g.phase for g in groups)
+        key = self.group_by
+        cols = (["phase"] if phased else []) + ([key] if key else []) + (["dump"] if mixed else [])
+        lines = [f"## Steps by {'phase and ' if phased and key else 'phase' if phased else ''}"
+                 f"{'batch size (' + key + ')' if key else ''}", "",
+                 f"| {' | '.join(cols)} | steps{' per dump' if len(self.by_dump) > 1 and not mixed else ''} | "
+                 "median `all layers` (µs) | p90 (µs) |", "|" + "---:|" * (len(cols) + 3)]
+        for g in groups:
+            head = ([g.phase or "-"] if phased else []) + (["-" if g.value is None else str(g.value)] if key else [])
+            per = list(g.by_dump.items()) if mixed else [(None, g.pooled)]
+            for name, s in per:
+                vals = s.samples.get("all layers")
+                med = f"{statistics.median(vals):.1f} | {percentile(vals, 90):.1f}" if vals else "- | -"
+                steps = s.steps if mixed else g.steps
+                lines.append(f"| {' | '.join(head + ([name] if mixed else []))} | {steps} | {med} |")
         return lines + [""]
 
     def to_markdown(self, title: str = "Per-layer timers") -> str:
         mixed = self._mixed()
-        lines = self.pooled.header(title, self._counted()) + (self._dump_lines() if mixed else [])
+        lines = self.pooled.header(title, self._counted())
+        notes = self.all_notes()
+        if notes:
+            lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
+        lines += self._dump_lines() if mixed else []
         groups = self.groups
         if len(groups) > 1:
-            total = "all layers"
-            lines += [f"## Steps by batch size ({self.group_by})", "",
-                      f"| {self.group_by} | steps | median `{total}` (µs) | p90 (µs) |", "|---:|---:|---:|---:|"]
-            for value, g in groups:
-                vals = g.samples.get(total)
-                med = f"{statistics.median(vals):.1f} | {percentile(vals, 90):.1f}" if vals else "- | -"
-                lines.append(f"| {value} | {g.steps} | {med} |")
-            lines.append("")
-            for value, g in groups[:GROUP_TABLES]:
-                lines += [f"## {self._label(value)} ({g.steps} steps)", "", *g.table(mixed), ""]
+            lines += self._group_lines(groups, mixed)
+            for g in groups[:GROUP_TABLES]:
+                lines += [f"## {self._label(g)} ({g.counted()})", "", *g.pooled.table(mixed), ""]
             if len(groups) > GROUP_TABLES:
                 lines += [f"({len(groups) - GROUP_TABLES} more batch sizes in the JSON.)", ""]
             lines += ["## All steps pooled", "",
@@ -471,21 +557,27 @@ class TimerReport:
         out = output_dir(out)
         paths = {"json": out / "layer_timers.json", "markdown": out / "layer_timers.md"}
         mixed = self._mixed()
-        doc = {"steps": self.steps, "dumps": self.dumps(), "stages_differ": bool(mixed),
+        doc = {"steps": self.steps, "dumps": self.dumps(), "stages_differ": bool(mixed), "notes": self.all_notes(),
                "regions": [r for r in self.summary() if r["region"] not in mixed], "group_by": self.group_by,
-               "groups": [{"value": v, "steps": g.steps, "regions": [r for r in g.summary() if r["region"] not in mixed]}
-                          for v, g in self.groups]}
+               "groups": [{"phase": g.phase, "value": g.value, "steps": g.steps, "steps_per_dump": g.steps_per_dump(),
+                           "dumps": _dump_rows(g.by_dump),
+                           "regions": [r for r in g.pooled.summary() if r["region"] not in mixed]}
+                          for g in self.groups]}
         write_text_atomic(paths["json"], json.dumps(doc, indent=1) + "\n")
         write_text_atomic(paths["markdown"], self.to_markdown(title))
         if png:
             # the batch size with the most steps (the decode steps of a load wave), or all steps when ungrouped
-            value, stats = self.groups[0] if self.groups else (None, self.pooled)
-            label = title if value is None else f"{title}: {self._label(value)}"
+            groups = self.groups
+            stats, label = (groups[0].pooled, f"{title}: {self._label(groups[0])}") if groups else (self.pooled, title)
             try:
                 paths["png"] = stats.plot(out / "layer_timers.png", label)
             except ImportError:
                 pass
         return paths
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _check_regions(regions: dict, where: str) -> None:
@@ -494,8 +586,10 @@ def _check_regions(regions: dict, where: str) -> None:
     for name, us in regions.items():
         if isinstance(us, bool) or not isinstance(us, (int, float)):
             raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r}, expected a number of µs")
-        if not math.isfinite(us) or us < 0 or us > MAX_REGION_US:
-            raise Glm5Fp4Error(f"{where}: region {name!r} is {us!r} µs; a duration is finite, >= 0 and under a day "
+        # the bounds first: math.isfinite converts to float, which overflows on a huge JSON integer
+        if us < 0 or us > MAX_REGION_US or not math.isfinite(us):
+            shown = us if isinstance(us, float) or abs(us) < 10**30 else f"an integer of {len(str(abs(us)))} digits"
+            raise Glm5Fp4Error(f"{where}: region {name!r} is {shown} µs; a duration is finite, >= 0 and under a day "
                                "(one step's region)")
 
 
@@ -506,6 +600,43 @@ def _layers(stats: TimerStats) -> set[str]:
 
 # One step's region lasts far less; larger values are corrupt, and 1e308 overflowed the summary's sums.
 MAX_REGION_US = 86_400e6
+# Why a dump can be empty; vLLM's plugin dumps at compute_logits, which only the last pipeline stage runs.
+EMPTY_WHY = ("a pipeline stage before the last (it computes no logits, so vLLM's timers never dump there) or a worker "
+             "that died before its first step")
+
+
+def _records(f: Path, raw: bytes, report: TimerReport) -> list[dict]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Glm5Fp4Error(f"{f}: not a layer-timer dump (not UTF-8 text)") from None
+    lines = text.splitlines()
+    torn = bool(text) and not text.endswith(("\n", "\r"))  # the writer ends every line; a kill can cut the last
+    records: list[dict] = []
+    last_step: int | None = None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record["regions_us"], dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            if torn and i == len(lines):
+                report.notes.append(f"{f}: line {i}, the last, is unterminated and not a record (a worker killed "
+                                    "while writing it?); it is left out")
+                break
+            raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
+        _check_regions(record["regions_us"], f"{f}:{i}")
+        # the writers append and count from 1 each run: merged, two runs would give a median of neither
+        step = record.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            if last_step is not None and step <= last_step:
+                raise Glm5Fp4Error(f"{f}:{i}: step {step} follows step {last_step}: a second run appended to this "
+                                   f"file? give each run its own {ENV_OUT}")
+            last_step = step
+        records.append(record)
+    return records
 
 
 def read_dumps(files: list[Path]) -> TimerReport:
@@ -519,26 +650,17 @@ def read_dumps(files: list[Path]) -> TimerReport:
             raw = f.read_bytes()
         except OSError as exc:
             raise Glm5Fp4Error(f"{f}: cannot read ({exc.strerror})") from None
+        records = _records(f, raw, report)
+        if not records:
+            report.notes.append(f"{f}: no records, skipped; it may be {EMPTY_WHY}")
+            continue
         # Each dump is its own steps (one per rank or run); the same one twice would double every count.
         digest = hashlib.sha256(raw).digest()
         if digest in seen:
             same = "given twice" if seen[digest].resolve() == f.resolve() else f"has the same content as {seen[digest]}"
             raise Glm5Fp4Error(f"{f}: {same}; each dump may be counted once")
         seen[digest] = f
-        try:
-            lines = raw.decode("utf-8").splitlines()
-        except UnicodeDecodeError:
-            raise Glm5Fp4Error(f"{f}: not a layer-timer dump (not UTF-8 text)") from None
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if not isinstance(record["regions_us"], dict):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError):
-                raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
-            _check_regions(record["regions_us"], f"{f}:{i}")
+        for record in records:
             report.add(record, names[f])
     if not report.samples:
         raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}")
