@@ -14,23 +14,10 @@ import pytest
 
 from glm5_fp4.cli import main as cli_main
 from glm5_fp4.loadtest.compare import compare_files
+from loadtest_rows import make_rows
 
 META = {"endpoint": "completions", "input_len": 16, "output_len": 10, "range_ratio": 0.0, "prompt_format": "ids",
         "ignore_eos": True, "min_tokens": True, "extra_body": None}
-
-
-def _rows(n: int, tpot: float, seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        ttft = float(rng.uniform(20, 30))
-        itl = [float(x) for x in rng.normal(tpot, tpot / 10, 9)]
-        rows.append({"index": i, "status": "ok", "error_kind": None, "error": None, "prompt_len": 16,
-                     "requested_output_len": 10, "start_s": i * 0.01, "output_tokens": 10, "streamed_tokens": 10,
-                     "num_chunks": 10, "ttft_ms": ttft, "e2el_ms": ttft + sum(itl), "tpot_ms": sum(itl) / 9,
-                     "itl_ms": itl})
-    return rows
-
 
 def _write_run(folder: Path, name: str, rows: list[dict] | None, *, meta: dict | None = None, **summary) -> str:
     folder.mkdir(parents=True, exist_ok=True)
@@ -48,10 +35,8 @@ def _write_run(folder: Path, name: str, rows: list[dict] | None, *, meta: dict |
     path.write_text(json.dumps(res))
     return str(path)
 
-
 def _by_key(rows):
     return {r.key: r for r in rows}
-
 
 # --- settings that change what is sent, or when ------------------------------------------------------------
 
@@ -74,14 +59,12 @@ def test_request_settings_and_burstiness_make_runs_not_comparable(tmp_path, caps
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
 
-
 def test_a_different_burstiness_in_a_closed_loop_changes_nothing(tmp_path) -> None:
     """Burstiness shapes the gaps between arrivals; a closed loop has none, so it is no difference there."""
     a = _write_run(tmp_path, "a", None, output_throughput=100.0)
     b = _write_run(tmp_path, "b", None, output_throughput=90.0, burstiness=0.1)
     _, tables, md = compare_files([a, b])
     assert "Not comparable" not in md and _by_key(tables[0])["output_throughput"].verdict != "not comparable"
-
 
 def test_results_without_the_new_fields_compare_as_before(tmp_path) -> None:
     """Files written before extra_body was recorded have no such key; they sent none unless told, like a run today
@@ -102,7 +85,6 @@ def test_results_without_the_new_fields_compare_as_before(tmp_path) -> None:
     _, _, md = compare_files([str(vllm), str(vllm2)])
     assert "Not comparable" not in md
 
-
 # --- outputs shorter than the fixed length asked for -------------------------------------------------------
 
 def test_short_outputs_under_ignore_eos_make_a_run_not_comparable(tmp_path, capsys) -> None:
@@ -119,7 +101,6 @@ def test_short_outputs_under_ignore_eos_make_a_run_not_comparable(tmp_path, caps
         d = _write_run(tmp_path, "half2", None, meta=meta, output_throughput=60.0)
         assert "shorter than asked" in compare_files([d, c])[2]
 
-
 def test_short_outputs_without_a_fixed_length_are_no_reason(tmp_path) -> None:
     """With --no-ignore-eos --no-min-tokens the model stops where it likes: short outputs are the workload."""
     free = dict(ignore_eos=False, min_tokens=False)
@@ -128,7 +109,6 @@ def test_short_outputs_without_a_fixed_length_are_no_reason(tmp_path) -> None:
     _, _, md = compare_files([a, b])
     assert "Not comparable" not in md
 
-
 def test_a_malformed_short_outputs_field_is_named(tmp_path, capsys) -> None:
     a = _write_run(tmp_path, "a", None, output_throughput=100.0)
     b = _write_run(tmp_path, "b", None, output_throughput=90.0, short_outputs="many")
@@ -136,14 +116,13 @@ def test_a_malformed_short_outputs_field_is_named(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "'short_outputs'" in err and "Traceback" not in err
 
-
 # --- open loop: throughput follows the arrivals -----------------------------------------------------------
 
 def test_open_loop_throughput_gets_no_littles_law_interval(tmp_path, capsys) -> None:
     """At a finite --request-rate throughput is set by the arrival schedule, not by E2EL: two seeds were called
     '+32.5% better'. Latencies keep their bootstrap verdicts; the output says why throughput has none."""
-    a = _write_run(tmp_path / "a", "c", _rows(40, 10.0, 0), request_rate=8.0)
-    b = _write_run(tmp_path / "b", "c", _rows(40, 15.0, 1), request_rate=8.0)
+    a = _write_run(tmp_path / "a", "c", make_rows(40, 10.0, 0), request_rate=8.0)
+    b = _write_run(tmp_path / "b", "c", make_rows(40, 15.0, 1), request_rate=8.0)
     _, tables, md = compare_files([a, b], n_boot=100)
     rows = _by_key(tables[0])
     for key in ("output_throughput", "request_throughput"):
@@ -153,10 +132,9 @@ def test_open_loop_throughput_gets_no_littles_law_interval(tmp_path, capsys) -> 
     assert cli_main(["compare", a, b, "--bootstrap", "100"]) == 0
     assert "open loop" in capsys.readouterr().out
 
-
 def test_closed_loop_throughput_keeps_its_littles_law_interval(tmp_path) -> None:
-    a = _write_run(tmp_path / "a", "c", _rows(40, 10.0, 0))
-    b = _write_run(tmp_path / "b", "c", _rows(40, 15.0, 1))
+    a = _write_run(tmp_path / "a", "c", make_rows(40, 10.0, 0))
+    b = _write_run(tmp_path / "b", "c", make_rows(40, 15.0, 1))
     _, tables, md = compare_files([a, b], n_boot=100)
     rows = _by_key(tables[0])
     assert rows["output_throughput"].method == "bootstrap~" and rows["output_throughput"].verdict == "worse"
