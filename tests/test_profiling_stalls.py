@@ -552,3 +552,22 @@ def test_two_threads_that_reuse_one_python_ident_stay_two_threads(tmp_path, monk
     assert {"spinner", "sleeper"} <= set(by_name), by_name
     spin, sleep = by_name["spinner"]["cpu"], by_name["sleeper"]["cpu"]
     assert spin is not None and sleep is not None and spin > 2 * sleep + 0.05 and sleep >= 0, (spin, sleep)
+
+
+def test_a_busy_main_thread_among_many_threads_is_still_sampled(tmp_path):
+    """The CPU readings read /proc once per thread; each read gives the GIL up and, behind a main thread running
+    Python, waits a switch interval (5 ms) to get it back: with 60 idle threads (an engine has dozens) a 300 ms busy
+    stretch got 1 sample instead of ~60, so the sampler was blind where it exists to look (and the full test suite,
+    its threads left alive, failed the sampler's own test)."""
+    done = threading.Event()
+    idle = [threading.Thread(target=done.wait, daemon=True) for _ in range(60)]
+    for t in idle:
+        t.start()
+    sampler = H.HostSampler(tmp_path, 2.0)
+    sampler.start()
+    try:
+        _spin_in_here(0.3)
+    finally:
+        sampler.stop()
+        done.set()
+    assert sampler.samples >= 10, sampler.samples
