@@ -67,21 +67,20 @@ def _comm() -> str:
         return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
 
 
-_TICK_NS = 1e9 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+# Linux's CPU clock of one thread of this process, by its kernel id (the kernel's MAKE_THREAD_CPUCLOCK: the id
+# complemented and shifted, then the per-thread bit and CPUCLOCK_SCHED)
+_THREAD_CPUCLOCK = 0b110
 
 
 def thread_cpu_ns(native_id: int) -> int | None:
-    """CPU time a thread of this process has used (ns), or None where /proc cannot say."""
+    """CPU time a thread of this process has used (ns), or None once it has ended.
+
+    Read through the thread's CPU clock, a call that keeps the GIL. The /proc files read before gave the GIL up and
+    took it back once per thread, and behind a main thread running Python each retake waits a switch interval
+    (5 ms): with 60 threads alive one pass over them took ~600 ms, in which no stack was sampled."""
     try:
-        with open(f"/proc/self/task/{native_id}/schedstat") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open(f"/proc/self/task/{native_id}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int((int(fields[11]) + int(fields[12])) * _TICK_NS)  # utime + stime, in clock ticks
-    except (OSError, ValueError, IndexError):
+        return time.clock_gettime_ns(((~native_id) << 3) | _THREAD_CPUCLOCK)
+    except OSError:  # EINVAL: no such thread in this process any more
         return None
 
 
