@@ -212,8 +212,9 @@ class HostSampler:
 
     def _thread_names(self) -> dict[int, str]:
         live = _live_threads()
-        names = {**self._pending_names, **{_key(i, live): t.name for i, t in live.items()}}
-        self._pending_names = {}
+        with self._lock:  # the sampling thread adds names under it: none is dropped between the read and the reset
+            pending, self._pending_names = self._pending_names, {}
+        names = {**pending, **{_key(i, live): t.name for i, t in live.items()}}
         main = _key(threading.main_thread().ident, live)
         if main is not None:
             names[main] = "MainThread"
