@@ -564,3 +564,36 @@ def test_a_new_recording_removes_an_earlier_runs_files(tmp_path, nvml):
     assert not (tmp_path / MARKDOWN_FILE).exists() and not (tmp_path / PNG_FILE).exists()
     assert (tmp_path / SAMPLES_FILE).exists() == s.available
     assert load_run(tmp_path).available == s.available
+
+
+@pytest.mark.parametrize(
+    ("visible", "expect"),
+    [
+        ("GPU-fake-0002", [2]),
+        ("GPU-fake-0003,GPU-nope,GPU-fake-0000", [3]),  # CUDA stops at the first entry it cannot match
+        ("GPU-fake-0001", [1]),
+        ("GPU-fake-0", None),  # a prefix four GPUs share: ambiguous, CUDA matches none
+        ("2,9,1", [2]),  # an index past the count ends the list as an unknown UUID does
+        ("1,GPU-fake-0003", [1, 3]),  # CUDA takes indices and UUIDs mixed
+    ],
+)
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(tmp_path, monkeypatch, visible, expect):
+    """Before: a UUID NVML does not know was a traceback from NVML's lookup, an index past the count was dropped
+    while the entries after it were kept, and a mixed list (index and UUID) recorded every GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    if expect is None:
+        with pytest.raises(Glm5Fp4Error, match=r"CUDA_VISIBLE_DEVICES='GPU-fake-0' names no GPU.*--gpus"):
+            TelemetrySampler(tmp_path, interval_s=0.05, nvml=FakeNvml(n_gpus=4)).start()
+        return
+    with TelemetrySampler(tmp_path, interval_s=0.05, nvml=FakeNvml(n_gpus=4)) as s:
+        pass
+    assert [g.index for g in s.run.gpus] == expect
+
+
+def test_cuda_visible_devices_that_names_no_gpu_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0badc0de")
+    fake = FakeNvml(n_gpus=2)
+    with pytest.raises(Glm5Fp4Error, match=r"CUDA_VISIBLE_DEVICES='GPU-0badc0de' names no GPU NVML sees"):
+        TelemetrySampler(tmp_path / "bad", nvml=fake).start()
+    assert fake.initialised == fake.shutdowns == 1
+    assert not (tmp_path / "bad").exists()
