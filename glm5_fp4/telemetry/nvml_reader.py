@@ -99,22 +99,41 @@ def import_nvml(nvml: Any = None) -> Any:
     return pynvml
 
 
-def visible_gpu_selection(count: int) -> list[int | str] | None:
-    """NVML ignores CUDA_VISIBLE_DEVICES, so honour it here: indices or GPU UUIDs it names.
+def visible_gpu_selection(count: int, uuid_of: Callable[[int], str]) -> list[int] | None:
+    """NVML ignores CUDA_VISIBLE_DEVICES, so honour it here, read as CUDA reads it: NVML indices or GPU UUIDs (a
+    unique prefix will do), mixed, the list ending at the first entry that matches no GPU.
 
-    Returns None (meaning all GPUs) when the variable is unset or in a form we cannot map
-    (MIG instances), which errs on the side of recording more GPUs, never fewer.
+    Returns None (meaning all GPUs) when the variable is unset or names MIG instances, which we cannot map (erring
+    on the side of recording more GPUs, never fewer). `uuid_of(index)` is asked only when an entry is not an index.
+    Raises Glm5Fp4Error when the first entry already matches nothing: the job it watches would see no GPU either.
     """
     raw = os.environ.get("CUDA_VISIBLE_DEVICES")
     if raw is None or not raw.strip():
         return None
-    items = list(dict.fromkeys(s.strip() for s in raw.split(",") if s.strip()))  # a GPU named twice is one GPU
-    if all(s.isdigit() for s in items):
-        picked = [int(s) for s in items if int(s) < count]
-        return picked or None
-    if all(s.startswith("GPU-") for s in items):
-        return list(items)
-    return None
+    items = [s.strip() for s in raw.split(",") if s.strip()]
+    if any(s.startswith("MIG-") for s in items):
+        return None
+    uuids: list[str] | None = None
+    picked: list[int] = []
+    for item in items:
+        if item.isdigit():
+            index = int(item) if int(item) < count else None
+        else:
+            if uuids is None:
+                uuids = [uuid_of(i) for i in range(count)]
+            hits = [i for i, u in enumerate(uuids) if u and u.startswith(item)]
+            index = hits[0] if len(hits) == 1 else None
+        if index is None:
+            break
+        if index not in picked:  # a GPU named twice is one GPU
+            picked.append(index)
+    if not picked:
+        known = ", ".join(uuids) if uuids is not None else f"indices 0-{count - 1}"
+        raise Glm5Fp4Error(
+            f"CUDA_VISIBLE_DEVICES={raw!r} names no GPU NVML sees ({count} GPU(s): {known}); a job started with it "
+            "would see no GPU either: fix it, or pass --gpus to choose the GPUs to record"
+        )
+    return picked
 
 
 def counter_rate(prev: tuple[float, int] | None, now: tuple[float, int], wrap: int) -> float | None:
@@ -244,22 +263,18 @@ class NvmlReader:
             raise TelemetryUnavailable(f"NVML could not count GPUs ({exc})") from exc
         if count == 0:
             raise TelemetryUnavailable("NVML sees no NVIDIA GPUs")
-        selection: list[int | str] | None = list(gpus) if gpus is not None else visible_gpu_selection(count)
+        selection = list(gpus) if gpus is not None else visible_gpu_selection(count, self._uuid_at)
         if selection is None:
             selection = list(range(count))
         devices = []
         for item in selection:
-            if isinstance(item, str):
-                handle = self.nvml.nvmlDeviceGetHandleByUUID(item)
-                index = int(self.nvml.nvmlDeviceGetIndex(handle))
-            else:
-                if not 0 <= int(item) < count:
-                    # asked for by the caller, unlike a machine without NVML: an error, not "no telemetry"
-                    raise Glm5Fp4Error(
-                        f"GPU {item} does not exist: NVML sees {count} GPU(s): {', '.join(map(str, range(count)))}"
-                    )
-                index = int(item)
-                handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
+            if not 0 <= int(item) < count:
+                # asked for by the caller, unlike a machine without NVML: an error, not "no telemetry"
+                raise Glm5Fp4Error(
+                    f"GPU {item} does not exist: NVML sees {count} GPU(s): {', '.join(map(str, range(count)))}"
+                )
+            index = int(item)
+            handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
             name = _as_str(self.nvml.nvmlDeviceGetName(handle))
             try:
                 uuid = _as_str(self.nvml.nvmlDeviceGetUUID(handle))
@@ -269,6 +284,12 @@ class NvmlReader:
             self._probe(dev, pcie, pcie_legacy)
             devices.append(dev)
         return devices
+
+    def _uuid_at(self, index: int) -> str:
+        try:
+            return _as_str(self.nvml.nvmlDeviceGetUUID(self.nvml.nvmlDeviceGetHandleByIndex(index)))
+        except Exception:
+            return ""  # matches no CUDA_VISIBLE_DEVICES entry
 
     # -- probing: one reader per NVML call that this device answers ---------------------------
 
