@@ -324,3 +324,36 @@ def test_a_table_with_a_failed_row_exits_non_zero(mk, monkeypatch, tmp_path):
                                                            "layers": {"tp8": 5}, "l2_bytes": None, "marlin": None})
     assert mk.main(["--shards", "tp8", "--tokens", "1", "--routings", "balanced", "--json",
                     str(tmp_path / "t.json"), "--md", str(tmp_path / "t.md")]) == 1
+
+
+# -- the single-call GPU probes build their call as the benchmarks do ------------------------------------------------
+def test_ncu_moe_call_gives_an_expert_parallel_shard_its_map_and_hot_experts(monkeypatch):
+    """ncu_moe_call drew its routing over all 256 experts and passed no expert map: on ep8 the kernel read ids up to
+    255 against a 32-expert layer, and a skewed routing put its hot experts on other ranks."""
+    import glm5_fp4.kernels.moe as KM
+
+    tiny = B.Shard("ep8", 4, 128, 128, 2, 32)
+    gen = torch.Generator().manual_seed(0)
+    layers = B.make_layers(tiny, 1, gen, device="cpu")
+    monkeypatch.setattr(B, "one_cuda_layer", lambda name, seed=1: (tiny, layers, gen))
+    real_inputs = B.call_inputs
+    monkeypatch.setattr(B, "call_inputs", lambda sh, t, routing, g, device="cuda", **k: real_inputs(
+        sh, t, routing, g, "cpu", **k))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: None)
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: None)
+    monkeypatch.setattr(KM, "default_plan", lambda *a, **k: "plan")
+    seen = []
+
+    def kernel(x, tw, ids, prepared, mode="w4a16", out=None, plan=None, diag=0, expert_map=None, **k):
+        seen.append((ids, expert_map))
+        return KM.fused_moe_torch(x, tw, ids, prepared, mode, out, expert_map)
+
+    monkeypatch.setattr(KM, "fused_moe_triton", kernel)
+    mod = load_script("benchmarks/ncu_moe_call.py", "ncu_moe_call_probe")
+    assert mod.main(["--shard", "ep8", "--tokens", "16", "--routing", "same_k"]) == 0
+    assert len(seen) == 2
+    for ids, emap in seen:
+        assert emap is not None and emap.tolist()[:4] == [0, 1, 2, 3] and set(emap.tolist()[4:]) == {-1}
+        assert (emap[ids.long()] >= 0).all()  # all tokens on k experts: the k hot experts are the measured rank's
