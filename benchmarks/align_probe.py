@@ -34,21 +34,20 @@ def main(argv=None) -> int:
         print("align_probe needs a CUDA GPU", file=sys.stderr)
         return 2
     from glm5_fp4.bench import moe as B
-    from glm5_fp4.bench import routing as R
     from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import graph_time_us
     from glm5_fp4.kernels import launch as L
-    from glm5_fp4.kernels.moe import default_plan, make_call
+    from glm5_fp4.kernels.moe import make_call
 
     sh, lay, gen = B.one_cuda_layer(args.shard)
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
-        x = torch.randn(t, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        tw, ids = R.make_routing("balanced", t, sh.global_experts, sh.top_k, gen, "cuda")
-        plan = default_plan(x, ids, lay.prepared[0], "w4a16")
+        # the benchmarks' call builder: on an expert-parallel shard rank 0's expert map goes into plan and call
+        inputs = B.call_inputs(sh, t, "balanced", gen)
+        plan = inputs.plan(lay.prepared[0])
         if plan.schedule != "grouped":
             continue
-        call = make_call(x, tw, ids, lay.prepared[0], "w4a16")
+        call = make_call(inputs.x, inputs.tw, inputs.ids, lay.prepared[0], "w4a16", expert_map=inputs.expert_map)
         (base,) = L.launches(dataclasses.replace(plan, parallel_align=False), call, stages=("align",))
         forms = {
             "planned": [base],

@@ -33,23 +33,27 @@ def main(argv=None) -> int:
         print("ncu_moe_call needs a CUDA GPU", file=sys.stderr)
         return 2
     from glm5_fp4.bench import moe as B
-    from glm5_fp4.bench import routing as R
-    from glm5_fp4.kernels.moe import default_plan, fused_moe_triton
+    from glm5_fp4.kernels.moe import fused_moe_triton
 
     sh, lay, gen = B.one_cuda_layer(args.shard)
-    x = torch.randn(args.tokens, sh.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    tw, ids = R.make_routing(args.routing, args.tokens, sh.global_experts, sh.top_k, gen, "cuda")
-    plan = default_plan(x, ids, lay.prepared[0], "w4a16", form=args.form)
+    # the benchmarks' call builder: on an expert-parallel shard rank 0's expert map and the hot experts on it
+    call = B.call_inputs(sh, args.tokens, args.routing, gen)
+    if call.no_work():
+        print(f"ncu_moe_call: {call.no_work()}", file=sys.stderr)
+        return 2
+    plan = call.plan(lay.prepared[0], form=args.form)
     if args.plans:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from moe_kernel import plans_from_sweep
 
         plan = plans_from_sweep(args.plans)(sh, args.tokens) or plan
     print(f"plan: {plan}", file=sys.stderr)
-    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan, diag=args.diag)
+    run = lambda: fused_moe_triton(call.x, call.tw, call.ids, lay.prepared[0], plan=plan, diag=args.diag,  # noqa: E731
+                                   expert_map=call.expert_map)
+    run()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    fused_moe_triton(x, tw, ids, lay.prepared[0], plan=plan, diag=args.diag)
+    run()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return 0
