@@ -12,6 +12,7 @@ import os
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -21,10 +22,18 @@ from glm5_fp4.errors import Glm5Fp4Error
 ENV_VAR = "GLM5_FP4_HARDWARE"
 
 
+# A figure no GPU can have (0, negative, NaN, infinite) gave negative step times or a ZeroDivisionError deep in the
+# cost model; it is refused where the file is read, naming it.
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+# The tensor-core dtypes the cost model, the ceilings and selftest ask peaks for: a key spelled otherwise ('fp4',
+# 'BF16') was kept and never asked for, so the expert GEMMs silently fell back to another roof.
+PeakDtype = Literal["nvfp4", "fp8", "bf16", "fp16", "fp32", "tf32", "int8"]
+
+
 class Peak(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    dense: float | None = None
-    sparse: float | None = None
+    dense: Positive | None = None
+    sparse: Positive | None = None
 
 
 class GpuSpec(BaseModel):
@@ -36,16 +45,16 @@ class GpuSpec(BaseModel):
     arch: str
     compute_capability: tuple[int, int]
     sm_count: int = Field(gt=0)
-    memory_gb: float = Field(gt=0)
-    mem_bandwidth_gbs: float = Field(gt=0)
-    measured_copy_bandwidth_gbs: float | None = None
+    memory_gb: float = Field(gt=0, le=100_000, allow_inf_nan=False)  # le: 1e300 overflowed the byte counts
+    mem_bandwidth_gbs: Positive
+    measured_copy_bandwidth_gbs: Positive | None = None
     smem_per_block_bytes: int = Field(gt=0)  # opt-in maximum; the table fills in the arch's when an entry omits it
     interconnect: str = ""
-    p2p_bandwidth_gbs: float | None = None
-    allreduce_bus_bandwidth_gbs: float | None = None
-    allreduce_latency_us: float | None = None
-    power_w: float | None = None
-    peaks_tflops: dict[str, Peak]
+    p2p_bandwidth_gbs: Positive | None = None
+    allreduce_bus_bandwidth_gbs: Positive | None = None
+    allreduce_latency_us: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    power_w: Positive | None = None
+    peaks_tflops: dict[PeakDtype, Peak]
     notes: str = ""
     source: str
 
@@ -82,55 +91,122 @@ def arch_key(arch: str) -> str:
     return arch.lower().replace("_", "")
 
 
-def _entries(data: dict, key: str, model, origin: str, what: str, **fill) -> dict:
-    out = {}
-    for name, entry in (data.get(key) or {}).items():
-        try:
-            out[name] = model(name=name, **{**fill.get(name, {}), **(entry or {})})
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
-            raise Glm5Fp4Error(f"{origin}: {what} {name!r}, field {field!r}: {err['msg']}") from None
+BUILTIN = "glm5_fp4/data/hardware.yaml"
+SECTIONS = ("gpus", "archs")
+
+
+def gpu_key(name: str) -> str:
+    """The one spelling of a GPU's table name: what ``--gpu`` and the file's keys are both read as
+    ('RTX_PRO_6000_WS' and 'rtx pro 6000 ws' are 'rtx-pro-6000-ws')."""
+    return str(name).strip().lower().replace("_", "-").replace(" ", "-")
+
+
+class _Duplicate(Exception):
+    pass
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word: a GPU given twice silently took the second block."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise _Duplicate(f"{key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})")
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _sections(data: object, origin: str) -> dict[str, dict[str, dict]]:
+    """{'gpus': {key: fields}, 'archs': {key: fields}} of one file, its shape checked (no values yet)."""
+    if not isinstance(data, dict) or not any(k in data for k in SECTIONS):
+        raise Glm5Fp4Error(f"{origin}: expected a mapping with a top-level 'gpus:' (name -> spec) and/or 'archs:' "
+                           "(sm80/sm90/... -> limits) mapping")
+    for key in data:
+        if key not in SECTIONS:
+            raise Glm5Fp4Error(f"{origin}: unknown top-level key {key!r} (a hardware file has 'gpus:' and 'archs:')")
+    out: dict[str, dict[str, dict]] = {}
+    for section, what, norm in (("gpus", "gpu", gpu_key), ("archs", "arch", arch_key)):
+        entries = data.get(section)
+        if entries is None:
+            entries = {}
+        if not isinstance(entries, dict):
+            raise Glm5Fp4Error(f"{origin}: {section!r} must be a mapping of names to {what} entries, "
+                               f"not {type(entries).__name__}")
+        out[section] = {}
+        for name, entry in entries.items():
+            if not isinstance(entry, dict):
+                raise Glm5Fp4Error(f"{origin}: {what} {name!r} must be a mapping of fields, "
+                                   f"not {type(entry).__name__} ({entry!r:.60})")
+            key = norm(str(name))
+            if key in out[section]:
+                raise Glm5Fp4Error(f"{origin}: {what} {name!r} is given twice (spelled as one: {key!r})")
+            out[section][key] = entry
     return out
 
 
-def _parse(data: object, origin: str, archs: dict[str, ArchLimits] | None = None
-           ) -> tuple[dict[str, GpuSpec], dict[str, ArchLimits]]:
-    if not isinstance(data, dict) or not any(isinstance(data.get(k), dict) for k in ("gpus", "archs")):
-        raise Glm5Fp4Error(f"{origin}: expected a mapping with a top-level 'gpus:' (name -> spec) and/or 'archs:' "
-                           "(sm80/sm90/... -> limits) mapping")
-    archs = {**(archs or {}), **{arch_key(n): a for n, a in _entries(data, "archs", ArchLimits, origin, "arch").items()}}
-    # a GPU without its own shared-memory figure has its architecture's
-    fill = {name: {"smem_per_block_bytes": archs[arch_key(e["arch"])].smem_per_block_optin_bytes}
-            for name, e in (data.get("gpus") or {}).items()
-            if isinstance(e, dict) and "smem_per_block_bytes" not in e and arch_key(str(e.get("arch", ""))) in archs}
-    gpus = _entries(data, "gpus", GpuSpec, origin, "gpu", **fill)
-    claimed: dict[str, str] = {}
-    for gpu in gpus.values():
-        for key, spelled in {_device_key(n): n for n in (gpu.display_name, *gpu.device_names)}.items():
-            other = claimed.setdefault(key, gpu.name)
-            if other != gpu.name:  # which of the two a device is would depend on the file's order
-                raise Glm5Fp4Error(f"{origin}: gpu entries {other!r} and {gpu.name!r} both name the device "
-                                   f"{spelled!r}; a device is one entry's")
-    return gpus, archs
+def _validated(model, key: str, fields: dict, origin: str, what: str):
+    try:
+        return model(**{**fields, "name": key})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise Glm5Fp4Error(f"{origin}: {what} {key!r}, field {field!r}: {err['msg']}") from None
 
 
 def _load_yaml(path: Path) -> object:
+    if path.is_dir():
+        raise Glm5Fp4Error(f"{path}: is a folder, not a hardware file (${ENV_VAR} names one YAML file)")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise Glm5Fp4Error(f"{path}: hardware file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Glm5Fp4Error(f"{path}: cannot read the hardware file ({exc})") from None
+    except _Duplicate as exc:
+        raise Glm5Fp4Error(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise Glm5Fp4Error(f"{path}: not valid YAML ({exc})") from None
 
 
 @lru_cache(maxsize=8)
 def _load(extra: str | None) -> tuple[dict[str, GpuSpec], dict[str, ArchLimits]]:
+    """The built-in table with the user's file on top. An entry the user's file names again is merged field by field
+    (a bandwidth fixed without repeating device_names keeps them), validated as a whole, and placed after the
+    built-ins, so that the user's entry is the one a device name finds. GPUs that omit shared memory take their
+    arch's figure after the user's archs are in, so an arch override reaches them too."""
     builtin = resources.files("glm5_fp4") / "data" / "hardware.yaml"
-    gpus, archs = _parse(yaml.safe_load(builtin.read_text()), "glm5_fp4/data/hardware.yaml")
+    files = [(BUILTIN, _sections(yaml.safe_load(builtin.read_text()), BUILTIN))]
     if extra:
-        more_gpus, archs = _parse(_load_yaml(Path(extra)), str(extra), archs)
-        gpus = {**gpus, **more_gpus}
+        files.append((str(extra), _sections(_load_yaml(Path(extra)), str(extra))))
+    merged: dict[str, dict[str, tuple[dict, str]]] = {"gpus": {}, "archs": {}}
+    for origin, sections in files:
+        for section, entries in sections.items():
+            for key, fields in entries.items():
+                before = merged[section].pop(key, ({}, origin))[0]
+                merged[section][key] = ({**before, **fields}, origin)
+    archs = {k: _validated(ArchLimits, k, f, o, "arch") for k, (f, o) in merged["archs"].items()}
+    gpus: dict[str, GpuSpec] = {}
+    for key, (fields, origin) in merged["gpus"].items():
+        arch = archs.get(arch_key(str(fields.get("arch", ""))))
+        if "smem_per_block_bytes" not in fields and arch is not None:
+            fields = {**fields, "smem_per_block_bytes": arch.smem_per_block_optin_bytes}
+        gpus[key] = _validated(GpuSpec, key, fields, origin, "gpu")
+    # Within one file a device is one entry's (which of two it is would depend on the order); across files the
+    # user's entry, placed last, wins (detect_gpu_name).
+    claimed: dict[tuple[str, str], str] = {}
+    for key, gpu in gpus.items():
+        origin = merged["gpus"][key][1]
+        for dev, spelled in {_device_key(n): n for n in (gpu.display_name, *gpu.device_names)}.items():
+            other = claimed.setdefault((origin, dev), key)
+            if other != key:
+                raise Glm5Fp4Error(f"{origin}: gpu entries {other!r} and {key!r} both name the device "
+                                   f"{spelled!r}; a device is one entry's")
     return gpus, archs
 
 
@@ -165,7 +241,7 @@ def list_gpus() -> list[str]:
 
 def get_gpu(name: str) -> GpuSpec:
     gpus = load_gpus(os.environ.get(ENV_VAR))
-    key = name.lower().replace("_", "-").replace(" ", "-")
+    key = gpu_key(name)
     if key not in gpus:
         raise Glm5Fp4Error(f"unknown GPU {name!r}; known: {', '.join(sorted(gpus))} (add yours via ${ENV_VAR})")
     return gpus[key]
