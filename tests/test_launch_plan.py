@@ -383,3 +383,45 @@ def test_nvfp4_ds_mla_only_where_flashmla_serves_it():
     b200 = make_plan(Glm5Spec(), get_gpu("b200"), PlanInputs(8, 1, 64, 2048, kv_cache_dtype="nvfp4_ds_mla",
                                                              allreduce_gbs=300, allreduce_latency_us=10))
     assert b200.kv_kind == "nvfp4_ds_mla"
+
+
+def test_plan_prices_the_routed_experts_in_the_checkpoints_dtype(tmp_path):
+    """An FP8 checkpoint was planned with NVFP4 routed experts (the dtype read from --config was thrown away, only
+    the dense one kept), while `profile analyze` on the same config priced them FP8."""
+    from glm5_fp4.checkpoint.make import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "c")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8",
+                                  "exclude_modules": ["lm_head", "model.layers.*.self_attn*"]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    (ckpt / "hf_quant_config.json").unlink()
+    fp8 = _plan_one_json("--config", str(ckpt), layout="tp2")
+    flagged = _plan_one_json("--config", str(ckpt), "--expert-dtype", "fp8", "--dense-dtype", "fp8", layout="tp2")
+    nvfp4 = _plan_one_json("--config", str(ckpt), "--expert-dtype", "nvfp4", layout="tp2")
+    assert _weights_gib(fp8) == pytest.approx(_weights_gib(flagged))
+    assert _weights_gib(fp8) > 1.5 * _weights_gib(nvfp4)  # 1 B a parameter against 0.5625
+    (layout,) = fp8["layouts"].values()
+    assert any("routed experts fp8" in a for a in layout["assumptions"]), layout["assumptions"]
+
+
+@pytest.mark.parametrize("skew", [7.5, 100.0])
+def test_expert_skew_past_every_slot_on_one_gpu_is_refused(skew):
+    """--expert-skew 1e300 planned an infinite step (JSON 'Infinity'); the hottest of 8 EP GPUs can hold at most all
+    token-slots: 8x the mean, a skew of 7."""
+    with pytest.raises(Glm5Fp4Error, match=r"expert skew .* at most 7 with 8-way expert parallelism"):
+        plan(8, 1, c=512, dp=8, ep=8, expert_skew=skew)
+    plan(8, 1, c=512, dp=8, ep=8, expert_skew=7.0)
+
+
+def test_the_all_to_all_never_moves_more_than_every_other_gpus_tokens():
+    """The hottest GPU receives each other GPU's token at most once: at skew 3 the all-to-all (43 ms) cost more than
+    gathering every token to every GPU (25 ms), which moves exactly that."""
+    def comm(skew, comm="a2a"):
+        p = plan(8, 1, c=512, dp=8, ep=8, expert_skew=skew, ep_comm=comm)
+        return p.per_step("allreduce")
+
+    agrs = comm(0.0, "agrs")
+    assert comm(0.0) < comm(0.3) <= agrs
+    for skew in (1.0, 3.0, 7.0):
+        assert comm(skew) == pytest.approx(agrs, rel=1e-9)
