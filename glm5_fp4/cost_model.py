@@ -361,8 +361,8 @@ def routed_experts(spec: Glm5Spec, tokens: float, layout: Layout, weight_bytes: 
     # x read and the output written once per token this GPU sees: with an all-to-all the ones dispatched to it (the
     # hottest GPU more), otherwise every token of the group (attention TP, or all-gathered), whatever the routing
     a2a = layout.attn_dp > 1 and not layout.gathers
-    seen = load * expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep) / layout.ep \
-        if a2a else tokens
+    seen = min(tokens, load * expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep)
+               / layout.ep) if a2a else tokens  # a token reaches a GPU once, however many of its experts are there
     return Component(
         "routed experts", "expert_gemm", weights=e_local * per_expert * weight_bytes,
         bytes=touched * per_expert * weight_bytes + 2 * seen * spec.hidden_size * ACT_BYTES,
@@ -453,10 +453,10 @@ def _stage(spec: Glm5Spec, layout: Layout, prec: Precisions, gpu: GpuSpec, exper
                                note=f"{tokens} tokens gathered and reduce-scattered per MoE layer"))
     elif layout.attn_dp > 1:
         # each token goes to the distinct GPUs of its k experts (the local one over no link) and comes back in BF16;
-        # the hottest GPU receives (1 + skew) x the mean
+        # the hottest GPU receives (1 + skew) x the mean, but each other GPU's token once at most: ep - 1 of them
         remote = expected_distinct_groups(spec.n_routed_experts, spec.num_experts_per_tok, layout.ep) \
             * (layout.ep - 1) / layout.ep
-        per_layer = t * remote * (prec.dispatch_bytes(h) + h * act) * (1.0 + skew)
+        per_layer = t * min(remote * (1.0 + skew), layout.ep - 1) * (prec.dispatch_bytes(h) + h * act)
         comps.append(Component("all-to-all", "allreduce", bytes=n_moe * per_layer, calls=2 * n_moe,
                                note=f"dispatch + combine, {remote:.2f} remote GPUs per token"))
     if not last:
@@ -501,6 +501,10 @@ def decode_step(spec: Glm5Spec, gpu: GpuSpec, layout: Layout, batch: int, contex
         raise Glm5Fp4Error(f"efficiency {efficiency} must be in (0, 1]")
     if not 0 <= expert_skew < math.inf:  # NaN fails this test, where `expert_skew < 0` would let it through
         raise Glm5Fp4Error(f"expert skew {expert_skew} must be a finite number >= 0")
+    if layout.ep > 1 and expert_skew > layout.ep - 1:
+        # the hottest GPU holds at most every token-slot: ep x the mean
+        raise Glm5Fp4Error(f"expert skew {expert_skew:g} is past every token-slot on one GPU: at most {layout.ep - 1} "
+                           f"with {layout.ep}-way expert parallelism (the hottest GPU's slots over the mean, minus 1)")
     net = interconnect or Interconnect.of(gpu)
     expert_math = precisions.expert_math or math_dtype(precisions.experts, gpu)
     if gpu.peak_tflops(expert_math) is None or gpu.peak_tflops("bf16") is None:

@@ -73,7 +73,8 @@ class PlanInputs:
     expert_skew: float = 0.0  # the hottest EP GPU's token-slots over the mean, - 1
     dispatch: str = "bf16"  # all-to-all dispatch precision (DP attention + EP)
     ep_comm: str = "a2a"  # DP attention + EP: a2a (to each token's experts' GPUs) or agrs (all-gather + reduce-scatter)
-    dense: str | None = None  # storage of shared experts and dense MLPs; None: as the routed experts (nvfp4)
+    dense: str | None = None  # storage of shared experts and dense MLPs; None: as the routed experts
+    experts: str = "nvfp4"  # storage of the routed experts
 
 
 @dataclass
@@ -193,8 +194,8 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
         raise Glm5Fp4Error(f"the hardware table has no all-reduce numbers for {gpu.name}; pass --allreduce-gbs "
                            "and --allreduce-latency-us")
     kv_kind = resolve_kv(inputs.engine, inputs.kv_cache_dtype, gpu)
-    precisions = cost_model.Precisions(kv=kv_kind, expert_math=inputs.expert_math, dispatch=inputs.dispatch,
-                                       dense=inputs.dense)
+    precisions = cost_model.Precisions(experts=inputs.experts, kv=kv_kind, expert_math=inputs.expert_math,
+                                       dispatch=inputs.dispatch, dense=inputs.dense)
     layout = cost_model.Layout(tp, pp, inputs.dp, inputs.ep, inputs.ep_comm)
     cost = cost_model.decode_step(spec, gpu, layout, inputs.concurrency, inputs.context, precisions,
                                   efficiency=inputs.efficiency, interconnect=net, expert_skew=inputs.expert_skew)

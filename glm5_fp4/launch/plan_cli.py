@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of it on the GPU, FP8 DSA rows on an RTX PRO 6000, BF16 on an H200)")
     parser.add_argument("--expert-math", choices=("nvfp4", "bf16"), default=None,
                         help="roof for expert GEMMs: nvfp4 (W4A4) or bf16 (W4A16); default nvfp4 where the GPU has it")
+    parser.add_argument("--expert-dtype", choices=("nvfp4", "fp8", "bf16"), default=None,
+                        help="storage of the routed experts (default: the --config/profile checkpoint's quantization "
+                             "config, else nvfp4)")
     parser.add_argument("--dense-dtype", choices=("nvfp4", "fp8", "bf16"), default=None,
                         help="storage of the shared experts and dense MLPs (default: the --config/profile "
                              "checkpoint's quantization config, else as the routed experts, as in "
@@ -129,12 +132,14 @@ def build_plans(args: argparse.Namespace):
 
     local = args.config or (profile.model if profile is not None and (Path(profile.model) / "config.json").is_file()
                             else None)
-    _, dense, _ = resolve_mlp_dtypes(local, None, args.dense_dtype)
+    experts, dense, dtypes_said = resolve_mlp_dtypes(local, args.expert_dtype, args.dense_dtype)
     plans = [make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
                                              args.reserve_gib, args.efficiency, expert_math,
                                              args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
-                                             args.expert_skew, args.dispatch_dtype, ep_comm, dense))
+                                             args.expert_skew, args.dispatch_dtype, ep_comm, dense, experts))
              for tp, pp, dp, ep, ep_comm in layouts]
+    for p in plans:
+        p.assumptions.insert(0, dtypes_said)
     return plans, spec_origin, profile
 
 
