@@ -112,3 +112,74 @@ def test_huge_integer_duration_is_one_clear_error(tmp_path):
     f.write_text('{"step": 1, "regions_us": {"a": 1' + "0" * 400 + "}}\n")
     with pytest.raises(Glm5Fp4Error, match=r"big.jsonl:1: region 'a'"):
         read_dumps([f])
+
+
+# -- review of 2026-12-07, second round --------------------------------------------------------------------------------
+def test_the_console_says_every_note(tmp_path, capsys):
+    """The notes (skipped dumps, torn lines, uncounted steps) went only into the files; `timers` printed paths."""
+    from glm5_fp4.cli import main
+
+    empty = _write(tmp_path / "rank0.jsonl", [])
+    full = _write(tmp_path / "rank1.jsonl", _steps([0, 1], 100.0, 3))
+    assert main(["profile", "timers", str(empty), str(full), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "note: " in out and "rank0.jsonl: no records, skipped" in out
+
+
+def test_the_png_counts_steps_per_dump_and_leaves_out_mixed_stage_totals(tmp_path, monkeypatch):
+    """PP2: the PNG drew a pooled `all layers` (800 us, no stage's) and titled 10 steps where each dump had 5."""
+    from glm5_fp4.profiling import layer_timers as LT
+
+    drawn = {}
+
+    def plot(self, path, title="", skip=(), steps=None):
+        drawn.update(regions=[r["region"] for r in self.summary() if r["region"] not in skip], steps=steps,
+                     title=title)
+        return path
+
+    monkeypatch.setattr(LT.TimerStats, "plot", plot)
+    files = [_write(tmp_path / f"rank{r}.jsonl", _steps(layers, us, 5)) for r, layers, us in
+             ((0, [0, 1], 200.0), (1, [2, 3], 600.0))]
+    read_dumps(files).write(tmp_path / "o")
+    assert "all layers" not in drawn["regions"] and drawn["steps"] == 5
+    tp = [_write(tmp_path / f"tp{r}.jsonl", _steps([0, 1], 100.0 + r, 5)) for r in range(2)]
+    read_dumps(tp).write(tmp_path / "o2")
+    assert "all layers" in drawn["regions"] and drawn["steps"] == 5
+
+
+def test_two_runs_dumps_of_one_rank_are_refused(tmp_path):
+    """run1/rank0.jsonl and run2/rank0.jsonl were averaged as two ranks: a median of neither run."""
+    a, b = tmp_path / "run1", tmp_path / "run2"
+    a.mkdir(), b.mkdir()
+    files = [_write(a / "rank0.jsonl", _steps([0], 100.0, 5)), _write(b / "rank0.jsonl", _steps([0], 900.0, 5))]
+    with pytest.raises(Glm5Fp4Error, match=r"run1/rank0.jsonl and .*run2/rank0.jsonl.*one rank's dump of two runs"):
+        read_dumps(files)
+
+
+def test_a_layer_missing_from_one_dump_is_named_not_called_a_stage(tmp_path):
+    files = [_write(tmp_path / "rank0.jsonl", _steps([0, 1, 2], 200.0, 5)),
+             _write(tmp_path / "rank1.jsonl", _steps([0, 2], 200.0, 5))]
+    doc, md = _report(tmp_path, files)
+    assert "pipeline stages" not in md
+    note = next(n for n in doc["notes"] if "layer01" in n)
+    assert "rank1.jsonl" in note and "lacks" in note
+    assert {d["file"]: d["layers"] for d in doc["dumps"]} == {"rank0.jsonl": "layer00-layer02",
+                                                              "rank1.jsonl": "layer00, layer02"}
+
+
+def test_records_that_timed_nothing_are_left_out_with_a_note(tmp_path):
+    ok = _write(tmp_path / "rank0.jsonl", _steps([0, 1], 100.0, 5))
+    empty = _write(tmp_path / "rank1.jsonl", [{"step": 1, "rows": 8, "regions_us": {}},
+                                              {"step": 2, "rows": 8, "regions_us": {}}])
+    doc, md = _report(tmp_path, [ok, empty])
+    assert "0 step" not in md and [d["file"] for d in doc["dumps"]] == ["rank0.jsonl"]
+    assert any("rank1.jsonl" in n and "2 record(s) time no region" in n for n in doc["notes"])
+    with pytest.raises(Glm5Fp4Error, match="time no region"):
+        read_dumps([empty])
+
+
+@pytest.mark.parametrize("field,value", [("tokens", -4), ("tokens", 0), ("rows", 0), ("tokens", "8"), ("rows", 2.5)])
+def test_a_batch_size_no_step_has_is_one_clear_error(tmp_path, field, value):
+    f = _write(tmp_path / "rank0.jsonl", _steps([0], 5.0, 1) + _steps([0], 6.0, 1, 2, **{field: value}))
+    with pytest.raises(Glm5Fp4Error, match=rf"rank0.jsonl:2: {field!r} is {value!r}, expected a whole number >= 1"):
+        read_dumps([f])
