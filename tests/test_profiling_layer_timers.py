@@ -239,12 +239,13 @@ def test_dumps_of_the_same_layers_say_how_many_steps_each(tmp_path):
     assert "5 step(s) in each of 2 dumps" in text and "different layers" not in text, text
 
 
-def test_dumps_of_two_runs_with_one_name_stay_apart(tmp_path):
-    """The writer names dumps rank<r>.jsonl: run A's and run B's rank0.jsonl are two dumps, not one."""
+def test_dumps_of_two_runs_with_one_name_are_not_pooled(tmp_path):
+    """The writer names dumps rank<r>.jsonl: run A's and run B's rank0.jsonl are one rank of two runs. Once merged
+    under one name (steps counted twice), then kept as two dumps whose regions were pooled as if two ranks (a median
+    of neither run): now refused (test_profiling_layer_timers_report.py has the message)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     _stage_dump(tmp_path / "a" / "rank0.jsonl", [0, 1], 150.0)
     _stage_dump(tmp_path / "b" / "rank0.jsonl", [0, 1], 151.0)
-    doc = json.loads(report_from_files([tmp_path / "a" / "rank0.jsonl", tmp_path / "b" / "rank0.jsonl"],
-                                       tmp_path / "rep")["json"].read_text())
-    assert len(doc["dumps"]) == 2 and all(d["steps"] == 5 for d in doc["dumps"])
+    with pytest.raises(Glm5Fp4Error, match="one rank's dump of two runs"):
+        report_from_files([tmp_path / "a" / "rank0.jsonl", tmp_path / "b" / "rank0.jsonl"], tmp_path / "rep")

@@ -278,9 +278,12 @@ def run(args) -> int:
             analyze(str(cfg.out), args, server_kv=captured.kv_cache_dtype)
         return 0
     if args.action == "timers":
-        from glm5_fp4.profiling.layer_timers import report_from_files
+        from glm5_fp4.profiling.layer_timers import read_dumps
 
-        paths = report_from_files([Path(f) for f in args.files], Path(args.out))
+        report = read_dumps([Path(f) for f in args.files])
+        paths = report.write(Path(args.out))
+        for note in report.all_notes():  # what was skipped or set apart: said here as well as in the files
+            print(f"note: {note}")
         for kind, p in paths.items():
             print(f"{kind:>9}: {p}")
         return 0

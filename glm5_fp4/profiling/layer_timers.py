@@ -327,13 +327,16 @@ class TimerStats:
     def to_markdown(self, title: str = "Per-layer timers") -> str:
         return "\n".join(self.header(title) + self.table()) + "\n"
 
-    def plot(self, path: Path, title: str = "Per-layer timers") -> Path:
+    def plot(self, path: Path, title: str = "Per-layer timers", skip: tuple[str, ...] = (),
+             steps: int | None = None) -> Path:
+        """``skip``: regions the tables leave out (a pooled total of different stages); ``steps``: steps per dump
+        where several dumps (ranks) are pooled here, each rank's step being one step."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rows = self.summary()
+        rows = [r for r in self.summary() if r["region"] not in skip]
         names = [r["region"] for r in rows]
         med = [r["median_us"] for r in rows]
         p90 = [r["p90_us"] - r["median_us"] for r in rows]
@@ -341,7 +344,7 @@ class TimerStats:
         ax.barh(names, med, xerr=[[0] * len(rows), p90], color="#1f77b4", ecolor="#555", capsize=2)
         ax.invert_yaxis()
         ax.set_xlabel("µs per step (bar: median, whisker: p90)")
-        ax.set_title(f"{title} ({self.steps} steps)", fontsize=10)
+        ax.set_title(f"{title} ({self.steps if steps is None else steps} steps)", fontsize=10)
         ax.tick_params(axis="y", labelsize=7)
         fig.tight_layout()
         save_figure(fig, path)
@@ -372,12 +375,28 @@ def _counted(steps: list[int]) -> str:
             else f"{len(steps)} dumps of {', '.join(map(str, steps))} steps")
 
 
+def _spans(layers: set[str], order: list[str]) -> str:
+    """``layers`` as runs over ``order`` (every dump's layers, sorted): 'layer00-layer02', or 'layer00, layer02'
+    where a dump lacks layer01 (shown as one run, the gap was hidden)."""
+    runs: list[list[str]] = []
+    prev = None
+    for i, name in enumerate(order):
+        if name not in layers:
+            continue
+        if prev is not None and prev == i - 1:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+        prev = i
+    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "-"
+
+
 def _dump_rows(by_dump: dict[str, TimerStats]) -> list[dict]:
     out = []
+    order = sorted(set().union(*(_layers(s) for s in by_dump.values())))
     for name, s in by_dump.items():
         total = s.samples.get("all layers")
-        layers = sorted(_layers(s))
-        out.append({"file": name, "steps": s.steps, "layers": f"{layers[0]}-{layers[-1]}" if layers else "-",
+        out.append({"file": name, "steps": s.steps, "layers": _spans(_layers(s), order),
                     "all_layers_median_us": statistics.median(total) if total else None,
                     "all_layers_p90_us": percentile(total, 90) if total else None})
     return out
@@ -418,6 +437,7 @@ class TimerReport:
         self.by_key: dict[str, dict[tuple, StepGroup]] = {k: {} for k in GROUP_KEYS}
         self.by_dump: dict[str, TimerStats] = {}  # one dump per rank (or run): its own steps
         self.notes: list[str] = []
+        self.timed_nothing = 0  # records without a region, left out
 
     def add(self, record: dict, dump: str = "") -> None:
         regions = record["regions_us"]
@@ -481,12 +501,37 @@ class TimerReport:
                 "counted steps."]
 
     def all_notes(self) -> list[str]:
-        return self.notes + self._group_notes()
+        return self.notes + self._group_notes() + self._gap_notes()
+
+    def _layer_sets(self) -> list[frozenset[str]]:
+        return list(dict.fromkeys(frozenset(_layers(s)) for s in self.by_dump.values()))
 
     @property
     def stages_differ(self) -> bool:
-        """Whether the dumps time different layers (pipeline stages): then a pooled `all layers` mixes them."""
-        return len({frozenset(_layers(s)) for s in self.by_dump.values()}) > 1
+        """Whether the dumps time different layers: then a pooled `all layers` mixes them."""
+        return len(self._layer_sets()) > 1
+
+    @property
+    def pipeline_stages(self) -> bool:
+        """Whether the dumps' layers are pipeline stages: sets that differ and share no layer (a set that overlaps
+        another but lacks some of its layers is a gap, :meth:`_gap_notes`)."""
+        sets = self._layer_sets()
+        return len(sets) > 1 and all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1:])
+
+    def _gap_notes(self) -> list[str]:
+        if not self.stages_differ or self.pipeline_stages:
+            return []
+        notes = []
+        for name, s in self.by_dump.items():
+            mine = _layers(s)
+            # the layers of the dumps that overlap this one (its stage) that it does not time
+            peers = [_layers(o) for o in self.by_dump.values() if _layers(o) & mine]
+            lacks = sorted(set().union(*peers) - mine)
+            if lacks:
+                notes.append(f"{name} lacks {', '.join(lacks)}, which other dumps of its layers time: a layer whose "
+                             "timer did not fire on this rank, or dumps of different models; its `all layers` is "
+                             "not comparable with theirs")
+        return notes
 
     def dumps(self) -> list[dict]:
         return _dump_rows(self.by_dump)
@@ -499,10 +544,12 @@ class TimerReport:
 
     def _dump_lines(self) -> list[str]:
         """A table per dump, for dumps that time different layers (:attr:`stages_differ`)."""
-        lines = ["## Per dump", "",
-                 "The dumps time different layers (pipeline stages): `all layers` is one stage's, so the tables "
-                 "below leave it out (pooled, it would mix the stages); a step of the model spans every stage.",
-                 "",
+        why = ("The dumps time different layers (pipeline stages): `all layers` is one stage's, so the tables below "
+               "leave it out (pooled, it would mix the stages); a step of the model spans every stage."
+               if self.pipeline_stages else
+               "The dumps time different sets of layers (some lack layers that others time, see the notes): the "
+               "tables below leave `all layers` out (pooled, it would mix different sums).")
+        lines = ["## Per dump", "", why, "",
                  "| dump | steps | layers | median `all layers` (µs) | p90 (µs) |", "|---|---:|---|---:|---:|"]
         for r in self.dumps():
             lines.append(f"| {r['file']} | {r['steps']} | {r['layers']} | {_us(r['all_layers_median_us'])} | "
@@ -568,9 +615,10 @@ class TimerReport:
         if png:
             # the batch size with the most steps (the decode steps of a load wave), or all steps when ungrouped
             groups = self.groups
-            stats, label = (groups[0].pooled, f"{title}: {self._label(groups[0])}") if groups else (self.pooled, title)
+            stats, label, steps = ((groups[0].pooled, f"{title}: {self._label(groups[0])}", groups[0].steps) if groups
+                                   else (self.pooled, title, self.steps))
             try:
-                paths["png"] = stats.plot(out / "layer_timers.png", label)
+                paths["png"] = stats.plot(out / "layer_timers.png", label, skip=mixed, steps=steps)
             except ImportError:
                 pass
         return paths
@@ -614,6 +662,7 @@ def _records(f: Path, raw: bytes, report: TimerReport) -> list[dict]:
     torn = bool(text) and not text.endswith(("\n", "\r"))  # the writer ends every line; a kill can cut the last
     records: list[dict] = []
     last_step: int | None = None
+    empty = 0
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -628,6 +677,13 @@ def _records(f: Path, raw: bytes, report: TimerReport) -> list[dict]:
                 break
             raise Glm5Fp4Error(f"{f}:{i}: not a layer-timer record (expected JSON with 'regions_us')") from None
         _check_regions(record["regions_us"], f"{f}:{i}")
+        for key in GROUP_KEYS:  # the report's groups: a count no step has made a group of its own
+            v = record.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise Glm5Fp4Error(f"{f}:{i}: {key!r} is {v!r}, expected a whole number >= 1 (or no {key!r})")
+        if not record["regions_us"]:  # a step in which no timer stamp fired: nothing to count as a step
+            empty += 1
+            continue
         # the writers append and count from 1 each run: merged, two runs would give a median of neither
         step = record.get("step")
         if isinstance(step, int) and not isinstance(step, bool):
@@ -636,14 +692,23 @@ def _records(f: Path, raw: bytes, report: TimerReport) -> list[dict]:
                                    f"file? give each run its own {ENV_OUT}")
             last_step = step
         records.append(record)
+    if empty:
+        report.notes.append(f"{f}: {empty} record(s) time no region (no timer stamp fired in their steps): left out")
+        report.timed_nothing += empty
     return records
 
 
 def read_dumps(files: list[Path]) -> TimerReport:
     report = TimerReport()
-    # each dump by its file name, or its path where two runs' dumps share one (the writer names them rank<r>.jsonl)
-    plain = [Path(f).name for f in files]
-    names = {f: (Path(f).name if plain.count(Path(f).name) == 1 else str(f)) for f in files}
+    # The writer names a rank's dump rank<r>.jsonl in the run's folder: one name in two folders is one rank of
+    # two runs (their pooled median describes neither run), not two ranks.
+    by_name: dict[str, Path] = {}
+    for f in files:
+        other = by_name.setdefault(Path(f).name, Path(f))
+        if other != Path(f) and other.resolve() != Path(f).resolve():
+            raise Glm5Fp4Error(f"{other} and {f} are both {Path(f).name}: one rank's dump of two runs (each run "
+                               "writes one file per rank); report each run on its own")
+    names = {f: Path(f).name for f in files}
     seen: dict[bytes, Path] = {}
     for f in files:
         try:
@@ -663,7 +728,9 @@ def read_dumps(files: list[Path]) -> TimerReport:
         for record in records:
             report.add(record, names[f])
     if not report.samples:
-        raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}")
+        why = (f"; {report.timed_nothing} record(s) time no region (no timer stamp fired in their steps)"
+               if report.timed_nothing else "")
+        raise Glm5Fp4Error(f"no layer-timer records in {', '.join(str(f) for f in files)}{why}")
     return report
 
 
