@@ -30,9 +30,14 @@ def workdir(tmp_path):
     return d
 
 
+# what `glm5-fp4 compare` writes (loadtest.compare.markdown_block): its heading, the runs, the table
+COMPARE_BLOCK = ("### B vs A\n\n- Baseline **A**: c512 (1 run: `a.json`)\n- Candidate **B**: c512 (1 run: `b.json`)\n\n"
+                 "| metric | A | B | delta |\n|---|---|---|---|\n| output_throughput | 100 | 120 | +20.0 % |\n")
+
+
 def test_new_writeups_are_numbered_and_indexed(workdir, tmp_path):
     compare = tmp_path / "compare.md"
-    compare.write_text("| metric | A | B | delta |\n|---|---|---|---|\n| output_throughput | 100 | 120 | +20.0 % |\n")
+    compare.write_text(COMPARE_BLOCK)
     assert main(["improvements", "new", "--title", "Fused MoE kernel!", "--dir", str(workdir)]) == 0
     assert main(["improvements", "new", "--title", "CUDA graphs", "--from", str(compare), "--dir", str(workdir)]) == 0
     files = sorted(p.name for p in workdir.glob("0*.md"))
@@ -161,3 +166,48 @@ def test_an_empty_title_or_headline_is_refused(workdir, capsys, field, value):
     err = capsys.readouterr().err
     assert f"01-a.md: field '{field}' is empty" in err and "Traceback" not in err, err
     assert "None" not in (workdir / "README.md").read_text()
+
+
+# -- review of 2026-12-07 ----------------------------------------------------------------------------------------------
+def test_index_markers_out_of_order_are_one_error(workdir, capsys):
+    """The end marker before the begin marker was a ValueError traceback from every command."""
+    from glm5_fp4.improvements.writeups import INDEX_BEGIN, INDEX_END
+
+    readme = workdir / "README.md"
+    text = readme.read_text().replace(INDEX_END, "")
+    readme.write_text(text.replace(INDEX_BEGIN, INDEX_END + "\n" + INDEX_BEGIN))
+    for argv in (["index"], ["index", "--check"], ["new", "--title", "x"]):
+        assert main(["improvements", *argv, "--dir", str(workdir)]) == 1
+        assert "the end marker must follow the begin marker" in capsys.readouterr().err
+    assert sorted(p.name for p in workdir.glob("*.md")) == ["README.md", "TEMPLATE.md"]
+
+
+def test_from_must_be_a_compare_output(workdir, capsys):
+    """Any markdown with a table was pasted as results and made the write-up 'measured' (the README itself)."""
+    for text in ((workdir / "README.md").read_text(), "| a | b |\n|---|---|\n| 1 | 2 |\n"):
+        md = workdir.parent / "x.md"
+        md.write_text(text)
+        assert main(["improvements", "new", "--title", "x", "--from", str(md), "--dir", str(workdir)]) == 1
+        assert "not the output of `glm5-fp4 compare`" in capsys.readouterr().err
+    assert sorted(p.name for p in workdir.glob("*.md")) == ["README.md", "TEMPLATE.md"]
+
+
+def test_an_explicit_status_is_kept(workdir, tmp_path):
+    compare = tmp_path / "compare.md"
+    compare.write_text(COMPARE_BLOCK)
+    assert main(["improvements", "new", "--title", "x", "--from", str(compare), "--status", "proposed",
+                 "--dir", str(workdir)]) == 0
+    assert read_writeup(workdir / "01-x.md").status == "proposed"
+
+
+def test_a_template_without_the_results_placeholder_is_refused_with_from(workdir, tmp_path, capsys):
+    """The compare block was dropped without a word and the write-up still promoted to 'measured'."""
+    from glm5_fp4.improvements.writeups import RESULTS_PLACEHOLDER
+
+    t = workdir / "TEMPLATE.md"
+    t.write_text(t.read_text().replace(RESULTS_PLACEHOLDER, "(paste results here)"))
+    compare = tmp_path / "compare.md"
+    compare.write_text(COMPARE_BLOCK)
+    assert main(["improvements", "new", "--title", "x", "--from", str(compare), "--dir", str(workdir)]) == 1
+    assert "has no results placeholder" in capsys.readouterr().err
+    assert sorted(p.name for p in workdir.glob("*.md")) == ["README.md", "TEMPLATE.md"]
