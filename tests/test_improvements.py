@@ -83,6 +83,7 @@ def test_not_comparable_compare_block_does_not_mark_measured(workdir, tmp_path, 
     compare = tmp_path / "compare.md"
     compare.write_text(
         "### b vs a\n\n**Not comparable**, so no verdicts: failed requests differ: 0 vs 32.\n\n"
+        "- Baseline **a**: c32 (1 run: `a.json`)\n- Candidate **b**: c32 (1 run: `b.json`)\n\n"
         "| Metric | a | b | verdict |\n|---|---|---|---|\n| completed | 32 | 0 | not comparable |\n"
     )
     assert main(["improvements", "new", "--title", "bad run", "--from", str(compare), "--dir", str(workdir)]) == 0

@@ -63,6 +63,10 @@ def test_compare_cli_writes_markdown(runs, tmp_path, capsys) -> None:
     assert text.startswith("### slow vs fast")
     assert "| Metric | fast | slow |" in text and "Significant:" in text
     assert "mean_tpot_ms" in capsys.readouterr().out
+    # what `improvements new --from` accepts is what this writes
+    from glm5_fp4.loadtest.compare import is_compare_block
+
+    assert is_compare_block(text)
 
 
 def _summary(path, **values):

@@ -104,7 +104,13 @@ def _indexed_readme(directory: Path, writeups: list[Writeup]) -> tuple[Path, str
     text = _read_text(readme, "README")
     if INDEX_BEGIN not in text or INDEX_END not in text:
         raise Glm5Fp4Error(f"{readme}: index markers not found; expected the line {INDEX_BEGIN!r} and {INDEX_END!r}")
+    for marker in (INDEX_BEGIN, INDEX_END):
+        if text.count(marker) > 1:
+            raise Glm5Fp4Error(f"{readme}: the index marker {marker!r} appears {text.count(marker)} times; keep one")
     head, rest = text.split(INDEX_BEGIN, 1)
+    if INDEX_END not in rest:
+        raise Glm5Fp4Error(f"{readme}: the end marker must follow the begin marker ({INDEX_END!r} stands before "
+                           f"{INDEX_BEGIN!r})")
     _, tail = rest.split(INDEX_END, 1)
     return readme, text, head + render_index(writeups) + tail
 
@@ -120,9 +126,13 @@ def regenerate_index(directory: Path, check: bool = False) -> bool:
 
 def extract_compare_block(compare_md: Path) -> str:
     """The markdown a `glm5-fp4 compare` run wrote (its tables), to paste into the results section."""
+    from glm5_fp4.loadtest.compare import is_compare_block
+
     text = _read_text(compare_md, "compare output").strip()
-    if "|" not in text:
-        raise Glm5Fp4Error(f"{compare_md}: holds no markdown table; expected the output of `glm5-fp4 compare`")
+    if not is_compare_block(text):
+        raise Glm5Fp4Error(f"{compare_md}: not the output of `glm5-fp4 compare` (its '### B vs A' heading, the "
+                           "'- Baseline **A**' line and a table); write one with `glm5-fp4 compare A.json B.json "
+                           "--out FILE`")
     return text
 
 
@@ -132,11 +142,12 @@ def is_comparable(compare_block: str) -> bool:
     return NOT_COMPARABLE_MARK not in compare_block
 
 
-def new_writeup(directory: Path, title: str, compare_md: Path | None = None, status: str = "proposed") -> Path:
+def new_writeup(directory: Path, title: str, compare_md: Path | None = None, status: str | None = None) -> Path:
     """Create the next write-up and re-index. Everything that can fail (template, compare block, existing
     write-ups, README markers) is read and checked first, so a failure leaves no half-made write-up whose
-    number the next attempt would skip."""
-    if status not in STATUSES:
+    number the next attempt would skip. ``status`` None: 'measured' when a comparable compare block is pasted in,
+    else 'proposed'; a status given is kept."""
+    if status is not None and status not in STATUSES:
         raise Glm5Fp4Error(f"--status {status!r}; allowed: {', '.join(STATUSES)}")
     if not title.strip() or "\n" in title or "\r" in title:
         raise Glm5Fp4Error(f"--title {title!r}: give a one-line title (it heads the write-up and its index row)")
@@ -151,10 +162,14 @@ def new_writeup(directory: Path, title: str, compare_md: Path | None = None, sta
     body = body.replace("{{title}}", title).replace("{{date}}", date.today().isoformat())
     if compare_md is not None:
         block = extract_compare_block(compare_md)
+        if RESULTS_PLACEHOLDER not in body:
+            raise Glm5Fp4Error(f"{template}: has no results placeholder ({RESULTS_PLACEHOLDER!r}) for the "
+                               f"--from block; put it back where the results go")
         body = body.replace(RESULTS_PLACEHOLDER, block)
         # A block without verdicts measured nothing, so it does not promote the write-up.
-        if status == "proposed" and is_comparable(block):
+        if status is None and is_comparable(block):
             status = "measured"
+    status = status or "proposed"
     headline = "TODO: one line with the measured number"
     front = yaml.safe_dump({"number": number, "title": title, "status": status, "headline": headline},
                            sort_keys=False)

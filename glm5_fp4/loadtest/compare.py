@@ -620,6 +620,14 @@ def _ci(row: Row) -> str:
     return f"[{row.ci[0]:+.3g}, {row.ci[1]:+.3g}]"
 
 
+_BLOCK_HEAD = re.compile(r"^### .+ vs .+$", re.M)
+
+
+def is_compare_block(text: str) -> bool:
+    """Whether ``text`` holds a block :func:`markdown_block` wrote (improvements new --from pastes only those)."""
+    return bool(_BLOCK_HEAD.search(text)) and "- Baseline **" in text and "|" in text
+
+
 def markdown_block(base: Group, other: Group, rows: list[Row]) -> str:
     """A block ready to paste into an improvement write-up."""
     lines = [f"### {other.label} vs {base.label}", ""]
