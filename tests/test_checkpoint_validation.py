@@ -305,3 +305,114 @@ def test_a_global_or_input_scale_that_is_not_a_positive_number_is_refused(made, 
     err = capsys.readouterr().err
     assert name in err and "model.safetensors" in err and "Traceback" not in err, err
     assert "positive" in err and str(value) in err, err
+
+
+# -- review of 2026-12-07 ----------------------------------------------------------------------------------------------
+def _sharded(made, tmp_path):
+    """A copy of ``made`` in 5 shards with an index, written by the package's own writer."""
+    from glm5_fp4.checkpoint.make import write_safetensors
+
+    ck = _copy(made, tmp_path)
+    tensors = load_file(str(ck / "model.safetensors"))
+    (ck / "model.safetensors").unlink()
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_safetensors(iter(tensors.items()), ck, total=len(tensors), shard_bytes=total // 5 + 1)
+    assert len(list(ck.glob("*.safetensors"))) >= 3
+    return ck
+
+
+def test_an_unreadable_file_is_one_error_not_a_traceback(made, tmp_path, capsys, monkeypatch):
+    """As a user who may not read tokenizer.json (or the folder): a PermissionError traceback."""
+    import glm5_fp4.checkpoint.inspect as I
+
+    ck = _copy(made, tmp_path)
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(I, "tokenizer_id_count", denied)
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert f"{ck / 'tokenizer.json'}: Permission denied" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("edit, culprit", [
+    ({"num_nextn_predict_layers": "abc"}, "'num_nextn_predict_layers' is 'abc', expected an integer"),
+    ({"num_nextn_predict_layers": [1]}, "'num_nextn_predict_layers' is [1], expected an integer"),
+    ({"num_nextn_predict_layers": -2}, "'num_nextn_predict_layers' is -2, expected an integer >= 0"),
+    ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' is 'false', expected true or false"),
+])
+def test_fields_inspect_reads_are_checked_for_their_type(made, tmp_path, capsys, edit, culprit):
+    ck = _copy(made, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(edit)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert culprit in err and "config.json" in err and "Traceback" not in err, err
+
+
+def test_shard_tensors_the_index_does_not_list_are_seen(made, tmp_path, capsys):
+    """vLLM loads every tensor of every indexed file: a second copy of a tensor in another shard, or a tensor the
+    index does not list, passed inspect without a word (the same files without the index were refused)."""
+    ck = _sharded(made, tmp_path)
+    index = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    last = sorted(set(index.values()))[-1]
+    elsewhere = next(n for n, f in index.items() if f != last)
+    t = load_file(str(ck / last))
+    extra = dict(t, **{"model.foo.bar": torch.zeros(3)})
+    save_file(extra, str(ck / last), metadata={"format": "pt"})
+    assert main(["inspect", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert "model.foo.bar" in out and "not listed in model.safetensors.index.json" in out
+    save_file(dict(extra, **{elsewhere: torch.zeros(1)}), str(ck / last), metadata={"format": "pt"})
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert elsewhere in err and index[elsewhere] in err and last in err, err
+
+
+@pytest.mark.parametrize("value", ["../other/model-00001-of-00001.safetensors", "/abs/model.safetensors",
+                                   "sub/model.safetensors"])
+def test_an_index_naming_files_outside_the_folder_is_refused(made, tmp_path, capsys, value):
+    ck = _sharded(made, tmp_path)
+    p = ck / "model.safetensors.index.json"
+    doc = json.loads(p.read_text())
+    name = next(iter(doc["weight_map"]))
+    doc["weight_map"][name] = value
+    p.write_text(json.dumps(doc))
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors.index.json" in err and repr(value) in err and "a file name in the folder" in err, err
+
+
+@pytest.mark.parametrize("meta", [{"format": "pt", "step": 1000}, [1]])
+def test_header_metadata_the_loader_refuses_is_refused(made, tmp_path, capsys, meta):
+    ck = _copy(made, tmp_path)
+    _rewrite_header(ck / "model.safetensors", lambda h: h.__setitem__("__metadata__", meta))
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "__metadata__" in err and "string" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("method", ["fp8", 3, None])
+def test_nvfp4_under_another_quant_method_is_refused(made, tmp_path, capsys, method):
+    """vLLM reads ModelOpt NVFP4 only under a quant_method starting 'modelopt'; otherwise it takes quant_method as
+    the method (fp8: Fp8 on NVFP4 bytes). inspect --require-nvfp4 passed it."""
+    ck = _copy(made, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    if method is None:
+        del cfg["quantization_config"]["quant_method"]
+    else:
+        cfg["quantization_config"]["quant_method"] = method
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", str(ck), "--require-nvfp4"]) == 1
+    err = capsys.readouterr().err
+    assert "quantization_config.quant_method" in err and "modelopt" in err, err
+
+
+def test_require_nvfp4_wants_an_nvfp4_linear(tmp_path, capsys):
+    ck = make_checkpoint(tmp_path / "d", "glm5", seed=1, sizes=SMALL, dequantized=True)
+    (ck / "hf_quant_config.json").write_text(json.dumps(
+        {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["*"]}}))
+    assert main(["inspect", str(ck), "--require-nvfp4"]) == 1
+    assert "no NVFP4 linear" in capsys.readouterr().err
