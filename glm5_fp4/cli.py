@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):  # stdout is no file (captured in-process)
             pass
         return 128 + signal.SIGPIPE
+    except OSError as exc:
+        # A file the command could not open or read (permissions, a folder for a file): the file and the reason,
+        # never a traceback. An OSError naming no file is a fault of ours or the system's, and keeps its traceback.
+        if exc.filename is None:
+            raise
+        print(f"glm5-fp4 {name}: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 def _stdout_reader_gone() -> bool:

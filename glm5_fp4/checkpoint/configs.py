@@ -157,7 +157,7 @@ def dense_attention_view(config: dict) -> dict:
 # loaders index into, a string or float is not a shape).
 _POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "moe_intermediate_size",
              "n_routed_experts", "num_experts_per_tok", "vocab_size")
-_NON_NEGATIVE = ("first_k_dense_replace", "n_shared_experts")
+_NON_NEGATIVE = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers")
 _MLA_POSITIVE = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _DSA_POSITIVE = ("index_topk", "index_n_heads", "index_head_dim")
 _GQA_POSITIVE = ("num_key_value_heads", "head_dim")
@@ -196,7 +196,11 @@ def check_config(config: object, where: str) -> None:
     for key in _POSITIVE:
         integer(key, 1)
     for key in _NON_NEGATIVE:
-        integer(key, 0, required=False)
+        if config.get(key) is not None:  # null: the field's default, as transformers reads it
+            integer(key, 0, required=False)
+    tie = config.get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):  # "false" is truthy: lm_head would be read as the embedding
+        raise Glm5Fp4Error(f"{where}: field 'tie_word_embeddings' is {tie!r}, expected true or false")
     mla = config.get("model_type") in MLA_TYPES
     for key in _MLA_POSITIVE if mla else _GQA_POSITIVE:
         integer(key, 1)

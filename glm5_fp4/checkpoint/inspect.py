@@ -130,6 +130,10 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise Glm5Fp4Error(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(header, dict):
         raise Glm5Fp4Error(f"{path}: corrupt safetensors header (not a JSON object)")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        # safe_open refuses it ("expected a string") once the engine loads the file
+        raise Glm5Fp4Error(f"{path}: header __metadata__ is {meta!r:.80}, expected an object of string values")
     size = path.stat().st_size
     out = {}
     ranges = []
@@ -195,6 +199,11 @@ def read_tensor_index(ckpt: Path, notes: list[str] | None = None) -> dict[str, T
     bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
     if bad is not None:
         raise Glm5Fp4Error(f"{index_path}: weight_map[{bad[0]!r}] is {bad[1]!r}, expected a file name")
+    # the loaders look for the index's files in the checkpoint's folder (vLLM: "referenced in index but missing")
+    bad = next(((k, v) for k, v in weight_map.items() if v in ("", ".", "..") or Path(v).name != v), None)
+    if bad is not None:
+        raise Glm5Fp4Error(f"{index_path}: weight_map[{bad[0]!r}] is {bad[1]!r}, expected a file name in the folder "
+                           "(no path)")
     headers = {}
     for fname in sorted(set(weight_map.values())):
         if not (ckpt / fname).is_file():
@@ -207,6 +216,21 @@ def read_tensor_index(ckpt: Path, notes: list[str] | None = None) -> dict[str, T
         if info is None:
             raise Glm5Fp4Error(f"{ckpt}: {INDEX_FILE} puts tensor {name} in {fname}, which does not hold it")
         tensors[name] = info
+    # The loaders read every tensor of every indexed file, listed or not: a second copy of a listed tensor is
+    # loaded too (which one wins is the loader's order), an unlisted one is a tensor like any other.
+    unlisted = []
+    for fname, header in headers.items():
+        for name, info in header.items():
+            if weight_map.get(name) == fname:
+                continue
+            if name in weight_map:
+                raise Glm5Fp4Error(f"{ckpt}: tensor {name} is in {fname} as well as in {weight_map[name]}, where "
+                                   f"{INDEX_FILE} puts it; the loader reads both files: remove one copy")
+            tensors[name] = info
+            unlisted.append(f"{name} ({fname})")
+    if unlisted and notes is not None:
+        notes.append(f"{len(unlisted)} tensor(s) not listed in {INDEX_FILE} but in the files it names (the engines "
+                     f"load them all the same): {', '.join(unlisted[:5])}" + (" ..." if len(unlisted) > 5 else ""))
     stray = sorted(p.name for p in ckpt.glob("*.safetensors") if p.name not in headers)
     if stray and notes is not None:
         notes.append(f"not in {INDEX_FILE}, so not read: {', '.join(stray)}")
@@ -319,6 +343,13 @@ def read_quant_config(ckpt: Path, config: dict, config_path: Path | None = None
     cfg_where = f"{config_path or ckpt / 'config.json'}: quantization_config"
     q = config.get("quantization_config")
     from_cfg = _quant_fields(q, cfg_where, "ignore", "exclude_modules") if q else None
+    if from_cfg is not None and (from_cfg[0] or "").upper() == "NVFP4":
+        method = q.get("quant_method")
+        if not (isinstance(method, str) and method.lower().startswith("modelopt")):
+            # vLLM and SGLang read ModelOpt's NVFP4 only under quant_method modelopt*; any other is taken as the
+            # method itself (fp8: the FP8 loader on NVFP4 bytes), none is an unknown method
+            raise Glm5Fp4Error(f"{cfg_where}.quant_method is {method!r}, expected 'modelopt' (or 'modelopt_fp4') for "
+                               "quant_algo NVFP4: the engines read NVFP4 checkpoints only under ModelOpt's method")
     hf = ckpt / "hf_quant_config.json"
     if not hf.exists():
         return from_cfg or (None, None, [])
@@ -524,6 +555,9 @@ def inspect_checkpoint(path: str | Path, require_nvfp4: bool = False) -> Checkpo
             raise Glm5Fp4Error(f"{ckpt / info.file}: tensor {name} is {info.dtype} {list(info.shape)}, "
                                f"expected [{out_f}, {in_f}]")
     _check_scalar_scales(ckpt, tensors, scalars)
+    if require_nvfp4 and not quantized:
+        raise Glm5Fp4Error(f"{ckpt}: no NVFP4 linear (quant_algo NVFP4, but exclude_modules {excluded!r} leaves every "
+                           "linear unquantized, or no linear carries its weight_scale)")
     for layer in moe_layers:
         if seen_experts[layer] != 3 * n_experts:
             raise Glm5Fp4Error(f"{ckpt}: layer {layer} has {seen_experts[layer] // 3 if seen_experts[layer] else 0} "
