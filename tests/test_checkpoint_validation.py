@@ -416,3 +416,20 @@ def test_require_nvfp4_wants_an_nvfp4_linear(tmp_path, capsys):
         {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["*"]}}))
     assert main(["inspect", str(ck), "--require-nvfp4"]) == 1
     assert "no NVFP4 linear" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    (["--size", "vocab_size=1000000000"], "vocab_size 1000000000"),  # the tokenizer's fill aborted the process
+    (["--size", "hidden_size=1099511627776"], "hidden_size"),         # a DefaultCPUAllocator traceback
+    (["--size", "num_key_value_heads=1"], "num_key_value_heads applies to --arch glm4moe only"),
+    (["--arch", "glm4moe", "--size", "index_topk=64"], "index_topk applies to --arch glm5 only"),
+    (["--size", "qk_rope_head_dim=7"], "'qk_rope_head_dim' is 7, expected an even number"),
+])
+def test_sizes_no_machine_or_loader_takes_are_refused_before_writing(tmp_path, capsys, argv, culprit):
+    """Review of 2026-12-07: a vocabulary of 1e9 aborted the process (and left a scratch folder), sizes of the other
+    --arch were ignored without a word, an odd RoPE dimension made a checkpoint transformers refuses."""
+    out = tmp_path / "new" / "ck"
+    assert main(["make-checkpoint", "--out", str(out), *argv]) == 1
+    err = capsys.readouterr().err
+    assert culprit in err and "Traceback" not in err, err
+    assert not (tmp_path / "new").exists()
