@@ -40,6 +40,8 @@ TINY_SIZES = {
     "head_dim": 64,
 }
 
+MAX_VOCAB_SIZE = 1 << 20
+
 _GLM5_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
               "index_topk", "index_n_heads", "index_head_dim")
 _GLM4_ONLY = ("num_key_value_heads", "head_dim")
@@ -54,10 +56,17 @@ def build_config(arch: str, sizes: dict | None = None, eos_token_id: int = 1, pa
     if arch not in ARCHS:
         raise Glm5Fp4Error(f"unknown --arch {arch!r}; choose one of {ARCHS}")
     s = dict(TINY_SIZES)
+    other = _GLM4_ONLY if arch == "glm5" else _GLM5_ONLY
     for key, value in (sizes or {}).items():
         if key not in TINY_SIZES:
             raise Glm5Fp4Error(f"unknown size field {key!r}; known: {', '.join(sorted(TINY_SIZES))}")
+        if key in other:  # was ignored without a word: the config the user asked for is not the one written
+            raise Glm5Fp4Error(f"--size {key} applies to --arch {'glm4moe' if arch == 'glm5' else 'glm5'} only")
         s[key] = value
+    vocab = s["vocab_size"]
+    if isinstance(vocab, int) and vocab > MAX_VOCAB_SIZE:
+        # the tokenizer gets one added token per id past its merges: 1e9 of them aborted the process
+        raise Glm5Fp4Error(f"--size vocab_size {vocab} is past {MAX_VOCAB_SIZE:,} (GLM-5's is 154,880)")
     # shapes first: the NVFP4 divisibility rule below and the layout both assume positive integers
     check_config({**s, "model_type": "glm_moe_dsa" if arch == "glm5" else "glm4_moe"}, "--size")
     if s["moe_intermediate_size"] % 32 or s["hidden_size"] % 32 or s["intermediate_size"] % 32:
@@ -204,6 +213,10 @@ def check_config(config: object, where: str) -> None:
     mla = config.get("model_type") in MLA_TYPES
     for key in _MLA_POSITIVE if mla else _GQA_POSITIVE:
         integer(key, 1)
+    rope = config.get("qk_rope_head_dim") if mla else None
+    if isinstance(rope, int) and rope % 2:  # RoPE rotates pairs of dimensions; transformers refuses to build it
+        raise Glm5Fp4Error(f"{where}: field 'qk_rope_head_dim' is {rope}, expected an even number (RoPE rotates "
+                           "pairs of dimensions)")
     if mla and "index_n_heads" in config:
         for key in _DSA_POSITIVE:
             integer(key, 1)

@@ -168,6 +168,7 @@ def make_checkpoint(
         raise Glm5Fp4Error(f"--device {device!r} is not usable here: {str(exc).splitlines()[0]}") from None
     cfg = build_config(arch, sizes)
     check_tokenizer_fits(cfg["vocab_size"], MIN_VOCAB_SIZE, "--size")
+    _check_room(cfg, out, device)
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
     for f in out.iterdir():  # an earlier run's, killed before it could clean up: no one's data
@@ -197,6 +198,34 @@ def make_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _check_room(cfg: dict, out: Path, device: str) -> None:
+    """Refuse sizes this machine cannot hold before anything is drawn: the largest tensor (drawn in float32) against
+    the memory of ``device``, every tensor in BF16 (an upper bound: NVFP4 is 0.5625 B a parameter) against the free
+    space where ``out`` is. Without it a size typed wrong was an allocator's traceback after minutes of work."""
+    import math
+
+    from glm5_fp4.checkpoint.inspect import expected_tensors
+
+    shapes = [shape for _, shape in expected_tensors(cfg, False, []).values()]
+    largest = max(shapes, key=math.prod)
+    drawn, total = 4 * math.prod(largest), 2 * sum(math.prod(s) for s in shapes)
+    if str(device).startswith("cuda"):
+        memory, where = torch.cuda.get_device_properties(torch.device(device)).total_memory, f"--device {device}"
+    else:
+        memory, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
+    gib = 1024**3
+    sizes = ", ".join(f"{k} {cfg[k]:,}" for k in ("vocab_size", "hidden_size", "moe_intermediate_size",
+                                                     "intermediate_size") if k in cfg)
+    if drawn > memory:
+        raise Glm5Fp4Error(f"--size: a tensor of {list(largest)} needs {drawn / gib:,.1f} GiB while drawn, past "
+                           f"{where} ({memory / gib:,.1f} GiB); sizes {sizes}")
+    probe = next((p for p in [out, *out.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(probe).free
+    if total > free:
+        raise Glm5Fp4Error(f"--size: the checkpoint needs up to {total / gib:,.1f} GiB, {probe} has {free / gib:,.1f} "
+                           f"GiB free; sizes {sizes}")
 
 
 SCRATCH_PREFIX = ".make-checkpoint-"
