@@ -433,3 +433,33 @@ def test_sizes_no_machine_or_loader_takes_are_refused_before_writing(tmp_path, c
     err = capsys.readouterr().err
     assert culprit in err and "Traceback" not in err, err
     assert not (tmp_path / "new").exists()
+
+
+def test_a_failed_overwrite_leaves_the_old_checkpoint_as_it_was(made, tmp_path, capsys, monkeypatch):
+    """A file that could not be moved (immutable, another owner's in a sticky folder) left the old shards removed and
+    half the new files in, and the error named no file: inspect then passed the mix."""
+    import hashlib
+
+    import glm5_fp4.checkpoint.make as M
+
+    ck = _copy(made, tmp_path)
+
+    def digest(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir() if p.is_file()}
+
+    before = digest(ck)
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).name == "tokenizer_config.json" and Path(src).parent == ck:
+            raise PermissionError(1, "Operation not permitted", str(src), None, str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(M.os, "replace", replace)
+    assert main(["make-checkpoint", "--out", str(ck), "--overwrite", "--dequantized", "--size",
+                 "n_routed_experts=4", "--size", "num_hidden_layers=2", "--size", "hidden_size=128",
+                 "--size", "vocab_size=512"]) == 1
+    err = capsys.readouterr().err
+    assert "tokenizer_config.json" in err and "as it was" in err, err
+    assert digest(ck) == before
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == []  # no scratch or backup left
