@@ -190,7 +190,12 @@ def make_checkpoint(
         try:
             _move_in(tmp, out)
         except OSError as exc:
-            raise Glm5Fp4Error(f"{out}: cannot move the new checkpoint's files in ({exc.strerror or exc})") from None
+            culprit = exc.filename or exc.filename2 or "a file"
+            state = ("it is as it was" if getattr(exc, "restored", False) else
+                     "its earlier files could not all be put back: it now holds part of each checkpoint (the rest of "
+                     f"the earlier one is in {out}/{SCRATCH_PREFIX}*)")
+            raise Glm5Fp4Error(f"{out}: cannot move the new checkpoint's files in: {culprit}: "
+                               f"{exc.strerror or exc}; {state}") from None
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -239,14 +244,40 @@ def _is_scratch(path: Path) -> bool:
 def _move_in(tmp: Path, out: Path) -> None:
     """The finished checkpoint's files from ``tmp`` into ``out`` (renames within one file system); weight shards, an
     index or a quantizer config of an earlier checkpoint there that this one does not have are removed, since a
-    loader would read them as part of it (a BF16 twin written over an NVFP4 checkpoint would still read as NVFP4)."""
-    new = {f.name for f in tmp.iterdir()}
-    for old in out.iterdir():
-        if old.name not in new and old.is_file() and (old.name.endswith(".safetensors") or old.name in (
-                "model.safetensors.index.json", "hf_quant_config.json")):
-            old.unlink()
-    for name in sorted(new):
-        os.replace(tmp / name, out / name)
+    loader would read them as part of it (a BF16 twin written over an NVFP4 checkpoint would still read as NVFP4).
+
+    All or nothing: the earlier files are first moved aside, and if any rename fails (a file another user owns, an
+    immutable one) the new files go back out and the earlier ones back in, so ``out`` is as it was (a mix of two
+    checkpoints is one an engine loads and inspect passes). Raises OSError naming the file; ``restored`` on it says
+    whether ``out`` could be put back."""
+    new = sorted(f.name for f in tmp.iterdir())
+    aside = [old.name for old in out.iterdir() if old.is_file() and (old.name in new or (
+        old.name.endswith(".safetensors") or old.name in ("model.safetensors.index.json", "hf_quant_config.json")))]
+    backup = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=out))
+    moved: list[str] = []
+    placed: list[str] = []
+    try:
+        for name in aside:
+            os.replace(out / name, backup / name)
+            moved.append(name)
+        for name in new:
+            os.replace(tmp / name, out / name)
+            placed.append(name)
+    except OSError as exc:
+        restored = True
+        for src, dst, names in ((out, tmp, placed), (backup, out, moved)):
+            for name in names:
+                try:
+                    os.replace(src / name, dst / name)
+                except OSError:
+                    restored = False
+        exc.restored = restored
+        if not restored:
+            backup = None  # what could not be put back stays there, named in the error
+        raise
+    finally:
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
 
 
 def _write(out: Path, cfg: dict, seed: int, dequantized: bool, dense_attention: bool, device: str = "cpu",
