@@ -428,3 +428,18 @@ def test_the_all_to_all_never_moves_more_than_every_other_gpus_tokens():
     assert moved(0.0) < moved(0.3) <= every_other
     for skew in (1.0, 3.0, 7.0):
         assert moved(skew) == pytest.approx(every_other, rel=1e-9)
+
+
+def test_usable_memory_starts_from_what_the_driver_reports_where_the_table_has_it():
+    """The H200's '141 GB' was taken as 141 GiB (151.4e9 B) while its driver reports 150,109,880,320 B (the committed
+    traces' totalGlobalMem): 1.16 GB of KV the engine never gets. vLLM sizes from the driver's figure."""
+    h200 = get_gpu("h200")
+    assert h200.memory_total_bytes == 150_109_880_320
+    p = make_plan(Glm5Spec(), h200, PlanInputs(8, 1, 64, 2048, allreduce_gbs=300.0, allreduce_latency_us=10.0))
+    assert p.usable_bytes == pytest.approx(150_109_880_320 * 0.90 - 2.0 * 2**30)
+    assert any("150.1 GB the driver reports" in a for a in p.assumptions), p.assumptions
+    rtx = get_gpu("rtx-pro-6000-ws")  # no driver figure in the table: the datasheet's, said as such
+    p = plan(8, 1)
+    assert rtx.memory_total_bytes is None
+    assert p.usable_bytes == pytest.approx(rtx.memory_gb * 2**30 * 0.90 - 2.0 * 2**30)
+    assert any("datasheet" in a for a in p.assumptions), p.assumptions
