@@ -46,6 +46,9 @@ class GpuSpec(BaseModel):
     compute_capability: tuple[int, int]
     sm_count: int = Field(gt=0)
     memory_gb: float = Field(gt=0, le=100_000, allow_inf_nan=False)  # le: 1e300 overflowed the byte counts
+    # What the driver reports (cudaDeviceProp.totalGlobalMem, torch's total_memory), where measured: the engines size
+    # their KV cache from it, and it is not the datasheet's GB (the H200's "141 GB" is 150.1e9 B, 139.8 GiB)
+    memory_total_bytes: int | None = Field(default=None, gt=0)
     mem_bandwidth_gbs: Positive
     measured_copy_bandwidth_gbs: Positive | None = None
     smem_per_block_bytes: int = Field(gt=0)  # opt-in maximum; the table fills in the arch's when an entry omits it

@@ -199,14 +199,18 @@ def make_plan(spec: Glm5Spec, gpu: GpuSpec, inputs: PlanInputs) -> Plan:
     layout = cost_model.Layout(tp, pp, inputs.dp, inputs.ep, inputs.ep_comm)
     cost = cost_model.decode_step(spec, gpu, layout, inputs.concurrency, inputs.context, precisions,
                                   efficiency=inputs.efficiency, interconnect=net, expert_skew=inputs.expert_skew)
-    usable = gpu.memory_gb * GIB * inputs.mem_util - inputs.reserve_gib * GIB
+    total, said = ((gpu.memory_total_bytes, f"the {gpu.memory_total_bytes / 1e9:.1f} GB the driver reports")
+                   if gpu.memory_total_bytes else
+                   (gpu.memory_gb * GIB, f"the datasheet's {gpu.memory_gb:g} GB read as GiB (no driver figure in the "
+                    "hardware table: memory_total_bytes)"))
+    usable = total * inputs.mem_util - inputs.reserve_gib * GIB
     assumptions = cost_model.assumptions(cost) + [
         f"KV cache: {inputs.engine} kv_cache_dtype={inputs.kv_cache_dtype} -> {kv_kind}"
         + (f" (what {inputs.engine} makes of auto on sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]})"
            if inputs.kv_cache_dtype == "auto" else "") + "; each stage holds its "
         f"layers' KV of " + (f"its GPU's {cost.micro_batch * pp} sequences" if inputs.dp > 1
                              else f"all {inputs.concurrency} sequences"),
-        f"memory: {inputs.mem_util:.2f} x {gpu.memory_gb:g} GiB minus {inputs.reserve_gib:g} GiB runtime reserve "
+        f"memory: {inputs.mem_util:.2f} x {said} minus {inputs.reserve_gib:g} GiB runtime reserve "
         f"(activations, CUDA graphs, NCCL buffers) = {usable / 1e9:.2f} GB usable; KV gets what weights leave",
     ]
     if inputs.expert_skew and inputs.ep == 1:  # TP shards every expert over every GPU: none is hotter
