@@ -119,9 +119,12 @@ class FakeServer:
     """vLLM-like: /version, /v1/models, streaming /v1/completions, /start_profile, /stop_profile writing traces;
     with ``server_info`` SGLang-like: /get_server_info answers it (SGLang's server args)."""
 
-    def __init__(self, trace_dir: Path, server_info: dict | None = None):
+    def __init__(self, trace_dir: Path, server_info: dict | None = None, start_delay_s: float = 0.0,
+                 late_rank_s: float = 0.0):
         self.trace_dir = trace_dir
         self.server_info = server_info
+        self.start_delay_s = start_delay_s  # /start_profile profiles at once but answers this much later
+        self.late_rank_s = late_rank_s  # rank 1's trace is written this much after rank 0's
         self.calls: list[str] = []
         outer = self
 
@@ -168,11 +171,15 @@ class FakeServer:
                     except (BrokenPipeError, ConnectionResetError):
                         pass
                 elif self.path == "/start_profile":
+                    time.sleep(outer.start_delay_s)
                     self._json(200, {})
                 elif self.path == "/stop_profile":
                     files, _ = make_decode_traces(n_ranks=2, n_steps=4, layers=2)
-                    for name, trace in files:
-                        write_trace(trace, outer.trace_dir / name)
+                    for i, (name, trace) in enumerate(files):
+                        if i and outer.late_rank_s:
+                            threading.Timer(outer.late_rank_s, write_trace, (trace, outer.trace_dir / name)).start()
+                        else:
+                            write_trace(trace, outer.trace_dir / name)
                     self._json(200, {})
                 else:
                     self._json(404, {})
@@ -533,3 +540,61 @@ def test_decode_traces_keep_their_title_and_ceilings(tmp_path):
     data, md = _analyze_json(d, tmp_path / "out")
     assert md.startswith("# Decode-time breakdown: NVIDIA H200") and "Median decode step per rank" in md
     assert data["prefill_only"] is False and data["ceilings"] is not None
+
+
+
+# -- review of 2026-12-07 ----------------------------------------------------------------------------------------------
+def test_capture_waits_for_every_rank_the_traces_declare(tmp_path):
+    """Rank 1's trace written 5 s after rank 0's: the capture returned after 3 quiet seconds with one trace, exit 0,
+    and the analysis read rank 0's all-reduce waits as work."""
+    from glm5_fp4.profiling.capture import CaptureConfig, capture
+
+    trace_dir = tmp_path / "server_traces"
+    trace_dir.mkdir()
+    with FakeServer(trace_dir, late_rank_s=5.0) as server:
+        got = capture(CaptureConfig(server.url, 5, trace_dir, tmp_path / "cap", concurrency=2, flush_timeout_s=60),
+                      log=lambda *a: None)
+    assert len(got.files) == 2
+
+
+def test_a_start_profile_left_unanswered_is_stopped(tmp_path, capsys):
+    """/start_profile timing out left the server profiling (no /stop_profile sent): its profiler kept growing."""
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.profiling.capture import CaptureConfig, capture
+
+    trace_dir = tmp_path / "server_traces"
+    trace_dir.mkdir()
+    with FakeServer(trace_dir, start_delay_s=4.0) as server:
+        with pytest.raises(Glm5Fp4Error, match="start_profile"):
+            capture(CaptureConfig(server.url, 5, trace_dir, tmp_path / "cap", concurrency=2, request_timeout_s=1.0),
+                    log=lambda *a: None)
+        calls = list(server.calls)
+    assert "POST /stop_profile" in calls[calls.index("POST /start_profile"):]
+
+
+def test_expert_parallel_layouts_on_a_gpu_without_network_figures_are_priced_without_them(trace_dir, tmp_path):
+    """--layout dp8ep8agrs on an H200 trace: a TypeError from formatting the missing all-reduce figures."""
+    out = tmp_path / "o"
+    for layout in ("dp8ep8agrs", "dp8ep8"):
+        assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--no-png", "--jobs", "1",
+                     "--batch", "8", "--layout", layout]) == 0
+        md = (out / "breakdown.md").read_text()
+        assert "no latency/bus-bandwidth figures for this GPU" in md, md
+
+
+def test_no_gap_as_long_as_asked_is_no_step(trace_dir, tmp_path, capsys):
+    """--step-gap-us past every gap priced the whole multi-step trace as one decode step against a one-step floor."""
+    out = tmp_path / "o"
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--no-png", "--jobs", "1", "--batch", "8",
+                 "--step-gap-us", "1e9"]) == 0
+    doc = json.loads((out / "breakdown.json").read_text())
+    assert doc["ceilings"] is None or not doc["ceilings"].get("measured_step_us"), doc["ceilings"]
+    assert "no idle gap >= 1e+09 us" in (out / "breakdown.md").read_text()
+
+
+def test_a_rerun_into_the_same_out_leaves_no_earlier_plot(trace_dir, tmp_path):
+    out = tmp_path / "o"
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--jobs", "1", "--batch", "8"]) == 0
+    assert (out / "breakdown.png").exists() and (out / "roofline.png").exists()
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--jobs", "1", "--no-png"]) == 0
+    assert not list(out.glob("*.png")) and not (out / "PLOTS_SKIPPED.txt").exists()
