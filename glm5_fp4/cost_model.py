@@ -604,6 +604,14 @@ def _layout_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> str:
 
 def _a2a_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> list[str]:
     out = []
+    net = cost.interconnect
+    if (lay.gathers or lay.attn_dp > 1) and not net.known:
+        if lay.ep > 1:
+            out.append(f"expert load: the hottest EP GPU gets {1 + cost.expert_skew:g}x the mean token-slots "
+                       f"(--expert-skew {cost.expert_skew:g}; 0 = uniform routing) and the step waits for it")
+        out.append(f"{'all-gather + reduce-scatter' if lay.gathers else 'all-to-all'}: no latency/bus-bandwidth "
+                   "figures for this GPU (no floor; add them with a GLM5_FP4_HARDWARE file)")
+        return out
     if lay.ep > 1:
         out.append(f"expert load: the hottest EP GPU gets {1 + cost.expert_skew:g}x the mean token-slots "
                    f"(--expert-skew {cost.expert_skew:g}; 0 = uniform routing) and the step waits for it")

@@ -10,7 +10,9 @@ the trace files the server wrote into ``out``. Loopback servers only.
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -19,6 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,8 +168,26 @@ def _new_files(trace_dir: Path, before: dict[Path, float]) -> list[Path]:
     return sorted(p for p, m in now.items() if p not in before or m > before[p])
 
 
+_WORLD_SIZE = re.compile(rb'"world_size"\s*:\s*(\d+)')
+
+
+def declared_world_size(path: Path) -> int | None:
+    """The rank count a Kineto trace declares (distributedInfo.world_size, written before the events), read from the
+    file's head only; None where it says none or cannot be read yet (a rank still writing it)."""
+    try:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rb") as f:
+            head = f.read(1 << 20)
+    except (OSError, EOFError, zlib.error):
+        return None
+    m = _WORLD_SIZE.search(head)
+    return int(m[1]) if m else None
+
+
 def _wait_for_traces(trace_dir: Path, before: dict[Path, float], timeout: float, settle_s: float = 3.0) -> list[Path]:
-    """New trace files, once their number and sizes stop changing (servers write them one rank at a time)."""
+    """New trace files, once their number and sizes stop changing (servers write them one rank at a time) and there
+    are as many as the traces declare ranks: a rank written later than the others' quiet spell was left out, and the
+    analysis read the ranks that came as the whole group."""
     deadline = time.monotonic() + timeout
     last_state = None
     stable_since = time.monotonic()
@@ -176,13 +197,22 @@ def _wait_for_traces(trace_dir: Path, before: dict[Path, float], timeout: float,
         if state != last_state:
             last_state, stable_since = state, time.monotonic()
         elif files and time.monotonic() - stable_since >= settle_s:
-            return files
+            world = max((w for w in map(declared_world_size, files) if w), default=None)
+            if world is None or len(files) >= world:
+                return files
         time.sleep(0.5)
     files = _new_files(trace_dir, before)
     if not files:
         raise Glm5Fp4Error(
             f"{trace_dir}: no new trace files after {timeout:.0f} s; is this the server's profiler directory "
             "(vLLM torch_profiler_dir / SGLANG_TORCH_PROFILER_DIR)?"
+        )
+    world = max((w for w in map(declared_world_size, files) if w), default=None)
+    if world is not None and len(files) < world:
+        raise Glm5Fp4Error(
+            f"{trace_dir}: {len(files)} of the {world} ranks' traces the capture declares (distributedInfo.world_size) "
+            f"after {timeout:.0f} s ({', '.join(p.name for p in files)}); a rank still writing? raise "
+            "--flush-timeout-s, or analyze the folder once every rank's file is there"
         )
     return files
 
@@ -240,6 +270,7 @@ def capture(cfg: CaptureConfig, log=print) -> Captured:
         body: dict = {}
         if engine == "sglang":
             body = {"num_steps": cfg.steps, "activities": ["CPU", "GPU"], "output_dir": str(cfg.trace_dir)}
+        profiling = True  # until the server answers: a start left unanswered (a timeout, Ctrl-C) may be recording
         status, answer = _request(f"{base}/start_profile", body, timeout=cfg.request_timeout_s)
         profiling = status < 400
         if status == 404:

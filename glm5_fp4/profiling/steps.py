@@ -353,7 +353,8 @@ def split_steps(trace: RankTrace, method: str = "auto", gap_us: float | None = N
         return _whole(trace, f"no annotation matches '{annotation.pattern}' in this trace", False)
     if gap_us is not None and method in ("auto", "gap"):
         split = _split_by_gap(trace, gap_us)
-        return split or _whole(trace, f"no idle gap >= {gap_us:g} us: the whole trace is one window", True)
+        # asked for gaps of gap_us: a trace with none is not one step, so nothing is priced per step
+        return split or _whole(trace, f"no idle gap >= {gap_us:g} us: the whole trace is one window", False)
     order = {"auto": ("annotation", "graph", "gap"), "annotation": ("annotation",), "graph": ("graph",), "gap": ("gap",)}
     finders = {"annotation": _split_by_annotation, "graph": _split_by_graph, "gap": lambda t: _split_by_gap(t, None)}
     for m in order[method]:
