@@ -42,6 +42,14 @@ SPELLINGS = [
     ("sglang", ["--tp-siz", "4"], "tensor_parallel"),
     ("sglang", ["--cuda-graph-max-bs-d", "8"], "max_concurrency"),
     ("sglang", ["--model-p", "/other"], "model"),
+    # review of 2026-12-07: a whole compilation config after the profile's -cc.cudagraph_mode was discarded by vLLM
+    # (its dotted keys become one -cc JSON at the end); capture sizes beside the profile's made vLLM refuse to start
+    ("vllm", ["-cc", '{"backend": "eager"}'], "cuda_graphs"),
+    ("vllm", ["--compilation-config", '{"cudagraph_mode": "NONE"}'], "cuda_graphs"),
+    ("vllm", ["-cc.max_cudagraph_capture_size=8"], "max_concurrency"),
+    ("vllm", ["--cudagraph-capture-sizes", "1", "2", "4"], "max_concurrency"),
+    ("vllm", ["-cc.cudagraph_capture_sizes=[1,2]"], "max_concurrency"),
+    ("sglang", ["--moe-dense-tp-size", "8"], "data_parallel"),
 ]
 
 

@@ -7,6 +7,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.launch.engine_choices import (
@@ -245,3 +246,26 @@ def test_env_names_the_server_cannot_be_started_with_are_refused(key, shown):
     assert msg.startswith("p.yaml: field 'env'") and shown in msg, msg
     with pytest.raises(Glm5Fp4Error, match=r"p.yaml: field 'env'.*'A'.*NUL"):
         profile_from_dict({"model": "/m", "env": {"A": "x\0y"}}, "p.yaml")
+
+
+
+@pytest.mark.parametrize("field,value", [("tensor_parallel", True), ("port", "on"), ("max_concurrency", "yes"),
+                                         ("tensor_parallel", "8"), ("pipeline_parallel", 2.0)])
+def test_a_count_that_is_not_a_whole_number_is_refused(tmp_path, field, value):
+    """YAML's true became --tensor-parallel-size 1, `port: on` --port 1, "8" and 8.0 passed as 8."""
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"model": "nvidia/GLM-5-NVFP4", field: value}))
+    with pytest.raises(Glm5Fp4Error) as e:
+        load_profile(path)
+    assert str(path) in str(e.value) and field in str(e.value)
+
+
+def test_dry_run_checks_the_model_as_the_real_run_does(tmp_path, capsys):
+    """A profile whose model folder does not exist passed --dry-run with exit 0; the real run refused it."""
+    from glm5_fp4.cli import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"model": str(tmp_path / "gone")}))
+    assert main(["serve", "--profile", str(path), "--dry-run"]) == 1
+    out, err = capsys.readouterr()
+    assert "--model" in out and "no such directory" in err
