@@ -101,6 +101,28 @@ def local_model_dir(model: str | os.PathLike, where: str = "--model") -> bool:
         raise Glm5Fp4Error(f"{where} {model}: {exc.strerror or exc}") from None
 
 
+_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_dir(model: str | Path, where: str = "--model") -> Path | None:
+    """What a server is about to load, checked before it starts: a local directory must be a checkpoint
+    (config.json and weights). A Hugging Face id (namespace/name, nothing of that name here) is left to the
+    engine: returns None for it, else the directory. Torch-free, so that --dry-run checks what the real run does."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise Glm5Fp4Error(f"{where} {text}: is a file, not a checkpoint directory")
+        if not (path / "config.json").is_file():
+            raise Glm5Fp4Error(f"{where} {text}: no config.json, so not a Hugging Face checkpoint directory")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise Glm5Fp4Error(f"{where} {text}: no weights (*.safetensors) next to config.json")
+        return path
+    if _HF_REPO_ID.match(text):
+        return None
+    raise Glm5Fp4Error(f"{where} {text}: no such directory (a Hugging Face model id has the form namespace/name)")
+
+
 def exit_status(returncode: int) -> str:
     """A server's return code as a shell would describe it."""
     if returncode < 0:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from glm5_fp4.checkpoint.inspect import check_model_dir
+from glm5_fp4.server_process import check_model_dir
 from glm5_fp4.checkpoint.make import make_checkpoint
 from glm5_fp4.cli import main as cli_main
 from glm5_fp4.errors import Glm5Fp4Error

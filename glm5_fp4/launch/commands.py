@@ -228,6 +228,11 @@ _VLLM_OWNED = {
     # the negative forms of boolean flags (vLLM 0.32: --no-X, 0.33: --disable-X too)
     "--no-enforce-eager": "cuda_graphs", "--no-enable-expert-parallel": "expert_parallel",
     "--disable-expert-parallel": "expert_parallel",
+    # capture sizes beside --max-cudagraph-capture-size: vLLM refuses to start (mutually exclusive, or inconsistent)
+    "-cc.max_cudagraph_capture_size": "max_concurrency",
+    "--compilation-config.max_cudagraph_capture_size": "max_concurrency",
+    "-cc.cudagraph_capture_sizes": "max_concurrency", "--compilation-config.cudagraph_capture_sizes": "max_concurrency",
+    "--cudagraph-capture-sizes": "max_concurrency",
 }
 _SGLANG_OWNED = {
     "--model-path": "model", "--model": "model", "--host": "host", "--port": "port",
@@ -242,6 +247,7 @@ _SGLANG_OWNED = {
     "--cuda-graph-backend-decode": "cuda_graphs", "--cuda-graph-backend-prefill": "cuda_graphs",
     "--disable-cuda-graph": "cuda_graphs", "--disable-decode-cuda-graph": "cuda_graphs",
     "--disable-prefill-cuda-graph": "cuda_graphs",
+    "--moe-dense-tp-size": "data_parallel",  # the DP-attention profiles set it (dense MLPs on their own GPU)
 }
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, StrictInt, field_validator
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.launch.engine_choices import (
@@ -76,18 +76,19 @@ class LaunchProfile(BaseModel):
     model: str = Field(min_length=1)
     description: str = ""
     # (upper bounds: beyond any one host's or cluster's GPUs, or any engine's running-request limit: typos)
-    tensor_parallel: int = Field(default=1, ge=1, le=1024)
-    pipeline_parallel: int = Field(default=1, ge=1, le=1024)
-    data_parallel: int = Field(default=1, ge=1, le=1024)
+    # strict: YAML's `true` was --tensor-parallel-size 1, `port: on` --port 1, "8" and 8.0 passed as 8
+    tensor_parallel: StrictInt = Field(default=1, ge=1, le=1024)
+    pipeline_parallel: StrictInt = Field(default=1, ge=1, le=1024)
+    data_parallel: StrictInt = Field(default=1, ge=1, le=1024)
     expert_parallel: bool = False
     cuda_graphs: Literal["piecewise", "full", "off"] = "full"
     moe_backend: str = OURS
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     glm5_fp4: OurOptions = Field(default_factory=OurOptions)
-    max_concurrency: int = Field(default=512, ge=1, le=1 << 20)
+    max_concurrency: StrictInt = Field(default=512, ge=1, le=1 << 20)
     host: str = "127.0.0.1"
-    port: int | None = Field(default=None, ge=1, le=65535)
+    port: StrictInt | None = Field(default=None, ge=1, le=65535)
     extra_args: list[str] | dict[Engine, list[str]] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.server_process import ServerProcess, install_stop_signals, local_model_dir, serve_until_stopped, spawn
+from glm5_fp4.server_process import (ServerProcess, check_model_dir, install_stop_signals, local_model_dir,
+                                     serve_until_stopped, spawn)
 from glm5_fp4.launch.commands import EngineCommand, build_command, owned_flag, refuse_config_file
 from glm5_fp4.launch.engine_choices import OURS
 from glm5_fp4.launch.profile import load_profile
@@ -106,11 +107,9 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     print(f"# {profile_path}: {profile.engine} {profile.layout}, cuda_graphs={profile.cuda_graphs}, "
           f"moe_backend={profile.moe_backend}", flush=True)
     print(describe(command), flush=True)
+    check_model_dir(profile.model, where)  # before the engine starts (and in a dry run, which ran it nowhere)
     if dry_run:
         return 0
-    from glm5_fp4.checkpoint.inspect import check_model_dir  # imports torch: only when about to launch
-
-    check_model_dir(profile.model, where)  # before the engine starts, not seconds into its own start-up
     log = log_file or f"glm5-fp4-{profile.engine}-{profile.effective_port}.log"
     install_stop_signals()
     return serve_until_stopped(start(command, log), timeout, f"{command.base_url}/v1")

@@ -33,7 +33,9 @@ def read_as(engine: str, arg: str, flags: Iterable[str]) -> list[str]:
     hits = []
     for flag in flags:
         flag_head, _, flag_sub = flag.partition(".")
-        if flag_sub and flag_sub != sub:
+        # a dotted flag (-cc.cudagraph_mode) is also set by the whole object (-cc '{...}'): vLLM turns the dotted
+        # keys into one JSON after the user's, which then loses every key of its own
+        if flag_sub and sub and flag_sub != sub:
             continue
         prefix = len(head) > (2 if long else 1) and flag_head.startswith(head)
         glued = not long and len(flag_head) == 2 and flag_head != "--" and head.startswith(flag_head)

@@ -166,7 +166,8 @@ def broken_cpu_companions(python: str | None = None) -> list[str]:
 
 def preflight(model: str | os.PathLike, quantization: str) -> None:
     """Fail before starting vLLM, with one message naming the culprit, where we can tell it will fail."""
-    from glm5_fp4.checkpoint.inspect import check_model_dir, inspect_checkpoint
+    from glm5_fp4.checkpoint.inspect import inspect_checkpoint
+    from glm5_fp4.server_process import check_model_dir
 
     local = check_model_dir(model)
     if compat.detect_install().distribution is None:
