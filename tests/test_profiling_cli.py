@@ -598,3 +598,64 @@ def test_a_rerun_into_the_same_out_leaves_no_earlier_plot(trace_dir, tmp_path):
     assert (out / "breakdown.png").exists() and (out / "roofline.png").exists()
     assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--jobs", "1", "--no-png"]) == 0
     assert not list(out.glob("*.png")) and not (out / "PLOTS_SKIPPED.txt").exists()
+
+
+@pytest.mark.parametrize("argv,said", [(["--layout", "tp9x"], "tp9x"), (["--step-annotation", "("], "--step-annotation"),
+                                       (["--gpu", "nosuchgpu"], "nosuchgpu")])
+def test_capture_analyze_options_are_checked_before_any_load(tmp_path, capsys, argv, said):
+    """A bad --layout / --step-annotation / --gpu failed after minutes of load, profiling and flushing."""
+    trace_dir = tmp_path / "server_traces"
+    trace_dir.mkdir()
+    with FakeServer(trace_dir) as server:
+        rc = main(["profile", "capture", "--url", server.url, "--steps", "5", "--trace-dir", str(trace_dir),
+                   "--concurrency", "2", "--out", str(tmp_path / "cap"), "--analyze", "--batch", "8", *argv])
+        calls = list(server.calls)
+    assert rc == 1 and said in capsys.readouterr().err and calls == []
+
+
+def test_capture_into_the_servers_own_folder_holding_earlier_traces_is_refused(tmp_path, capsys):
+    """--out X with X/traces the server's folder: the analysis read every earlier capture's traces as well."""
+    out = tmp_path / "cap"
+    (out / "traces").mkdir(parents=True)
+    (out / "traces" / "old.pt.trace.json.gz").write_bytes(b"an earlier capture")
+    with FakeServer(out / "traces") as server:
+        rc = main(["profile", "capture", "--url", server.url, "--steps", "5", "--trace-dir", str(out / "traces"),
+                   "--concurrency", "2", "--out", str(out), "--analyze"])
+        calls = list(server.calls)
+    assert rc == 1 and "earlier capture" in capsys.readouterr().err and not any("completions" in c for c in calls)
+
+
+def test_ranks_on_different_gpus_need_gpu_named(tmp_path, capsys):
+    d = tmp_path / "t"
+    d.mkdir()
+    files, _ = make_decode_traces(n_ranks=2, n_steps=6, layers=3)
+    for i, (name, trace) in enumerate(files):
+        if i:
+            trace["deviceProperties"][0]["name"] = "NVIDIA H100 80GB HBM3"
+        write_trace(trace, d / name)
+    assert main(["profile", "analyze", str(d), "--out", str(tmp_path / "o"), "--no-png", "--jobs", "1",
+                 "--batch", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "NVIDIA H100 80GB HBM3" in err and "NVIDIA H200" in err and "--gpu" in err
+    assert main(["profile", "analyze", str(d), "--out", str(tmp_path / "o"), "--no-png", "--jobs", "1",
+                 "--batch", "8", "--gpu", "h200"]) == 0
+
+
+def test_a_layout_or_skew_the_traces_contradict_is_said(trace_dir, tmp_path):
+    out = tmp_path / "o"
+    assert main(["profile", "analyze", str(trace_dir), "--out", str(out), "--no-png", "--jobs", "1", "--batch", "8",
+                 "--layout", "tp8", "--expert-skew", "2"]) == 0
+    notes = "\n".join(json.loads((out / "breakdown.json").read_text())["notes"])
+    assert "--layout tp8 has 8 GPUs" in notes and "world_size 2" in notes
+    assert "--expert-skew 2 changes nothing" in notes
+
+
+def test_a_kernel_longer_than_an_hour_is_a_corrupt_trace(tmp_path, capsys):
+    d = tmp_path / "t"
+    d.mkdir()
+    files, _ = make_decode_traces(n_ranks=1, n_steps=4, layers=2)
+    (name, trace), = files
+    next(e for e in trace["traceEvents"] if e.get("cat") == "kernel")["dur"] = 1e12
+    write_trace(trace, d / name)
+    assert main(["profile", "analyze", str(d), "--out", str(tmp_path / "o"), "--no-png", "--jobs", "1"]) == 1
+    assert "dur 1e+12" in capsys.readouterr().err
