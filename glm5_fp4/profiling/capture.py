@@ -234,10 +234,13 @@ def capture(cfg: CaptureConfig, log=print) -> Captured:
         raise Glm5Fp4Error(f"--steps must be >= 1, got {cfg.steps}")
     # One capture per folder: engines name traces by time, so an earlier capture's files would be read as a
     # second trace of the same rank by the analysis. Checked before any load is sent.
-    earlier = [p for p in _snapshot(cfg.out) if cfg.out.resolve() != cfg.trace_dir.resolve()]
+    # The server's own folder as --out/traces is no exception: its earlier captures would be analysed too.
+    earlier = list(_snapshot(cfg.out))
     if earlier:
-        raise Glm5Fp4Error(f"{cfg.out} already holds {len(earlier)} trace file(s) of an earlier capture; "
-                           "choose another --out or remove them")
+        same = cfg.out.resolve() == cfg.trace_dir.resolve()
+        raise Glm5Fp4Error(f"{cfg.out} already holds {len(earlier)} trace file(s) of an earlier capture"
+                           + (" (it is the server's --trace-dir too)" if same else "")
+                           + "; choose another --out or remove them")
     engine = detect_engine(base, cfg.request_timeout_s) if cfg.engine == "auto" else cfg.engine
     model = cfg.model or first_model(base, cfg.request_timeout_s)
     kv = server_kv_cache_dtype(base, cfg.request_timeout_s) if engine == "sglang" else None

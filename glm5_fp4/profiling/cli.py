@@ -145,7 +145,11 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
         if breakdown.mode == "cpu":
             breakdown.notes.append("no ceilings for a CPU run unless --gpu names a GPU to compare against")
             return None
-        device = next((r.device_name for r in breakdown.ranks if r.device_name), None)
+        devices = sorted({r.device_name for r in breakdown.ranks if r.device_name})
+        if len(devices) > 1:  # one GPU's ceilings against kernel times averaged over two kinds of GPU
+            raise Glm5Fp4Error(f"the ranks ran on different GPUs ({', '.join(devices)}): pass --gpu NAME to say "
+                               "whose ceilings to compare against")
+        device = devices[0] if devices else None
         gpu_name = detect_gpu_name(device) if device else None
         if gpu_name is None:
             raise Glm5Fp4Error(f"cannot tell the GPU from the trace (device name {device!r}); pass --gpu NAME")
@@ -157,6 +161,11 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
         if args.tp is not None or args.pp is not None:
             raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
         tp, pp, dp, ep, ep_comm = parse_layout(args.layout, "--layout")
+        world = max((r.world_size for r in breakdown.ranks if r.world_size), default=None)
+        if world is not None and tp * pp != world:
+            breakdown.notes.append(f"WARNING, ceilings: --layout {args.layout} has {tp * pp} GPUs, the traces' capture "
+                                   f"world_size {world} (distributedInfo): the floors price another layout than the "
+                                   "one measured")
     else:
         world = max((r.world_size for r in breakdown.ranks if r.world_size), default=None)
         if args.tp is None and world is not None and world > len(breakdown.ranks):
@@ -178,6 +187,9 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
             breakdown.notes.append(f"WARNING, ceilings: the layout TP{tp}" + (f"+PP{pp}" if pp > 1 else "")
                                    + f" is inferred from the {len(breakdown.ranks)} trace file(s), which carry no "
                                    "distributedInfo.world_size: if the capture had more ranks, pass --layout")
+    if args.expert_skew and ep == 1:
+        breakdown.notes.append(f"--expert-skew {args.expert_skew:g} changes nothing: it applies to expert parallelism, "
+                               "and this layout shards every expert over every GPU")
     expert, dense, weights_from = _weight_dtypes(args)
     kv, kv_from = _kv_dtype(args, server_kv, gpu)
     shape = StepShape(
@@ -199,14 +211,37 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
     return result
 
 
+def check_analysis_args(args) -> None:
+    """The analysis options, checked before anything is read or (capture --analyze) any load is sent: a bad one
+    failed only after minutes of load, profiling and flushing."""
+    from glm5_fp4.profiling.steps import compile_step_annotation
+
+    if args.step_annotation is not None and (args.step_gap_us is not None or args.steps_by not in ("auto", "annotation")):
+        raise Glm5Fp4Error("--step-annotation chooses annotation ranges as steps: do not combine it with "
+                           "--step-gap-us or another --steps-by")
+    compile_step_annotation(args.step_annotation)
+    if args.layout is not None:
+        from glm5_fp4.launch.plan_cli import parse_layout
+
+        if args.tp is not None or args.pp is not None:
+            raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
+        parse_layout(args.layout, "--layout")
+    if args.gpu is not None:
+        from glm5_fp4.hardware import get_gpu
+
+        get_gpu(args.gpu)
+    if args.config:
+        from glm5_fp4.spec import Glm5Spec
+
+        Glm5Spec.from_config_json(args.config)
+
+
 def analyze(path: str, args, server_kv: str | None = None) -> dict[str, Path]:
     """``server_kv``: the server's kv_cache_dtype where ``capture`` learnt it."""
     from glm5_fp4.profiling.breakdown import analyze_path
     from glm5_fp4.profiling.report import write_reports
 
-    if args.step_annotation is not None and (args.step_gap_us is not None or args.steps_by not in ("auto", "annotation")):
-        raise Glm5Fp4Error("--step-annotation chooses annotation ranges as steps: do not combine it with "
-                           "--step-gap-us or another --steps-by")
+    check_analysis_args(args)
     out = Path(args.out) if args.out else (Path(path) if Path(path).is_dir() else Path(path).parent) / "breakdown"
     output_dir(out, create=False)  # before reading gigabytes of traces
     method = "gap" if args.step_gap_us is not None else args.steps_by
@@ -267,6 +302,8 @@ def run(args) -> int:
         # before any load is sent: the traces would be lost (where they are copied, and the analysis' folder)
         for sub in ("traces", *(("breakdown",) if args.analyze else ())):
             output_dir(Path(args.out) / sub, "--out", create=False)
+        if args.analyze:
+            check_analysis_args(args)
         cfg = CaptureConfig(
             url=args.url, steps=args.steps, trace_dir=Path(args.trace_dir), out=Path(args.out) / "traces",
             engine=args.engine, concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len,

@@ -73,6 +73,8 @@ MAX_JOBS = 4
 # windows closer than this are not taken for two captures on timing alone. One capture starts the profiler on every
 # rank at once; two captures (another load, a restarted server) lie seconds to hours apart.
 MAX_CLOCK_SKEW_S = 1.0
+# One GPU record (kernel, memcpy) of a profiled capture: longer is a corrupt field
+MAX_GPU_RECORD_US = 3600e6
 
 
 @dataclass
@@ -263,8 +265,11 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
             if kind is not None:
                 args = ev.get("args") or {}
                 ts, dur = _time_field(ev, "ts"), _time_field(ev, "dur", 0.0)
-                if dur < 0 or not isinstance(args, dict):
-                    raise ValueError(f"dur {dur!r}" if dur < 0 else f"args {type(args).__name__}")
+                # a GPU record of a profiled step lasts far under an hour: longer is a corrupt field, which took
+                # every idle microsecond of the steps it covered without a word
+                if not 0 <= dur <= MAX_GPU_RECORD_US or not isinstance(args, dict):
+                    raise ValueError(f"dur {dur!r}" if not 0 <= dur <= MAX_GPU_RECORD_US
+                                     else f"args {type(args).__name__}")
                 if "device" in args:
                     devices.add(args["device"])
                 gpu_rows.append(
@@ -308,7 +313,7 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
 
     if bad_gpu:
         raise Glm5Fp4Error(f"{path}: {len(bad_gpu)} GPU records cannot be read (a missing or non-numeric time, a "
-                           "negative duration, non-object args or a non-integer stream / correlation; first: "
+                           "negative duration or one over an hour, non-object args or a non-integer stream / correlation; first: "
                            f"{bad_gpu[0]}); torch.profiler writes none such, and every figure of the breakdown is "
                            "made of them")
     if len(devices) > 1:  # one timeline per GPU: merged, two GPUs' kernel times add up and their idle time vanishes
