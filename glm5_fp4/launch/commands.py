@@ -362,6 +362,11 @@ def build_vllm(profile: LaunchProfile, python: str | None = None, environ: Mappi
                   quantization=profile.effective_quantization, mode=profile.glm5_fp4.mode, plugin=ours)
     spec = build_launch(**kwargs, python=python)
     for key, value in spec.env_overrides.items():
+        # profile env wins over what we generate, except what decides which MoE backend runs: refused, not overridden
+        if key in profile.env and profile.env[key] != value:
+            raise Glm5Fp4Error(f"{origin}: env {key}={profile.env[key]!r}, but the launcher sets {key}={value!r} for "
+                               f"moe_backend {profile.moe_backend}: drop it from env (choose the backend with "
+                               "moe_backend)")
         env[key] = value
         env_why[key] = "set by the vLLM launcher (glm5_fp4.engines.vllm.serve)"
     program, engine_args = tuple(spec.argv[:3]), tuple(spec.argv[3:])
