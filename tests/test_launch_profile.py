@@ -269,3 +269,15 @@ def test_dry_run_checks_the_model_as_the_real_run_does(tmp_path, capsys):
     assert main(["serve", "--profile", str(path), "--dry-run"]) == 1
     out, err = capsys.readouterr()
     assert "--model" in out and "no such directory" in err
+
+
+def test_a_plain_extra_args_list_does_not_follow_engine_to_the_other_engine(tmp_path):
+    """cpu-demo.yaml (vLLM) with --engine sglang handed SGLang vLLM's --max-model-len: its parser refuses it."""
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"model": "nvidia/GLM-5-NVFP4", "extra_args": ["--max-model-len", "1024"]}))
+    with pytest.raises(Glm5Fp4Error, match=r"p.yaml: extra_args .* for vllm.*--engine sglang.*vllm: \[\.\.\.\]"):
+        load_profile(path, {"engine": "sglang"}, {"engine": "--engine"})
+    assert load_profile(path, {"engine": "vllm"}).engine_extra_args() == ["--max-model-len", "1024"]
+    path.write_text(yaml.safe_dump({"model": "nvidia/GLM-5-NVFP4",
+                                    "extra_args": {"vllm": ["--max-model-len", "1024"], "sglang": []}}))
+    assert load_profile(path, {"engine": "sglang"}).engine_extra_args() == []
