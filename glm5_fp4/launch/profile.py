@@ -254,6 +254,12 @@ def profile_from_dict(data: object, origin: str = "profile", overrides: dict | N
     if odd:  # YAML reads a bare number, yes/no, on/off or null as a number, a boolean or None
         raise Glm5Fp4Error(f"{origin}: key {odd[0]!r} is not a field name (quote it if it is one); fields: "
                            f"{', '.join(FIELDS)}")
+    written_for = data.get("engine", "vllm")
+    wanted = (overrides or {}).get("engine")
+    if wanted is not None and wanted != written_for and isinstance(data.get("extra_args"), list) and data["extra_args"]:
+        # engine flags are not the other engine's (SGLang's parser refuses vLLM's --max-model-len)
+        raise Glm5Fp4Error(f"{origin}: extra_args is one list, written for {written_for}; --engine {wanted} would pass "
+                           f"it to {wanted}: give it per engine ({{vllm: [...], sglang: [...]}})")
     merged = dict(data)
     flags = {}
     for key, value in (overrides or {}).items():
