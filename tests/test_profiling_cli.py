@@ -659,3 +659,19 @@ def test_a_kernel_longer_than_an_hour_is_a_corrupt_trace(tmp_path, capsys):
     write_trace(trace, d / name)
     assert main(["profile", "analyze", str(d), "--out", str(tmp_path / "o"), "--no-png", "--jobs", "1"]) == 1
     assert "dur 1000000000000.0" in capsys.readouterr().err
+
+
+def test_a_category_with_a_floor_but_no_kernel_is_flagged():
+    """Every kernel unknown to the taxonomy: expert GEMM, attention and other GEMM 'measured 0.0 ... n/a' against
+    a 19 ms floor, with no warning (the floor-over-measured ratio of 0 us is None)."""
+    from glm5_fp4.hardware import get_gpu
+    from glm5_fp4.profiling.ceilings import StepShape, ceilings
+    from glm5_fp4.spec import Glm5Spec
+
+    shape = StepShape(batch=512, context=4096, tp=8, pp=1, tokens_per_seq=1, expert_dtype="nvfp4",
+                      attention_dtype="bf16", kv_dtype="bf16", dp=1, ep=1, ep_comm="a2a", expert_skew=0.0,
+                      dense_dtype=None)
+    none = {"expert_gemm": 0.0, "attention": 0.0, "allreduce": 0.0, "other_gemm": 0.0, "other": 5000.0}
+    res = ceilings(Glm5Spec(), shape, get_gpu("h200"), none, none, 5000.0)
+    flagged = [w for w in res["warnings"] if "no kernel of this category" in w]
+    assert {w.split(":")[0] for w in flagged} >= {"expert_gemm", "attention", "other_gemm"}, res["warnings"]
