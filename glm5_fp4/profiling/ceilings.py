@@ -169,6 +169,12 @@ def ceilings(
                 f"({r['floor_over_measured_pct']:.0f} %): the modelled work is not the traced step's; check --batch, "
                 "--context, the layout (--layout / --tp / --pp) and the dtypes"
                 for cat, r in rows.items() if (r["floor_over_measured_pct"] or 0.0) > 100.0]
+    # a modelled category the traces hold nothing of: its kernels were named otherwise (unknown to the taxonomy)
+    # or not captured, and the ratio of a 0 us measurement is no number, so it said nothing
+    warnings += [f"{cat}: no kernel of this category was measured, against a floor of {r['floor_us']:,.1f} us: its "
+                 "kernels are unknown to the taxonomy (see the unknown kernel names; --taxonomy adds them) or were "
+                 "not captured" for cat, r in rows.items()
+                 if (r["floor_us"] or 0.0) > 0.0 and not r["measured_summed_us"] and cat != "allreduce"]
     return {
         "gpu": gpu.name,
         "gpu_display_name": gpu.display_name,
