@@ -452,3 +452,35 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint_as_it_was(made, tmp_path, 
     assert "tokenizer_config.json" in err and "as it was" in err, err
     assert digest(ck) == before
     assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == []  # no scratch or backup left
+
+
+def test_an_unlisted_tensor_in_two_shards_is_refused(made, tmp_path, capsys):
+    """Review: a tensor the index does not list, held by two of its shards, took the later shard's copy silently."""
+    ck = _sharded(made, tmp_path)
+    files = sorted(set(json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    for f, n in ((files[0], 2), (files[-1], 3)):
+        save_file(dict(load_file(str(ck / f)), **{"extra.weight": torch.zeros(n)}), str(ck / f),
+                  metadata={"format": "pt"})
+    assert main(["inspect", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert "extra.weight" in err and files[0] in err and files[-1] in err, err
+
+
+def test_the_room_check_prices_the_checkpoint_as_written(monkeypatch, tmp_path):
+    """Review: every tensor priced as BF16 refused GLM-5's true NVFP4 sizes (~411 GiB) on an 800 GiB disk."""
+    import shutil as sh
+
+    from glm5_fp4.checkpoint import make as M
+    from glm5_fp4.checkpoint.configs import build_config
+    from glm5_fp4.spec import Glm5Spec
+
+    spec = Glm5Spec()
+    sizes = {"hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers, "n_routed_experts": 256,
+             "moe_intermediate_size": spec.moe_intermediate_size, "intermediate_size": 12288, "vocab_size": 154880}
+    cfg = build_config("glm5", sizes)
+    free = 800 * 1024**3
+    monkeypatch.setattr(sh, "disk_usage", lambda p: sh._ntuple_diskusage(free * 2, free, free))
+    monkeypatch.setattr(M.os, "sysconf", lambda k: {"SC_PHYS_PAGES": 1 << 30, "SC_PAGE_SIZE": 4096}[k])
+    M._check_room(cfg, tmp_path, "cpu", dequantized=False, recipe="glm5")
+    with pytest.raises(Exception, match="needs up to"):
+        M._check_room(cfg, tmp_path, "cpu", dequantized=True, recipe="glm5")

@@ -110,3 +110,12 @@ def test_a_new_entry_still_needs_its_fields(hw):
     with pytest.raises(Glm5Fp4Error) as e:
         H.list_gpus()
     assert str(f) in str(e.value) and "'newgpu'" in str(e.value) and "'display_name'" in str(e.value)
+
+
+def test_an_override_of_memory_or_one_peak_means_what_it_says(hw):
+    """Review: `memory_gb: 96` over the H200 kept the built-in driver figure, which plan prefers (no effect); one
+    dtype under peaks_tflops replaced every other dtype's peak (plan then found no bf16 peak)."""
+    hw("gpus:\n  h200:\n    memory_gb: 96\n    peaks_tflops: {fp8: {dense: 1500}}\n")
+    g = H.get_gpu("h200")
+    assert g.memory_gb == 96 and g.memory_total_bytes is None
+    assert g.peak_tflops("fp8") == 1500 and g.peak_tflops("fp8", sparse=True) == 3958 and g.peak_tflops("bf16") == 989

@@ -351,3 +351,16 @@ def test_profile_env_the_launcher_must_set_otherwise_is_refused(backend, env):
     profile = profile_from_dict({"model": "/m", "engine": "vllm", "moe_backend": backend, "env": env})
     with pytest.raises(Glm5Fp4Error, match=r"x.yaml: env VLLM_PLUGINS=.* the launcher sets"):
         build_command(profile, origin="x.yaml")
+
+
+
+def test_profile_env_may_add_plugins_beside_ours():
+    """Review: VLLM_PLUGINS=my_plugin beside our backend was refused, though the launcher only adds glm5_fp4 to it."""
+    cmd = build_command(profile_from_dict({"model": "/m", "engine": "vllm", "env": {"VLLM_PLUGINS": "my_plugin"}}))
+    assert set(cmd.env["VLLM_PLUGINS"].split(",")) == {"my_plugin", "glm5_fp4"}
+
+
+def test_a_whole_compilation_config_is_refused_with_the_dotted_form_to_use():
+    profile = profile_from_dict({"model": "/m", "engine": "vllm", "extra_args": ["-cc", '{"pass_config": {}}']})
+    with pytest.raises(Glm5Fp4Error, match=r"-cc.KEY=VALUE"):
+        build_command(profile, origin="x.yaml")

@@ -443,3 +443,15 @@ def test_usable_memory_starts_from_what_the_driver_reports_where_the_table_has_i
     assert rtx.memory_total_bytes is None
     assert p.usable_bytes == pytest.approx(rtx.memory_gb * 2**30 * 0.90 - 2.0 * 2**30)
     assert any("datasheet" in a for a in p.assumptions), p.assumptions
+
+
+def test_the_skew_cap_counts_the_experts_a_gpu_holds():
+    """With fewer experts per GPU than top-k, the hottest GPU holds at most E/ep of a token's k slots: 16 experts,
+    top-4, EP8 hold 2 a GPU, so the hottest has at most 2/4 x 8 = 4x the mean (skew 3); 7 was accepted."""
+    spec = Glm5Spec.from_config({"hidden_size": 64, "num_hidden_layers": 2, "moe_intermediate_size": 32,
+                                 "n_routed_experts": 16, "num_experts_per_tok": 4, "kv_lora_rank": 16,
+                                 "first_k_dense_replace": 1, "num_attention_heads": 8})
+    inputs = dict(allreduce_gbs=30.0, allreduce_latency_us=10.0, dp=8, ep=8)
+    make_plan(spec, get_gpu("rtx-pro-6000-ws"), PlanInputs(8, 1, 64, 512, expert_skew=3.0, **inputs))
+    with pytest.raises(Glm5Fp4Error, match=r"at most 3 with 8-way expert parallelism"):
+        make_plan(spec, get_gpu("rtx-pro-6000-ws"), PlanInputs(8, 1, 64, 512, expert_skew=3.5, **inputs))

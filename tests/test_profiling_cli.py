@@ -601,7 +601,9 @@ def test_a_rerun_into_the_same_out_leaves_no_earlier_plot(trace_dir, tmp_path):
 
 
 @pytest.mark.parametrize("argv,said", [(["--layout", "tp9x"], "tp9x"), (["--step-annotation", "("], "--step-annotation"),
-                                       (["--gpu", "nosuchgpu"], "nosuchgpu")])
+                                       (["--gpu", "nosuchgpu"], "nosuchgpu"),
+                                       (["--layout", "dp8ep8", "--expert-skew", "20"], "expert skew 20"),
+                                       (["--kv-dtype", "fp9"], "fp9")])
 def test_capture_analyze_options_are_checked_before_any_load(tmp_path, capsys, argv, said):
     """A bad --layout / --step-annotation / --gpu failed after minutes of load, profiling and flushing."""
     trace_dir = tmp_path / "server_traces"

@@ -178,8 +178,17 @@ def test_records_that_timed_nothing_are_left_out_with_a_note(tmp_path):
         read_dumps([empty])
 
 
-@pytest.mark.parametrize("field,value", [("tokens", -4), ("tokens", 0), ("rows", 0), ("tokens", "8"), ("rows", 2.5)])
+@pytest.mark.parametrize("field,value", [("tokens", -4), ("rows", -1), ("tokens", "8"), ("rows", 2.5)])
 def test_a_batch_size_no_step_has_is_one_clear_error(tmp_path, field, value):
     f = _write(tmp_path / "rank0.jsonl", _steps([0], 5.0, 1) + _steps([0], 6.0, 1, 2, **{field: value}))
-    with pytest.raises(Glm5Fp4Error, match=rf"rank0.jsonl:2: {field!r} is {value!r}, expected a whole number >= 1"):
+    with pytest.raises(Glm5Fp4Error, match=rf"rank0.jsonl:2: {field!r} is {value!r}, expected a whole number >= 0"):
         read_dumps([f])
+
+
+def test_sglang_idle_steps_of_no_tokens_are_a_group_of_their_own(tmp_path):
+    """SGLang's idle DP-attention ranks run the model on 0 tokens (forward_idle, phase IDLE): a whole dump of
+    dp8ep8-sglang was refused once 0 was taken for a batch size no step has."""
+    f = _write(tmp_path / "rank0.jsonl", _steps([0], 5.0, 2, tokens=8, rows=8, phase="DECODE")
+               + _steps([0], 1.0, 1, 3, tokens=0, rows=0, phase="IDLE"))
+    doc, _ = _report(tmp_path, [f])
+    assert {(g["phase"], g["value"]) for g in doc["groups"]} == {("DECODE", 8), ("IDLE", 0)}
