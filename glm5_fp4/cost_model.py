@@ -501,10 +501,11 @@ def decode_step(spec: Glm5Spec, gpu: GpuSpec, layout: Layout, batch: int, contex
         raise Glm5Fp4Error(f"efficiency {efficiency} must be in (0, 1]")
     if not 0 <= expert_skew < math.inf:  # NaN fails this test, where `expert_skew < 0` would let it through
         raise Glm5Fp4Error(f"expert skew {expert_skew} must be a finite number >= 0")
-    if layout.ep > 1 and expert_skew > layout.ep - 1:
-        # the hottest GPU holds at most every token-slot: ep x the mean
-        raise Glm5Fp4Error(f"expert skew {expert_skew:g} is past every token-slot on one GPU: at most {layout.ep - 1} "
-                           f"with {layout.ep}-way expert parallelism (the hottest GPU's slots over the mean, minus 1)")
+    if layout.ep > 1 and expert_skew > max_expert_skew(spec, layout.ep):
+        raise Glm5Fp4Error(f"expert skew {expert_skew:g} is past what one GPU can hold: at most "
+                           f"{max_expert_skew(spec, layout.ep):g} with {layout.ep}-way expert parallelism (the hottest "
+                           f"GPU holds at most {min(spec.num_experts_per_tok, spec.n_routed_experts // layout.ep)} of "
+                           f"each token's {spec.num_experts_per_tok} slots; skew: its slots over the mean, minus 1)")
     net = interconnect or Interconnect.of(gpu)
     expert_math = precisions.expert_math or math_dtype(precisions.experts, gpu)
     if gpu.peak_tflops(expert_math) is None or gpu.peak_tflops("bf16") is None:
@@ -600,6 +601,13 @@ def _layout_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> str:
     return (f"{lay.name}: {experts}; q_a/kv_a projections and the DSA indexer replicated on every TP rank, q_b/kv_b/o "
             "split by heads; shared expert and dense MLPs split like the heads; embedding and lm_head split by vocabulary"
             + ("; routed partial sums all-reduced as under TP" if lay.ep > 1 else ""))
+
+
+def max_expert_skew(spec: Glm5Spec, ep: int) -> float:
+    """The largest skew an EP layout can have: the hottest GPU holds at most min(k, E/ep) of each token's k slots,
+    against a mean of k/ep (GLM-5, EP8: every slot, ep - 1 = 7)."""
+    k = spec.num_experts_per_tok
+    return ep * min(k, spec.n_routed_experts // ep) / k - 1
 
 
 def _a2a_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> list[str]:

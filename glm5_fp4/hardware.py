@@ -191,7 +191,16 @@ def _load(extra: str | None) -> tuple[dict[str, GpuSpec], dict[str, ArchLimits]]
     for origin, sections in files:
         for section, entries in sections.items():
             for key, fields in entries.items():
-                before = merged[section].pop(key, ({}, origin))[0]
+                before = dict(merged[section].pop(key, ({}, origin))[0])
+                if "memory_gb" in fields and "memory_total_bytes" not in fields:
+                    before.pop("memory_total_bytes", None)  # the driver's figure was the other memory's
+                peaks, old = fields.get("peaks_tflops"), before.get("peaks_tflops")
+                if isinstance(peaks, dict) and isinstance(old, dict):
+                    # one dtype's peak (or its dense figure alone) changes that, not every other dtype's
+                    both = dict(old)
+                    for d, p in peaks.items():
+                        both[d] = {**old[d], **p} if isinstance(p, dict) and isinstance(old.get(d), dict) else p
+                    fields = {**fields, "peaks_tflops": both}
                 merged[section][key] = ({**before, **fields}, origin)
     archs = {k: _validated(ArchLimits, k, f, o, "arch") for k, (f, o) in merged["archs"].items()}
     gpus: dict[str, GpuSpec] = {}

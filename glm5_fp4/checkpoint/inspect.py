@@ -226,6 +226,9 @@ def read_tensor_index(ckpt: Path, notes: list[str] | None = None) -> dict[str, T
             if name in weight_map:
                 raise Glm5Fp4Error(f"{ckpt}: tensor {name} is in {fname} as well as in {weight_map[name]}, where "
                                    f"{INDEX_FILE} puts it; the loader reads both files: remove one copy")
+            if name in tensors:
+                raise Glm5Fp4Error(f"{ckpt}: tensor {name}, which {INDEX_FILE} does not list, is in both "
+                                   f"{tensors[name].file} and {fname}; the loader reads both: remove one copy")
             tensors[name] = info
             unlisted.append(f"{name} ({fname})")
     if unlisted and notes is not None:

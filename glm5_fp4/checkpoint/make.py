@@ -168,7 +168,7 @@ def make_checkpoint(
         raise Glm5Fp4Error(f"--device {device!r} is not usable here: {str(exc).splitlines()[0]}") from None
     cfg = build_config(arch, sizes)
     check_tokenizer_fits(cfg["vocab_size"], MIN_VOCAB_SIZE, "--size")
-    _check_room(cfg, out, device)
+    _check_room(cfg, out, device, dequantized, recipe)
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
     output_dir(out)
     for f in out.iterdir():  # an earlier run's, killed before it could clean up: no one's data
@@ -205,17 +205,19 @@ def make_checkpoint(
     return out
 
 
-def _check_room(cfg: dict, out: Path, device: str) -> None:
+def _check_room(cfg: dict, out: Path, device: str, dequantized: bool = False, recipe: str = "glm5") -> None:
     """Refuse sizes this machine cannot hold before anything is drawn: the largest tensor (drawn in float32) against
-    the memory of ``device``, every tensor in BF16 (an upper bound: NVFP4 is 0.5625 B a parameter) against the free
-    space where ``out`` is. Without it a size typed wrong was an allocator's traceback after minutes of work."""
+    the memory of ``device``, the checkpoint as it will be written (NVFP4 where the recipe quantizes, BF16 else)
+    against the free space where ``out`` is. Without it a size typed wrong was an allocator's traceback after
+    minutes of work."""
     import math
 
-    from glm5_fp4.checkpoint.inspect import expected_tensors
+    from glm5_fp4.checkpoint.inspect import _DTYPE_BYTES, expected_tensors
 
-    shapes = [shape for _, shape in expected_tensors(cfg, False, []).values()]
-    largest = max(shapes, key=math.prod)
-    drawn, total = 4 * math.prod(largest), 2 * sum(math.prod(s) for s in shapes)
+    written = expected_tensors(cfg, not dequantized, exclude_modules(cfg, recipe)).values()
+    largest = max((shape for _, shape in expected_tensors(cfg, False, []).values()), key=math.prod)  # as drawn
+    drawn = 4 * math.prod(largest)
+    total = sum(_DTYPE_BYTES[dtypes[0]] * math.prod(shape) for dtypes, shape in written)
     if str(device).startswith("cuda"):
         memory, where = torch.cuda.get_device_properties(torch.device(device)).total_memory, f"--device {device}"
     else:

@@ -273,6 +273,15 @@ def owned_flag(engine: str, arg: str) -> tuple[str, str] | None:
     return (hits[0], table[hits[0]]) if hits else None
 
 
+def owned_advice(arg: str, owned: tuple[str, str], otherwise: str) -> str:
+    """What to do instead of an extra arg the profile owns. A whole object (-cc '{...}') where the profile sets one
+    dotted key of it: vLLM merges the profile's dotted keys into one object after it, which drops the user's whole."""
+    if "." in owned[0] and "." not in arg.split("=", 1)[0]:
+        return (f"a whole object there is replaced by the profile's {owned[0]}: give its keys one by one "
+                f"({owned[0].split('.')[0]}.KEY=VALUE, e.g. -cc.KEY=VALUE)")
+    return f"{otherwise} instead"
+
+
 def owned_field(engine: str, arg: str) -> str | None:
     """The profile field that sets the engine flag ``arg`` is read as, if a profile sets it."""
     owned = owned_flag(engine, arg)
@@ -285,7 +294,7 @@ def _check_extra_args(profile: LaunchProfile, extra: list[str], origin: str) -> 
         owned = owned_flag(profile.engine, arg)
         if owned:
             raise Glm5Fp4Error(f"{origin}: extra_args repeats {spelled(profile.engine, arg, owned[0])}, which the "
-                               f"profile sets from field {owned[1]!r}; change that field instead")
+                               f"profile sets from field {owned[1]!r}; {owned_advice(arg, owned, 'change that field')}")
     _check_ep_communication(profile, origin)
 
 
@@ -362,11 +371,13 @@ def build_vllm(profile: LaunchProfile, python: str | None = None, environ: Mappi
                   quantization=profile.effective_quantization, mode=profile.glm5_fp4.mode, plugin=ours)
     spec = build_launch(**kwargs, python=python)
     for key, value in spec.env_overrides.items():
-        # profile env wins over what we generate, except what decides which MoE backend runs: refused, not overridden
-        if key in profile.env and profile.env[key] != value:
-            raise Glm5Fp4Error(f"{origin}: env {key}={profile.env[key]!r}, but the launcher sets {key}={value!r} for "
-                               f"moe_backend {profile.moe_backend}: drop it from env (choose the backend with "
-                               "moe_backend)")
+        # profile env wins over what we generate; the plugin list is the launcher's to extend (ours added), and a
+        # stock backend runs with no plugin at all: a profile list it would drop names is refused, not dropped
+        dropped = sorted(_plugins(profile.env.get(key, "")) - _plugins(value)) if key == "VLLM_PLUGINS" else []
+        if dropped:
+            raise Glm5Fp4Error(f"{origin}: env VLLM_PLUGINS={profile.env[key]!r}, but moe_backend {profile.moe_backend} "
+                               f"runs stock vLLM with no plugin (the launcher sets {value!r}), which drops "
+                               f"{', '.join(dropped)}: choose the backend with moe_backend, not VLLM_PLUGINS")
         env[key] = value
         env_why[key] = "set by the vLLM launcher (glm5_fp4.engines.vllm.serve)"
     program, engine_args = tuple(spec.argv[:3]), tuple(spec.argv[3:])
@@ -380,6 +391,10 @@ def build_vllm(profile: LaunchProfile, python: str | None = None, environ: Mappi
     explained = tuple(explained)
     return EngineCommand("vllm", program, engine_args, env, profile.host, profile.effective_port, explained, env_why,
                          kwargs)
+
+
+def _plugins(allow_list: str) -> set[str]:
+    return {p.strip() for p in allow_list.split(",") if p.strip()}
 
 
 def _explain_head(head: tuple[str, ...], ours: bool) -> list[Flag]:

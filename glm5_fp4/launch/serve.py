@@ -17,7 +17,7 @@ from pathlib import Path
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.server_process import (ServerProcess, check_model_dir, install_stop_signals, local_model_dir,
                                      serve_until_stopped, spawn)
-from glm5_fp4.launch.commands import EngineCommand, build_command, owned_flag, refuse_config_file
+from glm5_fp4.launch.commands import EngineCommand, build_command, owned_advice, owned_flag, refuse_config_file
 from glm5_fp4.launch.engine_choices import OURS
 from glm5_fp4.launch.profile import load_profile
 from glm5_fp4.launch.spelling import spelled
@@ -91,7 +91,7 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
             instead = (f"pass {OVERRIDE_FLAGS[field]} to glm5-fp4 serve" if field in OVERRIDE_FLAGS
                        else f"change field {field!r} in {profile_path}")
             raise Glm5Fp4Error(f"{spelled(profile.engine, arg, flag)} after --: the profile sets it from field "
-                               f"{field!r}; {instead} instead")
+                               f"{field!r}; {owned_advice(arg, owned, instead)}")
     where = "--model" if overrides.get("model") else f"model in {profile_path}:"
     local_model_dir(profile.model, where)  # a path the OS refuses (too long): named here, not a traceback later
     if extra_args:

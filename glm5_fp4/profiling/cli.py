@@ -219,21 +219,27 @@ def check_analysis_args(args) -> None:
     if args.step_annotation is not None and (args.step_gap_us is not None or args.steps_by not in ("auto", "annotation")):
         raise Glm5Fp4Error("--step-annotation chooses annotation ranges as steps: do not combine it with "
                            "--step-gap-us or another --steps-by")
+    from glm5_fp4.cost_model import max_expert_skew
+    from glm5_fp4.launch.plan import KV_SPELLINGS
+    from glm5_fp4.spec import Glm5Spec
+
     compile_step_annotation(args.step_annotation)
+    spec = Glm5Spec.from_config_json(args.config) if args.config else Glm5Spec()
     if args.layout is not None:
         from glm5_fp4.launch.plan_cli import parse_layout
 
         if args.tp is not None or args.pp is not None:
             raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
-        parse_layout(args.layout, "--layout")
+        ep = parse_layout(args.layout, "--layout")[3]
+        if ep > 1 and args.expert_skew > max_expert_skew(spec, ep):
+            raise Glm5Fp4Error(f"--expert-skew: expert skew {args.expert_skew:g} is past what one GPU can hold: at "
+                               f"most {max_expert_skew(spec, ep):g} with {ep}-way expert parallelism")
     if args.gpu is not None:
         from glm5_fp4.hardware import get_gpu
 
         get_gpu(args.gpu)
-    if args.config:
-        from glm5_fp4.spec import Glm5Spec
-
-        Glm5Spec.from_config_json(args.config)
+    if args.kv_dtype is not None and args.kv_dtype not in KV_SPELLINGS:
+        raise Glm5Fp4Error(f"--kv-dtype must be one of {', '.join(KV_SPELLINGS)}, got {args.kv_dtype!r}")
 
 
 def analyze(path: str, args, server_kv: str | None = None) -> dict[str, Path]:

@@ -679,8 +679,9 @@ def _records(f: Path, raw: bytes, report: TimerReport) -> list[dict]:
         _check_regions(record["regions_us"], f"{f}:{i}")
         for key in GROUP_KEYS:  # the report's groups: a count no step has made a group of its own
             v = record.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise Glm5Fp4Error(f"{f}:{i}: {key!r} is {v!r}, expected a whole number >= 1 (or no {key!r})")
+            # 0 is a step: SGLang's idle DP-attention ranks run the model on no token (phase IDLE)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise Glm5Fp4Error(f"{f}:{i}: {key!r} is {v!r}, expected a whole number >= 0 (or no {key!r})")
         if not record["regions_us"]:  # a step in which no timer stamp fired: nothing to count as a step
             empty += 1
             continue
