@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.inputs import UniqueKeyLoader
 
 ENV_VAR = "GLM5_FP4_HARDWARE"
 
@@ -104,27 +105,6 @@ def gpu_key(name: str) -> str:
     return str(name).strip().lower().replace("_", "-").replace(" ", "-")
 
 
-class _Duplicate(Exception):
-    pass
-
-
-class _UniqueKeys(yaml.SafeLoader):
-    """PyYAML keeps the last of two equal keys without a word: a GPU given twice silently took the second block."""
-
-
-def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise _Duplicate(f"{key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})")
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def _sections(data: object, origin: str) -> dict[str, dict[str, dict]]:
     """{'gpus': {key: fields}, 'archs': {key: fields}} of one file, its shape checked (no values yet)."""
     if not isinstance(data, dict) or not any(k in data for k in SECTIONS):
@@ -166,13 +146,11 @@ def _load_yaml(path: Path) -> object:
     if path.is_dir():
         raise Glm5Fp4Error(f"{path}: is a folder, not a hardware file (${ENV_VAR} names one YAML file)")
     try:
-        return yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise Glm5Fp4Error(f"{path}: hardware file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise Glm5Fp4Error(f"{path}: cannot read the hardware file ({exc})") from None
-    except _Duplicate as exc:
-        raise Glm5Fp4Error(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise Glm5Fp4Error(f"{path}: not valid YAML ({exc})") from None
 

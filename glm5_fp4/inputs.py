@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from glm5_fp4.errors import Glm5Fp4Error
 
 
@@ -32,3 +34,21 @@ def read_json(path: str | Path, what: str) -> object:
         return json.loads(read_text(path, what))
     except json.JSONDecodeError as exc:
         raise Glm5Fp4Error(f"{path}: not valid JSON ({exc})") from None
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error: YAML keeps the last silently, so a launch profile
+    with two `max_concurrency:` lines would run with the one the reader did not look at, and a hardware file giving
+    a GPU twice would take its second block. Raises yaml.constructor.ConstructorError (a YAMLError)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merge keys (<<: *base) and complex keys: the base loader's own rules apply
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)

@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, StrictInt, field_validator
 
 from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.inputs import UniqueKeyLoader
 from glm5_fp4.launch.engine_choices import (
     DEFAULT_PORTS,
     ENGINES,
@@ -276,29 +277,12 @@ def profile_from_dict(data: object, origin: str = "profile", overrides: dict | N
         raise Glm5Fp4Error(_format_error(exc, origin, flags)) from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load, but a key given twice in one mapping is an error: YAML keeps the last silently, so a profile with
-    two `max_concurrency:` lines would run with the one the reader did not look at."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # merge keys (<<: *base) and complex keys: the base loader's own rules apply
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
-                                                        key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_profile(path: str | Path, overrides: dict | None = None,
                  override_flags: dict[str, str] | None = None) -> LaunchProfile:
     """Read and validate a YAML launch profile."""
     path = Path(path)
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise Glm5Fp4Error(f"{path}: launch profile not found") from None
     except IsADirectoryError:
