@@ -501,11 +501,7 @@ def decode_step(spec: Glm5Spec, gpu: GpuSpec, layout: Layout, batch: int, contex
         raise Glm5Fp4Error(f"efficiency {efficiency} must be in (0, 1]")
     if not 0 <= expert_skew < math.inf:  # NaN fails this test, where `expert_skew < 0` would let it through
         raise Glm5Fp4Error(f"expert skew {expert_skew} must be a finite number >= 0")
-    if layout.ep > 1 and expert_skew > max_expert_skew(spec, layout.ep):
-        raise Glm5Fp4Error(f"expert skew {expert_skew:g} is past what one GPU can hold: at most "
-                           f"{max_expert_skew(spec, layout.ep):g} with {layout.ep}-way expert parallelism (the hottest "
-                           f"GPU holds at most {min(spec.num_experts_per_tok, spec.n_routed_experts // layout.ep)} of "
-                           f"each token's {spec.num_experts_per_tok} slots; skew: its slots over the mean, minus 1)")
+    check_expert_skew(spec, layout.ep, expert_skew)
     net = interconnect or Interconnect.of(gpu)
     expert_math = precisions.expert_math or math_dtype(precisions.experts, gpu)
     if gpu.peak_tflops(expert_math) is None or gpu.peak_tflops("bf16") is None:
@@ -603,11 +599,19 @@ def _layout_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> str:
             + ("; routed partial sums all-reduced as under TP" if lay.ep > 1 else ""))
 
 
-def max_expert_skew(spec: Glm5Spec, ep: int) -> float:
-    """The largest skew an EP layout can have: the hottest GPU holds at most min(k, E/ep) of each token's k slots,
-    against a mean of k/ep (GLM-5, EP8: every slot, ep - 1 = 7)."""
+def check_expert_skew(spec: Glm5Spec, ep: int, skew: float) -> None:
+    """Refuse a skew no EP layout can have: the hottest GPU holds at most min(k, E/ep) of each token's k slots,
+    against a mean of k/ep (GLM-5, EP8: every slot, a skew of ep - 1 = 7). Without expert parallelism any skew is
+    allowed (it changes nothing, as the callers say)."""
+    if ep <= 1:
+        return
     k = spec.num_experts_per_tok
-    return ep * min(k, spec.n_routed_experts // ep) / k - 1
+    held = min(k, spec.n_routed_experts // ep)
+    most = ep * held / k - 1
+    if skew > most:
+        raise Glm5Fp4Error(f"expert skew {skew:g} is past what one GPU can hold: at most {most:g} with {ep}-way expert "
+                           f"parallelism (the hottest GPU holds at most {held} of each token's {k} slots; skew: its "
+                           "slots over the mean, minus 1)")
 
 
 def _a2a_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> list[str]:

@@ -155,19 +155,16 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
             raise Glm5Fp4Error(f"cannot tell the GPU from the trace (device name {device!r}); pass --gpu NAME")
     gpu = get_gpu(gpu_name)
     spec = Glm5Spec.from_config_json(args.config) if args.config else Glm5Spec()
-    if args.layout is not None:
+    world = max((r.world_size for r in breakdown.ranks if r.world_size), default=None)
+    if args.layout is not None:  # (combined with --tp/--pp: refused by check_analysis_args before any trace was read)
         from glm5_fp4.launch.plan_cli import parse_layout
 
-        if args.tp is not None or args.pp is not None:
-            raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
         tp, pp, dp, ep, ep_comm = parse_layout(args.layout, "--layout")
-        world = max((r.world_size for r in breakdown.ranks if r.world_size), default=None)
         if world is not None and tp * pp != world:
             breakdown.notes.append(f"WARNING, ceilings: --layout {args.layout} has {tp * pp} GPUs, the traces' capture "
                                    f"world_size {world} (distributedInfo): the floors price another layout than the "
                                    "one measured")
     else:
-        world = max((r.world_size for r in breakdown.ranks if r.world_size), default=None)
         if args.tp is None and world is not None and world > len(breakdown.ranks):
             # the layout is not in the files: TP8, TP4+PP2 and DP8 differ 8x in the per-GPU work the floors assume
             breakdown.notes.append(f"no ceilings: the traces are {len(breakdown.ranks)} of the capture's {world} ranks "
@@ -216,27 +213,22 @@ def check_analysis_args(args) -> None:
     failed only after minutes of load, profiling and flushing."""
     from glm5_fp4.profiling.steps import compile_step_annotation
 
+    from glm5_fp4.cost_model import check_expert_skew
+    from glm5_fp4.hardware import get_gpu
+    from glm5_fp4.launch.plan import KV_SPELLINGS
+    from glm5_fp4.launch.plan_cli import parse_layout
+    from glm5_fp4.spec import Glm5Spec
+
     if args.step_annotation is not None and (args.step_gap_us is not None or args.steps_by not in ("auto", "annotation")):
         raise Glm5Fp4Error("--step-annotation chooses annotation ranges as steps: do not combine it with "
                            "--step-gap-us or another --steps-by")
-    from glm5_fp4.cost_model import max_expert_skew
-    from glm5_fp4.launch.plan import KV_SPELLINGS
-    from glm5_fp4.spec import Glm5Spec
-
     compile_step_annotation(args.step_annotation)
     spec = Glm5Spec.from_config_json(args.config) if args.config else Glm5Spec()
     if args.layout is not None:
-        from glm5_fp4.launch.plan_cli import parse_layout
-
         if args.tp is not None or args.pp is not None:
             raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
-        ep = parse_layout(args.layout, "--layout")[3]
-        if ep > 1 and args.expert_skew > max_expert_skew(spec, ep):
-            raise Glm5Fp4Error(f"--expert-skew: expert skew {args.expert_skew:g} is past what one GPU can hold: at "
-                               f"most {max_expert_skew(spec, ep):g} with {ep}-way expert parallelism")
+        check_expert_skew(spec, parse_layout(args.layout, "--layout")[3], args.expert_skew)
     if args.gpu is not None:
-        from glm5_fp4.hardware import get_gpu
-
         get_gpu(args.gpu)
     if args.kv_dtype is not None and args.kv_dtype not in KV_SPELLINGS:
         raise Glm5Fp4Error(f"--kv-dtype must be one of {', '.join(KV_SPELLINGS)}, got {args.kv_dtype!r}")
