@@ -616,17 +616,13 @@ def check_expert_skew(spec: Glm5Spec, ep: int, skew: float) -> None:
 
 def _a2a_assumption(spec: Glm5Spec, lay: Layout, cost: StepCost) -> list[str]:
     out = []
-    net = cost.interconnect
-    if (lay.gathers or lay.attn_dp > 1) and not net.known:
-        if lay.ep > 1:
-            out.append(f"expert load: the hottest EP GPU gets {1 + cost.expert_skew:g}x the mean token-slots "
-                       f"(--expert-skew {cost.expert_skew:g}; 0 = uniform routing) and the step waits for it")
-        out.append(f"{'all-gather + reduce-scatter' if lay.gathers else 'all-to-all'}: no latency/bus-bandwidth "
-                   "figures for this GPU (no floor; add them with a GLM5_FP4_HARDWARE file)")
-        return out
     if lay.ep > 1:
         out.append(f"expert load: the hottest EP GPU gets {1 + cost.expert_skew:g}x the mean token-slots "
                    f"(--expert-skew {cost.expert_skew:g}; 0 = uniform routing) and the step waits for it")
+    if (lay.gathers or lay.attn_dp > 1) and not cost.interconnect.known:
+        out.append(f"{'all-gather + reduce-scatter' if lay.gathers else 'all-to-all'}: no latency/bus-bandwidth "
+                   "figures for this GPU (no floor; add them with a GLM5_FP4_HARDWARE file)")
+        return out
     if lay.gathers:
         net, tokens = cost.interconnect, cost.micro_batch * cost.tokens_per_seq * lay.attn_dp
         out.append(

@@ -28,7 +28,7 @@ from glm5_fp4.nvfp4 import BLOCK_SIZE, shape_matches
 
 RECIPE_TEXT = {"glm5": "dense MLPs, shared and routed experts NVFP4",
                "routed-only": "only routed experts NVFP4; dense MLPs and shared experts BF16"}
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
                 "F32": 4, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F64": 8}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")  # a tensor's decoder layer
 _LINEAR_RE = re.compile(
@@ -50,7 +50,7 @@ class TensorInfo:
         n = 1
         for d in self.shape:
             n *= d
-        return n * _DTYPE_BYTES.get(self.dtype, 0)
+        return n * DTYPE_BYTES.get(self.dtype, 0)
 
 
 @dataclass
@@ -147,12 +147,12 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise Glm5Fp4Error(f"{path}: corrupt safetensors header entry for tensor {name}") from None
-        if dtype not in _DTYPE_BYTES:
+        if dtype not in DTYPE_BYTES:
             raise Glm5Fp4Error(f"{path}: tensor {name} has dtype {dtype!r}, not one an NVFP4 checkpoint's loader "
-                               f"reads ({', '.join(_DTYPE_BYTES)})")
+                               f"reads ({', '.join(DTYPE_BYTES)})")
         if 8 + n + end > size:
             raise Glm5Fp4Error(f"{path}: tensor {name} extends past the end of the file (truncated download?)")
-        want = math.prod(shape) * _DTYPE_BYTES[dtype]
+        want = math.prod(shape) * DTYPE_BYTES[dtype]
         if end - begin != want:
             raise Glm5Fp4Error(f"{path}: tensor {name} ({dtype} {list(shape)}, {want} bytes) holds {end - begin} bytes "
                                f"(data_offsets {begin}..{end}): a corrupt header")

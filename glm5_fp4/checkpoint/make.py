@@ -212,12 +212,12 @@ def _check_room(cfg: dict, out: Path, device: str, dequantized: bool = False, re
     minutes of work."""
     import math
 
-    from glm5_fp4.checkpoint.inspect import _DTYPE_BYTES, expected_tensors
+    from glm5_fp4.checkpoint.inspect import DTYPE_BYTES, expected_tensors
 
     written = expected_tensors(cfg, not dequantized, exclude_modules(cfg, recipe)).values()
-    largest = max((shape for _, shape in expected_tensors(cfg, False, []).values()), key=math.prod)  # as drawn
+    largest = max((t.shape for t in model_tensors(cfg)), key=math.prod)  # as drawn, before quantizing
     drawn = 4 * math.prod(largest)
-    total = sum(_DTYPE_BYTES[dtypes[0]] * math.prod(shape) for dtypes, shape in written)
+    total = sum(DTYPE_BYTES[dtypes[0]] * math.prod(shape) for dtypes, shape in written)
     if str(device).startswith("cuda"):
         memory, where = torch.cuda.get_device_properties(torch.device(device)).total_memory, f"--device {device}"
     else:

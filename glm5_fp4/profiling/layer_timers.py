@@ -522,11 +522,10 @@ class TimerReport:
         if not self.stages_differ or self.pipeline_stages:
             return []
         notes = []
-        for name, s in self.by_dump.items():
-            mine = _layers(s)
+        layers = {name: _layers(s) for name, s in self.by_dump.items()}
+        for name, mine in layers.items():
             # the layers of the dumps that overlap this one (its stage) that it does not time
-            peers = [_layers(o) for o in self.by_dump.values() if _layers(o) & mine]
-            lacks = sorted(set().union(*peers) - mine)
+            lacks = sorted(set().union(*(o for o in layers.values() if o & mine)) - mine)
             if lacks:
                 notes.append(f"{name} lacks {', '.join(lacks)}, which other dumps of its layers time: a layer whose "
                              "timer did not fire on this rank, or dumps of different models; its `all layers` is "
@@ -709,7 +708,6 @@ def read_dumps(files: list[Path]) -> TimerReport:
         if other != Path(f) and other.resolve() != Path(f).resolve():
             raise Glm5Fp4Error(f"{other} and {f} are both {Path(f).name}: one rank's dump of two runs (each run "
                                "writes one file per rank); report each run on its own")
-    names = {f: Path(f).name for f in files}
     seen: dict[bytes, Path] = {}
     for f in files:
         try:
@@ -727,7 +725,7 @@ def read_dumps(files: list[Path]) -> TimerReport:
             raise Glm5Fp4Error(f"{f}: {same}; each dump may be counted once")
         seen[digest] = f
         for record in records:
-            report.add(record, names[f])
+            report.add(record, Path(f).name)
     if not report.samples:
         why = (f"; {report.timed_nothing} record(s) time no region (no timer stamp fired in their steps)"
                if report.timed_nothing else "")

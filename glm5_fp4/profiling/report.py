@@ -354,6 +354,7 @@ def write_reports(b: Breakdown, out: str | Path, png: bool = True) -> dict[str, 
     paths = {"json": out / "breakdown.json", "markdown": out / "breakdown.md"}
     write_text_atomic(paths["json"], json.dumps(b.to_dict(), indent=1) + "\n")
     write_text_atomic(paths["markdown"], markdown(b))
+    written = set(paths.values())
     if png:
         try:
             paths["png"] = plot_breakdown(b, out / "breakdown.png")
@@ -361,10 +362,9 @@ def write_reports(b: Breakdown, out: str | Path, png: bool = True) -> dict[str, 
                 paths["roofline"] = plot_roofline(b.ceilings, out / "roofline.png")
         except ImportError:
             write_text_atomic(out / "PLOTS_SKIPPED.txt", "matplotlib is not installed: pip install 'glm5-fp4[profiling]'\n")
-            paths["skipped"] = out / "PLOTS_SKIPPED.txt"
+            written.add(out / "PLOTS_SKIPPED.txt")
     # an earlier run's plots beside this run's JSON would be read as this run's (a roofline of other ceilings)
     for name in ("breakdown.png", "roofline.png", "PLOTS_SKIPPED.txt"):
-        if out / name not in paths.values():
+        if out / name not in written | set(paths.values()):
             (out / name).unlink(missing_ok=True)
-    paths.pop("skipped", None)
     return paths

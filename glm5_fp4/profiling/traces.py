@@ -267,9 +267,10 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
                 ts, dur = _time_field(ev, "ts"), _time_field(ev, "dur", 0.0)
                 # a GPU record of a profiled step lasts far under an hour: longer is a corrupt field, which took
                 # every idle microsecond of the steps it covered without a word
-                if not 0 <= dur <= MAX_GPU_RECORD_US or not isinstance(args, dict):
-                    raise ValueError(f"dur {dur!r}" if not 0 <= dur <= MAX_GPU_RECORD_US
-                                     else f"args {type(args).__name__}")
+                if not 0 <= dur <= MAX_GPU_RECORD_US:
+                    raise ValueError(f"dur {dur!r}")
+                if not isinstance(args, dict):
+                    raise ValueError(f"args {type(args).__name__}")
                 if "device" in args:
                     devices.add(args["device"])
                 gpu_rows.append(
@@ -313,9 +314,9 @@ def _load_trace(path: Path, mode: str) -> RankTrace:
 
     if bad_gpu:
         raise Glm5Fp4Error(f"{path}: {len(bad_gpu)} GPU records cannot be read (a missing or non-numeric time, a "
-                           "negative duration or one over an hour, non-object args or a non-integer stream / correlation; first: "
-                           f"{bad_gpu[0]}); torch.profiler writes none such, and every figure of the breakdown is "
-                           "made of them")
+                           "negative duration or one over an hour, non-object args or a non-integer stream / "
+                           f"correlation; first: {bad_gpu[0]}); torch.profiler writes none such, and every figure of "
+                           "the breakdown is made of them")
     if len(devices) > 1:  # one timeline per GPU: merged, two GPUs' kernel times add up and their idle time vanishes
         listed = ", ".join(str(d) for d in sorted(devices, key=str))
         raise Glm5Fp4Error(f"{path}: kernels of {len(devices)} GPUs (devices {listed}) in one file; the breakdown "
