@@ -1,0 +1,121 @@
+"""A profile's layout against the model and the GPUs it will run on, checked before any engine starts.
+
+vLLM refuses a tensor-parallel size that does not divide the attention heads only once its workers are up (minutes
+into a GLM-5 start), and a layout wider than the visible GPUs hangs in placement; `serve` (its dry run included) and
+`plan` say so at once, naming the profile and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from glm5_fp4.cli import main
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+
+
+def _profile(tmp_path: Path, name: str = "p.yaml", **fields) -> Path:
+    text = (LAUNCH / "tp8.yaml").read_text()
+    for key, value in fields.items():
+        lines = [ln for ln in text.splitlines() if not ln.startswith(f"{key}:")]
+        text = "\n".join(lines + [f"{key}: {value}"]) + "\n"
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _checkpoint(tmp_path: Path, heads: int, layers: int = 4) -> Path:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 256,
+        "num_hidden_layers": layers, "moe_intermediate_size": 64, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "num_attention_heads": heads}))
+    (ckpt / "model.safetensors").write_bytes(b"")
+    return ckpt
+
+
+@pytest.mark.parametrize("command", [["serve", "--dry-run"], ["plan"]])
+def test_tensor_parallel_that_does_not_divide_the_heads_is_refused(tmp_path, capsys, command):
+    profile = _profile(tmp_path, tensor_parallel=7)
+    rc = main([command[0], "--profile", str(profile), *command[1:]])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert str(profile) in err and "'tensor_parallel'" in err and "64 attention heads" in err, err
+    assert "built-in" in err  # the hub id is not here: GLM-5's own dimensions were used, and it says so
+
+
+def test_a_local_checkpoint_is_checked_with_its_own_heads(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path, heads=4)
+    bad = _profile(tmp_path, "bad.yaml", model=str(ckpt), tensor_parallel=8)
+    assert main(["serve", "--profile", str(bad), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "'tensor_parallel'" in err and "4 attention heads" in err and str(ckpt / "config.json") in err, err
+    good = _profile(tmp_path, "good.yaml", model=str(ckpt), tensor_parallel=4)
+    assert main(["serve", "--profile", str(good), "--dry-run"]) == 0
+
+
+def test_more_pipeline_stages_than_layers_is_refused(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path, heads=8, layers=2)
+    profile = _profile(tmp_path, model=str(ckpt), tensor_parallel=1, pipeline_parallel=4)
+    assert main(["serve", "--profile", str(profile), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "'pipeline_parallel'" in err and "2 layers" in err and str(profile) in err, err
+
+
+def test_a_model_override_is_blamed_on_the_flag(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path, heads=4)
+    assert main(["serve", "--profile", str(LAUNCH / "tp8.yaml"), "--model", str(ckpt), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "--model" in err and "'tensor_parallel'" in err and "4 attention heads" in err, err
+
+
+def test_a_layout_wider_than_the_visible_gpus(tmp_path, capsys, monkeypatch):
+    import glm5_fp4.launch.serve as serve
+
+    monkeypatch.setattr(serve, "visible_gpu_count", lambda: 2)
+    started = []
+    monkeypatch.setattr(serve, "start", lambda *a, **k: started.append(a))
+    profile = _profile(tmp_path)  # TP8
+    assert main(["serve", "--profile", str(profile)]) == 1
+    err = capsys.readouterr().err
+    assert "8 GPUs" in err and "2" in err and str(profile) in err and not started, err
+    # a dry run only prints the command (it may be meant for another machine): a warning, not a refusal
+    assert main(["serve", "--profile", str(profile), "--dry-run"]) == 0
+    assert "warning" in capsys.readouterr().err
+
+
+def test_gpu_count_unknown_or_enough_starts(tmp_path, monkeypatch, capsys):
+    import glm5_fp4.launch.serve as serve
+
+    for count in (None, 8, 16):
+        monkeypatch.setattr(serve, "visible_gpu_count", lambda c=count: c)
+        assert main(["serve", "--profile", str(_profile(tmp_path)), "--dry-run"]) == 0
+        assert "warning" not in capsys.readouterr().err
+
+
+def test_visible_gpu_count_follows_cuda_visible_devices(monkeypatch):
+    from glm5_fp4.telemetry.fake_nvml import FakeNvml
+    from glm5_fp4.telemetry.nvml_reader import visible_gpu_count
+
+    nvml = FakeNvml(n_gpus=4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpu_count(nvml) == 4
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert visible_gpu_count(nvml) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,7,0")  # CUDA stops at the first unknown entry
+    assert visible_gpu_count(nvml) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")
+    assert visible_gpu_count(nvml) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0f1e")  # MIG instances: not countable here
+    assert visible_gpu_count(nvml) is None
+
+
+def test_visible_gpu_count_without_nvml_is_unknown():
+    from glm5_fp4.telemetry.nvml_reader import visible_gpu_count
+
+    from glm5_fp4.telemetry.fake_nvml import FakeNvml
+
+    assert visible_gpu_count(FakeNvml(init_error="Driver Not Loaded")) is None
