@@ -115,6 +115,11 @@ def build_plans(args: argparse.Namespace):
 
     profile = load_profile(args.profile) if args.profile else None
     spec, spec_origin = _spec_for(profile, args.config)
+    if profile is not None and args.layouts is None:  # its layout is planned: named by file and field if it can't run
+        from glm5_fp4.launch.profile import check_fits_model
+
+        check_fits_model(profile, args.profile, spec.num_attention_heads, spec.num_layers, spec_origin,
+                         "--config" if args.config else None)
     gpu = get_gpu(args.gpu)
     engine = profile.engine if profile else "vllm"
     kv = args.kv_cache_dtype or (profile.kv_cache_dtype if profile else "auto")

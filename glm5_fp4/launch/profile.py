@@ -296,3 +296,33 @@ def load_profile(path: str | Path, overrides: dict | None = None,
     if data is None:
         raise Glm5Fp4Error(f"{path}: empty launch profile (needs at least 'model:')")
     return profile_from_dict(data, str(path), overrides, override_flags)
+
+
+def model_dims(model: str) -> tuple[int | None, int | None, str]:
+    """(attention heads, layers, where they come from) of the model a profile serves: a local checkpoint's
+    config.json, else GLM-5's own dimensions (a hub id is not read here). None where the config does not say."""
+    from glm5_fp4.spec import Glm5Spec, read_config_json
+
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        file, config = read_config_json(path)
+        config = config if isinstance(config, dict) else {}
+        dims = [config.get(k) for k in ("num_attention_heads", "num_hidden_layers")]
+        heads, layers = (v if type(v) is int and v > 0 else None for v in dims)
+        return heads, layers, str(file)
+    spec = Glm5Spec()
+    return spec.num_attention_heads, spec.num_layers, f"GLM-5's built-in dimensions; {model} is not a local folder"
+
+
+def check_fits_model(profile: LaunchProfile, origin: str, heads: int | None, layers: int | None, said: str,
+                     model_flag: str | None = None) -> None:
+    """What both engines refuse only once their workers are up (vLLM's check that the tensor-parallel size divides
+    the attention heads; a pipeline stage without a layer), said before anything starts. ``model_flag``: the flag
+    that chose the model, when not the profile."""
+    via = f" (the model given by {model_flag})" if model_flag else ""
+    if heads and heads % profile.tensor_parallel:
+        raise Glm5Fp4Error(f"{origin}: field 'tensor_parallel' {profile.tensor_parallel} does not divide the model's "
+                           f"{heads} attention heads{via} ({said}); the engines refuse it at start-up")
+    if layers and profile.pipeline_parallel > layers:
+        raise Glm5Fp4Error(f"{origin}: field 'pipeline_parallel' {profile.pipeline_parallel} is more stages than the "
+                           f"model's {layers} layers{via} ({said})")

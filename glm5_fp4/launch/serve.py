@@ -19,9 +19,10 @@ from glm5_fp4.server_process import (ServerProcess, check_model_dir, install_sto
                                      serve_until_stopped, spawn)
 from glm5_fp4.launch.commands import EngineCommand, build_command, owned_advice, owned_flag, refuse_config_file
 from glm5_fp4.launch.engine_choices import OURS
-from glm5_fp4.launch.profile import load_profile
+from glm5_fp4.launch.profile import check_fits_model, load_profile, model_dims
 from glm5_fp4.launch.spelling import spelled
 from glm5_fp4.loopback import check_bind_host
+from glm5_fp4.telemetry.nvml_reader import visible_gpu_count
 
 # serve flag -> profile field; the flags `glm5-fp4 serve --profile` accepts as overrides
 OVERRIDE_FLAGS = {
@@ -108,6 +109,17 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
           f"moe_backend={profile.moe_backend}", flush=True)
     print(describe(command), flush=True)
     check_model_dir(profile.model, where)  # before the engine starts (and in a dry run, which ran it nowhere)
+    check_fits_model(profile, str(profile_path), *model_dims(profile.model),
+                     model_flag="--model" if overrides.get("model") else None)
+    gpus = visible_gpu_count()
+    if gpus and gpus < profile.world_size:  # none visible: a CPU engine, or the engine's own clear error
+        shortfall = (f"{profile_path}: {profile.layout} needs {profile.world_size} GPUs (tensor_parallel x "
+                     f"pipeline_parallel x data_parallel); this machine shows {gpus}"
+                     + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
+                        if os.environ.get("CUDA_VISIBLE_DEVICES") else ""))
+        if not dry_run:
+            raise Glm5Fp4Error(shortfall)
+        print(f"warning: {shortfall}: the command above would not start here", file=sys.stderr)
     if dry_run:
         return 0
     log = log_file or f"glm5-fp4-{profile.engine}-{profile.effective_port}.log"

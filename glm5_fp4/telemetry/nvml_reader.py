@@ -136,6 +136,43 @@ def visible_gpu_selection(count: int, uuid_of: Callable[[int], str]) -> list[int
     return picked
 
 
+def visible_gpu_count(nvml: Any = None) -> int | None:
+    """How many GPUs a CUDA program started now would see (NVML's count under CUDA_VISIBLE_DEVICES, read as CUDA
+    reads it; an empty variable hides them all); None where that cannot be known: no NVML binding or driver, or
+    MIG instances named. Torch-free, so that a launcher can check a layout before an engine starts."""
+    try:
+        nvml = import_nvml(nvml)
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+        raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if raw is not None and not raw.strip():
+            return 0
+        if raw is not None and any(s.strip().startswith("MIG-") for s in raw.split(",")):
+            return None
+
+        def uuid_of(index: int) -> str:
+            try:
+                return _as_str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
+            except Exception:
+                return ""
+
+        try:
+            picked = visible_gpu_selection(count, uuid_of)
+        except Glm5Fp4Error:  # names no GPU: CUDA sees none
+            return 0
+        return count if picked is None else len(picked)
+    except Exception:
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
 def counter_rate(prev: tuple[float, int] | None, now: tuple[float, int], wrap: int) -> float | None:
     """Counts per time unit between two (time, counter) readings of a counter that wraps at `wrap`.
 
