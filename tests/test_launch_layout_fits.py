@@ -119,3 +119,22 @@ def test_visible_gpu_count_without_nvml_is_unknown():
     from glm5_fp4.telemetry.fake_nvml import FakeNvml
 
     assert visible_gpu_count(FakeNvml(init_error="Driver Not Loaded")) is None
+
+
+ADDITIONAL = '{"glm5_fp4": {"backend": "dequant"}}'
+
+
+def test_our_options_in_a_profiles_additional_config_are_refused_as_such(tmp_path, capsys):
+    """The backend options have one home in a profile, its glm5_fp4 field (both engines get it); an
+    --additional-config carrying them was blamed on --backend, a flag the user never gave."""
+    profile = _profile(tmp_path, extra_args=json.dumps(["--additional-config", ADDITIONAL]))
+    assert main(["serve", "--profile", str(profile), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert f"{profile}: extra_args" in err and "glm5_fp4" in err and "--backend" not in err.split("instead")[0], err
+    assert main(["serve", "--profile", str(LAUNCH / "tp8.yaml"), "--dry-run", "--", f"--additional-config={ADDITIONAL}"]) == 1
+    err = capsys.readouterr().err
+    assert "after --" in err and str(LAUNCH / "tp8.yaml") + ": extra_args" not in err, err
+    # other keys of --additional-config pass, merged with ours
+    other = _profile(tmp_path, "other.yaml", extra_args=json.dumps(["--additional-config", '{"other": 1}']))
+    assert main(["serve", "--profile", str(other), "--dry-run"]) == 0
+    assert '"other":1' in capsys.readouterr().out
