@@ -264,6 +264,23 @@ def refuse_config_file(engine: str, args: list[str], where: str) -> None:
                                "give its settings as flags instead")
 
 
+def refuse_our_options(engine: str, args: list[str], where: str) -> None:
+    """Our backend's options have one home in a profile, its glm5_fp4 field, which both engines get (vLLM in its
+    --additional-config, SGLang in the environment); in vLLM's --additional-config they would reach one engine."""
+    if engine != "vllm":
+        return
+    from glm5_fp4.engines.vllm.serve import split_additional_config
+    from glm5_fp4.settings import CONFIG_KEY
+
+    given = split_additional_config(args)[1].get(CONFIG_KEY)
+    if given is not None:
+        keys = given if isinstance(given, dict) else {"backend": "..."}
+        wanted = ", ".join(f"{k}: {v}" for k, v in keys.items())
+        raise Glm5Fp4Error(f"{where}: --additional-config sets {CONFIG_KEY} options, which a profile sets in its "
+                           f"glm5_fp4 field (both engines get them from there): give glm5_fp4: {{{wanted}}} in the "
+                           "profile or --backend/--mode to glm5-fp4 serve instead")
+
+
 def owned_flag(engine: str, arg: str) -> tuple[str, str] | None:
     """(flag, profile field) when the engine reads ``arg`` as a flag a profile sets: ``--host``, ``--host=...`` and
     any other spelling its parser takes for it (``--hos``, vLLM's ``--tensor_parallel_size``; see
@@ -290,6 +307,7 @@ def owned_field(engine: str, arg: str) -> str | None:
 
 def _check_extra_args(profile: LaunchProfile, extra: list[str], origin: str) -> None:
     refuse_config_file(profile.engine, extra, f"{origin}: extra_args")
+    refuse_our_options(profile.engine, extra, f"{origin}: extra_args")
     for arg in extra:
         owned = owned_flag(profile.engine, arg)
         if owned:

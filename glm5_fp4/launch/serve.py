@@ -17,7 +17,8 @@ from pathlib import Path
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.server_process import (ServerProcess, check_model_dir, install_stop_signals, local_model_dir,
                                      serve_until_stopped, spawn)
-from glm5_fp4.launch.commands import EngineCommand, build_command, owned_advice, owned_flag, refuse_config_file
+from glm5_fp4.launch.commands import (EngineCommand, build_command, owned_advice, owned_flag, refuse_config_file,
+                                      refuse_our_options)
 from glm5_fp4.launch.engine_choices import OURS
 from glm5_fp4.launch.profile import check_fits_model, load_profile, model_dims
 from glm5_fp4.launch.spelling import spelled
@@ -85,6 +86,7 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     """
     profile = load_profile(profile_path, overrides, OVERRIDE_FLAGS)
     refuse_config_file(profile.engine, list(extra_args or ()), "after --")
+    refuse_our_options(profile.engine, list(extra_args or ()), "after --")
     for arg in extra_args or ():  # the command line's own extras: blamed on it, not on the file's extra_args
         owned = owned_flag(profile.engine, arg)
         if owned:

@@ -57,7 +57,7 @@ class LaunchSpec:
         return (env + " " if env else "") + shlex.join(self.argv)
 
 
-def _split_additional_config(extra: Sequence[str]) -> tuple[list[str], dict]:
+def split_additional_config(extra: Sequence[str]) -> tuple[list[str], dict]:
     """Remove ``--additional-config`` (any spelling vLLM reads as it) from the user's extra args, returning it parsed,
     to merge ours in: vLLM keeps only the last one."""
     rest, merged, i = [], {}, 0
@@ -107,7 +107,7 @@ def build_launch(model: str | os.PathLike, port: int = 8000, backend: str | None
     if quantization == "glm5_nvfp4" and not plugin:
         raise Glm5Fp4Error("--quantization glm5_nvfp4 needs the glm5_fp4 plugin enabled")
     base_env = dict(os.environ if env is None else env)
-    rest, additional = _split_additional_config(list(extra_args))
+    rest, additional = split_additional_config(list(extra_args))
     argv = [python or sys.executable, "-m", compat.API_SERVER_MODULE, "--model", str(model),
             "--host", host, "--port", str(port)]
     if quantization != "none":
