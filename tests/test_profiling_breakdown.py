@@ -292,3 +292,21 @@ def test_when_every_step_carried_prefill_the_median_step_says_so(tmp_path):
     write_trace({"traceEvents": ev}, tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz")
     r = analyze_path(tmp_path, jobs=1).ranks[0]
     assert any("all 4 complete steps carried prefill" in n for n in r.notes), r.notes
+
+
+def test_steps_some_rank_did_not_capture_are_said_and_left_out_of_the_median(tmp_path):
+    """Rank 1's trace starts 3 steps late: rank 0's first 3 steps' all-reduces have no counterpart, so their wait
+    cannot be told from work (it counts as work). Rank 1 stalls in steps 3-5, making them rank 0's long ones: the
+    median step (the lower middle by time) fell on a step whose all-reduce wait was unknown."""
+    files, truth = make_decode_traces(n_ranks=2, n_steps=6, layers=2, graph="full", first_step={1: 3},
+                                      hold_us={(1, 3): 300.0, (1, 4): 300.0, (1, 5): 300.0}, seed=5)
+    b = analyze_path(_write(tmp_path, files), jobs=1)
+    r0 = next(r for r in b.ranks if r.rank == 0)
+    assert r0.n_steps == 6
+    unknown = [s.index for s in r0.steps if s.allreduce_unmatched]
+    assert unknown == [0, 1, 2]
+    assert r0.median_step["step_index"] in (3, 4, 5)
+    said = [n for n in b.notes + r0.notes if "rank 0" in n and "counted as work" in n]
+    assert said and "3 of 6 steps" in said[0], b.notes + r0.notes
+    r1 = next(r for r in b.ranks if r.rank == 1)
+    assert not any(s.allreduce_unmatched for s in r1.steps)
