@@ -46,6 +46,9 @@ class StepRow:
     summed_us: dict[str, float]
     exposed_us: dict[str, float]
     batch: dict[str, int] | None = None  # what vLLM's execute range over the step names (traces.vllm_step_batch)
+    # an all-reduce of this step has no counterpart on some rank of its group (that rank's trace did not capture
+    # the step): its wait cannot be told from work, so it counts as work; left out of the median step and p90
+    allreduce_unmatched: bool = False
 
 
 @dataclass
@@ -138,7 +141,10 @@ def _analyze_rank(
     wait: np.ndarray,
     taxonomy: Taxonomy,
     ar_info: dict,
+    unmatched_ar: np.ndarray | None = None,
 ) -> RankBreakdown:
+    """``unmatched_ar``: indices of the all-reduce kernels without a counterpart on the group's other ranks, where
+    the group's other collectives were matched (their wait is unknown)."""
     categories = taxonomy.report_categories
     code_of = {c: i for i, c in enumerate(categories)}
     ar, wait_code = code_of["allreduce"], code_of[ALLREDUCE_WAIT]
@@ -192,6 +198,19 @@ def _analyze_rank(
         )
     _name_batches(trace, steps)
     complete = [steps[i] for i in split.complete]
+    unmatched_note = None
+    if unmatched_ar is not None and unmatched_ar.size:
+        flagged = sorted(set(split.step_of_kernel[unmatched_ar].tolist()))
+        for i in flagged:
+            steps[i].allreduce_unmatched = True
+        kept = [s for s in complete if not s.allreduce_unmatched]
+        shown = ", ".join(map(str, flagged[:8])) + (", ..." if len(flagged) > 8 else "")
+        unmatched_note = (f"rank {trace.rank}: {unmatched_ar.size} of {ar_info['kernels']} all-reduce kernels, in "
+                          f"{len(flagged)} of {n_steps} steps (step {shown}), have no counterpart on the other ranks "
+                          "of its group (their traces cover other steps): their wait cannot be told from work and is "
+                          "counted as work; " + ("the median step and p90 leave those steps out" if kept else
+                                                 "no step is free of them, so the median step includes that work"))
+        complete = kept or complete
     decode = [s for s in complete if s.batch is None or s.batch["prefill_reqs"] == 0]
     mixed_note = None
     prefill_only = trace.stage == "EXTEND" or bool(complete) and all(
@@ -230,7 +249,7 @@ def _analyze_rank(
     kernel_us = float(dur.sum())
 
     window = float(full_we[0] - full_ws[0])
-    notes = list(trace.notes) + list(split.notes) + ([mixed_note] if mixed_note else [])
+    notes = list(trace.notes) + list(split.notes) + [n for n in (unmatched_note, mixed_note) if n]
     for label, limit in taxonomy.small_families.items():
         family = [r for r in rows if r.label == label]
         share = sum(r.total_us for r in family) / kernel_us if kernel_us else 0.0
@@ -356,7 +375,8 @@ def analyze_traces(
 
     ranks = []
     for t in traces:
-        rc = next(m.per_rank[t.rank] for m in matches if t.rank in m.per_rank)
+        group = next(m for m in matches if t.rank in m.per_rank)
+        rc = group.per_rank[t.rank]
         ar_mask = codes[t.rank] == ar_code
         ar_info = {
             "kernels": int(ar_mask.sum()),
@@ -365,7 +385,9 @@ def analyze_traces(
             "work_us": float(t.dur[ar_mask].sum() - rc.wait_us.sum()),
             "clock_skew_us": float(rc.clock_skew_us),
         }
-        ranks.append(_analyze_rank(t, splits[t.rank], codes[t.rank], labels[t.rank], wait[t.rank], taxonomy, ar_info))
+        unmatched = rc.kernel_index[~rc.matched] if group.matched_instances else None
+        ranks.append(_analyze_rank(t, splits[t.rank], codes[t.rank], labels[t.rank], wait[t.rank], taxonomy, ar_info,
+                                   unmatched))
 
     across = _across_ranks(ranks, categories)
     groups = [
