@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from glm5_fp4.argtypes import nonneg_float, nonneg_int, positive_float, positive_int
 from glm5_fp4.errors import Glm5Fp4Error
@@ -124,10 +125,9 @@ def _kv_dtype(args, server_kv: str | None, gpu=None) -> tuple[str, str]:
     return kv, f"KV cache dtype: {kv}" + (f" -> {resolved}" if resolved != kv else "") + f" ({origin})"
 
 
-def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
+def _ceilings(breakdown, args, checked: "CheckedArgs", server_kv: str | None = None) -> dict | None:
     from glm5_fp4.hardware import detect_gpu_name, get_gpu
     from glm5_fp4.profiling.ceilings import StepShape, ceilings
-    from glm5_fp4.spec import Glm5Spec
 
     if breakdown.prefill_only:
         breakdown.notes.append("no ceilings: they price one decode step (--batch sequences each reading the weights and "
@@ -154,12 +154,10 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
         if gpu_name is None:
             raise Glm5Fp4Error(f"cannot tell the GPU from the trace (device name {device!r}); pass --gpu NAME")
     gpu = get_gpu(gpu_name)
-    spec = Glm5Spec.from_config_json(args.config) if args.config else Glm5Spec()
+    spec = checked.spec
     world = max((r.world_size for r in breakdown.ranks if r.world_size), default=None)
-    if args.layout is not None:  # (combined with --tp/--pp: refused by check_analysis_args before any trace was read)
-        from glm5_fp4.launch.plan_cli import parse_layout
-
-        tp, pp, dp, ep, ep_comm = parse_layout(args.layout, "--layout")
+    if checked.layout is not None:  # (combined with --tp/--pp: refused by check_analysis_args before any trace was read)
+        tp, pp, dp, ep, ep_comm = checked.layout
         if world is not None and tp * pp != world:
             breakdown.notes.append(f"WARNING, ceilings: --layout {args.layout} has {tp * pp} GPUs, the traces' capture "
                                    f"world_size {world} (distributedInfo): the floors price another layout than the "
@@ -208,7 +206,14 @@ def _ceilings(breakdown, args, server_kv: str | None = None) -> dict | None:
     return result
 
 
-def check_analysis_args(args) -> None:
+class CheckedArgs(NamedTuple):
+    """What check_analysis_args read from the options: the model (--config) and the --layout, parsed once."""
+
+    spec: Any
+    layout: tuple | None  # glm5_fp4.launch.plan_cli.LayoutTuple
+
+
+def check_analysis_args(args) -> CheckedArgs:
     """The analysis options, checked before anything is read or (capture --analyze) any load is sent: a bad one
     failed only after minutes of load, profiling and flushing."""
     from glm5_fp4.profiling.steps import compile_step_annotation
@@ -224,14 +229,17 @@ def check_analysis_args(args) -> None:
                            "--step-gap-us or another --steps-by")
     compile_step_annotation(args.step_annotation)
     spec = Glm5Spec.from_config_json(args.config) if args.config else Glm5Spec()
+    layout = None
     if args.layout is not None:
         if args.tp is not None or args.pp is not None:
             raise Glm5Fp4Error("--layout names the whole layout: do not combine it with --tp/--pp")
-        check_expert_skew(spec, parse_layout(args.layout, "--layout")[3], args.expert_skew)
+        layout = parse_layout(args.layout, "--layout")
+        check_expert_skew(spec, layout[3], args.expert_skew)
     if args.gpu is not None:
         get_gpu(args.gpu)
     if args.kv_dtype is not None and args.kv_dtype not in KV_SPELLINGS:
         raise Glm5Fp4Error(f"--kv-dtype must be one of {', '.join(KV_SPELLINGS)}, got {args.kv_dtype!r}")
+    return CheckedArgs(spec, layout)
 
 
 def analyze(path: str, args, server_kv: str | None = None) -> dict[str, Path]:
@@ -239,13 +247,13 @@ def analyze(path: str, args, server_kv: str | None = None) -> dict[str, Path]:
     from glm5_fp4.profiling.breakdown import analyze_path
     from glm5_fp4.profiling.report import write_reports
 
-    check_analysis_args(args)
+    checked = check_analysis_args(args)
     out = Path(args.out) if args.out else (Path(path) if Path(path).is_dir() else Path(path).parent) / "breakdown"
     output_dir(out, create=False)  # before reading gigabytes of traces
     method = "gap" if args.step_gap_us is not None else args.steps_by
     breakdown = analyze_path(path, args.taxonomy, method, args.step_gap_us, args.mode, args.stage, args.jobs,
                              step_annotation=args.step_annotation)
-    breakdown.ceilings = _ceilings(breakdown, args, server_kv)
+    breakdown.ceilings = _ceilings(breakdown, args, checked, server_kv)
     paths = write_reports(breakdown, out, png=not args.no_png)
     _print_summary(breakdown)
     for kind, p in paths.items():
