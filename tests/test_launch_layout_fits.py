@@ -138,3 +138,20 @@ def test_our_options_in_a_profiles_additional_config_are_refused_as_such(tmp_pat
     other = _profile(tmp_path, "other.yaml", extra_args=json.dumps(["--additional-config", '{"other": 1}']))
     assert main(["serve", "--profile", str(other), "--dry-run"]) == 0
     assert '"other":1' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("engine,extra", [("vllm", ["--nnodes", "2"]), ("vllm", ["-n2"]),
+                                          ("vllm", ["--distributed-executor-backend", "ray"]),
+                                          ("vllm", ["--data-parallel-size-local", "4"]),
+                                          ("sglang", ["--nnodes", "2"]), ("sglang", ["--dist-init-addr", "h:5000"])])
+def test_a_layout_spread_over_nodes_is_not_counted_against_this_one(tmp_path, monkeypatch, engine, extra):
+    """The GPUs of other nodes (vLLM --nnodes / Ray, SGLang --nnodes) are not visible here: no refusal."""
+    import glm5_fp4.launch.serve as serve
+
+    monkeypatch.setattr(serve, "visible_gpu_count", lambda: 8)
+    monkeypatch.setattr(serve, "install_stop_signals", lambda: None)
+    monkeypatch.setattr(serve, "start", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    profile = _profile(tmp_path, engine=engine, pipeline_parallel=2)  # 16 GPUs
+    with pytest.raises(SystemExit) as stopped:  # got as far as starting the engine
+        main(["serve", "--profile", str(profile), "--", *extra])
+    assert stopped.value.code == 7
