@@ -21,9 +21,15 @@ from glm5_fp4.launch.commands import (EngineCommand, build_command, owned_advice
                                       refuse_our_options)
 from glm5_fp4.launch.engine_choices import OURS
 from glm5_fp4.launch.profile import check_fits_model, load_profile, model_dims
-from glm5_fp4.launch.spelling import spelled
+from glm5_fp4.launch.spelling import read_as, spelled
 from glm5_fp4.loopback import check_bind_host
 from glm5_fp4.telemetry.nvml_reader import visible_gpu_count
+
+# Flags that spread a layout over several nodes, whose GPUs this one cannot see (vLLM 0.33: --nnodes/-n, Ray,
+# per-node DP ranks; SGLang 0.5.23: --nnodes, --dist-init-addr): with one, the visible GPUs are not counted.
+MULTI_NODE_FLAGS = {"vllm": ("--nnodes", "-n", "--distributed-executor-backend", "--data-parallel-size-local",
+                             "--headless"),
+                    "sglang": ("--nnodes", "--dist-init-addr")}
 
 # serve flag -> profile field; the flags `glm5-fp4 serve --profile` accepts as overrides
 OVERRIDE_FLAGS = {
@@ -113,7 +119,8 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     check_model_dir(profile.model, where)  # before the engine starts (and in a dry run, which ran it nowhere)
     check_fits_model(profile, str(profile_path), *model_dims(profile.model),
                      model_flag="--model" if overrides.get("model") else None)
-    gpus = visible_gpu_count()
+    multi_node = any(read_as(profile.engine, a, MULTI_NODE_FLAGS[profile.engine]) for a in profile.engine_extra_args())
+    gpus = None if multi_node else visible_gpu_count()
     if gpus and gpus < profile.world_size:  # none visible: a CPU engine, or the engine's own clear error
         shortfall = (f"{profile_path}: {profile.layout} needs {profile.world_size} GPUs (tensor_parallel x "
                      f"pipeline_parallel x data_parallel); this machine shows {gpus}"
