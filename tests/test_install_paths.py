@@ -107,12 +107,12 @@ def test_plan_of_a_small_model_leaves_out_default_layouts_it_cannot_split(tmp_pa
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({
         "hidden_size": 256, "num_hidden_layers": 4, "moe_intermediate_size": 64, "n_routed_experts": 16,
-        "num_experts_per_tok": 4, "num_attention_heads": 4}))
+        "num_experts_per_tok": 4, "num_attention_heads": 2}))
     rc = main(["plan", "--profile", str(ROOT / "launch" / "cpu-demo.yaml"), "--config", str(ckpt / "config.json")])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "TP1" in out.out and "TP8" not in out.out.split("Assumptions:")[0]
-    assert "tp8" in out.out.split("Assumptions:")[1] and "4 attention heads" in out.out, out.out
+    assert "tp8" in out.out.split("Assumptions:")[1] and "2 attention heads" in out.out, out.out
     # no layout left: one error naming the defaults and what to pass
     assert main(["plan", "--config", str(ckpt / "config.json")]) == 1
     err = capsys.readouterr().err

@@ -13,18 +13,25 @@ from pathlib import Path
 
 
 def git_sha(path: str | Path | None = None) -> str | None:
-    """The checkout's HEAD (with ``-dirty`` when tracked files changed), or None outside a git checkout.
+    """The checkout's HEAD (with ``-dirty`` when tracked files changed), or None outside a git checkout (without
+    ``path``: outside glm5-fp4's own, where the package is the checkout's top-level ``glm5_fp4``).
 
     ``GLM5_FP4_GIT_SHA`` overrides it: on a machine that received a copy of the working tree (the lent GPUs)
     the copy's ``.git`` is stale, and the caller knows the commit it sent. That copy may not know the commit, so a
     full 40-hex SHA (``git rev-parse HEAD`` where it was sent from, ``-dirty`` allowed) stands as given; a shorter
     value must name a commit this checkout knows (it is recorded in full); anything else is refused (a Glm5Fp4Error
     naming the value): results would record a commit no one can check out."""
-    cwd = Path(path) if path else Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
+    cwd = Path(path) if path else package
     override = os.environ.get("GLM5_FP4_GIT_SHA")
     if override:
         return _override_sha(override, cwd)
     try:
+        if path is None:  # an install inside someone's repository (a project's .venv) is not our checkout
+            top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True,
+                                 timeout=10)
+            if top.returncode != 0 or Path(top.stdout.strip()).resolve() != package.parent:
+                return None
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:
             return None

@@ -88,6 +88,13 @@ def profile_layout(profile) -> LayoutTuple:
             comm[1] if comm else "a2a")
 
 
+def _layout_name(layout: LayoutTuple) -> str:
+    """A parsed layout as --layouts spells it."""
+    gpus, pp, dp, ep, comm = layout
+    name = ("dp" if dp > 1 else "tp") + str(gpus) + (f"ep{ep}" if ep > 1 else "") + (f"pp{pp}" if pp > 1 else "")
+    return name + ("agrs" if dp > 1 and comm == "agrs" else "")
+
+
 WEIGHT_ONLY_BACKENDS = ("marlin", "humming", "experimental_sgl_marlin")
 
 
@@ -111,8 +118,10 @@ def _spec_for(profile, config: str | None):
 def build_plans(args: argparse.Namespace):
     from glm5_fp4.hardware import get_gpu
     from glm5_fp4.launch.plan import PlanInputs, make_plan
-    from glm5_fp4.launch.profile import load_profile
+    from glm5_fp4.launch.profile import load_profile, resolve_profile
 
+    if args.profile:
+        args.profile = str(resolve_profile(args.profile))  # every message names the file read
     profile = load_profile(args.profile) if args.profile else None
     spec, spec_origin = _spec_for(profile, args.config)
     if profile is not None and args.layouts is None:  # its layout is planned: named by file and field if it can't run
@@ -130,21 +139,39 @@ def build_plans(args: argparse.Namespace):
             raise Glm5Fp4Error(f"--layouts {args.layouts!r} names no layout; e.g. tp8,tp4pp2,tp8ep8,dp8ep8")
     else:
         layouts = [profile_layout(profile)] if profile else []
-        layouts += [parse_layout(t) for t in DEFAULT_LAYOUTS]
-    layouts = list(dict.fromkeys(layouts))
+    defaults = [] if args.layouts is not None else [parse_layout(t) for t in DEFAULT_LAYOUTS]
+    defaults = [d for d in dict.fromkeys(defaults) if d not in layouts]
     expert_math = args.expert_math or (_weight_only_math(profile) if profile else None)
     from glm5_fp4.checkpoint.inspect import resolve_mlp_dtypes
 
     local = args.config or (profile.model if profile is not None and (Path(profile.model) / "config.json").is_file()
                             else None)
     experts, dense, dtypes_said = resolve_mlp_dtypes(local, args.expert_dtype, args.dense_dtype)
-    plans = [make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
-                                             args.reserve_gib, args.efficiency, expert_math,
-                                             args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
-                                             args.expert_skew, args.dispatch_dtype, ep_comm, dense, experts))
-             for tp, pp, dp, ep, ep_comm in layouts]
+    def plan(layout):
+        tp, pp, dp, ep, ep_comm = layout
+        return make_plan(spec, gpu, PlanInputs(tp, pp, concurrency, args.context, engine, kv, args.mem_util,
+                                               args.reserve_gib, args.efficiency, expert_math,
+                                               args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
+                                               args.expert_skew, args.dispatch_dtype, ep_comm, dense, experts))
+
+    plans = []
+    for layout in dict.fromkeys(layouts):  # asked for: an error naming who asked if the model can't run it
+        try:
+            plans.append(plan(layout))
+        except Glm5Fp4Error as exc:
+            asker = f"--layouts {_layout_name(layout)}" if args.layouts is not None else f"{args.profile}: layout"
+            raise Glm5Fp4Error(f"{asker}: {exc}") from None
+    left_out = []
+    for layout in defaults:  # shown beside it for comparison: left out, said, where the model can't run it
+        try:
+            plans.append(plan(layout))
+        except Glm5Fp4Error as exc:
+            left_out.append(f"{_layout_name(layout)} left out: {exc}")
+    if not plans:
+        raise Glm5Fp4Error(f"none of the default layouts ({', '.join(DEFAULT_LAYOUTS)}) can run {spec_origin}: "
+                           + "; ".join(left_out) + "; pass --layouts (e.g. tp1)")
     for p in plans:
-        p.assumptions.insert(0, dtypes_said)
+        p.assumptions[:0] = [dtypes_said, *left_out]
     return plans, spec_origin, profile
 
 

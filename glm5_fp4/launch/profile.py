@@ -277,14 +277,32 @@ def profile_from_dict(data: object, origin: str = "profile", overrides: dict | N
         raise Glm5Fp4Error(_format_error(exc, origin, flags)) from None
 
 
+PACKAGED = Path(__file__).resolve().parents[1] / "data" / "launch"
+
+
+def packaged_profiles() -> list[str]:
+    return sorted(p.stem for p in PACKAGED.glob("*.yaml"))
+
+
+def resolve_profile(path: str | Path) -> Path:
+    """The file ``--profile`` names: an existing file as given; else a packaged profile named by itself (``tp8``,
+    ``tp8.yaml``) or by the checkout's path to it (``launch/tp8.yaml``), which a plain install has no folder for."""
+    given = Path(path)
+    if given.exists() or given.parent not in (Path("."), Path("launch")):
+        return given
+    packaged = PACKAGED / (given.name if given.suffix in (".yaml", ".yml") else f"{given.name}.yaml")
+    return packaged if packaged.is_file() else given
+
+
 def load_profile(path: str | Path, overrides: dict | None = None,
                  override_flags: dict[str, str] | None = None) -> LaunchProfile:
-    """Read and validate a YAML launch profile."""
-    path = Path(path)
+    """Read and validate a YAML launch profile (``path`` as :func:`resolve_profile` reads it)."""
+    path = resolve_profile(path)
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
-        raise Glm5Fp4Error(f"{path}: launch profile not found") from None
+        raise Glm5Fp4Error(f"{path}: launch profile not found; the packaged ones, by name: "
+                           f"{', '.join(packaged_profiles())}") from None
     except IsADirectoryError:
         raise Glm5Fp4Error(f"{path}: is a directory, expected a YAML launch profile") from None
     except yaml.YAMLError as exc:

@@ -20,7 +20,7 @@ from glm5_fp4.server_process import (ServerProcess, check_model_dir, install_sto
 from glm5_fp4.launch.commands import (EngineCommand, build_command, owned_advice, owned_flag, refuse_config_file,
                                       refuse_our_options)
 from glm5_fp4.launch.engine_choices import OURS
-from glm5_fp4.launch.profile import check_fits_model, load_profile, model_dims
+from glm5_fp4.launch.profile import check_fits_model, load_profile, model_dims, resolve_profile
 from glm5_fp4.launch.spelling import read_as, spelled
 from glm5_fp4.loopback import check_bind_host
 from glm5_fp4.telemetry.nvml_reader import visible_gpu_count
@@ -90,6 +90,7 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     ``overrides`` maps profile fields to command-line values (None = not given); ``extra_args`` (after ``--``)
     are appended to the profile's own. A host other than loopback needs ``allow_remote``.
     """
+    profile_path = str(resolve_profile(profile_path))  # every message names the file read
     profile = load_profile(profile_path, overrides, OVERRIDE_FLAGS)
     refuse_config_file(profile.engine, list(extra_args or ()), "after --")
     refuse_our_options(profile.engine, list(extra_args or ()), "after --")

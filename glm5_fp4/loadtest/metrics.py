@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from glm5_fp4.loadtest.client import RequestRecord
+if TYPE_CHECKING:  # only annotations: reading result files (compare, profile stalls) needs no HTTP client
+    from glm5_fp4.loadtest.client import RequestRecord
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
