@@ -4,7 +4,7 @@
                    [--quantization glm5_nvfp4|modelopt_fp4|none] [--stock] [--port 8000] [--host 127.0.0.1]
                    [--allow-remote] [--log-file PATH] [--dry-run] [-- extra vLLM args]
     glm5-fp4 serve --profile launch/tp8.yaml [--engine vllm|sglang] [--moe-backend NAME]
-                   [--cuda-graphs piecewise|full|off] [--model ...] [--port ...] [--dry-run]   (launch/README.md)
+                   [--cuda-graphs piecewise|full|off] [--model ...] [--port ...] [--dry-run]   (glm5_fp4/data/launch/README.md)
 
 Prints the exact command (environment included), streams the server's output to a log file, waits for
 /health, then serves until Ctrl-C. Comparing with stock vLLM is the same command with

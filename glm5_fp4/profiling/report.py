@@ -146,7 +146,8 @@ def markdown(b: Breakdown) -> str:
         lines.append("|---|---:|---:|")
         for name, (count, total) in sorted(unknown.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"| `{_short(name, 160)}` | {count} | {_us(total)} |")
-        lines.append("\nAdd a rule for them to the taxonomy file (see `profiling/README.md`).")
+        lines.append(f"\nAdd a rule for them to a copy of the taxonomy file ({b.taxonomy}, whose header says how) "
+                     "and pass it as `--taxonomy FILE`.")
     else:
         lines.append("None: every kernel matched a taxonomy rule.")
 
