@@ -357,3 +357,58 @@ def test_ncu_moe_call_gives_an_expert_parallel_shard_its_map_and_hot_experts(mon
     for ids, emap in seen:
         assert emap is not None and emap.tolist()[:4] == [0, 1, 2, 3] and set(emap.tolist()[4:]) == {-1}
         assert (emap[ids.long()] >= 0).all()  # all tokens on k experts: the k hot experts are the measured rank's
+
+
+# -- every argument refused before GPU work, output paths included (found by running each script with bad values) --
+@pytest.fixture()
+def a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    return f
+
+
+@pytest.mark.parametrize("script,argv,culprit", [
+    ("benchmarks/moe_kernel.py", ["--json", "{dir}"], "--json"),
+    ("benchmarks/moe_kernel.py", ["--json", "{file}/x.json"], "--json"),
+    ("benchmarks/moe_kernel.py", ["--md", "{dir}"], "--md"),
+    ("benchmarks/moe_kernel.py", ["--precompile", "-1"], "--precompile"),
+    ("benchmarks/moe_kernel.py", ["--tokens", "1,,4"], "--tokens"),
+    ("benchmarks/moe_kernel.py", ["--tokens", "4,4"], "4"),
+    ("benchmarks/moe_kernel.py", ["--routings", "zipfnan"], "zipfnan"),
+    ("benchmarks/moe_variants.py", ["--json", "{dir}"], "--json"),
+    ("benchmarks/moe_variants.py", ["--precompile", "-1"], "--precompile"),
+    ("benchmarks/small_t_floor.py", ["--chunk", "0"], "--chunk"),
+    ("benchmarks/small_t_floor.py", ["--chunk", "-64"], "--chunk"),
+    ("benchmarks/small_t_floor.py", ["--chunk", "48"], "--chunk"),
+    ("benchmarks/small_t_floor.py", ["--json", "{file}/x.json"], "--json"),
+    ("benchmarks/align_probe.py", ["--tokens", "1,,4"], "--tokens"),
+    ("benchmarks/align_probe.py", ["--tokens", "0"], "0"),
+    ("benchmarks/align_probe.py", ["--shard", "tpx"], "tpx"),
+    ("benchmarks/align_probe.py", ["--json", "{dir}"], "--json"),
+    ("benchmarks/ncu_moe_call.py", ["--routing", "bogus"], "bogus"),
+    ("benchmarks/ncu_moe_call.py", ["--form", "nope"], "nope"),
+    ("benchmarks/ncu_moe_call.py", ["--tokens", "-3"], "-3"),
+    ("benchmarks/ncu_moe_call.py", ["--diag", "-5"], "--diag"),
+    ("benchmarks/ncu_moe_call.py", ["--plans", "{dir}/none.json"], "--plans"),
+    ("benchmarks/ncu_moe_call.py", ["--shard", "tp3"], "tp3"),
+])
+def test_every_script_refuses_before_gpu_work(tmp_path, a_file, capsys, script, argv, culprit):
+    argv = [a.format(dir=tmp_path, file=a_file) for a in argv]
+    mod = load_script(script, "bench_script_" + script.split("/")[-1][:-3])
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and culprit in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("name", ["zipfnan", "zipfinf", "zipf-1", "zipf0", "zipf"])
+def test_a_zipf_routing_needs_a_finite_positive_exponent(name):
+    with pytest.raises(Glm5Fp4Error, match=repr(name)):
+        R.check(name)
+    R.check("zipf1.2")
+
+
+@pytest.mark.parametrize("text,culprit", [("1,,4", "empty"), ("4,1,4", "twice")])
+def test_token_lists_have_no_holes_or_repeats(text, culprit):
+    with pytest.raises(Glm5Fp4Error, match=culprit):
+        B.token_counts(text)
