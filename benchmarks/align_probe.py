@@ -28,24 +28,36 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="64,256,512,1024")
     ap.add_argument("--json", default="align_probe.json")
     args = ap.parse_args(argv)
+    from glm5_fp4.bench import moe as B
+    from glm5_fp4.bench.meta import git_sha, result_metadata
+    from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.outputs import output_file, write_file
+
+    try:  # every value before any GPU work (a bad one died after the layer was built, or after timing)
+        B.glm5_shard(args.shard)
+        tokens = B.token_counts(args.tokens)
+        output_file(args.json, "--json")
+        git_sha()  # a GLM5_FP4_GIT_SHA that names no commit
+    except Glm5Fp4Error as exc:
+        ap.error(str(exc))
     import torch
 
     if not torch.cuda.is_available():
         print("align_probe needs a CUDA GPU", file=sys.stderr)
         return 2
-    from glm5_fp4.bench import moe as B
-    from glm5_fp4.bench.meta import result_metadata
     from glm5_fp4.bench.timing import graph_time_us
     from glm5_fp4.kernels import launch as L
     from glm5_fp4.kernels.moe import make_call
 
     sh, lay, gen = B.one_cuda_layer(args.shard)
     rows = []
-    for t in (int(v) for v in args.tokens.split(",")):
+    for t in tokens:
         # the benchmarks' call builder: on an expert-parallel shard rank 0's expert map goes into plan and call
         inputs = B.call_inputs(sh, t, "balanced", gen)
         plan = inputs.plan(lay.prepared[0])
-        if plan.schedule != "grouped":
+        if plan.schedule != "grouped":  # the slot schedule of small T has no align kernel to probe: said
+            print(f"T={t}: {plan.schedule} schedule, no grouped align to probe: skipped", flush=True)
+            rows.append({"tokens": t, "skipped": f"{plan.schedule} schedule (no grouped align)"})
             continue
         call = make_call(inputs.x, inputs.tw, inputs.ids, lay.prepared[0], "w4a16", expert_map=inputs.expert_map)
         (base,) = L.launches(dataclasses.replace(plan, parallel_align=False), call, stages=("align",))
@@ -64,8 +76,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = result_metadata(benchmark="align_probe", shard=args.shard)
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_file(args.json, json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 
 

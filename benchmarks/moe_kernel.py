@@ -409,8 +409,9 @@ def main(argv=None) -> int:
     MMA.add_standin_arguments(ap)
     ap.add_argument("--precompile", type=int, default=0, metavar="JOBS", help="compile the default plans' kernels "
                     "(with --sweep: every variant's) in JOBS processes first")
-    ap.add_argument("--json", default=str(RESULTS / "moe_kernel_h200.json"))
-    ap.add_argument("--md", default=str(RESULTS / "moe_kernel_h200.md"))
+    ap.add_argument("--json", default=None, help="results (default: benchmarks/results/moe_kernel_<gpu>.json, the GPU "
+                    "as the hardware table names it)")
+    ap.add_argument("--md", default=None, help="the table (default: the --json path with .md)")
     args = ap.parse_args(argv)
     if args.plan_arch and args.plans:
         ap.error("--plan-arch replaces the plans: it does not combine with --plans")
@@ -424,6 +425,7 @@ def main(argv=None) -> int:
     from glm5_fp4.bench import routing as R
     from glm5_fp4.bench.meta import git_sha
     from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.outputs import output_file, write_file
 
     try:  # every value before any GPU work ('tp8,tpx' measured tp8, then died on tpx)
         shards, tokens = B.shard_names(args.shards), B.token_counts(args.tokens)
@@ -431,6 +433,11 @@ def main(argv=None) -> int:
         R.check(args.sweep_routing)
         if args.layers is not None and args.layers < 1:
             raise Glm5Fp4Error(f"--layers {args.layers}: at least one layer per CUDA graph")
+        if args.precompile < 0:
+            raise Glm5Fp4Error(f"--precompile {args.precompile}: a number of compile jobs (0: none)")
+        for flag, path in (("--json", args.json), ("--md", args.md)):
+            if path is not None:  # (written after the whole run: a bad path lost every row)
+                output_file(path, flag)
         git_sha()  # a GLM5_FP4_GIT_SHA that names no commit
     except Glm5Fp4Error as exc:
         ap.error(str(exc))
@@ -451,6 +458,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moe_kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.json is None:  # one file per GPU: an H100's run no longer overwrites the committed H200 table
+        from glm5_fp4.hardware import detect_gpu_name
+
+        args.json = str(RESULTS / f"moe_kernel_{detect_gpu_name(torch.cuda.get_device_name()) or 'gpu'}.json")
+    args.md = args.md or str(Path(args.json).with_suffix(".md"))
     from glm5_fp4.bench.meta import result_metadata
 
     meta = result_metadata(benchmark="moe_kernel", layers=args.layers, shards=shards, tokens=tokens, routings=routings,
@@ -467,11 +479,10 @@ def main(argv=None) -> int:
                              layers=out.get("layers") or {s["shard"]: s["layers"] for s in out.get("sweeps", [])}
                              or meta["layers"]),
                    rows=out.get("rows", []), sweeps=out.get("sweeps", []))
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+        write_file(args.json, json.dumps(doc, indent=1, default=str))
         ok = [r for r in doc["rows"] if "us" in r or "error" in r or "skipped" in r]
         if ok and not args.sweep:
-            Path(args.md).write_text(B.markdown(doc["meta"], ok))
+            write_file(args.md, B.markdown(doc["meta"], ok))
 
     if args.precompile:
         try:

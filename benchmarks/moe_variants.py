@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     from glm5_fp4.bench.meta import git_sha
     from glm5_fp4.errors import Glm5Fp4Error
     from glm5_fp4.kernels import configs as C  # (a bad --forms is refused before any GPU work)
+    from glm5_fp4.outputs import output_file, write_file
     from glm5_fp4.kernels.layout import DECODE_LAYOUTS as layouts
 
     forms = set(args.forms.split(",")) if args.forms else None
@@ -85,6 +86,9 @@ def main(argv=None) -> int:
         routings = B.routing_names(args.routings)
         if args.layers is not None and args.layers < 1:
             raise Glm5Fp4Error(f"--layers {args.layers}: at least one layer per CUDA graph")
+        if args.precompile < 0:
+            raise Glm5Fp4Error(f"--precompile {args.precompile}: a number of compile jobs (0: none)")
+        output_file(args.json, "--json")  # (written after the timed rows)
         git_sha()  # a GLM5_FP4_GIT_SHA that names no commit
     except Glm5Fp4Error as exc:
         ap.error(str(exc))
@@ -112,8 +116,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
 
     def save():
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+        write_file(args.json, json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
 
     if args.precompile:  # the default and every form's plan at each (shard, T): plans do not depend on the routing
         from moe_kernel import _empty_call, precompile_plans

@@ -114,6 +114,7 @@ def main(argv=None) -> int:
     from glm5_fp4.bench import moe as B
     from glm5_fp4.bench.meta import git_sha
     from glm5_fp4.errors import Glm5Fp4Error
+    from glm5_fp4.outputs import output_file
 
     try:
         tokens = B.token_counts(args.tokens)
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
                                "router's global expert ids)")
         if args.layers is not None and args.layers < 1:
             raise Glm5Fp4Error(f"--layers {args.layers}: at least one layer per CUDA graph")
+        if args.chunk < 1 or args.chunk & (args.chunk - 1):  # 0 divided by zero, -64 gave negative program counts
+            raise Glm5Fp4Error(f"--chunk {args.chunk}: a power of two (int64 elements per program, a Triton range)")
+        output_file(args.json, "--json")  # (written after every row is timed)
         git_sha()  # a GLM5_FP4_GIT_SHA that names no commit
     except Glm5Fp4Error as exc:
         ap.error(str(exc))
@@ -187,8 +191,9 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
     res = dict(meta=result_metadata(copy_gbs=copy, shard=args.shard, layers=count, l2_bytes=l2, chunk=args.chunk),
                rows=rows)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
+    from glm5_fp4.outputs import write_file
+
+    write_file(args.json, json.dumps(res, indent=1))
     return 0
 
 

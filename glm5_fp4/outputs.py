@@ -42,6 +42,24 @@ def _check_writable(p: Path, existing: Path, flag: str) -> None:
         raise Glm5Fp4Error(f"{flag} {where}: cannot write there ({exc.strerror or exc})") from None
 
 
+def output_file(path: str | Path, flag: str = "--out") -> Path:
+    """A file a command writes at the end of a long run (a benchmark's results), checked before the run: not a
+    folder, and its folder one that can be made and written (nothing is created now)."""
+    p = Path(path)
+    if p.is_dir():
+        raise Glm5Fp4Error(f"{flag} {p}: is a directory; name the file to write")
+    output_dir(p.parent, flag, create=False)
+    return p
+
+
+def write_file(path: str | Path, text: str) -> Path:
+    """``text`` as ``path`` (its folder made), atomically: what :func:`output_file` checked up front."""
+    path = Path(path)
+    output_dir(path.parent, str(path))
+    write_text_atomic(path, text)
+    return path
+
+
 def plain_file_mode(path: str | Path) -> None:
     """Give ``path`` the mode a plain ``open(path, "w")`` would (0666 less the umask): files written through a
     private temporary file (mkstemp, safetensors) are 0600, which another account (a server's) cannot read."""

@@ -74,9 +74,21 @@ def glm5_shard(name: str, spec: Glm5Spec | None = None) -> Shard:
     return Shard(name, e // n, h, i, k, e)
 
 
+def comma_list(text: str, flag: str) -> list[str]:
+    """The entries of a comma-separated list, none empty (``1,,4`` is a typo, not ``1,4``) and none twice (a row
+    timed twice over); an empty text is an empty list, for the caller to refuse in its own words."""
+    items = [v.strip() for v in text.split(",")] if text.strip() else []
+    if any(not v for v in items):
+        raise Glm5Fp4Error(f"{flag} {text!r}: an empty entry (a comma too many?)")
+    twice = sorted({v for v in items if items.count(v) > 1})
+    if twice:
+        raise Glm5Fp4Error(f"{flag} {text!r}: {', '.join(twice)} given twice")
+    return items
+
+
 def shard_names(text: str) -> list[str]:
     """A comma-separated ``--shards`` list, every name checked (:func:`glm5_shard`) before anything runs."""
-    names = [s for s in text.split(",") if s]
+    names = comma_list(text, "--shards")
     if not names:
         raise Glm5Fp4Error("--shards: no shard given (e.g. tp8,tp4)")
     for name in names:
@@ -87,9 +99,7 @@ def shard_names(text: str) -> list[str]:
 def token_counts(text: str) -> list[int]:
     """A comma-separated ``--tokens`` list of positive whole numbers (T=0 made a 0-byte row that looked measured)."""
     out = []
-    for v in (v.strip() for v in text.split(",")):
-        if not v:
-            continue
+    for v in comma_list(text, "--tokens"):
         try:
             out.append(int(v))
         except ValueError:
@@ -109,7 +119,7 @@ def check_token_counts(tokens) -> list[int]:
 
 def routing_names(text: str) -> list[str]:
     """A comma-separated ``--routings`` list, every name checked (:func:`routing.check`)."""
-    names = [r for r in text.split(",") if r]
+    names = comma_list(text, "--routings")
     if not names:
         raise Glm5Fp4Error("--routings: no routing given (e.g. balanced,same_k)")
     for name in names:

@@ -46,10 +46,12 @@ def check(name: str) -> None:
         return
     if name.startswith("zipf"):
         try:
-            float(name[4:])
-            return
+            s = float(name[4:])
         except ValueError:
-            raise Glm5Fp4Error(f"routing {name!r}: zipf needs an exponent, e.g. zipf1.2") from None
+            s = math.nan
+        if not (math.isfinite(s) and s > 0):  # nan and inf drew routings that looked measured, <= 0 no skew
+            raise Glm5Fp4Error(f"routing {name!r}: zipf needs a finite exponent above 0, e.g. zipf1.2")
+        return
     raise Glm5Fp4Error(f"unknown routing {name!r}; choose one of {', '.join(ROUTINGS)} (or zipfS)")
 
 
