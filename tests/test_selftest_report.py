@@ -253,3 +253,27 @@ def test_a_case_s_first_call_compiles_without_a_slow_call_warning(monkeypatch, c
                             arch="sm120", seed=0, device="cpu")
     assert r["passed"], r
     assert S.WATCH.slow_count == before and not [m for m in caplog.messages if "held the host" in m]
+
+
+def test_a_benchmark_that_failed_makes_the_run_partial_not_a_pass():
+    """A run whose correctness passed but whose benchmark failed exited 0 with 'verdict: PASS'."""
+    for status in ("error", "partial"):
+        res = fake_result(bench_status=status)
+        res["verdict"] = report.verdict(res)
+        assert res["verdict"] == "partial" and "**Verdict: PARTIAL**" in report.markdown(res)
+        assert "benchmark " + status in report.summary_line(res, "r.md", "r.json")
+    assert report.verdict(fake_result(fail_case=True, bench_status="error")) == "fail"
+    res = fake_result()
+    res["benchmark"] = None  # --no-bench: not run is no failure
+    assert report.verdict(res) == "pass"
+
+
+def test_the_console_line_counts_the_cases_that_gate():
+    """8 gating cases passed and 3 informational ones read 'PASS (8/11 cases)', as if 3 had failed."""
+    res = fake_result()
+    info = {**res["correctness"]["cases"][0], "layout": "checkpoint", "passed": True, "gating": False}
+    res["correctness"]["cases"] += [info, info, info]
+    res["correctness"].update(informational_passed=3, informational_failed=0)
+    res["verdict"] = report.verdict(res)
+    line = report.summary_line(res, "r.md", "r.json")
+    assert "PASS" in line and "1/1 correctness cases" in line and "3 informational" in line and "/4" not in line, line
