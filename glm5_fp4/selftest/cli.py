@@ -87,6 +87,5 @@ def run(args: argparse.Namespace) -> int:
     }
     result["verdict"] = report.verdict(result)
     js, md = report.write(result, Path(args.out))
-    print(f"verdict: {result['verdict'].upper()} ({correctness['passed']}/{len(correctness['cases'])} cases); "
-          f"report: {md} and {js}")
+    print(report.summary_line(result, md, js))
     return 0 if result["verdict"] == "pass" else 1

@@ -6,11 +6,28 @@ from pathlib import Path
 
 
 def verdict(result: dict) -> str:
-    """'pass' when every correctness case passed; the benchmark informs but does not gate."""
+    """'pass' when every gating correctness case passed and the benchmark, where it ran, ran whole; 'partial' when
+    the cases passed but the benchmark failed or lost rows (its numbers inform, so it does not fail the backend,
+    but the run did not do all it was asked: a non-zero exit); 'fail' otherwise."""
     c = result.get("correctness") or {}
-    if not c.get("cases"):
+    if not c.get("cases") or c.get("failed", 1) != 0:
         return "fail"
-    return "pass" if c.get("failed", 1) == 0 else "fail"
+    bench = result.get("benchmark")
+    return "partial" if bench is not None and bench.get("status") != "ok" else "pass"
+
+
+def summary_line(result: dict, md, js) -> str:
+    """The console's last line: the verdict, the gating cases (informational ones apart) and the benchmark."""
+    c = result.get("correctness") or {}
+    gating = c.get("passed", 0) + c.get("failed", 0)
+    info = c.get("informational_passed", 0) + c.get("informational_failed", 0)
+    bench = result.get("benchmark")
+    said = [f"{c.get('passed', 0)}/{gating} correctness cases passed"]
+    if info:
+        said.append(f"{info} informational ({c.get('informational_passed', 0)} passed)")
+    said.append("benchmark not run" if bench is None else f"benchmark {bench.get('status')}"
+                + (f": {bench['error']}" if bench.get("error") else ""))
+    return f"verdict: {result['verdict'].upper()} ({'; '.join(said)}); report: {md} and {js}"
 
 
 def _f(v, fmt="{:.1f}") -> str:
