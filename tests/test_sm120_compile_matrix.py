@@ -272,3 +272,15 @@ def test_a_target_named_twice_is_compiled_and_reported_once():
     from glm5_fp4.sm120.cli import _csv
 
     assert _csv(("sm120", "sm100", "sm90"))("sm120,sm90,sm120") == ["sm120", "sm90"]
+
+
+def test_markdown_header_says_what_ran():
+    """A run for sm_120 and W4A16 alone was headed 'for sm_120, sm_100 and sm_90 ... W4A16 and W4A4', and a dirty
+    tree's '-dirty' was cut off by the SHA's truncation."""
+    res = MatrixResult({"triton": "x", "date": "d", "shapes": [], "distinct_kernels": 0, "elapsed_s": 1.0,
+                        "fresh_cache": True, "cpu_count": 2, "archs": ["sm120"], "modes": ["w4a16"],
+                        "git_sha": "c0082289eb89" + "0" * 28 + "-dirty"}, {"sm120": SM120_LIMIT}, [])
+    head = "\n".join(markdown(res.to_dict()).splitlines()[:4])
+    assert "for sm_120" in head and "sm_100" not in head and "sm_90" not in head, head
+    assert "W4A16" in head and "W4A4" not in head, head
+    assert "c0082289eb89-dirty" in head, head
