@@ -126,14 +126,23 @@ def _selection(meta: dict) -> str:
             "candidate lists, no opt-in forms")
 
 
+def _and(items) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def markdown(result: dict) -> str:
     """The whole report from the JSON dict (``MatrixResult.to_dict()`` plus optional ``floors``)."""
     meta, limits, rows = result["meta"], result["limits"], result["rows"]
+    archs = [f"sm_{a[2:]}" for a in meta.get("archs") or ("sm120", "sm100", "sm90")]
+    modes = [m.upper() for m in meta.get("modes") or ("w4a16", "w4a4")]
+    sha = str(meta.get("git_sha") or "?")
+    sha = sha[:12] + ("-dirty" if sha.endswith("-dirty") else "")  # short, but a dirty tree still says so
     lines = [
-        "# Compile matrix: fused NVFP4 MoE kernels for sm_120, sm_100 and sm_90",
+        f"# Compile matrix: fused NVFP4 MoE kernels for {_and(archs)}",
         "",
-        f"Triton {meta['triton']} (CPU machine, no GPU), {meta['date']}, git {str(meta.get('git_sha') or '?')[:12]}. "
-        + _selection(meta) + ", W4A16 and W4A4, shapes "
+        f"Triton {meta['triton']} (CPU machine, no GPU), {meta['date']}, git {sha}. "
+        + _selection(meta) + f", {_and(modes)}, shapes "
         + ", ".join(f"{s['name']} (E={s['num_experts']}, k={s['top_k']}, H={s['hidden']}, I={s['intermediate']})" for s in meta["shapes"])
         + " - specialised by Triton's own JIT binder and compiled ahead of time for each target. "
         f"{meta['distinct_kernels']} distinct kernels in {meta['elapsed_s']:.0f} s "
