@@ -236,3 +236,30 @@ def test_a_metric_no_run_measured_is_no_row() -> None:
     keys = metric_keys({"completed": 4, "request_goodput": None, "output_throughput": 1.0, "mean_tpot_ms": None},
                        {"completed": 4, "request_goodput": None, "output_throughput": 2.0, "mean_tpot_ms": None})
     assert "request_goodput" not in keys and "mean_tpot_ms" not in keys and "output_throughput" in keys
+
+
+def test_goodput_gets_no_interval_from_littles_law(runs, tmp_path) -> None:
+    """Goodput counts requests on either side of an SLO: its noise is not the mean E2EL's. Scaled by Little's law it
+    got a +-0.1 % interval, and two runs of one server 26 % apart in goodput (pure noise) read 'better'."""
+    import shutil
+
+    src = Path(runs["fast"])
+    summary = json.loads(src.read_text())
+    reqs = src.parent / summary["requests_file"]
+    for name, goodput in (("ga", 20.0), ("gb", 25.2)):
+        shutil.copy(reqs, tmp_path / f"{name}.requests.jsonl")
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            **summary, "requests_file": f"{name}.requests.jsonl", "request_goodput": goodput,
+            "metadata": {**summary["metadata"], "goodput_slo_ms": {"e2el": 126.0}}}))
+    _, tables, _ = compare_files([str(tmp_path / "ga.json"), str(tmp_path / "gb.json")], n_boot=100)
+    row = _by_key(tables[0])["request_goodput"]
+    assert row.verdict not in ("better", "worse") and row.ci is None, row
+    assert _by_key(tables[0])["request_throughput"].ci is not None  # the other throughputs keep theirs
+
+
+def test_runs_with_different_goodput_slos_are_not_comparable(tmp_path) -> None:
+    meta = {"endpoint": "completions", "input_len": 128, "output_len": 64}
+    a = _summary(tmp_path / "a.json", request_goodput=31.4, metadata={**meta, "goodput_slo_ms": {"ttft": 1000.0}})
+    b = _summary(tmp_path / "b.json", request_goodput=20.4, metadata={**meta, "goodput_slo_ms": {"ttft": 51.3}})
+    _, tables, md = compare_files([a, b])
+    assert {r.verdict for r in tables[0]} == {"not comparable"} and "goodput_slo_ms" in md
