@@ -187,7 +187,11 @@ def test_ctrl_c_stops_the_run_and_the_sweep_at_once(tmp_path, levels):
     name = "c2.json" if "," in levels else None
     s = json.loads((out / name).read_text()) if name else _summary(out)
     assert s["stopped_by"] == "SIGINT" and "Ctrl-C" in s["abort_reason"] and s["run_failed"] is True
-    assert len((out / s["requests_file"]).read_text().splitlines()) == 8
+    rows = [json.loads(line) for line in (out / s["requests_file"]).read_text().splitlines()]
+    assert len(rows) == 8
+    # the requests never sent stay 'not_sent', without times (they were 'failed' rows starting at -49,224 s)
+    unsent = [r for r in rows if r["status"] == "not_sent"]
+    assert unsent and s["not_sent"] == len(unsent) and all(r["start_s"] is None for r in unsent), unsent[:1]
     if name:
         assert not (out / "c4.json").exists()
         assert "Levels not run (the sweep stopped): 4" in (out / "sweep.md").read_text()
@@ -211,3 +215,25 @@ def test_a_telemetry_sampler_that_cannot_start_does_not_stop_the_load_test(tmp_p
         res, rows = run_loadtest_detailed(cfg)
     assert res["completed"] == 4 and not res["run_failed"], res
     assert "telemetry disabled" in capsys.readouterr().err
+
+
+def test_sigterm_before_the_measured_phase_exits_143(tmp_path):
+    """SIGTERM in the warm-up exited 1 as an error (and a sweep blamed it on the level); Ctrl-C there exits 130."""
+    out = tmp_path / "results"
+    with spawn_fake_server("--ttft-ms", "3000", "--itl-ms", "50") as srv:
+        cmd = [sys.executable, "-m", "glm5_fp4.cli", "loadtest", "--url", srv.url, "--model", "fake-model",
+               "--concurrency", "2", "--num-prompts", "4", "--input-len", "8", "--output-len", "8",
+               "--num-warmups", "2", "--prompt-format", "ids", "--no-progress", "--no-telemetry",
+               "--result-dir", str(out)]
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        srv.wait_for(lambda st: st["active"] >= 1, 60, "the warm-up under way")
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "nothing was written" in err and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())

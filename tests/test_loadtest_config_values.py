@@ -1,0 +1,56 @@
+"""Load-test values that looked valid and were not: each refused before any request, naming the flag (found by
+feeding the tool odd but plausible values)."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm5_fp4.errors import Glm5Fp4Error
+from glm5_fp4.loadtest import report
+from glm5_fp4.loadtest.runner import LoadTestConfig
+
+URL = "http://127.0.0.1:18000"
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("burstiness", float("inf"), "--burstiness"),  # gamma(inf) gave NaN gaps: every request at t=0, rate ignored
+    ("burstiness", float("nan"), "--burstiness"),
+    ("stall_timeout_s", float("nan"), "--stall-timeout"),  # turned stall detection off, NaN in the JSON
+    ("timeout_s", -5.0, "--timeout"),  # read as no deadline
+    ("goodput", {"ttft": float("nan")}, "--goodput"),  # goodput 0
+])
+def test_values_that_mean_nothing_are_refused(field, value, flag):
+    with pytest.raises(Glm5Fp4Error, match=flag):
+        LoadTestConfig(url=URL, **{field: value})
+
+
+@pytest.mark.parametrize("key", ["num_prompts", "model_id", "max_concurrency", "mean_tpot_ms", "metadata",
+                                 "p99_ttft_ms", "run_failed"])
+def test_metadata_may_not_overwrite_the_results_own_fields(key):
+    """--metadata num_prompts=16 crashed the verdict after the whole run; model_id=foo relabelled the run."""
+    with pytest.raises(Glm5Fp4Error, match=f"--metadata {key}"):
+        LoadTestConfig(url=URL, metadata={key: "x"})
+    LoadTestConfig(url=URL, metadata={"gpu_clock": "locked"})
+
+
+def test_result_files_that_cannot_be_written_are_refused_before_the_run(tmp_path):
+    """A folder named like the .md made the run fail after measuring, with the .json and .jsonl already written."""
+    (tmp_path / "x.md").mkdir()
+    with pytest.raises(Glm5Fp4Error, match="x.md"):
+        LoadTestConfig(url=URL, result_dir=str(tmp_path), result_filename="x.json")
+
+
+def test_a_failed_write_leaves_none_of_the_three_files(tmp_path, monkeypatch):
+    import glm5_fp4.loadtest.report as R
+
+    real = R.write_text_atomic
+
+    def failing(path, text):
+        if str(path).endswith(".md"):
+            raise Glm5Fp4Error(f"{path}: cannot write (disk full)")
+        real(path, text)
+
+    monkeypatch.setattr(R, "write_text_atomic", failing)
+    with pytest.raises(Glm5Fp4Error, match="disk full"):
+        report.write_results({"completed": 1}, [{"index": 0}], tmp_path / "y.json")
+    assert list(tmp_path.iterdir()) == []
