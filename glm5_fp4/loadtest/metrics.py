@@ -179,8 +179,8 @@ def parse_goodput(items: Iterable[str]) -> dict[str, float]:
                 ms = float(value)
             except ValueError:
                 raise ValueError(f"--goodput {part!r}: {value!r} is not a number of milliseconds") from None
-            if ms < 0:
-                raise ValueError(f"--goodput {part!r}: SLO must be >= 0 ms")
+            if not (ms >= 0 and math.isfinite(ms)):  # (NaN made every request miss it: goodput 0)
+                raise ValueError(f"--goodput {part!r}: SLO must be a finite number of ms >= 0")
             slos[name] = ms
     return slos
 

@@ -51,16 +51,33 @@ def requests_path_for(result_path: str | Path, result: dict[str, Any] | None = N
     return stem_for(p).with_name(stem_for(p).name + ".requests.jsonl")
 
 
-def write_results(result: dict[str, Any], rows: Iterable[dict[str, Any]], result_path: str | Path) -> dict[str, Path]:
-    """Write S.json, S.requests.jsonl and S.md; returns their paths."""
+def result_paths(result_path: str | Path) -> dict[str, Path]:
+    """The three files of one run: S.json, S.requests.jsonl and S.md."""
     stem = stem_for(result_path)
-    output_dir(stem.parent, "--result-dir")
-    paths = {"json": stem.with_name(stem.name + ".json"), "requests": stem.with_name(stem.name + ".requests.jsonl"),
-             "markdown": stem.with_name(stem.name + ".md")}
+    return {"json": stem.with_name(stem.name + ".json"), "requests": stem.with_name(stem.name + ".requests.jsonl"),
+            "markdown": stem.with_name(stem.name + ".md")}
+
+
+def write_results(result: dict[str, Any], rows: Iterable[dict[str, Any]], result_path: str | Path) -> dict[str, Path]:
+    """Write S.json, S.requests.jsonl and S.md, all or none of the new ones (a summary without its requests, or
+    the reverse, reads as another run); returns their paths."""
+    paths = result_paths(result_path)
+    output_dir(paths["json"].parent, "--result-dir")
     result["requests_file"] = paths["requests"].name
-    write_text_atomic(paths["requests"], "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
-    write_text_atomic(paths["json"], json.dumps(result, indent=2, default=_json_default) + "\n")
-    write_text_atomic(paths["markdown"], markdown_summary(result) + "\n")
+    texts = {"requests": "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows),
+             "json": json.dumps(result, indent=2, default=_json_default) + "\n",
+             "markdown": markdown_summary(result) + "\n"}
+    written: list[Path] = []
+    try:
+        for key, text in texts.items():
+            new = not paths[key].exists()
+            write_text_atomic(paths[key], text)
+            if new:
+                written.append(paths[key])
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
     return paths
 
 

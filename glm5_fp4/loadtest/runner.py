@@ -109,6 +109,20 @@ class _Stop:
     task: asyncio.Task | None = None
 
 
+# The result's own top-level fields besides its metrics (see _run_async): --metadata may not overwrite them.
+RESULT_FIELDS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+                 "request_rate", "burstiness", "max_concurrency", "partial", "run_failed", "failure_reason",
+                 "abort_reason", "stopped_by", "stall_timeout_s", "first_errors", "server_gone", "token_count_note",
+                 "client_cpu_util", "output_throughput_per_gpu", "telemetry", "metadata", "requests_file")
+
+
+def result_keys(cfg: "LoadTestConfig") -> set[str]:
+    """Every top-level key a run's result has: its own fields and the metrics the config asks for."""
+    metrics = compute_metrics([], 1.0, percentiles=cfg.percentiles, selected=cfg.percentile_metrics,
+                              goodput=cfg.goodput or None)
+    return set(RESULT_FIELDS) | set(metrics)
+
+
 @dataclass
 class LoadTestConfig:
     url: str = "http://127.0.0.1:8000"
@@ -159,8 +173,9 @@ class LoadTestConfig:
             raise Glm5Fp4Error(f"--concurrency {self.concurrency} must be >= 1")
         if not (self.request_rate > 0):
             raise Glm5Fp4Error(f"--request-rate {self.request_rate} must be > 0 (inf for closed loop)")
-        if self.burstiness <= 0:
-            raise Glm5Fp4Error(f"--burstiness {self.burstiness} must be > 0")
+        if not (0 < self.burstiness < math.inf):  # inf and NaN drew NaN gaps: every request at t=0, the rate ignored
+            raise Glm5Fp4Error(f"--burstiness {self.burstiness} must be a finite number > 0 (1: Poisson arrivals; "
+                               "larger: more even)")
         bad = [m for m in self.percentile_metrics if m not in METRICS]
         if bad:
             raise Glm5Fp4Error(f"--percentile-metrics: unknown {bad}; choose from {', '.join(METRICS)}")
@@ -174,10 +189,18 @@ class LoadTestConfig:
             # indexer's metadata kernel for each new 512-stream batch size inside the measurement (~1.7 s each,
             # 12 stalls in one 26 s run on the H200, 2026-12-01).
             self.num_warmups = self.concurrency
-        if self.timeout_s is not None and self.timeout_s <= 0:
+        if self.timeout_s is not None and self.timeout_s < 0:  # (read as no deadline)
+            raise Glm5Fp4Error(f"--timeout {self.timeout_s} must be a number of seconds >= 0 (0: no deadline)")
+        if self.timeout_s == 0:
             self.timeout_s = None
-        if self.stall_timeout_s is not None and self.stall_timeout_s < 0:
+        if self.stall_timeout_s is not None and not self.stall_timeout_s >= 0:  # (NaN turned stall detection off)
             raise Glm5Fp4Error(f"--stall-timeout {self.stall_timeout_s} must be >= 0 (0 = off)")
+        for name, ms in self.goodput.items():
+            if not (isinstance(ms, (int, float)) and ms >= 0 and math.isfinite(ms)):
+                raise Glm5Fp4Error(f"--goodput {name}:{ms}: an SLO is a finite number of milliseconds >= 0")
+        reserved = sorted(set(self.metadata) & result_keys(self))
+        if reserved:  # (num_prompts=16 crashed the verdict after the run; model_id=foo relabelled it)
+            raise Glm5Fp4Error(f"--metadata {reserved[0]}: a field the result sets itself; name yours otherwise")
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise Glm5Fp4Error(f"--max-failed-fraction {self.max_failed_fraction} must be in [0, 1]")
         self._check_counts_and_times()
@@ -188,6 +211,13 @@ class LoadTestConfig:
         if self.result_dir:
             # before the measurement, not after it: a result that cannot be written is a run lost
             output_dir(self.result_dir, "--result-dir", create=False)
+            if self.result_filename:
+                from glm5_fp4.loadtest.report import result_paths
+
+                for path in result_paths(Path(self.result_dir) / self.result_filename).values():
+                    if path.is_dir():
+                        raise Glm5Fp4Error(f"{path}: a folder where the result file goes; move it or pass another "
+                                           "--result-filename")
         _client.check_loopback(self.url, self.allow_remote)
         if self.api_key and _client.url_auth(self.url) is not None:
             # both would be an Authorization header; aiohttp refuses the pair on every request
@@ -561,8 +591,10 @@ async def _measure_and_report(cfg: LoadTestConfig, run: _Run, session: Any, mode
         stop.signal = stop.signal or "SIGINT"
         duration = time.perf_counter() - t0
         for r in recs:
-            if r.status in ("running", "not_sent"):
-                r.fail("cancelled" if r.status == "running" else "not_sent", abort)
+            if r.status == "running":
+                r.fail("cancelled", abort)
+            elif r.status == "not_sent":  # never sent: no times (fail() made them sent rows starting at 0)
+                r.error_kind, r.error = "not_sent", f"never sent: {abort}"
     finally:
         if sampler is not None:
             try:
@@ -683,8 +715,12 @@ def _run_coroutine(cfg: LoadTestConfig) -> Any:
         try:
             return runner.run(_run_async(cfg, stop))
         except asyncio.CancelledError:
-            if stop.signal:
-                raise Glm5Fp4Error(f"terminated by {stop.signal} before the measured phase; nothing was written") from None
+            if stop.signal:  # a stop, not an error: exit 128 + N, and a sweep keeps the levels before it
+                from glm5_fp4.server_process import StopSignal
+
+                print(f"loadtest: terminated by {stop.signal} before the measured phase; nothing was written",
+                      file=sys.stderr)
+                raise StopSignal(getattr(signal, stop.signal)) from None
             raise
         finally:
             if handled:
