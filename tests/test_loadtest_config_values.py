@@ -54,3 +54,13 @@ def test_a_failed_write_leaves_none_of_the_three_files(tmp_path, monkeypatch):
     with pytest.raises(Glm5Fp4Error, match="disk full"):
         report.write_results({"completed": 1}, [{"index": 0}], tmp_path / "y.json")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("levels,why", [("2,2", "twice"), ("1,,8", "empty")])
+def test_sweep_levels_have_no_repeats_or_holes(capsys, levels, why):
+    """--concurrency 2,2 wrote one c2.json while sweep.md listed two rows."""
+    from glm5_fp4.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["loadtest", "--url", URL, "--concurrency", levels])
+    assert e.value.code == 2 and why in capsys.readouterr().err
