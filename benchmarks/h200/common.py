@@ -33,6 +33,16 @@ class Run:
     """One device script's output folder and time budget; ``finish`` bundles it into <= 8 files of <= 16 MiB."""
 
     def __init__(self, name: str, out: Path | None, deadline_s: float):
+        from glm5_fp4.bench.meta import git_sha
+        from glm5_fp4.errors import Glm5Fp4Error
+
+        try:  # before any device time: a bad GLM5_FP4_GIT_SHA left the whole run's results without a commit
+            git_sha()
+        except Glm5Fp4Error as exc:
+            raise SystemExit(f"{name}: {exc}") from None
+        out_path = Path(out or os.environ.get("OUT") or f"/tmp/{name}")
+        if out_path.exists() and not out_path.is_dir():
+            raise SystemExit(f"{name}: --out {out_path} is a file, not a folder")
         self.t0 = time.monotonic()
         self.deadline_s = deadline_s
         self.out = Path(out or os.environ.get("OUT") or f"/tmp/{name}")

@@ -9,12 +9,14 @@ activation passes or the operand layout.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "tests/gpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))  # from any folder
 from test_moe_kernel_gpu import GLM_TP8, experts, inputs  # noqa: E402
 
 from glm5_fp4.kernels import configs as C  # noqa: E402
@@ -37,7 +39,10 @@ def act_rows(x, w, ids, prep, plan):
     return call.workspace.act[:rows].float().clone(), place
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help, and no stray arguments
+    if not torch.cuda.is_available():
+        raise SystemExit("ws16_probe needs a CUDA GPU")
     ex, prep = experts(**GLM_TP8)
     e, h, k = GLM_TP8["e"], GLM_TP8["h"], GLM_TP8["k"]
     for t, routing in ((64, "balanced"), (16, "same_k")):
