@@ -33,7 +33,7 @@ THROUGHPUT_ROWS = (
     ("total_token_throughput", "Total token throughput (tok/s)", "{:.1f}"),
     ("output_throughput_per_user", "Output tok/s per user (1/TPOT)", "{:.2f}"),
     ("max_output_tokens_per_s", "Peak output tok/s (1 s bins)", "{:.0f}"),
-    ("max_concurrent_requests", "Peak concurrent requests", "{:d}"),
+    ("max_concurrent_requests", "Peak requests in one 1 s bucket (vLLM's; counts finished ones too)", "{:d}"),
     ("mean_tokens_per_chunk", "Tokens per SSE chunk", "{:.3f}"),
     ("client_cpu_util", "Client CPU (share of one core)", "{:.0%}"),
 )
