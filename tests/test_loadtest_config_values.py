@@ -64,3 +64,15 @@ def test_sweep_levels_have_no_repeats_or_holes(capsys, levels, why):
     with pytest.raises(SystemExit) as e:
         main(["loadtest", "--url", URL, "--concurrency", levels])
     assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key,flag", [("stream", "streams"), ("model", "--model"), ("max_tokens", "--output-len"),
+                                      ("max_completion_tokens", "--output-len"), ("prompt", "--input-len"),
+                                      ("messages", "--input-len"), ("stream_options", "usage"),
+                                      ("ignore_eos", "--no-ignore-eos"), ("min_tokens", "--no-min-tokens")])
+def test_extra_body_may_not_replace_what_the_tool_sends(key, flag):
+    """{"stream": false} failed every request as 'connection closed early'; {"model": "other"} was recorded as the
+    model /v1/models named."""
+    with pytest.raises(Glm5Fp4Error, match=f"--extra-body.*{key}.*{flag}"):
+        LoadTestConfig(url=URL, extra_body={key: 1})
+    LoadTestConfig(url=URL, extra_body={"temperature": 0.5})
