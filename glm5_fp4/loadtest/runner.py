@@ -109,6 +109,13 @@ class _Stop:
     task: asyncio.Task | None = None
 
 
+# Request fields the load test sets (client.build_payload) and what sets them: --extra-body may not replace them
+# ({"stream": false} failed every request as 'connection closed early', {"model": ...} was recorded as another model).
+OWN_BODY_FIELDS = {"model": "--model", "stream": "it streams every request", "max_tokens": "--output-len",
+                   "max_completion_tokens": "--output-len", "prompt": "--input-len and --prompt-format",
+                   "messages": "--input-len and --endpoint", "stream_options": "its usage counting",
+                   "ignore_eos": "on unless --no-ignore-eos", "min_tokens": "on unless --no-min-tokens"}
+
 # The result's own top-level fields besides its metrics (see _run_async): --metadata may not overwrite them.
 RESULT_FIELDS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
                  "request_rate", "burstiness", "max_concurrency", "partial", "run_failed", "failure_reason",
@@ -198,6 +205,8 @@ class LoadTestConfig:
         for name, ms in self.goodput.items():
             if not (isinstance(ms, (int, float)) and ms >= 0 and math.isfinite(ms)):
                 raise Glm5Fp4Error(f"--goodput {name}:{ms}: an SLO is a finite number of milliseconds >= 0")
+        for key in sorted(set(self.extra_body) & set(OWN_BODY_FIELDS)):
+            raise Glm5Fp4Error(f"--extra-body {key}: the load test sends it itself ({OWN_BODY_FIELDS[key]})")
         reserved = sorted(set(self.metadata) & result_keys(self))
         if reserved:  # (num_prompts=16 crashed the verdict after the run; model_id=foo relabelled it)
             raise Glm5Fp4Error(f"--metadata {reserved[0]}: a field the result sets itself; name yours otherwise")
