@@ -76,3 +76,25 @@ def test_extra_body_may_not_replace_what_the_tool_sends(key, flag):
     with pytest.raises(Glm5Fp4Error, match=f"--extra-body.*{key}.*{flag}"):
         LoadTestConfig(url=URL, extra_body={key: 1})
     LoadTestConfig(url=URL, extra_body={"temperature": 0.5})
+
+
+def test_a_concurrency_past_the_open_file_limit(monkeypatch):
+    """At a soft limit of 128 descriptors, 200 streams finished the run and then lost it writing the results
+    ('Too many open files', naming the results file). The soft limit is raised to what the streams need where the
+    hard limit allows; else one error before any request."""
+    import resource
+
+    from glm5_fp4.loadtest import runner
+
+    raised = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (128, 4096))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, lim: raised.append(lim))
+    runner.ensure_file_room(200)
+    assert raised and raised[0][0] >= 200 + runner.FD_MARGIN and raised[0][1] == 4096
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (128, 128))
+    with pytest.raises(Glm5Fp4Error, match=r"--concurrency 200.*ulimit -n"):
+        runner.ensure_file_room(200)
+    raised.clear()
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 1024))
+    runner.ensure_file_room(200)  # room enough: nothing changed
+    assert not raised
