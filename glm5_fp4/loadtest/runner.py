@@ -544,8 +544,35 @@ def _verdict(result: dict[str, Any], cfg: LoadTestConfig, abort: str | None) -> 
     result["failure_reason"] = "; ".join(reasons) or None
 
 
+# Descriptors beyond one socket per stream: the results, telemetry, the tokenizer's files, the interpreter's own.
+FD_MARGIN = 64
+
+
+def ensure_file_room(concurrency: int) -> None:
+    """One socket per stream stays open until the results are written: at a soft descriptor limit below that, a
+    run finished and was then lost ('Too many open files', naming the results file). Raise the soft limit to what
+    is needed where the hard limit allows (as servers do); else refuse before any request."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    need = concurrency + FD_MARGIN
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= need:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+            return
+        except (ValueError, OSError):
+            pass
+    raise Glm5Fp4Error(f"--concurrency {concurrency}: needs about {need} open files (a socket per stream), and this "
+                       f"process may open {hard} (ulimit -n); raise the limit (ulimit -n {need}) or lower --concurrency")
+
+
 async def _run_async(cfg: LoadTestConfig, stop: _Stop) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     stop.task = asyncio.current_task()
+    ensure_file_room(cfg.concurrency)
     run = _Run(cfg)
     auth = _client.url_auth(cfg.url)
     # credentials in --url are explicit; $OPENAI_API_KEY is ambient and would be a second Authorization header
