@@ -263,3 +263,15 @@ def test_runs_with_different_goodput_slos_are_not_comparable(tmp_path) -> None:
     b = _summary(tmp_path / "b.json", request_goodput=20.4, metadata={**meta, "goodput_slo_ms": {"ttft": 51.3}})
     _, tables, md = compare_files([a, b])
     assert {r.verdict for r in tables[0]} == {"not comparable"} and "goodput_slo_ms" in md
+
+
+def test_repeat_groups_with_different_failure_counts_are_not_comparable(tmp_path) -> None:
+    """The failed counts were compared as sets: [0, 2, 2] and [0, 0, 2] passed as alike."""
+    def group(name, fails):
+        return ",".join(_summary(tmp_path / f"{name}{i}.json", failed=f, completed=100 - f, output_throughput=100.0 + i)
+                        for i, f in enumerate(fails))
+
+    _, tables, md = compare_files([group("a", [0, 2, 2]), group("b", [0, 0, 2])])
+    assert {r.verdict for r in tables[0]} == {"not comparable"} and "failed requests differ" in md
+    _, tables, _ = compare_files([group("c", [0, 0, 0]), group("d", [0, 0])])  # one failure count on both sides
+    assert "not comparable" not in {r.verdict for r in tables[0]}
