@@ -50,3 +50,13 @@ def test_prewarm_only_with_no_prewarm_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         _args("--prewarm-only", "--no-prewarm")
     assert exc.value.code == 2 and "would run no sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,culprit", [(("--servers", "ours,nope"), "--servers"), (("--levels", "1,x"), "--levels"),
+                                          (("--levels", "8,8"), "--levels"), (("--start-together", "0"), "--start-together")])
+def test_the_harness_refuses_bad_values_before_any_device_time(capsys, argv, culprit):
+    """--servers was checked after the checkpoint was made (up to 240 s), --levels only after every load test ran,
+    --start-together 0 was silently 1."""
+    with pytest.raises(SystemExit) as e:
+        _args(*argv)
+    assert e.value.code == 2 and culprit in capsys.readouterr().err
