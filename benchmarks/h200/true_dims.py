@@ -178,7 +178,7 @@ def start_servers(run: Run, fleet: Fleet, specs: list, args, label: str) -> dict
     the next starts: four DSA servers capturing CUDA graphs at once ran past 239 s on the H200); name -> URL."""
     t = time.monotonic()
     up = []
-    step = max(1, args.start_together)
+    step = args.start_together
     for i in range(0, len(specs), step):
         chunk = [fleet.launch(s) for s in specs[i:i + step]]
         fleet.wait(chunk, max(60.0, min(args.start_timeout_s, run.left() - 60)))
@@ -443,4 +443,14 @@ def parse_arguments(ap, argv=None):
     args = ap.parse_args(argv)
     if args.prewarm_only and args.no_prewarm:
         ap.error("--prewarm-only and --no-prewarm together would run no sweep at all")
+    # every value before any device time: these were read after the checkpoint, or after the load tests
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(MEASURED + TIMED))
+    if unknown:
+        ap.error(f"--servers: unknown {unknown}; choose from {', '.join(MEASURED + TIMED)}")
+    levels = args.levels.split(",")
+    if not all(v.strip().isdigit() and int(v) > 0 for v in levels) or len(set(levels)) < len(levels):
+        ap.error(f"--levels {args.levels!r}: distinct whole concurrency levels > 0, e.g. 8,64,512")
+    if args.start_together < 1:
+        ap.error(f"--start-together {args.start_together}: at least one server per group")
     return args
