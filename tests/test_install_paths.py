@@ -138,3 +138,13 @@ def test_git_sha_of_an_install_inside_another_repo_is_none(tmp_path, monkeypatch
                          cwd=tmp_path).stdout.strip()
     assert got == "None"
     assert meta.git_sha() is not None  # the checkout's own
+
+
+def test_plan_blames_a_flag_not_the_layouts_for_what_no_layout_can_do(capsys):
+    """--context past the model's longest was reported as every default layout 'left out', with --layouts tp1 as
+    the advice; it is the flag's error whatever the layout."""
+    assert main(["plan", "--context", "5000000"]) == 1
+    err = capsys.readouterr().err
+    assert "context 5000000" in err and "left out" not in err and "--layouts" not in err, err
+    assert main(["plan", "--layouts", "tp8", "--context", "5000000"]) == 1
+    assert "--layouts tp8" not in capsys.readouterr().err
