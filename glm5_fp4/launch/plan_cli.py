@@ -154,19 +154,31 @@ def build_plans(args: argparse.Namespace):
                                                args.allreduce_gbs, args.allreduce_latency_us, dp, ep,
                                                args.expert_skew, args.dispatch_dtype, ep_comm, dense, experts))
 
+    def cannot_split(layout) -> str | None:
+        """Why the model cannot be spread this way (heads, layers, experts), if it cannot; any other error of a plan
+        (a --context past the model's longest, a KV dtype) is the flag's, whatever the layout."""
+        from glm5_fp4.cost_model import Layout
+
+        try:
+            Layout(*layout).validate(spec)
+        except Glm5Fp4Error as exc:
+            return str(exc)
+        return None
+
     plans = []
     for layout in dict.fromkeys(layouts):  # asked for: an error naming who asked if the model can't run it
-        try:
-            plans.append(plan(layout))
-        except Glm5Fp4Error as exc:
+        why = cannot_split(layout)
+        if why:
             asker = f"--layouts {_layout_name(layout)}" if args.layouts is not None else f"{args.profile}: layout"
-            raise Glm5Fp4Error(f"{asker}: {exc}") from None
+            raise Glm5Fp4Error(f"{asker}: {why}")
+        plans.append(plan(layout))
     left_out = []
     for layout in defaults:  # shown beside it for comparison: left out, said, where the model can't run it
-        try:
+        why = cannot_split(layout)
+        if why:
+            left_out.append(f"{_layout_name(layout)} left out: {why}")
+        else:
             plans.append(plan(layout))
-        except Glm5Fp4Error as exc:
-            left_out.append(f"{_layout_name(layout)} left out: {exc}")
     if not plans:
         raise Glm5Fp4Error(f"none of the default layouts ({', '.join(DEFAULT_LAYOUTS)}) can run {spec_origin}: "
                            + "; ".join(left_out) + "; pass --layouts (e.g. tp1)")
