@@ -717,3 +717,29 @@ def test_w4a4_tiles_of_sm90_sm100_match_reference(gen, arch, t, routing, bm):
     ref = moe_reference(x.double(), w.double(), ids.long(), ex, mode="w4a4", compute_dtype=torch.float64)
     assert torch.isfinite(out).all(), "NaN-poisoned output not fully written"
     assert rel_error(out, ref) < moe_tolerance("w4a4", out.dtype), plan
+
+
+@pytest.mark.parametrize("t", [2, 6])
+def test_a_column_major_x_gives_row_major_results(gen, t):
+    """fused_moe allocated out with empty_like(x): a transposed x made a transposed out, and the kernels (rows
+    contiguous) wrote each token's row down a column (error 4.2 on outputs of 1.8)."""
+    from glm5_fp4.kernels import fused_moe
+
+    ex, prep = _experts(gen)
+    x = torch.randn(H, t, generator=gen).half().t()
+    w, ids = make_routing("balanced", t, E, K, gen)
+    got = fused_moe(x, w, ids, prep)
+    want = moe_reference(x.double(), w.double(), ids.long(), ex, compute_dtype=torch.float64)
+    assert got.is_contiguous() and rel_error(got, want) < moe_tolerance("w4a16", torch.float16)
+
+
+@pytest.mark.parametrize("bad", [E, -1, -2])
+def test_ids_the_kernels_cannot_index_are_refused_before_they_run(gen, bad):
+    """An id past the experts segfaulted; -1 without an expert map corrupted the heap (the kernels skip a slot only
+    through a map). Host tensors are checked; on a GPU the engines' routers are trusted (a check would synchronise)."""
+    ex, prep = _experts(gen)
+    x = torch.randn(6, H, generator=gen).half()
+    w, ids = make_routing("balanced", 6, E, K, gen)
+    ids[2, 1] = bad
+    with pytest.raises(Exception, match="topk_ids"):
+        fused_moe_triton(x, w, ids, prep, "w4a16")
