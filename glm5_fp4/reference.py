@@ -150,6 +150,50 @@ def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, a13: torch.Ten
     return act @ w2.T
 
 
+def _values_readable(t: torch.Tensor) -> bool:
+    """A host tensor with values (not a fake one being traced by torch.compile or opcheck)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "cpu" and not is_fake(t) and not torch.compiler.is_compiling()
+
+
+def check_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
+                  dropped_without_map: bool = True) -> None:
+    """Routing values, where reading them costs nothing (host tensors; on a GPU each check would synchronise a
+    call and break CUDA-graph capture, so there the engines' routers are trusted): ``topk_ids`` in
+    [0, experts), or -1 for a dropped slot (``dropped_without_map`` False: only through an expert map, which the
+    kernels need to skip it); ``expert_map`` values local ids or -1 (another rank's expert)."""
+    if not _values_readable(topk_ids) or not topk_ids.numel():
+        return
+    top = len(expert_map) if expert_map is not None else num_experts
+    low = -1 if (expert_map is not None or dropped_without_map) else 0
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < low or hi >= top:
+        bad = lo if lo < low else hi
+        where = f"the expert_map's {top} entries" if expert_map is not None else f"the {num_experts} experts"
+        raise Glm5Fp4Error(f"topk_ids holds {bad}: ids index {where}" + (", or are -1 (a dropped slot)" if low < 0
+                           else "; a dropped slot (-1) needs an expert_map"))
+    if expert_map is not None and _values_readable(expert_map) and expert_map.numel():
+        lo, hi = int(expert_map.min()), int(expert_map.max())
+        if lo < -1 or hi >= num_experts:
+            raise Glm5Fp4Error(f"expert_map holds {lo if lo < -1 else hi}: its values are local expert ids "
+                               f"(0..{num_experts - 1}) or -1 (another rank's expert)")
+
+
+def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """Each slot's local expert, -1 where the slot is dropped or its expert is another rank's (checked first)."""
+    if expert_map is not None:
+        emap = expert_map.to(topk_ids.device).long()
+        if emap.dim() != 1:
+            raise Glm5Fp4Error(f"expert_map must be 1-D (global id -> local id or -1), got {list(emap.shape)}")
+        check_routing(topk_ids, emap, num_experts)
+        ids = topk_ids.long()
+        # a dropped slot stays dropped: emap[-1] is the last expert's entry
+        return torch.where(ids < 0, -1, emap[ids.clamp(min=0)])
+    check_routing(topk_ids, None, num_experts)
+    return topk_ids
+
+
 def moe_reference(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -179,14 +223,7 @@ def moe_reference(
     w4a4 = mode == "w4a4"
     if w4a4 and (experts.a13_scale is None or experts.a2_scale is None):
         raise Glm5Fp4Error("w4a4 mode needs the experts' input scales (a13_scale, a2_scale)")
-    if expert_map is not None:
-        emap = expert_map.to(topk_ids.device).long()
-        top = int(topk_ids.max()) if topk_ids.numel() else -1
-        if emap.dim() != 1 or top >= emap.numel():
-            raise Glm5Fp4Error(f"expert_map of {list(emap.shape)} does not cover topk_ids up to {top}")
-        topk_ids = emap[topk_ids.long()]
-        if topk_ids.numel() and int(topk_ids.max()) >= experts.num_experts:
-            raise Glm5Fp4Error(f"expert_map points past the {experts.num_experts} local experts")
+    topk_ids = local_ids(topk_ids, expert_map, experts.num_experts)
     xc = x.to(compute_dtype)
     out = torch.zeros_like(xc)
     for e in torch.unique(topk_ids).tolist():

@@ -75,7 +75,7 @@ def test_cpu_path_and_op_equal_an_independent_loop(experts, use_map):
 def _op_args(prep, x, w, ids, mode, out):
     t = prep.tensors()
     return (x, w, ids, t["w13"], t["w13_scale"], t["w13_alpha"], t["w2"], t["w2_scale"], t["w2_alpha"],
-            t["a13_scale"], t["a2_scale"], t["a13_gscale"], t["a2_gscale"], mode, out)
+            t["a13_scale"], t["a2_scale"], t["a13_gscale"], t["a2_gscale"], mode, out, prep.layout)
 
 
 def test_opcheck_fake_impl_and_schema(experts):

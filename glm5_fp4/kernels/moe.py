@@ -19,9 +19,9 @@ from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels import capability
 from glm5_fp4.kernels import configs as cfgs
 from glm5_fp4.kernels import launch as L
-from glm5_fp4.kernels.layout import PreparedExperts
+from glm5_fp4.kernels.layout import LAYOUTS, PreparedExperts
 from glm5_fp4.kernels.slow_calls import WATCH
-from glm5_fp4.reference import MODES, moe_reference
+from glm5_fp4.reference import MODES, check_routing, moe_reference
 
 # Set to run the Triton kernels on CPU tensors through Triton's interpreter (tests only; slow).
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -46,6 +46,11 @@ def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
         )
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise Glm5Fp4Error(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.shape[1] == 0:  # (the Triton path left out uninitialised)
+        raise Glm5Fp4Error(f"topk_ids {list(topk_ids.shape)}: k = 0, no expert per token")
+    if not topk_weights.dtype.is_floating_point:
+        raise Glm5Fp4Error(f"topk_weights must be floating point (router weights), got {topk_weights.dtype}")
+    check_prepared(prepared)
     if mode == "w4a4" and not prepared.has_input_scales:
         raise Glm5Fp4Error("w4a4 mode needs the experts' input scales (a13_scale, a2_scale)")
     if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)):
@@ -53,13 +58,34 @@ def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
             f"expert_map must be a 1-D int32/int64 tensor (global expert id -> local id or -1), got "
             f"{expert_map.dtype} {list(expert_map.shape)}"
         )
+    # the kernels skip a slot only through an expert map: without one, -1 is refused (it indexed out of bounds)
+    check_routing(topk_ids, expert_map, prepared.num_experts, dropped_without_map=False)
+
+
+def check_prepared(prepared: PreparedExperts) -> None:
+    """One layer's tensors as the kernels index them (shapes only: fake tensors too). A w13_alpha of 2 of 4
+    experts was read out of bounds; a w2 of another layer's I failed in a matmul."""
+    if prepared.layout not in LAYOUTS:
+        raise Glm5Fp4Error(f"unknown expert layout {prepared.layout!r}; choose one of {LAYOUTS}")
+    if prepared.w13.dim() != 3:
+        raise Glm5Fp4Error(f"w13 must be [E, 2I, H/2] packed NVFP4, got {list(prepared.w13.shape)}")
+    e, two_i, h_half = prepared.w13.shape
+    h, i = 2 * h_half, two_i // 2
+    want = {"w13_scale": (e, two_i, h // 16), "w13_alpha": (e,), "w2": (e, h, i // 2), "w2_scale": (e, h, i // 16),
+            "w2_alpha": (e,), "a13_scale": (e,), "a2_scale": (e,), "a13_gscale": (e,), "a2_gscale": (e,)}
+    for name, shape in want.items():
+        t = getattr(prepared, name)
+        if t is not None and tuple(t.shape) != shape:
+            raise Glm5Fp4Error(f"{name} must be {list(shape)} for w13 {list(prepared.w13.shape)} (E={e}, H={h}, "
+                               f"I={i}), got {list(t.shape)}")
 
 
 def check_out(x: torch.Tensor, out: torch.Tensor | None) -> None:
     """Every path writes ``out`` in place as it is (no cast, no copy): the op's fake implementation says the same.
     Each path checks it once: the Triton path in make_call, the CPU path in fused_moe_torch."""
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
-        raise Glm5Fp4Error(f"out must be a row-contiguous {x.dtype} {list(x.shape)}, got {out.dtype} {list(out.shape)}")
+        raise Glm5Fp4Error(f"out must be a row-contiguous {x.dtype} {list(x.shape)}, got {out.dtype} {list(out.shape)} "
+                           f"with strides {tuple(out.stride())}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -191,8 +217,11 @@ def make_call(x, topk_weights, topk_ids, prepared, mode="w4a16", out=None, exper
               workspace=None) -> L.MoECall:
     """Normalise one call's tensors (contiguity, dtypes) and attach the shared workspace."""
     check_out(x, out)
+    # every caller of the kernels comes through here (fused_moe, the op, the benchmarks): ids they cannot index
+    check_routing(topk_ids, expert_map, prepared.num_experts, dropped_without_map=False)
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major whatever x's strides (empty_like
+        # kept a transposed x's, and the kernels wrote rows into columns)
     if x.stride(1) != 1:
         x = x.contiguous()
     tw = topk_weights.float().contiguous() if topk_weights.dtype != torch.float32 else topk_weights.contiguous()

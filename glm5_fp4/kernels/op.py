@@ -15,13 +15,13 @@ import torch
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.kernels.layout import PreparedExperts
-from glm5_fp4.kernels.moe import check_inputs, fused_moe_torch, fused_moe_triton, _interpreting
+from glm5_fp4.kernels.moe import check_inputs, check_out, fused_moe_torch, fused_moe_triton, _interpreting
 
 OP_NAME = "glm5_fp4::moe_nvfp4"
 
 
 def _prepared_from(w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha, a13_scale, a2_scale, a13_gscale, a2_gscale,
-                   layout="split"):
+                   layout):
     return PreparedExperts(
         w13=w13, w13_scale=w13_scale, w13_alpha=w13_alpha, w2=w2, w2_scale=w2_scale, w2_alpha=w2_alpha,
         a13_scale=a13_scale, a2_scale=a2_scale, a13_gscale=a13_gscale, a2_gscale=a2_gscale, layout=layout,
@@ -45,7 +45,7 @@ def _moe_nvfp4(
     a2_gscale: torch.Tensor | None,
     quant_mode: str,
     out: torch.Tensor,
-    layout: str = "split",
+    layout: str,  # required: the tensors look alike in every layout (a default of "split" decoded "tiled" wrong)
     expert_map: torch.Tensor | None = None,
 ) -> None:
     # (named quant_mode: torch's dispatch machinery reserves a keyword called "mode")
@@ -61,20 +61,15 @@ def _moe_nvfp4(
 
 @_moe_nvfp4.register_fake
 def _moe_nvfp4_fake(x, topk_weights, topk_ids, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha,
-                    a13_scale, a2_scale, a13_gscale, a2_gscale, quant_mode, out, layout="split",
+                    a13_scale, a2_scale, a13_gscale, a2_gscale, quant_mode, out, layout,
                     expert_map=None) -> None:
-    e, two_i, h_half = w13.shape
-    if x.dim() != 2 or x.shape[1] != 2 * h_half:
-        raise Glm5Fp4Error(f"moe_nvfp4: hidden states must be [T, {2 * h_half}], got {list(x.shape)}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise Glm5Fp4Error(
-            f"moe_nvfp4: topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} must be [T, k]"
-        )
-    if tuple(w2.shape) != (e, 2 * h_half, two_i // 4):
-        raise Glm5Fp4Error(f"moe_nvfp4: w2 must be [{e}, {2 * h_half}, {two_i // 4}], got {list(w2.shape)}")
-    if out.shape != x.shape or out.dtype != x.dtype:
-        raise Glm5Fp4Error(f"moe_nvfp4: out must be a row-contiguous {x.dtype} {list(x.shape)}, got {out.dtype} "
-                           f"{list(out.shape)}")
+    # the real op's checks (shapes and dtypes; values only on host tensors, which fake ones are not): what compiles
+    # is what runs
+    prepared = _prepared_from(
+        w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha, a13_scale, a2_scale, a13_gscale, a2_gscale, layout
+    )
+    check_inputs(x, topk_weights, topk_ids, prepared, quant_mode, expert_map)
+    check_out(x, out)
     return None
 
 
@@ -90,7 +85,7 @@ def moe_nvfp4(
     """Call the registered op on prepared experts; allocates ``out`` when not given. ``expert_map``:
     expert parallelism (``prepared`` holds the local experts; global id -> local id or -1)."""
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major whatever x's strides
     t = prepared.tensors()
     torch.ops.glm5_fp4.moe_nvfp4(
         x, topk_weights, topk_ids, t["w13"], t["w13_scale"], t["w13_alpha"], t["w2"], t["w2_scale"],
