@@ -155,3 +155,37 @@ def test_a_layout_spread_over_nodes_is_not_counted_against_this_one(tmp_path, mo
     with pytest.raises(SystemExit) as stopped:  # got as far as starting the engine
         main(["serve", "--profile", str(profile), "--", *extra])
     assert stopped.value.code == 7
+
+
+def test_a_gpu_nvml_cannot_name_is_no_count(monkeypatch):
+    """A UUID lookup that failed read as 'no such GPU': CUDA_VISIBLE_DEVICES of 4 UUIDs counted 1, and serve
+    refused a launch that would have run."""
+    from glm5_fp4.telemetry.fake_nvml import FakeNvml, FakeNvmlError
+    from glm5_fp4.telemetry.nvml_reader import visible_gpu_count
+
+    class Flaky(FakeNvml):
+        def nvmlDeviceGetUUID(self, h):
+            if h == 1:
+                raise FakeNvmlError(999, "Unknown Error")
+            return super().nvmlDeviceGetUUID(h)
+
+    nvml = Flaky(n_gpus=4)
+    uuids = [FakeNvml(n_gpus=4).nvmlDeviceGetUUID(i) for i in range(4)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(uuids))
+    assert visible_gpu_count(nvml) is None
+
+
+def test_a_single_node_executor_backend_still_counts_the_gpus(tmp_path, monkeypatch, capsys):
+    import glm5_fp4.launch.serve as serve
+
+    monkeypatch.setattr(serve, "visible_gpu_count", lambda: 2)
+    profile = _profile(tmp_path)
+    assert main(["serve", "--profile", str(profile), "--", "--distributed-executor-backend", "mp"]) == 1
+    assert "8 GPUs" in capsys.readouterr().err
+
+
+def test_dotted_additional_config_of_our_options_is_told_the_profile_way(capsys):
+    assert main(["serve", "--profile", str(LAUNCH / "tp8.yaml"), "--dry-run", "--",
+                 "--additional-config.glm5_fp4.backend=triton"]) == 1
+    err = capsys.readouterr().err
+    assert "after --" in err and "glm5_fp4 field" in err and "one JSON object" not in err, err
