@@ -169,7 +169,7 @@ EP_COMM_DEFAULT = {"vllm": "allgather_reducescatter", "sglang": "none"}
 EP_COMM_GATHERS = {"vllm": ("allgather_reducescatter", "naive"), "sglang": ("none",)}
 
 
-def _flag_value(engine: str, args: list[str], flag: str) -> str | None:
+def flag_value(engine: str, args: list[str], flag: str) -> str | None:
     """The last value given for ``flag`` under any spelling the engine reads as it (``--flag V``, ``--flag=V``), as
     argparse would keep it."""
     value = None
@@ -189,7 +189,7 @@ def ep_communication(profile: LaunchProfile) -> tuple[str, str] | None:
     if profile.data_parallel == 1 or not profile.expert_parallel:
         return None
     engine = profile.engine
-    name = _flag_value(engine, profile.engine_extra_args(), EP_COMM_FLAG[engine]) or EP_COMM_DEFAULT[engine]
+    name = flag_value(engine, profile.engine_extra_args(), EP_COMM_FLAG[engine]) or EP_COMM_DEFAULT[engine]
     return name, "agrs" if name in EP_COMM_GATHERS[profile.engine] else "a2a"
 
 
@@ -272,6 +272,12 @@ def refuse_our_options(engine: str, args: list[str], where: str) -> None:
     from glm5_fp4.engines.vllm.serve import split_additional_config
     from glm5_fp4.settings import CONFIG_KEY
 
+    for arg in args:  # --additional-config.glm5_fp4.backend=X: the same options, dotted (before its own refusal)
+        head, _, sub = arg.split("=", 1)[0].partition(".")
+        if sub.split(".")[0] == CONFIG_KEY and read_as(engine, head, ("--additional-config",)):
+            raise Glm5Fp4Error(f"{where}: {arg.split('=', 1)[0]} sets {CONFIG_KEY} options, which a profile sets in "
+                               f"its glm5_fp4 field (both engines get them from there): give glm5_fp4: {{...}} in "
+                               "the profile or --backend/--mode to glm5-fp4 serve instead")
     given = split_additional_config(args)[1].get(CONFIG_KEY)
     if given is not None:
         keys = given if isinstance(given, dict) else {"backend": "..."}
@@ -328,7 +334,7 @@ def _vllm_parallel_flags(profile: LaunchProfile) -> list[Flag]:
         flags.append(Flag(("--enable-expert-parallel",),
                           f"expert_parallel: {profile.ep_size} GPUs hold whole experts (expert_map per layer)"))
     comm = ep_communication(profile)
-    given = _flag_value("vllm", profile.engine_extra_args(), EP_COMM_FLAG["vllm"])
+    given = flag_value("vllm", profile.engine_extra_args(), EP_COMM_FLAG["vllm"])
     if comm is not None and profile.uses_ours and not given:
         flags.append(Flag((EP_COMM_FLAG["vllm"], EP_COMM_DEFAULT["vllm"]),
                           "the dispatch our MoE method runs under: tokens all-gathered, partial sums reduce-scattered"))

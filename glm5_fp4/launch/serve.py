@@ -27,9 +27,18 @@ from glm5_fp4.telemetry.nvml_reader import visible_gpu_count
 
 # Flags that spread a layout over several nodes, whose GPUs this one cannot see (vLLM 0.33: --nnodes/-n, Ray,
 # per-node DP ranks; SGLang 0.5.23: --nnodes, --dist-init-addr): with one, the visible GPUs are not counted.
-MULTI_NODE_FLAGS = {"vllm": ("--nnodes", "-n", "--distributed-executor-backend", "--data-parallel-size-local",
-                             "--headless"),
+MULTI_NODE_FLAGS = {"vllm": ("--nnodes", "-n", "--data-parallel-size-local", "--headless"),
                     "sglang": ("--nnodes", "--dist-init-addr")}
+
+
+def _spread_over_nodes(engine: str, args: list[str]) -> bool:
+    """Whether ``args`` spread the layout over several nodes (a flag of MULTI_NODE_FLAGS, or vLLM's Ray executor:
+    its mp and uni executors are one node's)."""
+    from glm5_fp4.launch.commands import flag_value
+
+    if any(read_as(engine, a, MULTI_NODE_FLAGS[engine]) for a in args):
+        return True
+    return engine == "vllm" and flag_value("vllm", args, "--distributed-executor-backend") == "ray"
 
 # serve flag -> profile field; the flags `glm5-fp4 serve --profile` accepts as overrides
 OVERRIDE_FLAGS = {
@@ -120,8 +129,7 @@ def serve_profile(profile_path: str, overrides: dict, *, dry_run: bool = False, 
     check_model_dir(profile.model, where)  # before the engine starts (and in a dry run, which ran it nowhere)
     check_fits_model(profile, str(profile_path), *model_dims(profile.model),
                      model_flag="--model" if overrides.get("model") else None)
-    multi_node = any(read_as(profile.engine, a, MULTI_NODE_FLAGS[profile.engine]) for a in profile.engine_extra_args())
-    gpus = None if multi_node else visible_gpu_count()
+    gpus = None if _spread_over_nodes(profile.engine, profile.engine_extra_args()) else visible_gpu_count()
     if gpus and gpus < profile.world_size:  # none visible: a CPU engine, or the engine's own clear error
         shortfall = (f"{profile_path}: {profile.layout} needs {profile.world_size} GPUs (tensor_parallel x "
                      f"pipeline_parallel x data_parallel); this machine shows {gpus}"

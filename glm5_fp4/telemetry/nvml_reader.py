@@ -153,18 +153,15 @@ def visible_gpu_count(nvml: Any = None) -> int | None:
         if raw is not None and any(s.strip().startswith("MIG-") for s in raw.split(",")):
             return None
 
-        def uuid_of(index: int) -> str:
-            try:
-                return _as_str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
-            except Exception:
-                return ""
+        def uuid_of(index: int) -> str:  # a failed lookup raises: unknown, not "no such GPU" (an undercount)
+            return _as_str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
 
         try:
             picked = visible_gpu_selection(count, uuid_of)
         except Glm5Fp4Error:  # names no GPU: CUDA sees none
             return 0
         return count if picked is None else len(picked)
-    except Exception:
+    except Exception:  # NVML failed partway: the count cannot be known
         return None
     finally:
         try:
