@@ -148,3 +148,15 @@ def test_plan_blames_a_flag_not_the_layouts_for_what_no_layout_can_do(capsys):
     assert "context 5000000" in err and "left out" not in err and "--layouts" not in err, err
     assert main(["plan", "--layouts", "tp8", "--context", "5000000"]) == 1
     assert "--layouts tp8" not in capsys.readouterr().err
+
+
+def test_a_missing_submodule_of_an_installed_package_is_not_called_a_missing_package():
+    """A vLLM submodule another version lacks read as 'vllm is not installed here: pip install vllm'; the
+    traceback and the module's real name were lost."""
+    from glm5_fp4.cli import _missing_dependency
+
+    assert _missing_dependency(ModuleNotFoundError("x", name="json.no_such_submodule")) is None
+    said = _missing_dependency(ModuleNotFoundError("x", name="surely_not_installed_pkg.sub"))
+    assert "surely_not_installed_pkg" in said and "pip install" in said
+    assert "glm5-fp4[vllm]" in _missing_dependency(ModuleNotFoundError("x", name="vllm")) or \
+        __import__("importlib").util.find_spec("vllm") is not None
