@@ -159,3 +159,31 @@ def test_demo_out_under_a_file(tmp_path, capsys):
     assert main(["demo", "--skip-serve", "--out", str(tmp_path / "f" / "demo")]) == 1
     err = capsys.readouterr().err
     assert "--out" in err and "not a directory" in err and "Traceback" not in err
+
+
+def test_files_written_together_are_all_new_or_all_old(tmp_path, monkeypatch):
+    """A load test's summary, requests and table: when the second could not be written, the first was already
+    replaced, and an earlier run's summary sat beside the new run's requests."""
+    import glm5_fp4.outputs as O
+    from glm5_fp4.errors import Glm5Fp4Error
+
+    paths = [tmp_path / n for n in ("r.requests.jsonl", "r.json", "r.md")]
+    for p in paths:
+        p.write_text("old")
+    real = O._stage
+    calls = []
+
+    def failing(path, data):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(O, "_stage", failing)
+    with pytest.raises(Glm5Fp4Error, match="No space left"):
+        O.write_texts_together({p: "new" for p in paths})
+    assert [p.read_text() for p in paths] == ["old"] * 3
+    assert sorted(x.name for x in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no scratch left
+    monkeypatch.setattr(O, "_stage", real)
+    O.write_texts_together({p: "new" for p in paths})
+    assert [p.read_text() for p in paths] == ["new"] * 3
