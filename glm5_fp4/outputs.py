@@ -74,20 +74,45 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """:func:`write_text_atomic` for bytes (a figure, a trace)."""
-    path = Path(path)
-    tmp = None
+def _stage(path: Path, data: bytes) -> str:
+    """``data`` in a temporary file beside ``path`` (removed again if it cannot be written whole); its name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         plain_file_mode(tmp)
-        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """:func:`write_text_atomic` for bytes (a figure, a trace)."""
+    path = Path(path)
+    try:
+        os.replace(_stage(path, data), path)
     except OSError as exc:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         raise Glm5Fp4Error(f"{path}: cannot write ({exc.strerror or exc})") from None
+
+
+def write_texts_together(texts: dict[Path, str]) -> None:
+    """Files that describe one thing (a run's summary, its requests, its table): every one staged first, then all
+    renamed into place, so a write that fails (a full disk) leaves all of the former files and none of the new
+    (file by file, an earlier run's summary stayed beside the new run's requests)."""
+    staged: list[tuple[str, Path]] = []
+    current = None
+    try:
+        for path, text in texts.items():
+            current = Path(path)
+            staged.append((_stage(current, text.encode("utf-8")), current))
+        for tmp, path in staged:
+            current = path
+            os.replace(tmp, path)
+    except OSError as exc:
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
+        raise Glm5Fp4Error(f"{current}: cannot write ({exc.strerror or exc})") from None
 
 
 def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:

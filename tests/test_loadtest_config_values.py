@@ -41,16 +41,16 @@ def test_result_files_that_cannot_be_written_are_refused_before_the_run(tmp_path
 
 
 def test_a_failed_write_leaves_none_of_the_three_files(tmp_path, monkeypatch):
-    import glm5_fp4.loadtest.report as R
+    import glm5_fp4.outputs as O
 
-    real = R.write_text_atomic
+    real = O._stage
 
-    def failing(path, text):
+    def failing(path, data):
         if str(path).endswith(".md"):
-            raise Glm5Fp4Error(f"{path}: cannot write (disk full)")
-        real(path, text)
+            raise OSError(28, "disk full")
+        return real(path, data)
 
-    monkeypatch.setattr(R, "write_text_atomic", failing)
+    monkeypatch.setattr(O, "_stage", failing)
     with pytest.raises(Glm5Fp4Error, match="disk full"):
         report.write_results({"completed": 1}, [{"index": 0}], tmp_path / "y.json")
     assert list(tmp_path.iterdir()) == []

@@ -18,7 +18,7 @@ from typing import Any
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest.metrics import METRICS
-from glm5_fp4.outputs import output_dir, write_text_atomic
+from glm5_fp4.outputs import output_dir, write_text_atomic, write_texts_together
 
 LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL", "chunk_itl": "chunk ITL"}
 THROUGHPUT_ROWS = (
@@ -59,25 +59,15 @@ def result_paths(result_path: str | Path) -> dict[str, Path]:
 
 
 def write_results(result: dict[str, Any], rows: Iterable[dict[str, Any]], result_path: str | Path) -> dict[str, Path]:
-    """Write S.json, S.requests.jsonl and S.md, all or none of the new ones (a summary without its requests, or
-    the reverse, reads as another run); returns their paths."""
+    """Write S.json, S.requests.jsonl and S.md, all or none (a summary beside another run's requests reads as one
+    run); returns their paths."""
     paths = result_paths(result_path)
     output_dir(paths["json"].parent, "--result-dir")
     result["requests_file"] = paths["requests"].name
     texts = {"requests": "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows),
              "json": json.dumps(result, indent=2, default=_json_default) + "\n",
              "markdown": markdown_summary(result) + "\n"}
-    written: list[Path] = []
-    try:
-        for key, text in texts.items():
-            new = not paths[key].exists()
-            write_text_atomic(paths[key], text)
-            if new:
-                written.append(paths[key])
-    except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
-        raise
+    write_texts_together({paths[key]: text for key, text in texts.items()})
     return paths
 
 
