@@ -18,7 +18,7 @@ from typing import Any
 
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest.metrics import METRICS
-from glm5_fp4.outputs import output_dir, write_text_atomic, write_texts_together
+from glm5_fp4.outputs import output_dir, write_texts_together
 
 LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL", "chunk_itl": "chunk ITL"}
 THROUGHPUT_ROWS = (
