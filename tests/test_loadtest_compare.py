@@ -257,12 +257,19 @@ def test_goodput_gets_no_interval_from_littles_law(runs, tmp_path) -> None:
     assert _by_key(tables[0])["request_throughput"].ci is not None  # the other throughputs keep theirs
 
 
-def test_runs_with_different_goodput_slos_are_not_comparable(tmp_path) -> None:
+@pytest.mark.parametrize("slo_b", [{"ttft": 51.3}, None])
+def test_runs_with_different_goodput_slos_compare_all_but_goodput(tmp_path, slo_b) -> None:
+    """The SLO defines goodput, not the workload: other goodput rows are not comparable, every other row is (a
+    baseline without --goodput made every metric 'not comparable' against a candidate with one)."""
     meta = {"endpoint": "completions", "input_len": 128, "output_len": 64}
-    a = _summary(tmp_path / "a.json", request_goodput=31.4, metadata={**meta, "goodput_slo_ms": {"ttft": 1000.0}})
-    b = _summary(tmp_path / "b.json", request_goodput=20.4, metadata={**meta, "goodput_slo_ms": {"ttft": 51.3}})
+    a = _summary(tmp_path / "a.json", request_goodput=31.4, output_throughput=100.0,
+                 metadata={**meta, "goodput_slo_ms": {"ttft": 1000.0}})
+    b = _summary(tmp_path / "b.json", request_goodput=20.4, output_throughput=90.0,
+                 metadata={**meta, "goodput_slo_ms": slo_b})
     _, tables, md = compare_files([a, b])
-    assert {r.verdict for r in tables[0]} == {"not comparable"} and "goodput_slo_ms" in md
+    rows = _by_key(tables[0])
+    assert rows["request_goodput"].verdict == "not comparable" and "goodput SLOs differ" in md
+    assert rows["output_throughput"].verdict != "not comparable"
 
 
 def test_repeat_groups_with_different_failure_counts_are_not_comparable(tmp_path) -> None:
