@@ -19,6 +19,7 @@ Whether a difference is real:
   difference covers ~69 % at 2 requests, ~85 % at 5, ~89 % at 10, ~92 % at 20), and at 1 request
   it has zero width;
 - with neither, the difference is shown without a verdict.
+Runs under different goodput SLOs compare every metric but goodput (the SLO defines it, not the workload).
 A difference whose interval contains 0 is reported as "within noise". An interval of zero width (no
 spread between the repeats, or in the resamples) is no estimate: no verdict. Nor is there one for a
 metric that is NaN or infinite in a summary (the field and file are named, the command exits 1).
@@ -31,7 +32,7 @@ copy of it, is refused.
 Runs that are not comparable get no verdict at all (every row says "not comparable", the reasons
 head the table, the command exits 1): different workloads (model, concurrency, rate, burstiness when
 either is an open loop, prompt count, endpoint, lengths, prompt format, ignore_eos, min_tokens,
-extra_body, goodput SLO), different numbers of failed requests, a run that stopped early or failed, or one with
+extra_body), different numbers of failed requests, a run that stopped early or failed, or one with
 short outputs although ignore_eos / min_tokens fixed the output length (the server did not honour
 them: a lighter workload). A key missing from a result (older files, `vllm bench serve`'s) reads as
 null: missing on both sides is no difference.
@@ -76,7 +77,9 @@ OTHER_KEYS = ("duration", "total_input_tokens", "total_output_tokens", "mean_tok
 CONFIG_KEYS = ("model_id", "max_concurrency", "request_rate", "burstiness", "num_prompts")
 # What each request asks for: ignore_eos / min_tokens fix the output length, extra_body can change anything.
 CONFIG_META = ("endpoint", "input_len", "output_len", "range_ratio", "prompt_format", "ignore_eos", "min_tokens",
-               "extra_body", "goodput_slo_ms")  # (the SLO defines goodput: another SLO, another metric)
+               "extra_body")
+# The SLO defines these, not the workload: under other SLOs only they are not comparable.
+GOODPUT_KEYS = ("request_goodput", "good_requests")
 NOT_COMPARABLE = "not comparable"
 NOT_COMPARABLE_MARK = "**Not comparable**"  # heads a markdown block without verdicts (improvements reads it)
 NOT_FINITE = "not finite"
@@ -487,6 +490,7 @@ def not_comparable(base: Group, other: Group) -> list[str]:
 def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 0) -> list[Row]:
     """Every metric of ``other`` against ``base``; verdict "not comparable" on every row if they are not."""
     blocked = bool(not_comparable(base, other))
+    other_slo = bool(slo_differences(base, other))
     rng = np.random.default_rng(seed)
     repeats = len(base.results) >= 2 and len(other.results) >= 2
     boots: dict[int, _Bootstrap | None] = {}
@@ -547,8 +551,16 @@ def compare_groups(base: Group, other: Group, *, n_boot: int = 500, seed: int = 
             verdict = "changed"
         else:
             verdict = "better" if delta * direction > 0 else "worse"
-        rows.append(Row(key, a, b, delta, rel, ci, method, NOT_COMPARABLE if blocked else verdict))
+        rows.append(Row(key, a, b, delta, rel, ci, method,
+                        NOT_COMPARABLE if blocked or (other_slo and key in GOODPUT_KEYS) else verdict))
     return rows
+
+
+def slo_differences(base: Group, other: Group) -> list[str]:
+    """The goodput SLOs of the runs, where they are not all one (each run's ``metadata.goodput_slo_ms``)."""
+    slos = {json.dumps((r.get("metadata") or {}).get("goodput_slo_ms"), sort_keys=True)
+            for g in (base, other) for r in g.results}
+    return sorted(slos) if len(slos) > 1 else []
 
 
 def _ok_count(rows: list[dict[str, Any]]) -> int:
@@ -570,6 +582,9 @@ def noise_notes(base: Group, other: Group, rows: list[Row]) -> list[str]:
                          "latencies, so Little's law gives no interval for them; give >= 2 repeat runs a side")
     elif (len(base.results) >= 2) != (len(other.results) >= 2):
         notes.append("repeat runs on one side only: give >= 2 runs on both sides for run-to-run noise")
+    slos = slo_differences(base, other)
+    if slos:
+        notes.append(f"goodput SLOs differ ({' vs '.join(slos)}): {', '.join(GOODPUT_KEYS)} not compared")
     flat = [r.key for r in rows if r.method.endswith("(no spread)") and r.delta]
     if flat:
         src = "run-to-run" if rows and any(r.method.startswith("repeats") for r in rows) else "resampled"
