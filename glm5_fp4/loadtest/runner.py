@@ -117,10 +117,11 @@ OWN_BODY_FIELDS = {"model": "--model", "stream": "it streams every request", "ma
                    "ignore_eos": "on unless --no-ignore-eos", "min_tokens": "on unless --no-min-tokens"}
 
 # The result's own top-level fields besides its metrics (see _run_async): --metadata may not overwrite them.
-RESULT_FIELDS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+RESULT_FIELDS = ("date", "endpoint_type", "label", "model_id", "tokenizer_id", "num_prompts",
                  "request_rate", "burstiness", "max_concurrency", "partial", "run_failed", "failure_reason",
                  "abort_reason", "stopped_by", "stall_timeout_s", "first_errors", "server_gone", "token_count_note",
-                 "client_cpu_util", "output_throughput_per_gpu", "telemetry", "metadata", "requests_file")
+                 "client_cpu_util", "output_throughput_per_gpu", "telemetry", "metadata", "requests_file",
+                 "result_file")  # (not "backend": vLLM's bench serve lets metadata name it, and nothing reads ours)
 
 
 def result_keys(cfg: "LoadTestConfig") -> set[str]:

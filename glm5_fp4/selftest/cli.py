@@ -3,8 +3,8 @@
     glm5-fp4 selftest                    # full: ~minutes; writes selftest-report/selftest.{json,md}
     glm5-fp4 selftest --quick --out DIR  # a few cases and a short benchmark
 
-Exit status: 0 all correctness cases passed, 1 a case failed (or --out cannot hold the report), 2 no CUDA GPU on
-this machine.
+Exit status: 0 all correctness cases passed and the benchmark ran whole (PASS), 1 a case failed (FAIL), the
+benchmark failed or lost rows (PARTIAL) or --out cannot hold the report, 2 no CUDA GPU on this machine.
 """
 
 from __future__ import annotations
