@@ -385,7 +385,9 @@ def analyze_traces(
             "work_us": float(t.dur[ar_mask].sum() - rc.wait_us.sum()),
             "clock_skew_us": float(rc.clock_skew_us),
         }
-        unmatched = rc.kernel_index[~rc.matched] if group.matched_instances else None
+        # a rank lined up with the group but missing some of its instances (other trace windows); a rank that could
+        # not be lined up at all is the group note's ("could not be matched"), not a window's
+        unmatched = rc.kernel_index[~rc.matched] if group.matched_instances and rc.matched.any() else None
         ranks.append(_analyze_rank(t, splits[t.rank], codes[t.rank], labels[t.rank], wait[t.rank], taxonomy, ar_info,
                                    unmatched))
 
