@@ -93,23 +93,32 @@ def _no_empty_dirs(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_dir() and not any(p.iterdir())]
 
 
+def _signalled(cmd, srv, ready, what: str, signum) -> tuple[subprocess.Popen, str, float]:
+    """Run ``cmd`` (this checkout on its path), send ``signum`` once the fake server's stats are ``ready``; the
+    finished process, its stderr and when the signal went (time.monotonic)."""
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    srv.wait_for(ready, 60, what)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc, err, sent
+
+
 def test_sigterm_writes_partial_results_like_ctrl_c(tmp_path):
     out = tmp_path / "results"
     with spawn_fake_server("--ttft-ms", "20", "--itl-ms", "100") as srv:
         cmd = [sys.executable, "-m", "glm5_fp4.cli", "loadtest", "--url", srv.url, "--model", "fake-model",
                "--concurrency", "4", "--num-prompts", "16", "--input-len", "8", "--output-len", "100",
                "--num-warmups", "0", "--prompt-format", "ids", "--no-progress", "--result-dir", str(out)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # the measured phase is running (its SIGTERM handler in place) once its 4 streams decode; a cold child
         # on a loaded VM takes seconds to get there, so wait for the server to see them rather than a clock
-        srv.wait_for(lambda st: st["active"] == 4 and st["tokens_sent"] >= 4, 60, "4 streams decoding")
-        proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        proc, err, _ = _signalled(cmd, srv, lambda st: st["active"] == 4 and st["tokens_sent"] >= 4,
+                                  "4 streams decoding", signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, err
     s = _summary(out)
     assert s["partial"] is True and "SIGTERM" in s["abort_reason"] and s["run_failed"] is True
@@ -171,16 +180,8 @@ def test_ctrl_c_stops_the_run_and_the_sweep_at_once(tmp_path, levels):
                "--concurrency", levels, "--num-prompts", "8", "--input-len", "8", "--output-len", "100",
                "--num-warmups", "0", "--prompt-format", "ids", "--no-progress", "--no-telemetry",
                "--result-dir", str(out)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        srv.wait_for(lambda st: st["active"] == 2 and st["tokens_sent"] >= 2, 60, "2 streams decoding")
-        t = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        proc, err, t = _signalled(cmd, srv, lambda st: st["active"] == 2 and st["tokens_sent"] >= 2,
+                                  "2 streams decoding", signal.SIGINT)
         arrivals = srv.stats()["arrivals"]
     assert proc.returncode == 128 + signal.SIGINT, err
     assert time.monotonic() - t < 10 and arrivals <= 8, "the next level ran after Ctrl-C"
@@ -225,15 +226,7 @@ def test_sigterm_before_the_measured_phase_exits_143(tmp_path):
                "--concurrency", "2", "--num-prompts", "4", "--input-len", "8", "--output-len", "8",
                "--num-warmups", "2", "--prompt-format", "ids", "--no-progress", "--no-telemetry",
                "--result-dir", str(out)]
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        srv.wait_for(lambda st: st["active"] >= 1, 60, "the warm-up under way")
-        proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        proc, err, _ = _signalled(cmd, srv, lambda st: st["active"] >= 1, "the warm-up under way", signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "nothing was written" in err and "Traceback" not in err
     assert not out.exists() or not any(out.iterdir())
