@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory or Hugging Face id (required without "
                         "--profile; with it, overrides the profile's model)")
     # Launch profiles (glm5_fp4.launch): these flags override the profile's fields; see launch/*.yaml.
-    parser.add_argument("--profile", default=None, help="launch profile YAML (e.g. launch/tp8.yaml); any engine")
+    parser.add_argument("--profile", default=None, help="launch profile YAML, or a packaged one by name (tp8, tp4pp2, "
+                        "tp8ep8, dp8ep8, cpu-demo, ...-sglang); any engine")
     parser.add_argument("--engine", choices=("vllm", "sglang"), default=None, help="with --profile: engine override")
     parser.add_argument("--moe-backend", default=None, help="with --profile: glm5_fp4 or a stock name of the engine")
     parser.add_argument("--cuda-graphs", choices=("piecewise", "full", "off"), default=None,

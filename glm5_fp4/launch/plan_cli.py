@@ -30,7 +30,8 @@ _reserve_gib = ranged("reserve_gib", float, lambda v: 0 <= v <= 4096, "between 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", default=None, help="launch profile YAML (default: GLM-5 on vLLM, TP8, c512)")
+    parser.add_argument("--profile", default=None, help="launch profile YAML, or a packaged one by name (tp8, "
+                        "tp4pp2, ...; default: GLM-5 on vLLM, TP8, c512)")
     parser.add_argument("--gpu", default="rtx-pro-6000-ws", help="GPU from the hardware table (glm5_fp4/data/hardware.yaml)")
     parser.add_argument("--concurrency", type=positive_int, default=None, help="running sequences (default: max_concurrency)")
     parser.add_argument("--context", type=positive_int, default=2048, help="tokens of context per sequence (default 2048)")
