@@ -32,6 +32,7 @@ import torch
 from glm5_fp4.bench import routing as R
 from glm5_fp4.bench.experts import GroupedBaselines, nvfp4_weight_bytes, random_nvfp4_experts
 from glm5_fp4.bench.timing import bf16_gemm_tflops, copy_bandwidth_gbs, graph_time_us, sm_clock_mhz
+from glm5_fp4.argtypes import comma_list
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.spec import Glm5Spec
 
@@ -72,18 +73,6 @@ def glm5_shard(name: str, spec: Glm5Spec | None = None) -> Shard:
     if n < 1 or e % n:
         raise Glm5Fp4Error(f"shard {name!r}: EP{n} does not split GLM-5's {e} experts into equal whole sets")
     return Shard(name, e // n, h, i, k, e)
-
-
-def comma_list(text: str, flag: str) -> list[str]:
-    """The entries of a comma-separated list, none empty (``1,,4`` is a typo, not ``1,4``) and none twice (a row
-    timed twice over); an empty text is an empty list, for the caller to refuse in its own words."""
-    items = [v.strip() for v in text.split(",")] if text.strip() else []
-    if any(not v for v in items):
-        raise Glm5Fp4Error(f"{flag} {text!r}: an empty entry (a comma too many?)")
-    twice = sorted({v for v in items if items.count(v) > 1})
-    if twice:
-        raise Glm5Fp4Error(f"{flag} {text!r}: {', '.join(twice)} given twice")
-    return items
 
 
 def shard_names(text: str) -> list[str]:

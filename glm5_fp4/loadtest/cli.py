@@ -14,19 +14,17 @@ import signal
 import sys
 from typing import Any
 
+from glm5_fp4.argtypes import comma_list
 from glm5_fp4.errors import Glm5Fp4Error
 
 
 def _int_list(text: str) -> list[int]:
-    items = text.replace(" ", "").split(",")
-    if len(items) > 1 and not all(items):
-        raise argparse.ArgumentTypeError(f"{text!r}: an empty entry (a comma too many?)")
-    try:
-        values = [int(x) for x in items if x]
+    try:  # (a level given twice wrote one c2.json for two rows of the sweep)
+        values = [int(x) for x in comma_list(text, "--concurrency")]
+    except Glm5Fp4Error as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if len(set(values)) < len(values):  # one level's files (c2.json) written twice, listed twice
-        raise argparse.ArgumentTypeError(f"{text!r}: a level given twice")
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: need integers >= 1")
     return values
