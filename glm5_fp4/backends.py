@@ -240,18 +240,11 @@ def dense_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
               expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU MoE on dense weights, float32 accumulation; in ``w4a4`` each GEMM input is NVFP4 fake-quantized.
     ``expert_map``: global -> local expert id, -1 for a remote expert (skipped)."""
-    from glm5_fp4.reference import MODES, local_ids
+    from glm5_fp4.reference import check_call, local_ids
 
-    if mode not in MODES:  # (a bogus mode ran w4a16)
-        raise Glm5Fp4Error(f"unknown MoE mode {mode!r}; choose one of {MODES}")
-    hidden = dense.w2.shape[1]
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise Glm5Fp4Error(f"hidden states must be [T, {hidden}], got {list(x.shape)}")
+    check_call(x, topk_weights, topk_ids, dense.w2.shape[1], mode)  # (a bogus mode ran w4a16)
     if not x.dtype.is_floating_point:
         raise Glm5Fp4Error(f"hidden states must be floating point, got {x.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise Glm5Fp4Error(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both "
-                           f"be [T={x.shape[0]}, k]")
     w4a4 = mode == "w4a4"
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     topk_ids = local_ids(topk_ids, expert_map, dense.w13.shape[0])

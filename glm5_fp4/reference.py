@@ -150,6 +150,19 @@ def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, a13: torch.Ten
     return act @ w2.T
 
 
+def check_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, hidden: int, mode: str) -> None:
+    """The mode and shapes every MoE path takes (the reference, the dequant backend, the kernels' check_inputs):
+    ``x [T, hidden]``, ``topk_ids`` and ``topk_weights`` both ``[T, k]``."""
+    if mode not in MODES:
+        raise Glm5Fp4Error(f"unknown MoE mode {mode!r}; choose one of {MODES}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise Glm5Fp4Error(f"hidden states must be [T, {hidden}], got {list(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise Glm5Fp4Error(
+            f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
+        )
+
+
 def _values_readable(t: torch.Tensor) -> bool:
     """A host tensor with values (not a fake one being traced by torch.compile or opcheck)."""
     if t.device.type != "cpu":  # (first: a GPU call pays nothing more)
@@ -214,14 +227,7 @@ def moe_reference(
     ``expert_map`` (expert parallelism): ``experts`` are this rank's, ``topk_ids`` global, and
     ``expert_map[global] = local id`` or -1 for an expert of another rank, which contributes nothing.
     """
-    if mode not in MODES:
-        raise Glm5Fp4Error(f"unknown MoE mode {mode!r}; choose one of {MODES}")
-    if x.dim() != 2 or x.shape[1] != experts.hidden_size:
-        raise Glm5Fp4Error(f"hidden states must be [T, {experts.hidden_size}], got {list(x.shape)}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise Glm5Fp4Error(
-            f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
-        )
+    check_call(x, topk_weights, topk_ids, experts.hidden_size, mode)
     w4a4 = mode == "w4a4"
     if w4a4 and (experts.a13_scale is None or experts.a2_scale is None):
         raise Glm5Fp4Error("w4a4 mode needs the experts' input scales (a13_scale, a2_scale)")

@@ -21,7 +21,7 @@ from glm5_fp4.kernels import configs as cfgs
 from glm5_fp4.kernels import launch as L
 from glm5_fp4.kernels.layout import LAYOUTS, PreparedExperts
 from glm5_fp4.kernels.slow_calls import WATCH
-from glm5_fp4.reference import MODES, check_routing, moe_reference
+from glm5_fp4.reference import check_call, check_routing, moe_reference
 
 # Set to run the Triton kernels on CPU tensors through Triton's interpreter (tests only; slow).
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -33,17 +33,9 @@ def _interpreting() -> bool:
 
 def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prepared: PreparedExperts, mode: str,
                  expert_map: torch.Tensor | None = None):
-    if mode not in MODES:
-        raise Glm5Fp4Error(f"unknown MoE mode {mode!r}; choose one of {MODES}")
-    h = prepared.hidden_size
-    if x.dim() != 2 or x.shape[1] != h:
-        raise Glm5Fp4Error(f"hidden states must be [T, {h}], got {list(x.shape)}")
+    check_call(x, topk_weights, topk_ids, prepared.hidden_size, mode)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise Glm5Fp4Error(f"hidden states must be bfloat16 or float16, got {x.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise Glm5Fp4Error(
-            f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
-        )
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise Glm5Fp4Error(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_ids.shape[1] == 0:  # (the Triton path left out uninitialised)
