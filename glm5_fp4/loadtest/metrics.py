@@ -167,6 +167,11 @@ def percentile_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
+def slo_ok(ms: object) -> bool:
+    """A goodput SLO is a finite number of milliseconds >= 0 (NaN made every request miss it: goodput 0)."""
+    return isinstance(ms, (int, float)) and ms >= 0 and math.isfinite(ms)
+
+
 def parse_goodput(items: Iterable[str]) -> dict[str, float]:
     """`ttft:500 tpot:50 e2el:30000` (ms) -> {"ttft": 500.0, ...}, with vLLM's names."""
     slos: dict[str, float] = {}
@@ -179,7 +184,7 @@ def parse_goodput(items: Iterable[str]) -> dict[str, float]:
                 ms = float(value)
             except ValueError:
                 raise ValueError(f"--goodput {part!r}: {value!r} is not a number of milliseconds") from None
-            if not (ms >= 0 and math.isfinite(ms)):  # (NaN made every request miss it: goodput 0)
+            if not slo_ok(ms):
                 raise ValueError(f"--goodput {part!r}: SLO must be a finite number of ms >= 0")
             slos[name] = ms
     return slos

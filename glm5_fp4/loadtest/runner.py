@@ -49,7 +49,7 @@ import numpy as np
 from glm5_fp4.errors import Glm5Fp4Error
 from glm5_fp4.loadtest import client as _client
 from glm5_fp4.loadtest.client import RequestRecord, TokenCounter
-from glm5_fp4.loadtest.metrics import METRICS, compute_metrics, finalize_request
+from glm5_fp4.loadtest.metrics import METRICS, compute_metrics, finalize_request, slo_ok
 from glm5_fp4.loadtest.prompts import HfTokenizer, Prompt, ServerTokenizer, Tokenizer, build_prompts
 from glm5_fp4.loadtest.report import ProgressBar, print_summary, write_results
 from glm5_fp4.outputs import output_dir
@@ -204,7 +204,7 @@ class LoadTestConfig:
         if self.stall_timeout_s is not None and not self.stall_timeout_s >= 0:  # (NaN turned stall detection off)
             raise Glm5Fp4Error(f"--stall-timeout {self.stall_timeout_s} must be >= 0 (0 = off)")
         for name, ms in self.goodput.items():
-            if not (isinstance(ms, (int, float)) and ms >= 0 and math.isfinite(ms)):
+            if not slo_ok(ms):
                 raise Glm5Fp4Error(f"--goodput {name}:{ms}: an SLO is a finite number of milliseconds >= 0")
         for key in sorted(set(self.extra_body) & set(OWN_BODY_FIELDS)):
             raise Glm5Fp4Error(f"--extra-body {key}: the load test sends it itself ({OWN_BODY_FIELDS[key]})")
