@@ -272,19 +272,15 @@ def refuse_our_options(engine: str, args: list[str], where: str) -> None:
     from glm5_fp4.engines.vllm.serve import split_additional_config
     from glm5_fp4.settings import CONFIG_KEY
 
-    for arg in args:  # --additional-config.glm5_fp4.backend=X: the same options, dotted (before its own refusal)
-        head, _, sub = arg.split("=", 1)[0].partition(".")
-        if sub.split(".")[0] == CONFIG_KEY and read_as(engine, head, ("--additional-config",)):
-            raise Glm5Fp4Error(f"{where}: {arg.split('=', 1)[0]} sets {CONFIG_KEY} options, which a profile sets in "
-                               f"its glm5_fp4 field (both engines get them from there): give glm5_fp4: {{...}} in "
-                               "the profile or --backend/--mode to glm5-fp4 serve instead")
-    given = split_additional_config(args)[1].get(CONFIG_KEY)
-    if given is not None:
-        keys = given if isinstance(given, dict) else {"backend": "..."}
-        wanted = ", ".join(f"{k}: {v}" for k, v in keys.items())
-        raise Glm5Fp4Error(f"{where}: --additional-config sets {CONFIG_KEY} options, which a profile sets in its "
-                           f"glm5_fp4 field (both engines get them from there): give glm5_fp4: {{{wanted}}} in the "
-                           "profile or --backend/--mode to glm5-fp4 serve instead")
+    # --additional-config.glm5_fp4.backend=X: the same options, dotted (found first: the split refuses it otherwise)
+    dotted = next((key for key in (a.split("=", 1)[0] for a in args) if key.partition(".")[2].split(".")[0] == CONFIG_KEY
+                   and read_as(engine, key.partition(".")[0], ("--additional-config",))), None)
+    given = None if dotted else split_additional_config(args)[1].get(CONFIG_KEY)
+    if dotted or given is not None:
+        wanted = ", ".join(f"{k}: {v}" for k, v in given.items()) if isinstance(given, dict) else "..."
+        raise Glm5Fp4Error(f"{where}: {dotted or '--additional-config'} sets {CONFIG_KEY} options, which a profile "
+                           f"sets in its glm5_fp4 field (both engines get them from there): give glm5_fp4: "
+                           f"{{{wanted}}} in the profile or --backend/--mode to glm5-fp4 serve instead")
 
 
 def owned_flag(engine: str, arg: str) -> tuple[str, str] | None:
